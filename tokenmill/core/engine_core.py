@@ -1,0 +1,190 @@
+"""The engine core: one loop of schedule → execute → update.
+
+It owns the scheduler, the KV cache and the model runner. The offline
+:class:`tokenmill.LLM` runs it in-process; the API server runs it in its own
+process (:mod:`tokenmill.engine.core_proc`) so that HTTP work never stalls a
+step (design.md, "Request path").
+
+This module imports torch only through the model runner, which is created
+lazily from the config; tests can pass their own ``executor``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineCoreRequest:
+    """A request as sent from the front end to the core (already tokenized).
+
+    Attributes:
+        request_id: unique id (a child id ``"{parent}-{i}"`` when n > 1).
+        prompt_token_ids: ``[num_prompt_tokens]`` ids.
+        sampling_params: validated parameters (``n`` already expanded).
+        arrival_time: ``time.time()`` seconds when the HTTP request arrived.
+        priority: lower runs sooner under ``--scheduling-policy priority``.
+        cache_salt: isolates this request's prefix-cache entries.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0
+    cache_salt: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the core for metrics and admission control.
+
+    Attributes:
+        num_running: requests in the running set.
+        num_waiting: requests queued (including preempted ones).
+        num_waiting_tokens: prompt tokens of waiting requests.
+        kv_cache_usage: fraction of KV blocks referenced, in [0, 1].
+        num_preemptions_total: preemptions since start.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache since start.
+        prefix_cache_hits: of those, tokens found.
+        num_steps: engine steps executed since start.
+        last_step_time: seconds of the most recent step (schedule + execute + update).
+        last_schedule_time: seconds spent in schedule() + update in that step.
+        num_kv_blocks, block_size: pool geometry.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+    last_step_time: float = 0.0
+    last_schedule_time: float = 0.0
+    num_kv_blocks: int = 0
+    block_size: int = 0
+
+
+class Executor(Protocol):
+    """What the core needs from a model runner (see :class:`tokenmill.model.runner.ModelRunner`)."""
+
+    num_kv_blocks: int
+    max_model_len: int
+    eos_token_ids: list[int]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+
+class EngineCore:
+    """Schedule → execute → update, one step at a time.
+
+    Args:
+        config: the engine configuration.
+        executor: a model runner; built from ``config`` (loading the model)
+            when None.
+
+    Raises:
+        ValueError / FileNotFoundError: from model loading (bad path,
+            unsupported architecture).
+    """
+
+    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+        from tokenmill.core.scheduler import Scheduler
+
+        self.config = config
+        if executor is None:
+            from tokenmill.model.runner import ModelRunner
+
+            executor = ModelRunner.from_config(config)
+        self.executor = executor
+        self.max_model_len = executor.max_model_len
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks)
+        self._pending: list[EngineCoreOutput] = []
+        self._num_steps = 0
+        self._last_step_time = 0.0
+        self._last_schedule_time = 0.0
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        """Queue a request; one that can never fit finishes at once with an error output.
+
+        The error (finish_reason 'error', with the message) is returned by the
+        next :meth:`step`, so a bad request never blocks the queue.
+        """
+        from tokenmill.core.scheduler import RequestRejectedError
+
+        eos = self.executor.eos_token_ids
+        request = Request(
+            req.request_id, req.prompt_token_ids, req.sampling_params,
+            eos_token_id=(eos[0] if len(eos) == 1 else list(eos)) if eos else None,
+            arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+        )
+        try:
+            self.scheduler.add_request(request)
+        except RequestRejectedError as e:
+            self._pending.append(EngineCoreOutput(
+                req_id=req.request_id, finish_reason="error", error=str(e),
+                arrival_time=request.arrival_time, finished_time=time.time(),
+                num_prompt_tokens=request.num_prompt_tokens))
+
+    def abort_requests(self, req_ids: list[str]) -> None:
+        """Abort requests anywhere in the engine; their blocks return to the pool."""
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def stop_requests(self, req_ids: list[str]) -> None:
+        """Finish requests as 'stop' (the front end matched a stop string)."""
+        self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    # -- the loop ------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Run one iteration; return outputs for requests that got a token or finished."""
+        outputs, self._pending = self._pending, []
+        t0 = time.perf_counter()
+        scheduler_output = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        if scheduler_output.is_empty:
+            return outputs
+        runner_output = self.executor.execute_model(scheduler_output)
+        t2 = time.perf_counter()
+        outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        t3 = time.perf_counter()
+        self._num_steps += 1
+        self._last_step_time = t3 - t0
+        self._last_schedule_time = (t1 - t0) + (t3 - t2)
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        """Snapshot for /metrics, logging and admission control."""
+        s = self.scheduler
+        stats: Any = s.prefix_cache_stats
+        return EngineStats(
+            num_running=s.num_running, num_waiting=s.num_waiting, num_waiting_tokens=s.num_waiting_tokens,
+            kv_cache_usage=s.kv_cache_usage, num_preemptions_total=s.num_preemptions_total,
+            prefix_cache_queries=_stat(stats, "queries"), prefix_cache_hits=_stat(stats, "hits"),
+            num_steps=self._num_steps, last_step_time=self._last_step_time,
+            last_schedule_time=self._last_schedule_time,
+            num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
+        )
+
+
+def _stat(stats: Any, name: str) -> int:
+    if isinstance(stats, dict):
+        return int(stats.get(name, 0))
+    if isinstance(stats, tuple):
+        return int(stats[0 if name == "queries" else 1])
+    return int(getattr(stats, name, 0))

@@ -1,0 +1,79 @@
+"""Results handed to users of the engine (offline ``LLM`` and the API server)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.core.sched_output import TokenLogprobs
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request timing, all in ``time.time()`` seconds (None when not reached).
+
+    Attributes:
+        arrival_time: when the request reached the engine.
+        first_scheduled_time: when its first prefill chunk was scheduled
+            (queue time = first_scheduled_time - arrival_time).
+        first_token_time: when its first output token was produced (TTFT =
+            first_token_time - arrival_time).
+        finished_time: when it finished (E2E latency = finished_time - arrival_time).
+    """
+
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request.
+
+    Attributes:
+        index: choice index (0..n-1).
+        text: generated text (cumulative, or only the new part when the caller
+            asked for deltas).
+        token_ids: generated token ids (cumulative or new part, as ``text``).
+        logprobs: per generated token, a :class:`TokenLogprobs` (None entries
+            when logprobs were not requested).
+        finish_reason: 'stop', 'length', 'abort', 'error' or None while running.
+        stop_reason: the stop string or stop token id that ended it, if any.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What ``LLM.generate`` returns per prompt, and what the async engine streams.
+
+    Attributes:
+        request_id: the request's id.
+        prompt: prompt text when known.
+        prompt_token_ids: ``[num_prompt_tokens]`` ids.
+        outputs: one :class:`CompletionOutput` per choice.
+        finished: all choices finished.
+        num_cached_tokens: prompt tokens served from the prefix cache.
+        metrics: timing of the request.
+        error: message when the request was rejected or failed.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    error: str | None = None
