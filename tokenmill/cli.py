@@ -1,0 +1,116 @@
+"""The ``tokenmill`` command: ``serve``, ``generate`` and ``bench``.
+
+Engine flags are generated from the config dataclasses (vLLM's names), so
+``tokenmill serve --help`` and ``tokenmill generate --help`` list the same
+engine knobs with units and defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.server.cli_args import add_serve_args
+
+    p = sub.add_parser("generate", help="Generate a completion for one prompt and print it.",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("prompt", help="The prompt text.")
+    p.add_argument("--max-tokens", type=int, default=64, help="Maximum new tokens.")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1].")
+    p.add_argument("--top-k", type=int, default=0, help="Top-k sampling (<= 0 disables).")
+    p.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
+    p.add_argument("--chat", action="store_true", help="Wrap the prompt as a user message with the model's chat template.")
+    p.add_argument("--stats", action="store_true", help="Print token counts and timings to stderr.")
+    add_serve_args(p, include_server=False)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.server.cli_args import config_from_args
+
+    config = config_from_args(args)
+    llm = LLM(**_flat(config))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sampling_seed)
+    t0 = time.perf_counter()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    dt = time.perf_counter() - t0
+    if out.error:
+        print(f"error: {out.error}", file=sys.stderr)
+        return 1
+    print(out.outputs[0].text)
+    if args.stats:
+        n = len(out.outputs[0].token_ids)
+        print(f"[{len(out.prompt_token_ids)} prompt tokens, {n} generated, {dt:.2f} s, "
+              f"{n / dt if dt else 0:.1f} tok/s, finish_reason={out.outputs[0].finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _flat(config) -> dict:
+    import dataclasses
+
+    flat = {}
+    for section in ("model", "cache", "scheduler"):
+        obj = getattr(config, section)
+        for f in dataclasses.fields(obj):
+            flat[f.name] = getattr(obj, f.name)
+    return flat
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``tokenmill`` argument parser."""
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: an LLM serving engine built for goodput.")
+    parser.add_argument("--log-level", default="INFO", help="Logging level.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from tokenmill.server.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="Run the OpenAI-compatible API server.",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_serve_args(serve)
+    serve.set_defaults(func=_run_serve)
+    _add_generate(sub)
+    try:
+        from tokenmill.bench.cli import add_bench_subparsers
+    except ImportError:  # pragma: no cover - bench is part of the package
+        add_bench_subparsers = None
+    if add_bench_subparsers is not None:
+        add_bench_subparsers(sub)
+    return parser
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.api import run_server
+    from tokenmill.server.cli_args import config_from_args
+
+    run_server(config_from_args(args))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``tokenmill`` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    func = getattr(args, "func", None)
+    if func is None:
+        parser.print_help()
+        return 2
+    try:
+        return int(func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
