@@ -1,0 +1,306 @@
+"""Batched next-token sampling: penalties, temperature, top-k/top-p/min-p, seeds, logprobs.
+
+The sampler turns one row of logits per sampling request into one token id per
+request. Every transformation is a tensor op over the whole batch (or over the
+sub-batch that needs it); Python only walks the requests to collect their
+parameters and token lists. Features no request in the batch uses are skipped.
+
+Order of operations for row ``i`` (the order Hugging Face ``generate`` and vLLM
+use):
+
+1. repetition penalty on tokens of prompt + output (CTRL, Keskar et al. 2019,
+   §4.1): positive logits divided by the penalty, negative ones multiplied;
+2. frequency and presence penalties on tokens of the output (OpenAI API
+   semantics): ``logit -= count * frequency_penalty + (count > 0) * presence_penalty``;
+3. greedy rows (temperature 0) take the argmax here;
+4. the other rows are divided by their temperature, then truncated by top-k,
+   top-p (nucleus sampling, Holtzman et al. 2019, arXiv 1904.09751) and min-p
+   (Nguyen et al. 2024, arXiv 2407.01082), and sampled.
+
+Sampling uses the exponential race (equivalent to the Gumbel-max trick): with
+``E_j ~ Exp(1)`` i.i.d., ``argmax_j p_j / E_j`` is distributed as ``p``. The noise
+for a seeded request's k-th output token comes from a generator seeded with a
+mix of ``(seed, k)`` only, so that token depends neither on the rest of the
+batch nor on whether the request was preempted and recomputed. Unseeded rows
+share one engine-level generator per device.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from tokenmill.core.sched_output import ScheduledRequest, TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix_seed(seed: int, k: int) -> int:
+    """Mix a request seed and an output index into one 63-bit generator seed.
+
+    SplitMix64 finaliser (Steele et al., "Fast splittable pseudorandom number
+    generators", OOPSLA 2014) applied to ``seed`` and then to the result xor
+    ``k``, so nearby ``(seed, k)`` pairs give unrelated streams.
+    """
+
+    def _splitmix(x: int) -> int:
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        return x ^ (x >> 31)
+
+    return _splitmix(_splitmix(seed & _MASK64) ^ (k & _MASK64)) & ((1 << 63) - 1)
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> torch.Tensor:
+    """Right-pad ragged int lists with ``pad`` -> ``[len(rows), max_len]`` int64 on ``device``."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), max(width, 1)), pad, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if r:
+            out[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
+    return out.to(device, non_blocking=True)
+
+
+class Sampler:
+    """Sample one token per request from a batch of logits.
+
+    Args:
+        seed: seed of the engine-level generator shared by requests without
+            their own ``SamplingParams.seed``; None seeds it from the OS.
+
+    Call with ``logits`` ``[num_reqs, vocab]`` (float32, any device; row ``i``
+    belongs to ``reqs[i]``). Returns ``(token_ids, logprobs)``: ``num_reqs``
+    Python ints, and per request a :class:`TokenLogprobs` when
+    ``sampling_params.logprobs`` is not None, else None.
+
+    Log-probabilities are ``log_softmax`` of the logits after the penalties
+    and, for non-greedy rows, after division by the temperature, but before
+    top-k/top-p/min-p truncation (so every token has a finite log-probability
+    and a meaningful rank). For a greedy row without penalties this is the raw
+    model distribution.
+
+    Raises:
+        ValueError: when ``logits`` is not 2-D or its row count differs from
+            ``len(reqs)``.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
+        self._seeded: dict[torch.device, torch.Generator] = {}
+
+    # -- generators -------------------------------------------------------
+    def _shared_gen(self, device: torch.device) -> torch.Generator:
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._shared[device] = gen
+        return gen
+
+    def _seeded_gen(self, device: torch.device) -> torch.Generator:
+        gen = self._seeded.get(device)
+        if gen is None:
+            gen = self._seeded[device] = torch.Generator(device=device)
+        return gen
+
+    # -- main entry ---------------------------------------------------------
+    def __call__(
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        if logits.dim() != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(
+                f"logits must be [num_reqs={len(reqs)}, vocab], got {tuple(logits.shape)}"
+            )
+        if not reqs:
+            return [], []
+        params = [r.sampling_params for r in reqs]
+        logits = logits.float()
+        logits = self._apply_penalties(logits, reqs)
+
+        device = logits.device
+        greedy = [p.greedy for p in params]
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        token_ids = logits.argmax(dim=-1)
+
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Distribution reported in logprobs: penalised logits / temperature (1 for greedy).
+        lp_logits = None
+        if want_lp:
+            temps = torch.tensor(
+                [1.0 if greedy[i] else params[i].temperature for i in want_lp],
+                dtype=logits.dtype,
+            ).to(device, non_blocking=True)
+            lp_logits = logits[want_lp] / temps.unsqueeze(1)
+
+        if sampled_rows:
+            sub_params = [params[i] for i in sampled_rows]
+            sub_reqs = [reqs[i] for i in sampled_rows]
+            idx = torch.tensor(sampled_rows, dtype=torch.int64).to(device, non_blocking=True)
+            sub = logits.index_select(0, idx)
+            temps = torch.tensor([p.temperature for p in sub_params], dtype=sub.dtype)
+            sub = sub / temps.to(device, non_blocking=True).unsqueeze(1)
+            sub = self._truncate(sub, sub_params)
+            probs = torch.softmax(sub, dim=-1)
+            noise = self._exp_noise(sub_reqs, probs.shape, device)
+            choice = (probs / noise).argmax(dim=-1)
+            token_ids = token_ids.index_copy(0, idx, choice)
+
+        ids = token_ids.tolist()
+        out_lp: list[TokenLogprobs | None] = [None] * len(reqs)
+        if want_lp:
+            assert lp_logits is not None
+            for i, tlp in zip(want_lp, self._logprobs(lp_logits, token_ids[want_lp], [params[i].logprobs for i in want_lp])):
+                out_lp[i] = tlp
+        return ids, out_lp
+
+    # -- steps ----------------------------------------------------------------
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """Repetition, frequency and presence penalties, batched.
+
+        ``logits`` ``[B, V]`` -> new ``[B, V]`` tensor (input untouched). Token
+        lists are right-padded with the id ``V`` and scattered into ``[B, V + 1]``
+        tensors whose last column is dropped.
+        """
+        params = [r.sampling_params for r in reqs]
+        need_rep = any(p.repetition_penalty != 1.0 for p in params)
+        need_freq = any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params)
+        if not (need_rep or need_freq):
+            return logits
+        batch, vocab = logits.shape
+        device = logits.device
+        if need_rep:
+            rows = [
+                (list(r.prompt_token_ids) + list(r.output_token_ids)) if r.sampling_params.repetition_penalty != 1.0 else []
+                for r in reqs
+            ]
+            toks = _padded(rows, vocab, device)
+            seen = torch.zeros((batch, vocab + 1), dtype=torch.bool, device=device)
+            seen.scatter_(1, toks, True)
+            seen = seen[:, :vocab]
+            pen = torch.tensor([p.repetition_penalty for p in params], dtype=logits.dtype)
+            pen = pen.to(device, non_blocking=True).unsqueeze(1)
+            penalised = torch.where(logits > 0, logits / pen, logits * pen)
+            logits = torch.where(seen, penalised, logits)
+        if need_freq:
+            rows = [
+                list(r.output_token_ids)
+                if (r.sampling_params.frequency_penalty != 0.0 or r.sampling_params.presence_penalty != 0.0)
+                else []
+                for r in reqs
+            ]
+            toks = _padded(rows, vocab, device)
+            counts = torch.zeros((batch, vocab + 1), dtype=logits.dtype, device=device)
+            counts.scatter_add_(1, toks, torch.ones_like(toks, dtype=logits.dtype))
+            counts = counts[:, :vocab]
+            freq = torch.tensor([p.frequency_penalty for p in params], dtype=logits.dtype)
+            pres = torch.tensor([p.presence_penalty for p in params], dtype=logits.dtype)
+            freq = freq.to(device, non_blocking=True).unsqueeze(1)
+            pres = pres.to(device, non_blocking=True).unsqueeze(1)
+            logits = logits - counts * freq - (counts > 0).to(logits.dtype) * pres
+        return logits
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Top-k, then top-p, then min-p; dropped tokens get ``-inf``.
+
+        ``logits`` ``[B, V]`` (already temperature-scaled) -> ``[B, V]``. The
+        most likely token always survives. Ties at the top-k boundary are all
+        kept when only top-k is active.
+        """
+        batch, vocab = logits.shape
+        device = logits.device
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        need_k = any(k < vocab for k in top_k)
+        need_p = any(p.top_p < 1.0 for p in params)
+        need_min_p = any(p.min_p > 0.0 for p in params)
+        neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=device)
+        if need_p:
+            # Full sort: both filters work on ranks in sorted order.
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            if need_k:
+                k = torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True)
+                ranks = torch.arange(vocab, device=device).unsqueeze(0)
+                sorted_logits = torch.where(ranks >= k.unsqueeze(1), neg_inf, sorted_logits)
+            probs = torch.softmax(sorted_logits, dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # Rows with top_p == 1 get a bound no rounded cumsum can reach.
+            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dtype=logits.dtype)
+            top_p = top_p.to(device, non_blocking=True)
+            drop = mass_before >= top_p.unsqueeze(1)
+            drop[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+        elif need_k:
+            kmax = max(top_k)
+            top_vals = logits.topk(kmax, dim=-1).values  # [B, kmax], descending
+            k = torch.tensor([min(k, kmax) - 1 for k in top_k], dtype=torch.int64).to(device, non_blocking=True)
+            thresh = top_vals.gather(1, k.unsqueeze(1))
+            logits = logits.masked_fill(logits < thresh, float("-inf"))
+        if need_min_p:
+            # p_j < min_p * p_max  <=>  logit_j < max_logit + log(min_p)
+            log_min_p = torch.tensor(
+                [math.log(p.min_p) if p.min_p > 0 else float("-inf") for p in params], dtype=logits.dtype
+            ).to(device, non_blocking=True)
+            thresh = logits.max(dim=-1, keepdim=True).values + log_min_p.unsqueeze(1)
+            logits = logits.masked_fill(logits < thresh, float("-inf"))
+        return logits
+
+    def _exp_noise(self, reqs: list[ScheduledRequest], shape: torch.Size, device: torch.device) -> torch.Tensor:
+        """``Exp(1)`` noise ``[B, V]`` float32: seeded rows from ``(seed, k)``, the rest from the shared generator."""
+        batch, vocab = shape
+        noise = torch.empty((batch, vocab), dtype=torch.float32, device=device)
+        seeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is not None]
+        unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
+        if len(unseeded) == batch:
+            noise.exponential_(generator=self._shared_gen(device))
+        elif unseeded:
+            block = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device)
+            block.exponential_(generator=self._shared_gen(device))
+            noise[unseeded] = block
+        if seeded:
+            gen = self._seeded_gen(device)
+            for i in seeded:
+                r = reqs[i]
+                gen.manual_seed(_mix_seed(r.sampling_params.seed, len(r.output_token_ids)))
+                noise[i].exponential_(generator=gen)
+        # exponential_ may return exactly 0 on some backends; avoid 0/0.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:
+        """Log-probabilities for rows that asked.
+
+        Args:
+            logits: ``[R, V]`` the distribution to report (pre-truncation).
+            chosen: ``[R]`` sampled ids.
+            nums: per row, how many top entries to return (0..20).
+        Returns:
+            ``R`` :class:`TokenLogprobs`; ``rank`` is 1 + the number of tokens
+            with a strictly larger log-probability.
+        """
+        lp = torch.log_softmax(logits, dim=-1)
+        chosen_lp = lp.gather(1, chosen.unsqueeze(1))  # [R, 1]
+        ranks = (lp > chosen_lp).sum(dim=-1) + 1
+        n_max = max(nums)
+        if n_max > 0:
+            top_lp, top_ids = lp.topk(min(n_max, lp.shape[1]), dim=-1)
+            top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+        else:
+            top_lp_l = top_ids_l = [[] for _ in nums]
+        chosen_l, ranks_l = chosen_lp.squeeze(1).tolist(), ranks.tolist()
+        return [
+            TokenLogprobs(
+                logprob=chosen_l[r],
+                rank=int(ranks_l[r]),
+                top_token_ids=top_ids_l[r][: nums[r]],
+                top_logprobs=top_lp_l[r][: nums[r]],
+            )
+            for r in range(len(nums))
+        ]
