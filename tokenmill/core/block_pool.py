@@ -1,0 +1,241 @@
+"""The KV cache block pool: fixed-size blocks, reference counts, an O(1) LRU free queue.
+
+PagedAttention (Kwon et al., arXiv 2309.06180, §4.2) stores each request's
+K/V in fixed-size blocks of ``block_size`` tokens taken from one preallocated
+pool; a request's *block table* lists its blocks in order. This module owns
+the pool's bookkeeping only (no tensors): which block ids are free, who
+references them, and which full blocks carry a prefix-cache hash.
+
+Block ids: all ids ``0 .. num_blocks - 1`` are usable; no block is reserved as
+a null/pad block. A model runner that needs a padding slot must use one
+outside the pool (e.g. slot ``-1``) rather than block 0.
+
+Prefix caching follows vLLM v1's design (``vllm/v1/core/block_pool.py``):
+
+* a block whose ``ref_cnt`` drops to 0 goes to the *tail* of the free queue
+  but keeps its hash, so a later request with the same prefix can still reuse
+  it (lazy eviction);
+* new blocks are popped from the *head* (least recently freed first); only
+  then does a cached block lose its hash (eviction);
+* a prefix-cache hit on a free block removes it from the middle of the queue
+  in O(1) (doubly linked list).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from tokenmill.core.prefix_cache import BlockHash
+
+
+class KVCacheBlock:
+    """Metadata of one KV cache block (the K/V tensors live in the model runner).
+
+    Attributes:
+        block_id: index into the pool, ``0 .. num_blocks - 1``.
+        ref_cnt: number of requests whose block table holds this block.
+        block_hash: prefix-cache hash once the block is full of computed
+            tokens and registered; None otherwise (also after eviction).
+        prev_free, next_free: links of the free queue (None when not queued).
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:  # pragma: no cover - debugging aid
+        h = self.block_hash.hex()[:8] if self.block_hash is not None else None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks in LRU order; every operation is O(1).
+
+    The head holds the least recently freed block (evicted first by
+    :meth:`popleft`), the tail the most recently freed one. Unlike
+    ``collections.deque`` it supports O(1) removal from the middle
+    (:meth:`remove`), needed when a prefix-cache hit revives a free block.
+    Two sentinel nodes (ids -1 and -2) avoid edge cases at the ends.
+    """
+
+    def __init__(self, blocks: Iterable[KVCacheBlock] = ()) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-2)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self._len = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[KVCacheBlock]:
+        node = self._head.next_free
+        while node is not self._tail:
+            assert node is not None
+            yield node
+            node = node.next_free
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put ``block`` at the tail (most recently freed).
+
+        Raises:
+            ValueError: the block is already queued.
+        """
+        if block.prev_free is not None or block.next_free is not None:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self._len += 1
+
+    def popleft(self) -> KVCacheBlock:
+        """Remove and return the head (least recently freed) block.
+
+        Raises:
+            IndexError: the queue is empty.
+        """
+        first = self._head.next_free
+        if first is self._tail or first is None:
+            raise IndexError("pop from an empty free block queue")
+        self.remove(first)
+        return first
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink ``block`` from anywhere in the queue.
+
+        Raises:
+            ValueError: the block is not queued.
+        """
+        prev, nxt = block.prev_free, block.next_free
+        if prev is None or nxt is None:
+            raise ValueError(f"block {block.block_id} is not in the free queue")
+        prev.next_free = nxt
+        nxt.prev_free = prev
+        block.prev_free = block.next_free = None
+        self._len -= 1
+
+
+class BlockPool:
+    """All KV cache blocks of one pool, with ref counts and the prefix-cache index.
+
+    Args:
+        num_blocks: pool size in blocks (> 0); ids ``0 .. num_blocks - 1``.
+        enable_caching: keep a ``hash -> block`` index for prefix caching.
+
+    Raises:
+        ValueError: ``num_blocks <= 0``.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        # One block per hash: a second block computed with the same content
+        # (two requests prefilling the same prefix at once) is simply not
+        # registered and is reused like any uncached block.
+        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ``ref_cnt == 0`` (cached or not); all can be allocated."""
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one request, in [0, 1]."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
+        """The block registered under ``block_hash`` (referenced or free), or None."""
+        return self.cached_blocks.get(block_hash)
+
+    # -- allocation ----------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop ``num_blocks`` blocks from the head of the free queue, ``ref_cnt = 1``.
+
+        A popped block that still carries a hash is evicted from the prefix
+        cache here (lazy eviction).
+
+        Raises:
+            ValueError: fewer than ``num_blocks`` free blocks (nothing popped).
+        """
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {num_blocks} blocks: only {self.num_free_blocks} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add one reference to each block (prefix-cache hit); a free block leaves the queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 join the queue tail in the given order.
+
+        Callers pass a request's blocks in *reverse* order so that its tail
+        blocks (least likely to be shared) are evicted first.
+
+        Raises:
+            ValueError: a block's ref count is already 0.
+        """
+        for block in ordered_blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"double free of block {block.block_id}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    # -- prefix cache --------------------------------------------------------
+    def cache_block(self, block: KVCacheBlock, block_hash: BlockHash) -> bool:
+        """Register a full, computed block under ``block_hash``.
+
+        Returns:
+            True if registered; False when caching is disabled, the block
+            already has a hash, or another block already holds this hash.
+        """
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached_blocks:
+            return False
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+        return True
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached hash (referenced blocks stay allocated, just unshareable).
+
+        Returns:
+            the number of hashes dropped.
+        """
+        n = len(self.cached_blocks)
+        for block in list(self.cached_blocks.values()):
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return n
