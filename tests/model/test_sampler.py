@@ -193,3 +193,11 @@ def test_logprobs_zero_returns_only_sampled():
 def test_bad_shape_raises():
     with pytest.raises(ValueError):
         Sampler()(rand_logits(2), [req()])
+
+
+def test_device_argument_and_inference_mode():
+    s = Sampler(seed=0, device="cpu")
+    logits = rand_logits(3)
+    with torch.inference_mode():
+        ids, _ = s(logits, [req(0, seed=1), req(1), req(2, temperature=0.0, repetition_penalty=1.2, prompt=[1])])
+    assert len(ids) == 3 and all(0 <= t < VOCAB for t in ids)

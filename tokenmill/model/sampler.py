@@ -69,6 +69,8 @@ class Sampler:
     Args:
         seed: seed of the engine-level generator shared by requests without
             their own ``SamplingParams.seed``; None seeds it from the OS.
+        device: optional device whose generators are created up front
+            (logits on any other device get generators lazily).
 
     Call with ``logits`` ``[num_reqs, vocab]`` (float32, any device; row ``i``
     belongs to ``reqs[i]``). Returns ``(token_ids, logprobs)``: ``num_reqs``
@@ -86,10 +88,16 @@ class Sampler:
             ``len(reqs)``.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, device: torch.device | str | None = None) -> None:
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
         self._seeded: dict[torch.device, torch.Generator] = {}
+        if device is not None:  # create the generators up front; others are made lazily
+            dev = torch.device(device)
+            if dev.type == "cuda" and dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+            self._shared_gen(dev)
+            self._seeded_gen(dev)
 
     # -- generators -------------------------------------------------------
     def _shared_gen(self, device: torch.device) -> torch.Generator:
