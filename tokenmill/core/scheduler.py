@@ -1,0 +1,533 @@
+"""Iteration-level scheduler with a token budget, chunked prefill and preemption by recompute.
+
+Every step (Orca, Yu et al., OSDI'22, §3.1: iteration-level scheduling) the
+scheduler hands out at most ``max_num_batched_tokens`` tokens:
+
+1. :meth:`Scheduler._schedule_running` — running requests first, in
+   admission order: each gets its next token (decode) or the next chunk of
+   its prompt. When the pool has no block for it, the lowest-priority,
+   latest-arriving running request is preempted (:meth:`Scheduler._preempt`).
+2. :meth:`Scheduler._schedule_waiting` — then waiting requests in policy
+   order, each starting from its prefix-cache hit, until the budget, the
+   ``max_num_seqs`` cap or the pool runs out. Skipped entirely in a step that
+   preempted (vLLM v1 does the same: admitting would only cause more
+   preemption).
+
+Long prompts take whatever budget is left (chunked prefill, Sarathi-Serve,
+Agrawal et al., arXiv 2403.02310, §4.1-4.2: decodes are never stalled by a
+prefill). ``num_computed_tokens`` is advanced in :meth:`Scheduler.schedule`
+for the tokens handed out (vLLM v1 style), so the next step's schedule already
+assumes them computed.
+
+Preemption is by recompute (PagedAttention, arXiv 2309.06180, §4.5): the victim
+frees all blocks and goes back to the front of the waiting queue; its prefix,
+including generated tokens, is recomputed when it is re-admitted (usually
+mostly from the prefix cache).
+
+Head-of-line blocking: a waiting request that does not fit (pool or, with
+chunked prefill off, budget) stays at the head and nothing behind it is
+admitted that step. This keeps fcfs order strict and avoids starving long
+requests; no running request is preempted to admit a waiting one.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
+from tokenmill.core.prefix_cache import PrefixCacheStats, update_block_hashes
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.sched_output import (
+    EngineCoreOutput,
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+
+class RequestRejectedError(ValueError):
+    """A request can never be served (empty prompt, too long for the context, or larger than the whole KV pool)."""
+
+
+# -- waiting queues -----------------------------------------------------------
+class _FCFSQueue:
+    """Arrival order; preempted requests go back to the front."""
+
+    def __init__(self) -> None:
+        self._q: deque[Request] = deque()
+
+    def add(self, req: Request) -> None:
+        self._q.append(req)
+
+    def add_front(self, req: Request) -> None:
+        self._q.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._q[0]
+
+    def pop(self) -> Request:
+        return self._q.popleft()
+
+    def remove(self, req: Request) -> None:
+        self._q.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._q)
+
+
+class _PriorityQueue:
+    """Order by ``(priority, arrival_time, sequence number)``; lower first.
+
+    A preempted request keeps its key, which already orders it before every
+    later arrival of the same priority, so it needs no special "front".
+    """
+
+    def __init__(self, seq_of: dict[str, int]) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq_of = seq_of
+
+    def _key(self, req: Request) -> tuple[int, float, int, Request]:
+        return (req.priority, req.arrival_time, self._seq_of[req.request_id], req)
+
+    def add(self, req: Request) -> None:
+        heapq.heappush(self._heap, self._key(req))
+
+    add_front = add
+
+    def peek(self) -> Request:
+        return self._heap[0][3]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3]
+
+    def remove(self, req: Request) -> None:
+        self._heap = [e for e in self._heap if e[3] is not req]
+        heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
+
+
+class Scheduler:
+    """Decides, each step, which tokens of which requests the model computes.
+
+    Args:
+        scheduler_config: budget (``max_num_batched_tokens``), ``max_num_seqs``,
+            policy (``fcfs`` or ``priority``), ``enable_chunked_prefill``.
+        cache_config: ``block_size`` and ``enable_prefix_caching``.
+        max_model_len: context limit in tokens (prompt + output).
+        num_kv_blocks: KV pool size in blocks.
+
+    Attributes:
+        kv_cache_manager: the :class:`KVCacheManager` this scheduler owns.
+        requests: every unfinished request by id.
+        running: running requests in admission order.
+
+    Raises:
+        ValueError: ``max_model_len <= 0`` or ``num_kv_blocks <= 0``.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 max_model_len: int, num_kv_blocks: int) -> None:
+        if max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.max_model_len = max_model_len
+        self.block_size = cache_config.block_size
+        self.max_num_seqs = scheduler_config.max_num_seqs
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        self.policy = scheduler_config.scheduling_policy
+        self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, cache_config.enable_prefix_caching)
+
+        self.requests: dict[str, Request] = {}
+        self._seq_counter = itertools.count()
+        self._seq_of: dict[str, int] = {}
+        self.waiting: _FCFSQueue | _PriorityQueue = (
+            _PriorityQueue(self._seq_of) if self.policy == "priority" else _FCFSQueue())
+        self.running: list[Request] = []
+        self._num_waiting_tokens = 0
+        # Finished or aborted since the last schedule(): reported to the runner.
+        self._finished_req_ids: set[str] = set()
+        # Outputs of requests that finished without running (max_tokens == 0).
+        self._pending_outputs: list[EngineCoreOutput] = []
+        self._num_preemptions_total = 0
+
+    # -- accessors -----------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens of the requests in the waiting queue (preempted ones included)."""
+        return self._num_waiting_tokens
+
+    @property
+    def num_preemptions_total(self) -> int:
+        """Preemptions since start."""
+        return self._num_preemptions_total
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks referenced by a request, in [0, 1]."""
+        return self.kv_cache_manager.usage
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Cumulative prefix-cache queries and hits, in tokens."""
+        return self.kv_cache_manager.prefix_cache_stats
+
+    def has_unfinished_requests(self) -> bool:
+        """True while requests wait or run, or outputs of finished ones are still to be returned."""
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached block hashes (see :meth:`KVCacheManager.reset_prefix_cache`)."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # -- admission -----------------------------------------------------------
+    def _sort_key_arrival(self, req: Request) -> tuple[float, int]:
+        return (req.arrival_time, self._seq_of[req.request_id])
+
+    def add_request(self, request: Request) -> None:
+        """Validate, resolve ``request.max_tokens`` and queue the request.
+
+        ``max_tokens`` becomes ``sampling_params.max_tokens`` (None: whatever
+        the context leaves, ``max_model_len - num_prompt_tokens``). A request
+        with ``max_tokens == 0`` is finished at once with 'length' (no block
+        used, no token) and reported by the next :meth:`update_from_output`.
+
+        Raises:
+            RequestRejectedError: (the request is not queued; its status
+                becomes FINISHED_ERROR and ``request.error`` holds the
+                message) when the prompt is empty; when prompt +
+                ``max_tokens`` exceeds ``max_model_len`` (with max_tokens
+                None: when the prompt leaves no room for one token); when its
+                K/V for prompt + max_tokens - 1 tokens needs more blocks than
+                the whole pool; when chunked prefill is off and the prompt
+                exceeds ``max_num_batched_tokens``; or when its id is already
+                in use.
+        """
+        try:
+            self._validate(request)
+        except RequestRejectedError as e:
+            request.status = RequestStatus.FINISHED_ERROR
+            request.error = str(e)
+            raise
+        self._seq_of[request.request_id] = next(self._seq_counter)
+        if request.max_tokens == 0:
+            request.status = RequestStatus.FINISHED_LENGTH
+            request.num_cached_tokens = 0
+            request.finished_time = time.time()
+            self._seq_of.pop(request.request_id)
+            self._pending_outputs.append(self._make_output(request, []))
+            return
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+        self._num_waiting_tokens += request.num_prompt_tokens
+        if self.cache_config.enable_prefix_caching:
+            update_block_hashes(request, self.block_size)
+
+    def _validate(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise RequestRejectedError(f"request id {rid!r} is already in use")
+        n = request.num_prompt_tokens
+        if n == 0:
+            raise RequestRejectedError(f"request {rid!r}: the prompt is empty (at least 1 token is required)")
+        sp_max = request.sampling_params.max_tokens
+        if sp_max is None:
+            if n >= self.max_model_len:
+                raise RequestRejectedError(
+                    f"request {rid!r}: the prompt has {n} tokens, but max_model_len is {self.max_model_len} "
+                    f"and at least 1 token must be generated (prompt must be at most {self.max_model_len - 1} tokens)")
+            max_tokens = self.max_model_len - n
+        else:
+            if n + sp_max > self.max_model_len:
+                raise RequestRejectedError(
+                    f"request {rid!r}: prompt ({n} tokens) + max_tokens ({sp_max}) = {n + sp_max} tokens "
+                    f"exceeds max_model_len ({self.max_model_len})")
+            max_tokens = sp_max
+        # The last generated token is never fed back, so at most n + max_tokens - 1 tokens hold K/V.
+        num_blocks = cdiv(n + max_tokens - 1, self.block_size) if max_tokens > 0 else 0
+        pool = self.kv_cache_manager.num_blocks
+        if num_blocks > pool:
+            raise RequestRejectedError(
+                f"request {rid!r}: prompt ({n} tokens) + max_tokens ({max_tokens}) needs {num_blocks} KV blocks "
+                f"of {self.block_size} tokens, but the whole KV cache has only {pool} blocks "
+                f"({pool * self.block_size} tokens); lower max_tokens or shorten the prompt")
+        if not self.enable_chunked_prefill and max_tokens > 0 and n > self.max_num_batched_tokens:
+            raise RequestRejectedError(
+                f"request {rid!r}: the prompt has {n} tokens, more than max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) with chunked prefill disabled")
+        request.max_tokens = max_tokens
+
+    # -- scheduling ----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step: running requests first, then admissions.
+
+        Side effects: advances ``num_computed_tokens`` of every scheduled
+        request by its scheduled tokens; may preempt running requests; moves
+        admitted requests to RUNNING.
+
+        Returns:
+            a :class:`SchedulerOutput` whose ``total_num_scheduled_tokens`` is
+            at most ``max_num_batched_tokens`` and that holds at most
+            ``max_num_seqs`` requests; ``finished_req_ids`` lists requests
+            finished since the previous call.
+        """
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted_req_ids:
+            budget = self._schedule_waiting(out, budget)
+        out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Give each running request its next token or prompt chunk; preempt when the pool is full.
+
+        Returns:
+            the budget left.
+        """
+        scheduled: dict[str, ScheduledRequest] = {}
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            while self.kv_cache_manager.allocate_slots(req, n) is None:
+                victim = self._pick_victim()
+                if self.running.index(victim) < i:
+                    i -= 1  # an already scheduled request: the list shifts left
+                budget += self._preempt(victim, out, scheduled)
+                if victim is req:
+                    break
+            else:
+                sr = self._scheduled(req, n, new=False)
+                scheduled[req.request_id] = sr
+                out.scheduled.append(sr)
+                budget -= n
+                i += 1
+                continue
+            break  # the request being scheduled was itself preempted
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        """Admit waiting requests in policy order while budget, seats and blocks last.
+
+        Returns:
+            the budget left.
+        """
+        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting.peek()
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+            n = req.num_tokens - num_hit
+            if n > budget:
+                # Without chunked prefill, a request wider than the whole budget (only possible
+                # after preemption, since add_request rejects such prompts) is chunked anyway.
+                if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
+                    break
+                n = budget
+            if self.kv_cache_manager.allocate_slots(req, n, hit_blocks, num_hit) is None:
+                break
+            self.waiting.pop()
+            self._num_waiting_tokens -= req.num_prompt_tokens
+            self.running.append(req)
+            req.status = RequestStatus.RUNNING
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_hit
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.time()
+            req.num_computed_tokens = num_hit
+            out.scheduled.append(self._scheduled(req, n, new=True))
+            budget -= n
+        return budget
+
+    def _scheduled(self, req: Request, n: int, new: bool) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        sr = ScheduledRequest(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start:start + n],
+            num_computed_tokens=start,
+            block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
+            sample=start + n == req.num_tokens,
+            sampling_params=req.sampling_params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            new=new,
+        )
+        req.num_computed_tokens = start + n
+        return sr
+
+    def _pick_victim(self) -> Request:
+        """Lowest priority (largest value; priority policy only), then latest arrival."""
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, *self._sort_key_arrival(r)))
+        return max(self.running, key=self._sort_key_arrival)
+
+    def _preempt(self, victim: Request, out: SchedulerOutput,
+                 scheduled: dict[str, ScheduledRequest]) -> int:
+        """Preempt by recompute: free all blocks, back to the front of the waiting queue.
+
+        Returns:
+            budget refunded (tokens the victim had been given this step).
+        """
+        refund = 0
+        sr = scheduled.pop(victim.request_id, None)
+        if sr is not None:
+            out.scheduled.remove(sr)
+            refund = sr.num_scheduled_tokens
+        self.running.remove(victim)
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self._num_preemptions_total += 1
+        self.waiting.add_front(victim)
+        self._num_waiting_tokens += victim.num_prompt_tokens
+        out.preempted_req_ids.append(victim.request_id)
+        return refund
+
+    # -- results -------------------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           model_runner_output: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Append sampled tokens, register newly full blocks, apply stop rules, free finished requests.
+
+        Stop rules, in order, after each appended token: EOS (unless
+        ``ignore_eos``; ``request.eos_token_id`` may be an int or a list) and
+        then ``stop_token_ids`` (``stop_reason`` = the id) finish as 'stop',
+        both ignored while fewer than ``min_tokens`` tokens were generated;
+        then ``max_tokens`` reached and ``num_tokens == max_model_len``
+        finish as 'length' (these two apply regardless of ``min_tokens``,
+        so a request never exceeds the context).
+
+        Returns:
+            one :class:`EngineCoreOutput` per request that got a token or
+            finished (including earlier ``max_tokens == 0`` finishes).
+            Requests finished or aborted between :meth:`schedule` and this
+            call are skipped.
+        """
+        outputs, self._pending_outputs = self._pending_outputs, []
+        sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
+        logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs))
+        finished_any = False
+        for sr in scheduler_output.scheduled:
+            req = self.requests.get(sr.req_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            token = sampled.get(sr.req_id)
+            if token is None:
+                self.kv_cache_manager.cache_blocks(req)
+                continue
+            req.append_output_token_ids(int(token))
+            self.kv_cache_manager.cache_blocks(req)
+            if req.first_token_time is None:
+                req.first_token_time = time.time()
+            if self._check_stop(req):
+                self._finish(req)
+                finished_any = True
+            outputs.append(self._make_output(req, [int(token)], [logprobs.get(sr.req_id)]))
+        if finished_any:
+            self.running = [r for r in self.running if not r.is_finished]
+        return outputs
+
+    def _check_stop(self, req: Request) -> bool:
+        """Set status/stop_reason and return True when ``req`` must stop after its last token."""
+        sp = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if not sp.ignore_eos and last in _eos_ids(req.eos_token_id):
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if last in sp.stop_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                req.stop_reason = last
+                return True
+        if (req.max_tokens is not None and req.num_output_tokens >= req.max_tokens) \
+                or req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    def _finish(self, req: Request) -> None:
+        """Free blocks and forget a request whose status is already a finished one."""
+        req.finished_time = time.time()
+        self.kv_cache_manager.free(req)
+        self.requests.pop(req.request_id, None)
+        self._seq_of.pop(req.request_id, None)
+        self._finished_req_ids.add(req.request_id)
+
+    def _make_output(self, req: Request, tokens: list[int], lps: list | None = None) -> EngineCoreOutput:
+        return EngineCoreOutput(
+            req_id=req.request_id,
+            new_token_ids=tokens,
+            new_logprobs=lps if lps is not None else [None] * len(tokens),
+            finish_reason=req.status.finish_reason,
+            stop_reason=req.stop_reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            error=req.error,
+            arrival_time=req.arrival_time,
+            first_scheduled_time=req.first_scheduled_time,
+            first_token_time=req.first_token_time,
+            finished_time=req.finished_time,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests from outside (abort, or stop on a stop string), waiting or running.
+
+        All their blocks return to the pool; ids that are unknown or already
+        finished are ignored. No output is emitted (the caller knows); the
+        ids are reported to the runner in the next ``finished_req_ids``.
+
+        Raises:
+            ValueError: ``status`` is not a finished status.
+        """
+        if not status.finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status.name}")
+        if isinstance(req_ids, str):
+            req_ids = [req_ids]
+        removed_running = False
+        for rid in req_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                removed_running = True
+            else:
+                self.waiting.remove(req)
+                self._num_waiting_tokens -= req.num_prompt_tokens
+            req.status = status
+            self._finish(req)
+        if removed_running:
+            self.running = [r for r in self.running if not r.is_finished]
+
+
+def _eos_ids(eos: int | Iterable[int] | None) -> tuple[int, ...]:
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(eos)
