@@ -1,0 +1,415 @@
+"""The API process's handle on the engine core process.
+
+:class:`AsyncEngine` starts the core (:func:`tokenmill.engine.core_proc.run_engine_core`)
+in a ``spawn``-ed daemon process, sends it tokenized requests over ZMQ, and runs
+one background asyncio task that receives output batches, turns token ids into
+text with the :class:`~tokenmill.engine.output_processor.OutputProcessor`,
+finishes stop-string matches in the core, and fans the per-request deltas out
+to the coroutines awaiting them (:meth:`AsyncEngine.generate`).
+
+If the core process dies, every pending request fails with
+:class:`EngineDeadError` and :attr:`AsyncEngine.is_healthy` turns False.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.engine_core import EngineCoreRequest, EngineStats
+from tokenmill.engine.core_proc import CoreInfo, dumps, loads, run_engine_core
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone (crashed, killed, or shut down)."""
+
+
+@dataclass
+class _Track:
+    """Front-end bookkeeping of one live request, for metrics."""
+
+    arrival_time: float
+    num_prompt_tokens: int
+    n: int
+    max_tokens: int | None
+    first_token_time: float | None = None
+    last_token_time: dict[int, float] = field(default_factory=dict)
+    num_generation_tokens: int = 0
+
+
+class AsyncEngine:
+    """Client of the engine core process, for the asyncio API server.
+
+    Args:
+        config: the engine configuration (sent to the core process).
+        tokenizer: Hugging Face-style tokenizer for detokenization.
+        executor_factory: picklable ``f(config) -> executor`` run in the core
+            process instead of loading the model (tests).
+        stat_loggers: receive engine and iteration stats after each batch.
+        start_timeout: seconds to wait for the core to load the model.
+
+    Call :meth:`start` (blocking) before serving; :meth:`shutdown` at exit.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Any, *,
+                 executor_factory: Callable[[Any], Any] | None = None,
+                 stat_loggers: list[StatLogger] | None = None, start_timeout: float = 900.0) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.executor_factory = executor_factory
+        self.start_timeout = start_timeout
+        self.info: CoreInfo | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+        self._tmpdir: str | None = None
+        self._ctx: zmq.Context | None = None
+        self._in_sock: zmq.Socket | None = None
+        self._out_sock: zmq.Socket | None = None
+        self._aout_sock: zmq.asyncio.Socket | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._tracks: dict[str, _Track] = {}
+        self._stats = EngineStats()
+        self._dead: str | None = None
+        self._closed = False
+        # Admission bookkeeping: adds sent but not yet seen by the core.
+        self._num_adds_sent = 0
+        self._num_adds_seen = 0
+        self._inflight: deque[tuple[int, int]] = deque()  # (add sequence number, prompt tokens)
+
+    # -- life cycle ----------------------------------------------------------
+    def start(self) -> CoreInfo:
+        """Start the core process and wait until it has loaded the model.
+
+        Returns:
+            the core's :class:`CoreInfo` (max_model_len, KV pool geometry, ...).
+
+        Raises:
+            RuntimeError: the core exited or reported an error during start-up,
+                or did not get ready within ``start_timeout`` seconds.
+        """
+        self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
+        os.chmod(self._tmpdir, 0o700)
+        in_addr = f"ipc://{self._tmpdir}/input"
+        out_addr = f"ipc://{self._tmpdir}/output"
+        self._ctx = zmq.Context(1)
+        self._in_sock = self._ctx.socket(zmq.PUSH)
+        self._in_sock.setsockopt(zmq.LINGER, 0)
+        self._in_sock.setsockopt(zmq.SNDHWM, 0)
+        self._in_sock.bind(in_addr)
+        self._out_sock = self._ctx.socket(zmq.PULL)
+        self._out_sock.setsockopt(zmq.LINGER, 0)
+        self._out_sock.setsockopt(zmq.RCVHWM, 0)
+        self._out_sock.bind(out_addr)
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(
+            target=run_engine_core, name="tokenmill-engine-core", daemon=True,
+            args=(self.config, in_addr, out_addr, os.getpid(), self.executor_factory,
+                  logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        logger.info("started engine core process pid %d", self._proc.pid)
+        deadline = time.monotonic() + self.start_timeout
+        while True:
+            if self._out_sock.poll(100):
+                kind, payload = loads(self._out_sock.recv())
+                if kind == "ready":
+                    self.info = payload
+                    break
+                if kind == "error":
+                    self._kill_proc()
+                    raise RuntimeError(payload)
+            elif not self._proc.is_alive():
+                raise RuntimeError(f"engine core process exited during start-up (exit code {self._proc.exitcode})")
+            elif time.monotonic() > deadline:
+                self._kill_proc()
+                raise RuntimeError(f"engine core did not get ready within {self.start_timeout:.0f}s")
+        self._stats = EngineStats(num_kv_blocks=self.info.num_kv_blocks, block_size=self.info.block_size)
+        return self.info
+
+    async def start_background(self) -> None:
+        """Start the output task on the running event loop (idempotent)."""
+        if self._loop_task is not None:
+            return
+        if self.info is None:
+            raise RuntimeError("AsyncEngine.start() must be called first")
+        self._loop = asyncio.get_running_loop()
+        self._aout_sock = zmq.asyncio.Socket.from_socket(self._out_sock)
+        self._loop_task = asyncio.create_task(self._output_loop(), name="tokenmill-output-loop")
+        try:
+            self._loop.add_reader(self._proc.sentinel, self._on_core_exit)
+        except (NotImplementedError, ValueError):  # pragma: no cover - non-Unix loops
+            pass
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the core process (politely, then by force) and fail pending requests.
+
+        Safe to call more than once and from signal handlers' context.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        self._mark_dead("server is shutting down")
+        if self._in_sock is not None and self._proc is not None and self._proc.is_alive():
+            try:
+                self._in_sock.send(dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._proc.join(timeout)
+        self._kill_proc()
+        if self._loop is not None and self._proc is not None:
+            try:
+                self._loop.remove_reader(self._proc.sentinel)
+            except Exception:  # noqa: BLE001 - loop may be closed
+                pass
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+        for s in (self._in_sock, self._out_sock):
+            if s is not None:
+                s.close(linger=0)
+        if self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def _kill_proc(self) -> None:
+        p = self._proc
+        if p is None or p.exitcode is not None:
+            return
+        p.terminate()
+        p.join(2.0)
+        if p.exitcode is None:
+            p.kill()
+            p.join(2.0)
+
+    # -- state ---------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        """True while the core process is alive and has not reported an error."""
+        return self._dead is None and self._proc is not None and self._proc.is_alive()
+
+    @property
+    def errored(self) -> bool:
+        return not self.is_healthy
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the engine is unusable (None while healthy)."""
+        if self._dead is None and self._proc is not None and not self._proc.is_alive():
+            return f"engine core process exited (exit code {self._proc.exitcode})"
+        return self._dead
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.info is not None, "engine not started"
+        return self.info.max_model_len
+
+    def get_stats(self) -> EngineStats:
+        """The core's latest :class:`EngineStats` snapshot."""
+        return self._stats
+
+    def waiting_load(self) -> tuple[int, int]:
+        """(requests, prompt tokens) waiting: the core's queue plus adds not yet received by it."""
+        tokens = sum(t for _, t in self._inflight)
+        return self._stats.num_waiting + len(self._inflight), self._stats.num_waiting_tokens + tokens
+
+    @property
+    def num_live_requests(self) -> int:
+        return len(self._queues)
+
+    # -- requests ------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Run one request; yield a :class:`RequestOutput` *delta* per batch of new tokens.
+
+        Each delta's choices carry only new text/token ids/logprobs; the last
+        one has ``finished=True`` (and ``error`` set if the core rejected the
+        request). Cancelling the consumer (client disconnect) aborts the
+        request in the core, freeing its KV blocks within one step.
+
+        Raises:
+            EngineDeadError: the core process is gone (before or during the request).
+            ValueError: the request id is already live.
+        """
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        await self.start_background()
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        child_ids = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival_time)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._tracks[request_id] = _Track(arrival_time, len(prompt_token_ids), params.n, params.max_tokens)
+        finished = False
+        try:
+            for i, cid in enumerate(child_ids):
+                child = params
+                if params.n > 1:
+                    child = dataclasses.replace(params, n=1,
+                                                seed=None if params.seed is None else params.seed + i)
+                self._send(("add", EngineCoreRequest(cid, list(prompt_token_ids), child, arrival_time,
+                                                     priority, cache_salt)))
+                self._num_adds_sent += 1
+                self._inflight.append((self._num_adds_sent, len(prompt_token_ids)))
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.abort_nowait(request_id)
+            self._tracks.pop(request_id, None)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """Abort a request (all its choices) without awaiting; no-op when unknown or finished."""
+        ids = self.processor.child_ids(request_id)
+        if not ids:
+            return
+        self.processor.remove_request(request_id)
+        if not self.errored:
+            try:
+                self._send(("abort", ids))
+            except zmq.ZMQError:  # pragma: no cover - socket closed during shutdown
+                pass
+        tr = self._tracks.pop(request_id, None)
+        q = self._queues.pop(request_id, None)
+        if q is not None:
+            q.put_nowait(asyncio.CancelledError())
+        if tr is not None:
+            now = time.time()
+            self._emit(None, IterationStats(timestamp=now, finished=[FinishedRequestStats(
+                "abort", e2e_latency=now - tr.arrival_time, num_prompt_tokens=tr.num_prompt_tokens,
+                num_generation_tokens=tr.num_generation_tokens, max_tokens_param=tr.max_tokens)]))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request and all its child ids in the core."""
+        self.abort_nowait(request_id)
+
+    def _send(self, msg: Any) -> None:
+        if self._in_sock is None or self._closed:
+            raise EngineDeadError("engine is not running")
+        self._in_sock.send(dumps(msg), flags=zmq.NOBLOCK)
+
+    # -- the output task -----------------------------------------------------
+    async def _output_loop(self) -> None:
+        assert self._aout_sock is not None
+        try:
+            while True:
+                data = await self._aout_sock.recv()
+                kind, *payload = loads(data)
+                if kind == "outputs":
+                    outputs, stats, num_adds_seen = payload
+                    self._handle_outputs(outputs, stats, num_adds_seen)
+                elif kind == "error":
+                    logger.error("%s", payload[0])
+                    self._mark_dead(str(payload[0]))
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug here must not hang requests
+            logger.exception("output loop failed")
+            self._mark_dead(f"output processing failed: {type(e).__name__}: {e}")
+
+    def _handle_outputs(self, outputs: list, stats: EngineStats, num_adds_seen: int) -> None:
+        self._stats = stats
+        self._num_adds_seen = num_adds_seen
+        while self._inflight and self._inflight[0][0] <= num_adds_seen:
+            self._inflight.popleft()
+        it = IterationStats(timestamp=time.time())
+        if outputs:
+            deltas, stop_ids = self.processor.process_outputs(outputs)
+            if stop_ids:
+                self._send(("stop", stop_ids))
+            now = it.timestamp
+            for d in deltas:
+                tr = self._tracks.get(d.request_id)
+                if tr is not None:
+                    self._account(tr, d, now, it)
+                q = self._queues.get(d.request_id)
+                if q is not None:
+                    q.put_nowait(d)
+                if d.finished:
+                    self._tracks.pop(d.request_id, None)
+        self._emit(stats, it)
+
+    def _account(self, tr: _Track, d: RequestOutput, now: float, it: IterationStats) -> None:
+        for c in d.outputs:
+            k = len(c.token_ids)
+            if k == 0:
+                continue
+            it.num_generation_tokens += k
+            tr.num_generation_tokens += k
+            last = tr.last_token_time.get(c.index)
+            if last is None:
+                it.num_prompt_tokens += tr.num_prompt_tokens
+                if tr.first_token_time is None:
+                    tr.first_token_time = now
+                    it.time_to_first_tokens.append(now - tr.arrival_time)
+            else:
+                it.inter_token_latencies.append(now - last)
+            tr.last_token_time[c.index] = now
+        if d.finished:
+            reasons = [c.finish_reason for c in d.outputs if c.finish_reason]
+            reason = "error" if d.error else (reasons[-1] if reasons else "stop")
+            m = d.metrics
+            sched = m.first_scheduled_time
+            first = tr.first_token_time
+            it.finished.append(FinishedRequestStats(
+                reason, e2e_latency=now - tr.arrival_time,
+                queued_time=max(0.0, (sched - tr.arrival_time)) if sched else 0.0,
+                prefill_time=max(0.0, first - sched) if (first and sched) else 0.0,
+                decode_time=max(0.0, now - first) if first else 0.0,
+                num_prompt_tokens=tr.num_prompt_tokens, num_generation_tokens=tr.num_generation_tokens,
+                max_tokens_param=tr.max_tokens))
+
+    def _emit(self, stats: EngineStats | None, it: IterationStats | None) -> None:
+        for sl in self.stat_loggers:
+            try:
+                sl.record(stats, it)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.exception("stat logger %r failed", sl)
+
+    def _on_core_exit(self) -> None:
+        if self._loop is not None and self._proc is not None:
+            try:
+                self._loop.remove_reader(self._proc.sentinel)
+            except Exception:  # noqa: BLE001
+                pass
+        if not self._closed:
+            code = self._proc.exitcode if self._proc is not None else None
+            logger.error("engine core process exited unexpectedly (exit code %s)", code)
+            self._mark_dead(self._dead or f"engine core process exited unexpectedly (exit code {code})")
+
+    def _mark_dead(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        for rid, q in list(self._queues.items()):
+            q.put_nowait(EngineDeadError(self._dead))

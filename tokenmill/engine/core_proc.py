@@ -1,0 +1,225 @@
+"""The engine core in its own process, and the ZMQ transport to it.
+
+The API process (:class:`tokenmill.engine.async_engine.AsyncEngine`) owns HTTP,
+tokenization and detokenization; the engine core (scheduler, KV cache, model)
+runs :func:`run_engine_core` in a child process started with the ``spawn``
+context, so that JSON and SSE work never stalls a decode step (design.md,
+"Request path").
+
+Transport: two ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temp
+directory, both bound by the API process:
+
+* input (API → core): ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
+  ``("stop", [ids])``, ``("shutdown", None)``.
+* output (core → API): ``("ready", CoreInfo)`` once after the model loaded,
+  then ``("outputs", [EngineCoreOutput], EngineStats, num_adds_received)``
+  after every step (and after inputs that change the state while idle), and
+  ``("error", message)`` right before the core exits because of an exception.
+
+Messages are pickled (protocol 5): every payload is a plain dataclass of
+Python ints, floats and strings, both ends run the same code, and the socket
+never leaves the machine (the directory is created 0700).
+
+The core loop blocks on the input socket while it has nothing to do;
+otherwise it drains inputs without blocking, runs one step and sends the
+outputs. It exits when told to, when its parent process disappears (checked
+about once a second), or on SIGTERM; SIGINT is ignored so that Ctrl-C in a
+terminal is handled once, by the API process, which then shuts the core down.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+_PICKLE_PROTOCOL = 5
+# How long the idle core blocks on its input before checking that its parent lives (ms).
+_PARENT_CHECK_MS = 1000
+# While busy, stats are sent at least this often even when a step produced no output (s).
+_STATS_INTERVAL_S = 0.25
+
+
+@dataclass
+class CoreInfo:
+    """What the core reports once it is ready (the start-up handshake).
+
+    Attributes:
+        max_model_len: context limit in tokens (prompt + output) the core resolved.
+        num_kv_blocks: KV cache pool size in blocks.
+        block_size: tokens per KV block.
+        eos_token_ids: the model's end-of-sequence ids.
+        pid: the core process id.
+        num_threads: torch intra-op threads of the core (0 if torch is not loaded).
+        load_time: seconds spent building the engine core (model load included).
+    """
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    pid: int = 0
+    num_threads: int = 0
+    load_time: float = 0.0
+
+
+def dumps(obj: Any) -> bytes:
+    """Serialize one transport message."""
+    return pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
+
+
+def loads(data: bytes) -> Any:
+    """Deserialize one transport message."""
+    return pickle.loads(data)
+
+
+def _configure_threads() -> int:
+    """Pin torch's intra-op threads to the CPUs this process may use; returns the count.
+
+    ``TOKENMILL_NUM_THREADS`` overrides the count. Returns 0 when torch is
+    unavailable (a fake executor in tests).
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return 0
+    env = os.environ.get("TOKENMILL_NUM_THREADS")
+    if env:
+        n = int(env)
+    else:
+        try:
+            n = len(os.sched_getaffinity(0))
+        except AttributeError:  # pragma: no cover - not Linux
+            n = os.cpu_count() or 1
+    torch.set_num_threads(max(1, n))
+    return torch.get_num_threads()
+
+
+def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
+                    executor_factory: Callable[[Any], Any] | None = None,
+                    log_level: int = logging.INFO) -> None:
+    """Entry point of the engine core process.
+
+    Args:
+        config: the :class:`tokenmill.config.EngineConfig`.
+        input_addr: ZMQ address to PULL requests from.
+        output_addr: ZMQ address to PUSH outputs to.
+        parent_pid: the API process; the core exits when it goes away.
+        executor_factory: builds the executor from the config (tests pass a
+            fake one; must be picklable, i.e. a module-level function). None:
+            the real model runner.
+        log_level: logging level for this process.
+
+    Exits with status 0 after a ``shutdown`` message or when the parent died,
+    1 after an exception (reported on the output socket first).
+    """
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context(1)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.setsockopt(zmq.LINGER, 0)
+    in_sock.connect(input_addr)
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 2000)
+    out_sock.setsockopt(zmq.SNDHWM, 0)
+    out_sock.connect(output_addr)
+    code = 0
+    try:
+        t0 = time.perf_counter()
+        num_threads = _configure_threads()
+        from tokenmill.core.engine_core import EngineCore
+
+        executor = executor_factory(config) if executor_factory is not None else None
+        core = EngineCore(config, executor=executor)
+        info = CoreInfo(max_model_len=core.max_model_len, num_kv_blocks=core.executor.num_kv_blocks,
+                        block_size=config.cache.block_size,
+                        eos_token_ids=list(core.executor.eos_token_ids or []), pid=os.getpid(),
+                        num_threads=num_threads, load_time=time.perf_counter() - t0)
+        logger.info("engine core ready in %.1fs: pid %d, torch threads %d, %d KV blocks of %d tokens, "
+                    "max_model_len %d", info.load_time, info.pid, num_threads, info.num_kv_blocks,
+                    info.block_size, info.max_model_len)
+        out_sock.send(dumps(("ready", info)))
+        _core_loop(core, in_sock, out_sock, parent_pid)
+    except SystemExit:
+        pass
+    except BaseException as e:  # noqa: BLE001 - report anything, then exit
+        code = 1
+        msg = f"engine core failed: {type(e).__name__}: {e}"
+        logger.error("%s\n%s", msg, traceback.format_exc())
+        try:
+            out_sock.send(dumps(("error", msg)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
+    finally:
+        in_sock.close()
+        out_sock.close()
+        ctx.term()
+    if code:
+        sys.exit(code)
+
+
+def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int) -> None:
+    """Schedule → execute → update until shutdown (see module docstring)."""
+    num_adds = 0
+    last_parent_check = time.monotonic()
+    last_send = 0.0
+
+    def parent_alive() -> bool:
+        return os.getppid() == parent_pid
+
+    while True:
+        if not core.has_unfinished_requests():
+            # Idle: block on the input, waking up now and then to check the parent.
+            while not in_sock.poll(_PARENT_CHECK_MS):
+                if not parent_alive():
+                    logger.warning("API process %d is gone; engine core exits", parent_pid)
+                    return
+        elif time.monotonic() - last_parent_check > _PARENT_CHECK_MS / 1000:
+            last_parent_check = time.monotonic()
+            if not parent_alive():
+                logger.warning("API process %d is gone; engine core exits", parent_pid)
+                return
+        handled = 0
+        while True:
+            try:
+                kind, payload = loads(in_sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            handled += 1
+            if kind == "add":
+                num_adds += 1
+                core.add_request(payload)
+            elif kind == "abort":
+                core.abort_requests(payload)
+            elif kind == "stop":
+                core.stop_requests(payload)
+            elif kind == "shutdown":
+                logger.info("engine core shutting down")
+                return
+            else:  # pragma: no cover - protocol error
+                logger.error("unknown message kind %r", kind)
+        outputs: list = []
+        steps_before = core.get_stats().num_steps if handled == 0 else -1
+        if core.has_unfinished_requests():
+            outputs = core.step()
+        now = time.monotonic()
+        if outputs or handled or now - last_send > _STATS_INTERVAL_S:
+            # Stats ride along with every batch, and at least every _STATS_INTERVAL_S
+            # while busy (e.g. during a long chunked prefill that samples nothing).
+            out_sock.send(dumps(("outputs", outputs, core.get_stats(), num_adds)))
+            last_send = now
+        elif steps_before >= 0 and core.get_stats().num_steps == steps_before:
+            # Nothing could be scheduled and nothing arrived: wait briefly for input
+            # instead of spinning.
+            in_sock.poll(5)

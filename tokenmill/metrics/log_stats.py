@@ -1,0 +1,65 @@
+"""A periodic one-line summary of the server's throughput and state.
+
+Example::
+
+    prompt 412.3 tok/s, generation 96.1 tok/s | running 8, waiting 3 | KV cache 41.2% | prefix cache hit rate 37.5% | preemptions 0
+
+Throughputs are averages over the interval since the previous line; the prefix
+cache hit rate is over the same interval (hits / queries in tokens).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from tokenmill.core.engine_core import EngineStats
+from tokenmill.metrics.stats import IterationStats
+
+logger = logging.getLogger("tokenmill.stats")
+
+
+class LoggingStatLogger:
+    """Accumulates stats and emits a summary line every ``interval`` seconds.
+
+    Args:
+        interval: seconds between lines; <= 0 disables logging.
+    """
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self.interval = interval
+        self._last_time = time.monotonic()
+        self._prompt_tokens = 0
+        self._gen_tokens = 0
+        self._stats: EngineStats | None = None
+        self._base_queries = 0
+        self._base_hits = 0
+
+    def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
+        """Accumulate (cheap; called after every output batch)."""
+        if engine_stats is not None:
+            self._stats = engine_stats
+        if iteration is not None:
+            self._prompt_tokens += iteration.num_prompt_tokens
+            self._gen_tokens += iteration.num_generation_tokens
+
+    def summary(self, now: float | None = None) -> str:
+        """The line for the interval ending ``now`` (monotonic seconds); resets the interval."""
+        now = time.monotonic() if now is None else now
+        dt = max(1e-9, now - self._last_time)
+        s = self._stats or EngineStats()
+        dq = s.prefix_cache_queries - self._base_queries
+        dh = s.prefix_cache_hits - self._base_hits
+        hit_rate = (dh / dq) if dq > 0 else 0.0
+        line = (f"prompt {self._prompt_tokens / dt:.1f} tok/s, generation {self._gen_tokens / dt:.1f} tok/s | "
+                f"running {s.num_running}, waiting {s.num_waiting} | KV cache {100 * s.kv_cache_usage:.1f}% | "
+                f"prefix cache hit rate {100 * hit_rate:.1f}% | preemptions {s.num_preemptions_total}")
+        self._last_time = now
+        self._prompt_tokens = self._gen_tokens = 0
+        self._base_queries, self._base_hits = s.prefix_cache_queries, s.prefix_cache_hits
+        return line
+
+    def maybe_log(self) -> None:
+        """Log the summary when the interval has elapsed (call it periodically)."""
+        if self.interval > 0 and time.monotonic() - self._last_time >= self.interval:
+            logger.info(self.summary())
