@@ -229,6 +229,7 @@ def test_preempt_latest_arrival_by_recompute():
     assert b.num_preemptions == 1 and s.num_preemptions_total == 1
     assert s.kv_cache_manager.get_block_ids("b") == []
     assert s.num_waiting == 1 and s.num_running == 1 and "b" not in outs
+    assert s.num_waiting_tokens == 4  # b's prompt is waiting again
     # b needs 3 blocks for its 9 tokens; only 1 is free while a runs.
     while a.status == RequestStatus.RUNNING:
         so, _ = step(s)

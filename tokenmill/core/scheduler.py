@@ -28,6 +28,10 @@ Head-of-line blocking: a waiting request that does not fit (pool or, with
 chunked prefill off, budget) stays at the head and nothing behind it is
 admitted that step. This keeps fcfs order strict and avoids starving long
 requests; no running request is preempted to admit a waiting one.
+
+Running requests are served in admission order, so with
+``max_num_batched_tokens < max_num_seqs`` the last running requests may get
+no token in a step (as in vLLM); keep the budget at least ``max_num_seqs``.
 """
 
 from __future__ import annotations
