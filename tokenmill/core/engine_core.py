@@ -158,7 +158,8 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
         if scheduler_output.is_empty:
-            return outputs
+            # Nothing to run, but requests may still finish (e.g. max_tokens == 0 at admission).
+            return outputs + self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
         runner_output = self.executor.execute_model(scheduler_output)
         t2 = time.perf_counter()
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
