@@ -1,0 +1,210 @@
+"""Llama-family decoder: Llama 2/3.x, SmolLM2, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+
+Architecture: Touvron et al., "LLaMA" (arXiv 2302.13971, §2.2): pre-norm
+decoder with RMSNorm, SwiGLU feed-forward and rotary embeddings; grouped-query
+attention (Ainslie et al., arXiv 2305.13245). Qwen2 adds a bias to the q/k/v
+projections (Qwen2 technical report, arXiv 2407.10671, §2.2.1); Qwen3 drops
+it and RMS-normalises each query/key head before RoPE (Qwen3 technical report,
+arXiv 2505.09388, §2).
+
+The model works on a flattened batch: all scheduled requests' new tokens are
+one ``[num_tokens]`` sequence, and the paged attention backend keeps requests
+apart through :class:`~tokenmill.model.layers.attention.AttentionMetadata`.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from tokenmill.model.arch_config import ModelArchConfig
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from tokenmill.model.layers.mlp import SwiGLUMLP
+from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.rotary import RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused q/k/v projection, RoPE and a paged KV cache.
+
+    Args:
+        cfg: the architecture.
+        backend: the paged attention implementation.
+    """
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``; writes this step's K/V to ``kv_cache``."""
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = RotaryEmbedding.apply(q, cos, sin)
+        k = RotaryEmbedding.apply(k, cos, sin)
+        o = self.backend.forward(q, k, v, kv_cache, md, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h = x + attn(norm(x)); out = h + mlp(norm(h))`` (arXiv 2302.13971 §2.2)."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                kv_cache: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp_out, residual)``, each ``[num_tokens, hidden_size]``; their sum is the block output."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, md)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder stack and final norm."""
+
+    def __init__(self, cfg: ModelArchConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, backend) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-family causal LM over a flattened batch with a paged KV cache.
+
+    Registered for ``LlamaForCausalLM``/``llama``, ``Qwen2ForCausalLM``/``qwen2``
+    and ``Qwen3ForCausalLM``/``qwen3`` (see :mod:`tokenmill.model.registry`).
+
+    Args:
+        cfg: architecture; ``attention_bias`` and ``qk_norm`` select the Qwen
+            variants, ``tie_word_embeddings`` shares the LM head with the
+            embedding.
+        attn_backend: paged attention implementation (default:
+            :func:`get_attention_backend` for CPU; pass one for other devices
+            if a fused kernel exists).
+    """
+
+    def __init__(self, cfg: ModelArchConfig, attn_backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = cfg
+        self.attn_backend = attn_backend or get_attention_backend("cpu")
+        self.model = LlamaModel(cfg, self.attn_backend)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+            torch.tensor(cfg.rope_freq_factors, device="cpu") if cfg.rope_freq_factors is not None else None)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Run the decoder on one flattened batch.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64, every scheduled request's new tokens concatenated.
+            positions: ``[num_tokens]`` int64, each token's position in its sequence.
+            kv_caches: one ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor per layer.
+            attn_metadata: where the tokens' K/V go and what each attends to.
+
+        Returns:
+            ``[num_tokens, hidden_size]`` final-norm hidden states in the model dtype.
+
+        Raises:
+            ValueError: ``kv_caches`` has the wrong number of layers.
+        """
+        layers = self.model.layers
+        if len(kv_caches) != len(layers):
+            raise ValueError(f"expected {len(layers)} KV cache tensors, got {len(kv_caches)}")
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
+        residual = None
+        for layer, kv_cache in zip(layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, w).float()
+
+    # ----------------------------------------------------------------- weights
+    _STACKED = {  # checkpoint name part -> (fused param part, shard index)
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+        c = self.config
+        if fused.endswith("qkv_proj"):
+            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            return [(0, q), (q, q + kv), (q + kv, q + 2 * kv)][shard]
+        i = c.intermediate_size
+        return [(0, i), (i, 2 * i)][shard]
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the model.
+
+        q/k/v and gate/up shards are copied into the fused projections;
+        dtype and device are converted. ``lm_head.weight`` is ignored when the
+        embeddings are tied, and rotary ``inv_freq`` buffers are ignored.
+
+        Raises:
+            ValueError: an unknown tensor name, a shape mismatch, or a
+                parameter the checkpoint did not provide.
+        """
+        params = dict(self.named_parameters())
+        loaded: dict[str, int] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            target, rows = name, None
+            for part, (fused, shard) in self._STACKED.items():
+                if f".{part}." in name:
+                    target = name.replace(part, fused)
+                    rows = self._shard_range(fused, shard)
+                    break
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in {self.config.architecture}")
+            p = params[target]
+            dst = p.data if rows is None else p.data[rows[0]:rows[1]]
+            if tuple(dst.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(tensor.to(dtype=dst.dtype))
+            loaded[target] = loaded.get(target, 0) + (rows[1] - rows[0] if rows else p.shape[0])
+        missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

