@@ -201,3 +201,62 @@ def test_device_argument_and_inference_mode():
     with torch.inference_mode():
         ids, _ = s(logits, [req(0, seed=1), req(1), req(2, temperature=0.0, repetition_penalty=1.2, prompt=[1])])
     assert len(ids) == 3 and all(0 <= t < VOCAB for t in ids)
+
+
+def _reference_keep(row: torch.Tensor, p: SamplingParams) -> set[int]:
+    """Brute force: top-k, then the smallest top-p nucleus, then min-p, on one row."""
+    order = row.argsort(descending=True).tolist()
+    if 0 < p.top_k < len(order):
+        order = order[: p.top_k]
+    probs = torch.softmax(row[order], -1).tolist()
+    kept, mass = [], 0.0
+    for tok, pr in zip(order, probs):
+        if kept and mass >= p.top_p:
+            break
+        kept.append(tok)
+        mass += pr
+    top = max(row[kept]).item()
+    if p.min_p > 0:
+        kept = [t for t in kept if row[t].item() >= top + math.log(p.min_p)]
+    return set(kept)
+
+
+@pytest.mark.parametrize("candidates", [1024, 30])
+@pytest.mark.parametrize("vocab", [50, 3000])
+def test_truncation_matches_brute_force_mixed_batch(vocab, candidates, monkeypatch):
+    monkeypatch.setattr(Sampler, "TOP_P_CANDIDATES", candidates)  # exercise fast path and fallback
+    sorts = []
+    real_sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda self, *a, **kw: sorts.append(1) or real_sort(self, *a, **kw))
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=g)
+    logits[1] *= 0.01  # nearly flat: the top-0.9 nucleus exceeds the 1024 candidates
+    logits[4] *= 8  # peaked
+    params = [
+        SamplingParams(top_p=0.8),
+        SamplingParams(top_p=0.9),
+        SamplingParams(),  # no truncation at all
+        SamplingParams(top_k=7, top_p=0.6),
+        SamplingParams(top_k=20, min_p=0.1),
+        SamplingParams(top_k=2000, top_p=0.95),
+    ]
+    out = Sampler._truncate(logits.clone(), params)
+    for i, p in enumerate(params):
+        got = set(torch.isfinite(out[i]).nonzero().flatten().tolist())
+        assert got == _reference_keep(logits[i], p), i
+    # Without the flat row every nucleus fits in the candidates: no full sort.
+    sorts.clear()
+    rest = [i for i in range(6) if i != 1]
+    out = Sampler._truncate(logits[rest], [params[i] for i in rest])
+    for j, i in enumerate(rest):
+        assert set(torch.isfinite(out[j]).nonzero().flatten().tolist()) == _reference_keep(logits[i], params[i])
+    if vocab > max(candidates, 2000):
+        assert not sorts
+
+
+def test_inverse_cdf_edges_never_pick_zero_probability():
+    probs = torch.tensor([[0.0, 0.3, 0.0, 0.7, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]])
+    lo = Sampler._inverse_cdf(probs, torch.tensor([0.0, 0.0], dtype=torch.float64))
+    hi = Sampler._inverse_cdf(probs, torch.tensor([1 - 2**-53, 1 - 2**-53], dtype=torch.float64))
+    mid = Sampler._inverse_cdf(probs, torch.tensor([0.29, 0.5], dtype=torch.float64))
+    assert lo.tolist() == [1, 2] and hi.tolist() == [3, 2] and mid.tolist() == [1, 2]

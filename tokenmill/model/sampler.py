@@ -17,12 +17,14 @@ use):
    top-p (nucleus sampling, Holtzman et al. 2019, arXiv 1904.09751) and min-p
    (Nguyen et al. 2024, arXiv 2407.01082), and sampled.
 
-Sampling uses the exponential race (equivalent to the Gumbel-max trick): with
-``E_j ~ Exp(1)`` i.i.d., ``argmax_j p_j / E_j`` is distributed as ``p``. The noise
-for a seeded request's k-th output token comes from a generator seeded with a
-mix of ``(seed, k)`` only, so that token depends neither on the rest of the
-batch nor on whether the request was preempted and recomputed. Unseeded rows
-share one engine-level generator per device.
+Sampling is inverse-transform sampling: one uniform ``u`` per row and the
+first token whose cumulative probability exceeds ``u``. For a seeded request,
+``u`` for its k-th output token is a hash of ``(seed, k)`` only (SplitMix64),
+so that token depends neither on the rest of the batch, nor on the device's
+RNG, nor on whether the request was preempted and recomputed. Unseeded rows
+draw ``u`` from one engine-level CPU generator. (An exponential race,
+``argmax p / Exp(1)``, would need ``V`` random numbers per row: measured on 2
+CPU cores at ``[32, 49152]`` it took 17.5 ms against 1.0 ms for this.)
 """
 
 from __future__ import annotations
@@ -37,11 +39,11 @@ _MASK64 = (1 << 64) - 1
 
 
 def _mix_seed(seed: int, k: int) -> int:
-    """Mix a request seed and an output index into one 63-bit generator seed.
+    """Mix a request seed and an output index into one 63-bit integer.
 
     SplitMix64 finaliser (Steele et al., "Fast splittable pseudorandom number
     generators", OOPSLA 2014) applied to ``seed`` and then to the result xor
-    ``k``, so nearby ``(seed, k)`` pairs give unrelated streams.
+    ``k``, so nearby ``(seed, k)`` pairs give unrelated values.
     """
 
     def _splitmix(x: int) -> int:
@@ -69,8 +71,10 @@ class Sampler:
     Args:
         seed: seed of the engine-level generator shared by requests without
             their own ``SamplingParams.seed``; None seeds it from the OS.
-        device: optional device whose generators are created up front
-            (logits on any other device get generators lazily).
+        device: informational; logits may live on any device. Random numbers
+            (one per sampled row) are always drawn on the CPU, so seeded
+            results are the same on every device up to floating-point
+            differences in softmax/cumsum.
 
     Call with ``logits`` ``[num_reqs, vocab]`` (float32, any device; row ``i``
     belongs to ``reqs[i]``). Returns ``(token_ids, logprobs)``: ``num_reqs``
@@ -90,32 +94,19 @@ class Sampler:
 
     def __init__(self, seed: int | None = None, device: torch.device | str | None = None) -> None:
         self._seed = seed
-        self._shared: dict[torch.device, torch.Generator] = {}
-        self._seeded: dict[torch.device, torch.Generator] = {}
-        if device is not None:  # create the generators up front; others are made lazily
-            dev = torch.device(device)
-            if dev.type == "cuda" and dev.index is None:
-                dev = torch.device("cuda", torch.cuda.current_device())
-            self._shared_gen(dev)
-            self._seeded_gen(dev)
+        self._generator: torch.Generator | None = None
+        self.device = None if device is None else torch.device(device)
 
-    # -- generators -------------------------------------------------------
-    def _shared_gen(self, device: torch.device) -> torch.Generator:
-        gen = self._shared.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
+    def _shared_gen(self) -> torch.Generator:
+        """The engine-level CPU generator for unseeded requests (created on first use)."""
+        if self._generator is None:
+            gen = torch.Generator()
             if self._seed is None:
                 gen.seed()
             else:
                 gen.manual_seed(self._seed)
-            self._shared[device] = gen
-        return gen
-
-    def _seeded_gen(self, device: torch.device) -> torch.Generator:
-        gen = self._seeded.get(device)
-        if gen is None:
-            gen = self._seeded[device] = torch.Generator(device=device)
-        return gen
+            self._generator = gen
+        return self._generator
 
     # -- main entry ---------------------------------------------------------
     def __call__(
@@ -134,7 +125,6 @@ class Sampler:
         device = logits.device
         greedy = [p.greedy for p in params]
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
-        token_ids = logits.argmax(dim=-1)
 
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         # Distribution reported in logprobs: penalised logits / temperature (1 for greedy).
@@ -146,18 +136,24 @@ class Sampler:
             ).to(device, non_blocking=True)
             lp_logits = logits[want_lp] / temps.unsqueeze(1)
 
-        if sampled_rows:
-            sub_params = [params[i] for i in sampled_rows]
-            sub_reqs = [reqs[i] for i in sampled_rows]
+        if not sampled_rows:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            all_sampled = len(sampled_rows) == len(reqs)
+            sub_params = params if all_sampled else [params[i] for i in sampled_rows]
+            sub_reqs = reqs if all_sampled else [reqs[i] for i in sampled_rows]
             idx = torch.tensor(sampled_rows, dtype=torch.int64).to(device, non_blocking=True)
-            sub = logits.index_select(0, idx)
-            temps = torch.tensor([p.temperature for p in sub_params], dtype=sub.dtype)
-            sub = sub / temps.to(device, non_blocking=True).unsqueeze(1)
+            sub = logits if all_sampled else logits[idx]
+            if any(p.temperature != 1.0 for p in sub_params):
+                temps = torch.tensor([p.temperature for p in sub_params], dtype=sub.dtype)
+                sub = sub / temps.to(device, non_blocking=True).unsqueeze(1)
             sub = self._truncate(sub, sub_params)
-            probs = torch.softmax(sub, dim=-1)
-            noise = self._exp_noise(sub_reqs, probs.shape, device)
-            choice = (probs / noise).argmax(dim=-1)
-            token_ids = token_ids.index_copy(0, idx, choice)
+            choice = self._inverse_cdf(torch.softmax(sub, dim=-1), self._uniforms(sub_reqs))
+            if all_sampled:
+                token_ids = choice
+            else:
+                token_ids = logits.argmax(dim=-1)
+                token_ids[idx] = choice
 
         ids = token_ids.tolist()
         out_lp: list[TokenLogprobs | None] = [None] * len(reqs)
@@ -214,13 +210,19 @@ class Sampler:
             logits = logits - counts * freq - (counts > 0).to(logits.dtype) * pres
         return logits
 
-    @staticmethod
-    def _truncate(logits: torch.Tensor, params: list) -> torch.Tensor:
+    # Top-p first looks for the nucleus among this many best tokens and falls
+    # back to a full sort only when a row's nucleus is larger (a full sort of
+    # [32, 49152] costs ~60 ms on 2 CPU cores, topk(1024) ~8 ms).
+    TOP_P_CANDIDATES = 1024
+
+    @classmethod
+    def _truncate(cls, logits: torch.Tensor, params: list) -> torch.Tensor:
         """Top-k, then top-p, then min-p; dropped tokens get ``-inf``.
 
-        ``logits`` ``[B, V]`` (already temperature-scaled) -> ``[B, V]``. The
-        most likely token always survives. Ties at the top-k boundary are all
-        kept when only top-k is active.
+        ``logits`` ``[B, V]`` (already temperature-scaled) -> ``[B, V]``; the
+        input is not modified. The most likely token always survives; tokens
+        tied with the last kept one are kept too. Top-p keeps the smallest set
+        of most likely tokens whose probability (after top-k) reaches ``top_p``.
         """
         batch, vocab = logits.shape
         device = logits.device
@@ -228,27 +230,13 @@ class Sampler:
         need_k = any(k < vocab for k in top_k)
         need_p = any(p.top_p < 1.0 for p in params)
         need_min_p = any(p.min_p > 0.0 for p in params)
-        neg_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=device)
         if need_p:
-            # Full sort: both filters work on ranks in sorted order.
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            if need_k:
-                k = torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True)
-                ranks = torch.arange(vocab, device=device).unsqueeze(0)
-                sorted_logits = torch.where(ranks >= k.unsqueeze(1), neg_inf, sorted_logits)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # Rows with top_p == 1 get a bound no rounded cumsum can reach.
-            top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dtype=logits.dtype)
-            top_p = top_p.to(device, non_blocking=True)
-            drop = mass_before >= top_p.unsqueeze(1)
-            drop[:, 0] = False
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+            thresh = cls._top_k_top_p_threshold(logits, params, top_k)
+            logits = logits.masked_fill(logits < thresh, float("-inf"))
         elif need_k:
             kmax = max(top_k)
             top_vals = logits.topk(kmax, dim=-1).values  # [B, kmax], descending
-            k = torch.tensor([min(k, kmax) - 1 for k in top_k], dtype=torch.int64).to(device, non_blocking=True)
+            k = torch.tensor([k - 1 for k in top_k], dtype=torch.int64).to(device, non_blocking=True)
             thresh = top_vals.gather(1, k.unsqueeze(1))
             logits = logits.masked_fill(logits < thresh, float("-inf"))
         if need_min_p:
@@ -260,26 +248,85 @@ class Sampler:
             logits = logits.masked_fill(logits < thresh, float("-inf"))
         return logits
 
-    def _exp_noise(self, reqs: list[ScheduledRequest], shape: torch.Size, device: torch.device) -> torch.Tensor:
-        """``Exp(1)`` noise ``[B, V]`` float32: seeded rows from ``(seed, k)``, the rest from the shared generator."""
-        batch, vocab = shape
-        noise = torch.empty((batch, vocab), dtype=torch.float32, device=device)
-        seeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is not None]
+    @classmethod
+    def _top_k_top_p_threshold(cls, logits: torch.Tensor, params: list, top_k: list[int]) -> torch.Tensor:
+        """Per-row smallest logit kept by top-k + top-p, ``[B, 1]`` (``-inf``: keep all).
+
+        Works on the ``K`` best logits (``K`` = max(finite top_k, TOP_P_CANDIDATES));
+        rows without top-k are normalised over the whole vocabulary. When some
+        row's nucleus does not fit in ``K`` tokens, it redoes the batch with
+        ``K = vocab`` (a full sort).
+        """
+        batch, vocab = logits.shape
+        device = logits.device
+        finite_k = [k for k in top_k if k < vocab]
+        cand = min(vocab, max(max(finite_k, default=0), cls.TOP_P_CANDIDATES))
+        k = torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True).unsqueeze(1)
+        # Rows with top_p == 1 get a bound that no rounded cumulative sum reaches.
+        top_p = torch.tensor([p.top_p if p.top_p < 1.0 else 2.0 for p in params], dtype=logits.dtype)
+        top_p = top_p.to(device, non_blocking=True).unsqueeze(1)
+        while True:
+            vals = logits.topk(cand, dim=-1).values if cand < vocab else logits.sort(dim=-1, descending=True).values
+            ranks = torch.arange(cand, device=device).unsqueeze(0)
+            vals = vals.masked_fill(ranks >= k, float("-inf"))  # top-k in sorted order
+            # Normaliser of the top-k distribution: within the candidates when
+            # the row's k fits there, else over the whole row.
+            lse = vals.logsumexp(dim=-1, keepdim=True)
+            if cand < vocab and any(kk > cand for kk in top_k):
+                lse = torch.where(k > cand, logits.logsumexp(dim=-1, keepdim=True), lse)
+            probs = (vals - lse).exp()
+            cum = probs.cumsum(dim=-1)
+            drop = (cum - probs) >= top_p
+            drop[:, 0] = False
+            if cand < vocab:
+                # A row whose nucleus (or top-k set) may extend past the candidates.
+                open_rows = (~drop[:, -1:]) & (k > cand) & (top_p <= 1.0)
+                if bool(open_rows.any()):
+                    cand = vocab
+                    continue
+            kept = (~drop & torch.isfinite(vals)).sum(dim=-1, keepdim=True)  # >= 1
+            thresh = vals.gather(1, kept - 1)
+            no_cut = (k >= vocab) & (top_p > 1.0)
+            return thresh.masked_fill(no_cut, float("-inf"))
+
+    def _uniforms(self, reqs: list[ScheduledRequest]) -> torch.Tensor:
+        """One ``U[0, 1)`` draw per request, ``[B]`` float64 on the CPU.
+
+        A seeded request's draw for its k-th output token (``k =
+        len(output_token_ids)``) is ``_mix_seed(seed, k)`` scaled to 53 bits,
+        so it depends on nothing else (not the batch, not the device, not
+        preemption). The others come, in batch order, from the shared generator.
+        """
+        u = torch.empty(len(reqs), dtype=torch.float64)
         unseeded = [i for i, r in enumerate(reqs) if r.sampling_params.seed is None]
-        if len(unseeded) == batch:
-            noise.exponential_(generator=self._shared_gen(device))
-        elif unseeded:
-            block = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device)
-            block.exponential_(generator=self._shared_gen(device))
-            noise[unseeded] = block
-        if seeded:
-            gen = self._seeded_gen(device)
-            for i in seeded:
-                r = reqs[i]
-                gen.manual_seed(_mix_seed(r.sampling_params.seed, len(r.output_token_ids)))
-                noise[i].exponential_(generator=gen)
-        # exponential_ may return exactly 0 on some backends; avoid 0/0.
-        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+        if unseeded:
+            draws = torch.rand(len(unseeded), dtype=torch.float64, generator=self._shared_gen())
+            if len(unseeded) == len(reqs):
+                return draws
+            u[unseeded] = draws
+        for i, r in enumerate(reqs):
+            if r.sampling_params.seed is not None:
+                u[i] = (_mix_seed(r.sampling_params.seed, len(r.output_token_ids)) >> 10) * 2.0**-53
+        return u
+
+    @staticmethod
+    def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """Inverse-transform sampling: row ``i`` picks the first token whose
+        cumulative probability exceeds ``u[i]`` × the row's total.
+
+        Args:
+            probs: ``[B, V]`` non-negative (masked tokens exactly 0).
+            u: ``[B]`` uniforms in ``[0, 1)`` (any device, any float dtype).
+        Returns:
+            ``[B]`` int64 token ids; a zero-probability token is never chosen.
+        """
+        cdf = probs.cumsum(dim=-1)  # CPU accumulates float32 cumsums in double
+        total = cdf[:, -1:]
+        target = u.to(device=probs.device, dtype=probs.dtype).unsqueeze(1) * total
+        # Stay strictly below the total so the search never runs past the last
+        # token with non-zero probability.
+        target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
+        return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:
