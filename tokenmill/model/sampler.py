@@ -112,6 +112,19 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, reqs: list[ScheduledRequest]
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[num_reqs, vocab]`` float (float32 preferred; other
+                dtypes are upcast), one row per sampling request in the order
+                of ``reqs``; not modified.
+            reqs: the sampling requests (``sample`` set), giving
+                ``sampling_params``, ``prompt_token_ids`` and ``output_token_ids``.
+        Returns:
+            ``(token_ids, logprobs)``, each of length ``num_reqs``.
+        Raises:
+            ValueError: shape mismatch.
+        """
         if logits.dim() != 2 or logits.shape[0] != len(reqs):
             raise ValueError(
                 f"logits must be [num_reqs={len(reqs)}, vocab], got {tuple(logits.shape)}"
