@@ -11,7 +11,8 @@ Failures are injected by arrival order, so their counts are exact however
 requests interleave: every ``status_429_every``-th request is refused with 429,
 every ``break_every``-th request's connection is cut after ``break_after_tokens``
 chunks, and every ``no_done_every``-th stream closes cleanly without
-``[DONE]``.
+``[DONE]``. With ``max_num_seqs`` > 0 at most that many requests generate at
+once and the others queue, so latency grows with load (for goodput tests).
 
 Used by tests/bench and by benchmarks/crosscheck_bench.py.
 """
@@ -49,6 +50,7 @@ class FakeServerConfig:
     no_done_every: int = 0
     role_chunk: bool = True
     send_usage: bool = True
+    max_num_seqs: int = 0        # > 0: at most this many generate at once; the rest queue (TTFT grows)
 
 
 @dataclass
@@ -73,6 +75,7 @@ class FakeOpenAIServer:
         self._lock = threading.Lock()
         self._in_flight = 0
         self.peak_in_flight = 0
+        self._slots: asyncio.Semaphore | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -164,6 +167,11 @@ class FakeOpenAIServer:
         with self._lock:
             self._in_flight += 1
             self.peak_in_flight = max(self.peak_in_flight, self._in_flight)
+        if cfg.max_num_seqs > 0 and self._slots is None:
+            self._slots = asyncio.Semaphore(cfg.max_num_seqs)
+        slot = self._slots if cfg.max_num_seqs > 0 else None
+        if slot is not None:
+            await slot.acquire()
         try:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
@@ -213,6 +221,8 @@ class FakeOpenAIServer:
             await resp.write_eof()
             return resp
         finally:
+            if slot is not None:
+                slot.release()
             with self._lock:
                 self._in_flight -= 1
 

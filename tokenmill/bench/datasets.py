@@ -182,7 +182,7 @@ def random_dataset(tokenizer: Any, num_prompts: int, input_len: int = DEFAULT_IN
     """
     rng = np.random.default_rng(seed)
     gen = RandomTextGenerator(tokenizer, rng)
-    prefix = tokenizer.decode(gen.ids(prefix_len)) if prefix_len > 0 else ""
+    prefix = gen.text(prefix_len)[0] if prefix_len > 0 else ""
     in_lens = _lengths(rng, num_prompts, input_len, range_ratio)
     out_lens = _lengths(rng, num_prompts, output_len, range_ratio)
     base = count_tokens(tokenizer, prefix) if prefix else 0
