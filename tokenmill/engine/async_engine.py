@@ -61,21 +61,24 @@ class AsyncEngine:
 
     Args:
         config: the engine configuration (sent to the core process).
-        tokenizer: Hugging Face-style tokenizer for detokenization.
+        tokenizer: Hugging Face-style tokenizer for detokenization (may be
+            given later with :meth:`set_tokenizer`, e.g. loaded while the core
+            loads the model).
         executor_factory: picklable ``f(config) -> executor`` run in the core
             process instead of loading the model (tests).
         stat_loggers: receive engine and iteration stats after each batch.
         start_timeout: seconds to wait for the core to load the model.
 
-    Call :meth:`start` (blocking) before serving; :meth:`shutdown` at exit.
+    Call :meth:`start` (blocking; or :meth:`launch` then :meth:`wait_ready`)
+    before serving, and :meth:`shutdown` at exit.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer: Any, *,
+    def __init__(self, config: EngineConfig, tokenizer: Any = None, *,
                  executor_factory: Callable[[Any], Any] | None = None,
                  stat_loggers: list[StatLogger] | None = None, start_timeout: float = 900.0) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.processor = OutputProcessor(tokenizer)
+        self.processor: OutputProcessor = OutputProcessor(tokenizer) if tokenizer is not None else None  # type: ignore[assignment]
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.executor_factory = executor_factory
         self.start_timeout = start_timeout
@@ -99,6 +102,11 @@ class AsyncEngine:
         self._inflight: deque[tuple[int, int]] = deque()  # (add sequence number, prompt tokens)
 
     # -- life cycle ----------------------------------------------------------
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        """Set the tokenizer used for detokenization (before the first request)."""
+        self.tokenizer = tokenizer
+        self.processor = OutputProcessor(tokenizer)
+
     def start(self) -> CoreInfo:
         """Start the core process and wait until it has loaded the model.
 
@@ -109,6 +117,11 @@ class AsyncEngine:
             RuntimeError: the core exited or reported an error during start-up,
                 or did not get ready within ``start_timeout`` seconds.
         """
+        self.launch()
+        return self.wait_ready()
+
+    def launch(self) -> None:
+        """Bind the sockets and spawn the core process (returns at once)."""
         self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-")
         os.chmod(self._tmpdir, 0o700)
         in_addr = f"ipc://{self._tmpdir}/input"
@@ -129,6 +142,10 @@ class AsyncEngine:
                   logging.getLogger().getEffectiveLevel()))
         self._proc.start()
         logger.info("started engine core process pid %d", self._proc.pid)
+
+    def wait_ready(self) -> CoreInfo:
+        """Block until the core launched by :meth:`launch` is ready; raises like :meth:`start`."""
+        assert self._proc is not None and self._out_sock is not None, "launch() first"
         deadline = time.monotonic() + self.start_timeout
         while True:
             if self._out_sock.poll(100):
@@ -145,6 +162,9 @@ class AsyncEngine:
                 self._kill_proc()
                 raise RuntimeError(f"engine core did not get ready within {self.start_timeout:.0f}s")
         self._stats = EngineStats(num_kv_blocks=self.info.num_kv_blocks, block_size=self.info.block_size)
+        logger.info("engine core ready (pid %d): max_model_len %d, %d KV blocks x %d tokens, %d torch threads, "
+                    "loaded in %.1fs", self.info.pid, self.info.max_model_len, self.info.num_kv_blocks,
+                    self.info.block_size, self.info.num_threads, self.info.load_time)
         return self.info
 
     async def start_background(self) -> None:

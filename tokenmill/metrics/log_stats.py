@@ -34,6 +34,7 @@ class LoggingStatLogger:
         self._stats: EngineStats | None = None
         self._base_queries = 0
         self._base_hits = 0
+        self._idle_logged = False
 
     def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
         """Accumulate (cheap; called after every output batch)."""
@@ -59,7 +60,21 @@ class LoggingStatLogger:
         self._base_queries, self._base_hits = s.prefix_cache_queries, s.prefix_cache_hits
         return line
 
+    @property
+    def _idle(self) -> bool:
+        s = self._stats or EngineStats()
+        return self._prompt_tokens == 0 and self._gen_tokens == 0 and s.num_running == 0 and s.num_waiting == 0
+
     def maybe_log(self) -> None:
-        """Log the summary when the interval has elapsed (call it periodically)."""
-        if self.interval > 0 and time.monotonic() - self._last_time >= self.interval:
-            logger.info(self.summary())
+        """Log the summary when the interval has elapsed (call it periodically).
+
+        An idle server logs one idle line, then stays quiet until there is work.
+        """
+        if self.interval <= 0 or time.monotonic() - self._last_time < self.interval:
+            return
+        idle = self._idle
+        if idle and self._idle_logged:
+            self.summary()  # restart the interval silently
+            return
+        self._idle_logged = idle
+        logger.info(self.summary())

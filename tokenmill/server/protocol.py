@@ -1,0 +1,294 @@
+"""Request models of the OpenAI-compatible API (pydantic), with vLLM's extras.
+
+Unknown fields are ignored (as OpenAI and vLLM do). Values that parse but are
+out of range raise :class:`APIError` (HTTP 400) naming the field in ``param``.
+Responses are built as plain dicts in :mod:`tokenmill.server.api` (cheaper than
+models on the streaming path); their shapes follow OpenAI's reference.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tokenmill.sampling_params import SamplingParams
+
+# Most log-probabilities per token a request may ask for (vLLM's default limit).
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered as OpenAI-shaped JSON ``{"error": {message, type, param, code}}``.
+
+    Args:
+        message: what went wrong, for humans.
+        status: HTTP status (400, 401, 404, 429, 500, 503).
+        param: the offending request field, if any.
+        headers: extra response headers (e.g. ``Retry-After`` on 429).
+    """
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = headers or {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON body."""
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "APIError"),
+                          "param": self.param, "code": self.status}}
+
+
+class _Base(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Base):
+    """``stream_options``: ``include_usage`` adds a final usage chunk; ``continuous_usage_stats``
+    (vLLM) adds the running usage to every chunk."""
+
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Base):
+    """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    priority: int = 0
+    cache_salt: str | None = None
+    request_id: str | None = None
+
+    def _check_common(self) -> None:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.n < 1:
+            raise APIError(f"n must be >= 1, got {self.n}", param="n")
+        if self.n > 128:
+            raise APIError(f"n must be <= 128, got {self.n}", param="n")
+        if self.stream_options is not None and not self.stream:
+            raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.cache_salt is not None and self.cache_salt == "":
+            raise APIError("cache_salt must be a non-empty string", param="cache_salt")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Build :class:`SamplingParams`.
+
+        Raises:
+            APIError: 400 naming the field SamplingParams rejected.
+        """
+        self._check_common()
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=0 if self.top_k is None else self.top_k,
+                min_p=0.0 if self.min_p is None else self.min_p,
+                repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                skip_special_tokens=self.skip_special_tokens,
+            )
+        except ValueError as e:
+            msg = str(e)
+            raise APIError(msg, param=msg.split(" ", 1)[0] if msg else None) from None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``.
+
+    ``prompt`` is a string, a list of strings, a list of token ids, or a list
+    of token-id lists; each prompt yields ``n`` choices (indices
+    ``prompt_index * n + i``).
+    """
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    echo: bool = False
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+    def check(self) -> None:
+        """Validate fields that pydantic cannot (raises :class:`APIError`)."""
+        self._check_common()
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of other than n is not supported", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise APIError(f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
+        p = self.prompt
+        if isinstance(p, str):
+            return
+        if len(p) == 0 or any(isinstance(x, list) and len(x) == 0 for x in p):
+            raise APIError("prompt must not be empty", param="prompt")
+
+
+class ContentPart(_Base):
+    """A part of a multi-part message; only ``{"type": "text", "text": ...}`` is supported."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Base):
+    """One chat message. ``content`` may be a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined by newlines).
+
+        Raises:
+            APIError: a non-text part.
+        """
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        out = []
+        for part in self.content:
+            if part.type != "text":
+                raise APIError(f"content part type {part.type!r} is not supported (only 'text')",
+                               param="messages")
+            out.append(part.text or "")
+        return "\n".join(out)
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """Validate fields that pydantic cannot (raises :class:`APIError`)."""
+        self._check_common()
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise APIError("response_format other than 'text' is not supported", param="response_format")
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
+                               param="top_logprobs")
+            if not self.logprobs and self.top_logprobs > 0:
+                raise APIError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if self.add_generation_prompt and self.continue_final_message:
+            raise APIError("add_generation_prompt and continue_final_message cannot both be true",
+                           param="continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise APIError("continue_final_message needs the last message to be from the assistant",
+                           param="continue_final_message")
+        mt = self.requested_max_tokens
+        if mt is not None and mt < 1:
+            raise APIError(f"max_completion_tokens must be >= 1, got {mt}",
+                           param="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens")
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` if given, else ``max_tokens`` (None: up to the context limit)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Top-N alternatives per token for the sampler (None: no logprobs)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_Base):
+    """``POST /tokenize``: either ``prompt`` or chat ``messages`` (rendered with the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError("give exactly one of prompt or messages", param="prompt")
+
+
+class DetokenizeRequest(_Base):
+    """``POST /detokenize``."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+_TYPE_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
+
+
+def error_param_from_loc(loc: tuple | list) -> str | None:
+    """Turn a pydantic error location (``("body", "messages", 0, "role")``) into ``messages[0].role``.
+
+    Union branch names that pydantic inserts (``str``, ``list[int]``, ...) are dropped.
+    """
+    parts = [p for p in loc if p not in ("body", "query", "path")]
+    out = ""
+    for p in parts:
+        if isinstance(p, int):
+            out += f"[{p}]"
+        elif isinstance(p, str) and (p in _TYPE_BRANCHES or "[" in p or p.startswith("function-")):
+            continue
+        else:
+            out += ("." if out else "") + str(p)
+    return out or None
+
+
+__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart",
+           "DetokenizeRequest", "StreamOptions", "TokenizeRequest", "MAX_LOGPROBS", "error_param_from_loc"]
