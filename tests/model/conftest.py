@@ -44,8 +44,12 @@ class PagedRunner:
         self.computed: dict[str, int] = {}
         self.device = device
 
-    def step(self, work: list[tuple[str, list[int]]]) -> torch.Tensor:
-        """Run one flattened step; ``work`` = [(req_id, new token ids)]. Returns logits ``[num_tokens, vocab]``."""
+    def step(self, work: list[tuple[str, list[int]]], last_only: bool = False) -> torch.Tensor:
+        """Run one flattened step; ``work`` = [(req_id, new token ids)].
+
+        Returns logits ``[num_tokens, vocab]``, or ``[num_reqs, vocab]`` for
+        each request's last token when ``last_only``.
+        """
         for rid, toks in work:
             self.computed.setdefault(rid, 0)
             table = self.tables.setdefault(rid, [])
@@ -56,7 +60,10 @@ class PagedRunner:
                                            [self.tables[r] for r, _ in work], self.block_size, self.device)
         ids = torch.tensor([t for _, toks in work for t in toks], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            logits = self.model.compute_logits(self.model(ids, pos, self.caches, md))
+            hidden = self.model(ids, pos, self.caches, md)
+            if last_only:
+                hidden = hidden[md.query_start_loc[1:].long() - 1]
+            logits = self.model.compute_logits(hidden)
         for rid, toks in work:
             self.computed[rid] += len(toks)
         return logits
