@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--timeout", type=float, default=1800.0, help="guidellm time limit, s.")
+    ap.add_argument("--sandwich", action="store_true",
+                    help="Run tokenmill again after guidellm and compare guidellm with the mean of both "
+                         "tokenmill runs (shows drift of a noisy server or machine).")
     ap.add_argument("--output", default=None, help="Write the comparison (JSON) here; a .md twin is written too.")
     args = ap.parse_args(argv)
 
@@ -177,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"server {base_url}, model {model}, {args.num_prompts} requests, input {args.input_len}, "
                   f"output {args.output_len}, concurrency {args.concurrency}", flush=True)
             t = time.perf_counter()
-            tm = run_tokenmill(base_url, model, tokenizer, args)
+            tm_before = run_tokenmill(base_url, model, tokenizer, args)
             print(f"tokenmill done in {time.perf_counter() - t:.1f} s", flush=True)
             t = time.perf_counter()
             try:
@@ -186,9 +189,24 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"guidellm failed: {exc}", file=sys.stderr)
                 return 2
             print(f"guidellm done in {time.perf_counter() - t:.1f} s", flush=True)
+            tm_after = None
+            if args.sandwich:
+                t = time.perf_counter()
+                tm_after = run_tokenmill(base_url, model, tokenizer, args)
+                print(f"tokenmill (again) done in {time.perf_counter() - t:.1f} s", flush=True)
     finally:
         if fake is not None:
             fake.stop()
+    if tm_after is not None:
+        # tokenmill ran before and after guidellm: compare with their mean, and
+        # show tokenmill's own drift (server or machine noise) between the two.
+        drift, _ = compare(tm_after, tm_before, args.tolerance)
+        print("tokenmill run-to-run drift (after vs before): " +
+              ", ".join(f"{r['metric']} {100 * r['rel_diff']:.1f}%" for r in drift))
+        tm = {k: (tm_before[k] + tm_after[k]) / 2 if isinstance(tm_before[k], float) else tm_before[k]
+              for k in tm_before}
+    else:
+        tm = tm_before
     rows, ok = compare(tm, gl, args.tolerance)
     header = (f"tokenmill vs guidellm — {'fake server' if fake else base_url}, model {model}, "
               f"{args.num_prompts} requests × {args.input_len} in / {args.output_len} out, "
@@ -202,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"header": header, "rows": rows, "tokenmill": tm, "guidellm": gl,
+                                   "tokenmill_runs": [tm_before, tm_after],
                                    "args": vars(args)}, indent=2, default=str) + "\n")
         out.with_suffix(".md").write_text(md + "\n")
     return 0 if ok and not math.isnan(sum(r["rel_diff"] for r in rows)) else 1
