@@ -15,13 +15,12 @@ import sys
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     from tokenmill.server.cli_args import add_serve_args
 
-    p = sub.add_parser("generate", help="Generate a completion for one prompt and print it.",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("prompt", help="The prompt text.")
-    p.add_argument("--max-tokens", type=int, default=64, help="Maximum new tokens.")
-    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (0 = greedy).")
-    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1].")
-    p.add_argument("--top-k", type=int, default=0, help="Top-k sampling (<= 0 disables).")
+    p = sub.add_parser("generate", help="Generate a completion for one prompt and print it.")
+    p.add_argument("prompt_text", metavar="PROMPT", help="The prompt text.")
+    p.add_argument("--max-tokens", type=int, default=64, help="Maximum new tokens [default: 64].")
+    p.add_argument("--temperature", type=float, default=0.0, help="Sampling temperature (0 = greedy) [default: 0].")
+    p.add_argument("--top-p", type=float, default=1.0, help="Nucleus sampling mass in (0, 1] [default: 1].")
+    p.add_argument("--top-k", type=int, default=0, help="Top-k sampling (<= 0 disables) [default: 0].")
     p.add_argument("--sampling-seed", type=int, default=None, help="Per-request sampling seed.")
     p.add_argument("--chat", action="store_true", help="Wrap the prompt as a user message with the model's chat template.")
     p.add_argument("--stats", action="store_true", help="Print token counts and timings to stderr.")
@@ -41,9 +40,9 @@ def _run_generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.sampling_seed)
     t0 = time.perf_counter()
     if args.chat:
-        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+        out = llm.chat([{"role": "user", "content": args.prompt_text}], params)[0]
     else:
-        out = llm.generate(args.prompt, params)[0]
+        out = llm.generate(args.prompt_text, params)[0]
     dt = time.perf_counter() - t0
     if out.error:
         print(f"error: {out.error}", file=sys.stderr)
@@ -75,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.server.cli_args import add_serve_args
 
     serve = sub.add_parser("serve", help="Run the OpenAI-compatible API server.",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                           description="Serve a model behind an OpenAI-compatible HTTP API.")
     add_serve_args(serve)
     serve.set_defaults(func=_run_serve)
     _add_generate(sub)

@@ -37,16 +37,19 @@ def _base_type(annotation: Any) -> type:
     return args[0] if args else annotation
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+def add_serve_args(parser: argparse.ArgumentParser, include_server: bool = True) -> argparse.ArgumentParser:
     """Add the ``serve`` flags (one per config field, vLLM names) to ``parser``; returns it.
 
     Defaults are the dataclass defaults, so ``config_from_args(parser.parse_args([]))``
-    equals ``EngineConfig()``.
+    equals ``EngineConfig()``. With ``include_server=False`` only the engine
+    sections (model, cache, scheduler) are added, for ``tokenmill generate``.
     """
     parser.add_argument(_POSITIONAL_DEST, nargs="?", default=None, metavar="MODEL",
                         help="Model to serve: a GGUF file or a Hugging Face checkpoint folder (same as --model). "
                              "Default: the packaged SmolLM2-135M-Instruct.")
     for section, cls in SECTIONS:
+        if section == "server" and not include_server:
+            continue
         group = parser.add_argument_group(f"{section} options", (cls.__doc__ or "").strip().splitlines()[0])
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
