@@ -204,6 +204,13 @@ class AsyncEngine:
                 pass
         if self._loop_task is not None:
             self._loop_task.cancel()
+        if self._aout_sock is not None:
+            # Closing the asyncio shadow removes its reader from the event loop; a stale
+            # registration would capture a later socket that reuses the file descriptor.
+            try:
+                self._aout_sock.close(linger=0)
+            except Exception:  # noqa: BLE001 - loop already closed
+                pass
         for s in (self._in_sock, self._out_sock):
             if s is not None:
                 s.close(linger=0)
@@ -424,6 +431,8 @@ class AsyncEngine:
             except Exception:  # noqa: BLE001
                 pass
         if not self._closed:
+            if self._proc is not None:
+                self._proc.join(0.5)  # reap it, so the exit code is known
             code = self._proc.exitcode if self._proc is not None else None
             logger.error("engine core process exited unexpectedly (exit code %s)", code)
             self._mark_dead(self._dead or f"engine core process exited unexpectedly (exit code {code})")

@@ -23,7 +23,7 @@ several servers (or tests) in one process do not collide.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the API
 
 from tokenmill.core.engine_core import EngineStats
@@ -65,6 +65,8 @@ class PrometheusStatLogger:
     """
 
     def __init__(self, model_name: str, max_model_len: int) -> None:
+        # No *_created series (as vLLM): they double the output and no dashboard uses them.
+        disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         r, ln, lv = self.registry, ["model_name"], [model_name]

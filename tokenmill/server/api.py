@@ -857,6 +857,8 @@ def run_server(config: EngineConfig) -> None:
                 config.server.port, state.max_model_len)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its own shutdown
+        pass
     finally:
         engine.shutdown()
     if not server.started:
