@@ -137,7 +137,8 @@ class AttentionBackend:
         Args:
             q: ``[num_tokens, num_heads, head_dim]``.
             k, v: ``[num_tokens, num_kv_heads, head_dim]`` (rotary already applied to k).
-            kv_cache: this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
+            kv_cache: this layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+                (contiguous).
             md: the step's :class:`AttentionMetadata`.
             scale: softmax scale (usually ``head_dim ** -0.5``).
 
@@ -154,26 +155,51 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass
+class _DecodePlan:
+    """Per-step gather indices for the batched decode group (shared by all layers)."""
+
+    rows: torch.Tensor | None    # [B] token rows of the decode requests (None: the whole batch)
+    kv_rows: torch.Tensor        # [B * KVH * L] int64 rows of the cache viewed as [slots * KVH, D]
+    pad: torch.Tensor            # [B, 1, 1, L] bool, True past the request's context
+    length: int                  # L: longest decode context in the group
+
+
+@dataclass
+class _PrefillPlan:
+    """One prefill/chunk request: its token rows and (with a cached prefix) gather indices."""
+
+    req: int
+    start: int
+    end: int
+    kv_rows: torch.Tensor | None  # [H * ctx] rows of the cache viewed as [slots * KVH, D], heads repeated
+    mask: torch.Tensor | None     # [n, ctx] bool causal mask offset by the prefix length
 
 
 class TorchAttentionBackend(AttentionBackend):
     """Portable paged attention in plain torch (CPU and CUDA).
 
     * Decode requests (query length 1), whether the whole batch or the decode
-      part of a mixed batch, are served by ONE batched op per layer: gather
-      K/V through the block tables up to the longest context, mask positions
-      past each request's length, and run grouped-query attention
-      (Ainslie et al., GQA, arXiv 2305.13245) through
-      ``scaled_dot_product_attention(enable_gqa=True)``.
-    * Every other request (a prefill or a prefill chunk) runs its own SDPA
-      call over its cached prefix (gathered through its block table) plus
-      its new tokens, with a causal mask offset by the prefix length. A
-      request with no cached prefix attends to its fresh K/V directly.
+      part of a mixed batch, are served by ONE batched op per layer: K/V rows
+      are gathered through the block tables straight into a
+      ``[B, KVH, L, D]`` layout (one ``index_select`` over the cache viewed as
+      ``[slots * KVH, D]``), positions past each request's length are masked,
+      and grouped-query attention (Ainslie et al., GQA, arXiv 2305.13245) runs
+      as two batched matmuls with the ``G = H / KVH`` query heads of a group
+      as the rows, so K/V are never repeated.
+    * Every other request (a prefill or a prefill chunk) runs its own
+      ``scaled_dot_product_attention`` over its cached prefix plus its new
+      tokens, with a causal mask offset by the prefix length. A request with
+      no cached prefix attends to its fresh K/V directly.
 
-    No per-request contiguous KV buffer survives a step; the cache pool is the
-    only state.
+    Gather indices and masks are computed once per step (the first layer) and
+    cached in ``md.cache``. No per-request contiguous KV buffer survives a
+    step; the cache pool is the only state.
+
+    Measured on the 2-core CPU (float32, B = 32, L = 512, one layer): the
+    row-granular gather + matmuls take 6.9 ms against 10.5 ms for a
+    block-granular gather followed by a head permute, and SDPA's
+    ``enable_gqa`` path was 2-10x slower than either.
     """
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
@@ -181,65 +207,86 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(kv_cache, k, v, md.slot_mapping)
         plan = md.cache.get("torch_plan")
         if plan is None:
-            plan = md.cache["torch_plan"] = self._plan(md, q.device)
-        dec_rows, dec_reqs, dec_max_len, prefill_reqs = plan
-        if not prefill_reqs:
-            return self._decode(q, kv_cache, md.block_tables, md.seq_lens, dec_max_len, md.block_size, scale)
+            plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device)
+        dec, prefills = plan
+        if not prefills:
+            return self._decode(q, kv_cache, dec, scale)
         out = torch.empty_like(q)
-        if dec_rows is not None:
-            out[dec_rows] = self._decode(q[dec_rows], kv_cache, md.block_tables[dec_reqs], md.seq_lens[dec_reqs],
-                                         dec_max_len, md.block_size, scale)
-        for i, s, e in prefill_reqs:
-            out[s:e] = self._prefill_one(q[s:e], k[s:e], v[s:e], kv_cache, md, i, scale)
+        if dec is not None:
+            out[dec.rows] = self._decode(q[dec.rows], kv_cache, dec, scale)
+        for p in prefills:
+            out[p.start:p.end] = self._prefill_one(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
+                                                   kv_cache, p, scale)
         return out
 
     @staticmethod
-    def _plan(md: AttentionMetadata, device: torch.device):
-        """Split requests into the batched decode group and per-request prefills (once per step)."""
+    def _plan(md: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device):
+        """Split requests into the batched decode group and per-request prefills; build gather indices."""
+        bs = md.block_size
         starts = np.zeros(md.num_reqs + 1, dtype=np.int64)
         starts[1:] = np.cumsum(md.query_lens)
         dec = [i for i, ql in enumerate(md.query_lens) if ql == 1]
-        prefill = [(i, int(starts[i]), int(starts[i + 1])) for i, ql in enumerate(md.query_lens) if ql != 1]
-        dec_max_len = max((md.seq_lens_list[i] for i in dec), default=0)
-        if not prefill or not dec:
-            return None, None, dec_max_len, prefill
-        rows = torch.tensor(starts[dec], dtype=torch.long, device=device)
-        reqs = torch.tensor(dec, dtype=torch.long, device=device)
-        return rows, reqs, dec_max_len, prefill
+        prefills = []
+        for i, ql in enumerate(md.query_lens):
+            if ql == 1:
+                continue
+            ctx, s, e = md.seq_lens_list[i], int(starts[i]), int(starts[i + 1])
+            rows = mask = None
+            if ctx != ql:
+                pos = torch.arange(ctx, device=device)
+                slots = md.block_tables[i, pos // bs].to(torch.long) * bs + pos % bs            # [ctx]
+                heads = torch.arange(num_heads, device=device) // (num_heads // num_kv_heads)  # [H]
+                rows = (slots[None, :] * num_kv_heads + heads[:, None]).reshape(-1)
+                mask = torch.ones(ql, ctx, dtype=torch.bool, device=device).tril(ctx - ql)
+            prefills.append(_PrefillPlan(i, s, e, rows, mask))
+        dplan = None
+        if dec:
+            whole = not prefills
+            bt = md.block_tables if whole else md.block_tables[torch.tensor(dec, device=device)]
+            sl = md.seq_lens if whole else md.seq_lens[torch.tensor(dec, device=device)]
+            length = max(md.seq_lens_list[i] for i in dec)
+            pos = torch.arange(length, device=device)
+            slots = bt[:, pos // bs].to(torch.long) * bs + pos % bs                        # [B, L]
+            kvh = torch.arange(num_kv_heads, device=device)
+            kv_rows = (slots[:, None, :] * num_kv_heads + kvh[None, :, None]).reshape(-1)  # [B*KVH*L]
+            pad = (pos[None, :] >= sl[:, None].to(torch.long))[:, None, None, :]
+            rows = None if whole else torch.tensor(starts[dec], dtype=torch.long, device=device)
+            dplan = _DecodePlan(rows, kv_rows, pad, length)
+        return dplan, prefills
 
     @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                max_len: int, block_size: int, scale: float) -> torch.Tensor:
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
         """One batched attention for ``B`` single-token queries ``q`` ``[B, H, D]`` -> ``[B, H, D]``."""
         b, h, d = q.shape
         kvh = kv_cache.shape[3]
-        nblk = _ceil_div(max_len, block_size)
-        kv = kv_cache[:, block_tables[:, :nblk]]                       # [2, B, nblk, bs, KVH, D]
-        kv = kv.view(2, b, nblk * block_size, kvh, d).transpose(2, 3)  # [2, B, KVH, L, D]
-        mask = torch.arange(nblk * block_size, device=q.device)[None, :] < seq_lens[:, None].to(torch.long)
-        out = F.scaled_dot_product_attention(q[:, :, None, :], kv[0], kv[1], attn_mask=mask[:, None, None, :],
-                                             scale=scale, enable_gqa=h != kvh)
-        return out[:, :, 0, :]
+        kv = kv_cache.view(2, -1, d).index_select(1, plan.kv_rows).view(2, b, kvh, plan.length, d)
+        scores = torch.matmul(q.view(b, kvh, h // kvh, d), kv[0].transpose(-1, -2)).float() * scale
+        scores.masked_fill_(plan.pad, float("-inf"))                     # [B, KVH, G, L]
+        probs = scores.softmax(dim=-1).to(q.dtype)
+        return torch.matmul(probs, kv[1]).reshape(b, h, d)
 
     @staticmethod
     def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                     md: AttentionMetadata, i: int, scale: float) -> torch.Tensor:
-        """Attention for request ``i``'s ``n`` new tokens ``q`` ``[n, H, D]`` over its whole context."""
-        n, h, _ = q.shape
-        ctx = md.seq_lens_list[i]
-        if ctx == n:  # no cached prefix: the fresh K/V are the whole context
-            ks, vs, mask, causal = k, v, None, True
+                     plan: _PrefillPlan, scale: float) -> torch.Tensor:
+        """Attention for one request's ``n`` new tokens ``q`` ``[n, H, D]`` over its whole context.
+
+        K/V come with heads already repeated to ``H`` (gathered that way, or
+        ``repeat_interleave`` of the fresh ones) and the call is 4-D (batch
+        1): on CPU this reaches SDPA's fused flash kernel, ~3x faster than
+        the 3-D ``enable_gqa`` call at 512 tokens.
+        """
+        n, h, d = q.shape
+        if plan.kv_rows is None:  # no cached prefix: the fresh K/V are the whole context
+            g = h // k.shape[1]
+            ks, vs = k.transpose(0, 1), v.transpose(0, 1)
+            if g > 1:
+                ks, vs = ks.repeat_interleave(g, dim=0), vs.repeat_interleave(g, dim=0)
         else:
-            _, _, bs, kvh, d = kv_cache.shape
-            nblk = _ceil_div(ctx, bs)
-            kv = kv_cache[:, md.block_tables[i, :nblk]].reshape(2, nblk * bs, kvh, d)[:, :ctx]
+            kv = kv_cache.view(2, -1, d).index_select(1, plan.kv_rows).view(2, h, -1, d)
             ks, vs = kv[0], kv[1]
-            mask = torch.ones(n, ctx, dtype=torch.bool, device=q.device).tril(ctx - n)
-            causal = False
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1),
-                                             attn_mask=mask, is_causal=causal, scale=scale,
-                                             enable_gqa=h != ks.shape[1])
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks[None], vs[None], attn_mask=plan.mask,
+                                             is_causal=plan.mask is None, scale=scale)
+        return out[0].transpose(0, 1)
 
 
 def get_attention_backend(device: str | torch.device) -> AttentionBackend:
