@@ -60,10 +60,20 @@ def gguf_name(hf: str) -> str:
     return f"blk.{i}.{_TO_GGUF_LAYER[rest]}"
 
 
-def write_tiny_gguf(path, qtypes=QTYPES, seed=0, with_tokenizer=False):
-    """Write a tiny llama GGUF (q/k permuted like llama.cpp). Returns the HF weights that went in."""
+def write_tiny_gguf(path, qtypes=QTYPES, seed=0, with_tokenizer=False, arch="llama"):
+    """Write a tiny GGUF; ``llama`` has q/k permuted like llama.cpp, ``qwen2`` adds q/k/v biases,
+    ``qwen3`` adds q/k norms. Returns the HF weights that went in."""
     weights = hf_weights(seed)
-    w = gguf.GGUFWriter(str(path), "llama")
+    rng = np.random.default_rng(seed + 1)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}.self_attn."
+        if arch == "qwen2":
+            for n, rows in (("q", HEADS), ("k", KV), ("v", KV)):
+                weights[p + f"{n}_proj.bias"] = rng.normal(0, 0.1, rows * HD).astype(np.float32)
+        if arch == "qwen3":
+            for n in ("q", "k"):
+                weights[p + f"{n}_norm.weight"] = (1 + rng.normal(0, 0.1, HD)).astype(np.float32)
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(LAYERS)
     w.add_context_length(256)
     w.add_embedding_length(H)
@@ -71,6 +81,9 @@ def write_tiny_gguf(path, qtypes=QTYPES, seed=0, with_tokenizer=False):
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV)
     w.add_rope_dimension_count(HD)
+    if arch == "qwen3":  # real Qwen3 GGUFs carry the head size explicitly
+        w.add_key_length(HD)
+        w.add_value_length(HD)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(VOCAB)
@@ -86,11 +99,11 @@ def write_tiny_gguf(path, qtypes=QTYPES, seed=0, with_tokenizer=False):
         w.add_token_merges(["a a", "b b"])
     for hf, arr in weights.items():
         name = gguf_name(hf)
-        if name.endswith("attn_q.weight"):
+        if arch == "llama" and name.endswith("attn_q.weight"):
             arr = llamacpp_permute(arr, HEADS)
-        elif name.endswith("attn_k.weight"):
+        elif arch == "llama" and name.endswith("attn_k.weight"):
             arr = llamacpp_permute(arr, KV)
-        qt = qtypes[name.split(".", 2)[-1] if name.startswith("blk.") else name]
+        qt = qtypes.get(name.split(".", 2)[-1] if name.startswith("blk.") else name, Q.F32)
         if qt == Q.F32:
             w.add_tensor(name, arr)
         elif qt == Q.F16:
@@ -169,15 +182,31 @@ def test_unpermute_is_exact_for_float_weights(tmp_path):
     assert lm.chat_template == TEMPLATE and lm.name == "f32" and lm.tokenizer is None
 
 
-def test_logits_match_transformers_on_same_gguf(tmp_path, make_tiny_arch, paged_runner):
-    """transformers un-permutes q/k its own way; both must give the same logits."""
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_logits_match_transformers_on_same_gguf(tmp_path, paged_runner, arch):
+    """transformers reads the GGUF its own way (q/k un-permute, biases, q/k norms); logits must agree."""
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     path = tmp_path / "tiny.gguf"
-    write_tiny_gguf(path, with_tokenizer=True)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
-                                                           dtype=torch.float32).eval()
+    weights = write_tiny_gguf(path, with_tokenizer=True, arch=arch)
+    if arch != "qwen3":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    else:
+        # transformers' GGUF path ignores qwen3.attention.key_length (it keeps head_dim 128), so
+        # build the reference from an explicit config and the quantize->dequantize weights instead.
+        cfg = transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=H, intermediate_size=FFN,
+                                       num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV,
+                                       head_dim=HD, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+        hf = transformers.Qwen3ForCausalLM(cfg).eval()
+        sd = {}
+        for name, arr in weights.items():
+            qt = QTYPES.get(gguf_name(name).split(".", 2)[-1] if "layers" in name else gguf_name(name), Q.F32)
+            sd[name] = torch.from_numpy(roundtrip(arr, qt))
+        hf.load_state_dict(sd, strict=True)
     lm = load_model(str(path), with_tokenizer=False)
+    assert lm.arch.attention_bias == (arch == "qwen2") and lm.arch.qk_norm == (arch == "qwen3")
     ids = [5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 11, 12, 13]
     with torch.no_grad():
         want = hf(torch.tensor([ids])).logits[0]

@@ -111,3 +111,20 @@ def test_greedy_tokens_and_logits_match_transformers(ours, hf_model, prompt_ids,
         assert got == want, f"prompt of {len(ids)} tokens: {got} != {want}"
         diff = (res["first_logits"] - want_logits).abs().max().item()
         assert diff < 2e-3, f"prompt of {len(ids)} tokens: max |logit diff| {diff}"
+
+
+def test_gguf_tokenizer_cache_roundtrip(ours, tmp_path, monkeypatch):
+    """The tokenizer converted from the GGUF and the cached copy encode and template identically."""
+    from tokenmill.engine.tokenizer import load_tokenizer
+
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    fresh = load_tokenizer(ours.path)            # converts, then writes the cache
+    assert any((tmp_path / "tokenizers").iterdir())
+    cached = load_tokenizer(ours.path)           # reads the cache
+    text = "Hello, world! Ünïcödé and   spaces\n\tand code: def f(x): return x**2"
+    assert fresh(text).input_ids == cached(text).input_ids == ours.tokenizer(text).input_ids
+    msgs = [{"role": "user", "content": "Hi"}]
+    render = lambda t: t.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)  # noqa: E731
+    assert render(fresh) == render(cached)
+    assert render(cached).endswith("<|im_start|>assistant\n") and "You are a helpful AI assistant" in render(cached)
+    assert cached.eos_token_id == 2
