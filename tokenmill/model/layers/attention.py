@@ -43,8 +43,10 @@ class AttentionMetadata:
         max_query_len: ``max(query_lens)``.
         max_seq_len: ``max(seq_lens_list)``.
         block_size: tokens per cache block.
-        cache: scratch space the backend fills once per step with derived
-            tensors (shared by all layers); callers leave it empty.
+        cache: scratch space the backend fills on the first layer with
+            derived tensors (gather indices, masks) shared by all layers;
+            callers leave it empty and build a new metadata object per step
+            (or clear it before reusing one).
     """
 
     slot_mapping: torch.Tensor
