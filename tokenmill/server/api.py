@@ -336,6 +336,8 @@ async def _first_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]) -> t
         first = await merged.__anext__()
     except EngineDeadError as e:
         raise APIError(f"engine is not running: {e}", 503) from None
+    except ValueError as e:  # e.g. a request_id that is already in use
+        raise APIError(str(e), 400, param="request_id") from None
     except StopAsyncIteration:  # pragma: no cover - generate always yields a final delta
         raise APIError("request produced no output", 500) from None
     if first[1].error:
@@ -510,6 +512,8 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
                     finish[gi] = (c.finish_reason, c.stop_reason)
     except EngineDeadError as e:
         raise APIError(f"engine is not running: {e}", 503) from None
+    except ValueError as e:  # e.g. a request_id that is already in use
+        raise APIError(str(e), 400, param="request_id") from None
     finally:
         await merged.aclose()
     choices = []
@@ -637,6 +641,8 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
                     finish[c.index] = (c.finish_reason, c.stop_reason)
     except EngineDeadError as e:
         raise APIError(f"engine is not running: {e}", 503) from None
+    except ValueError as e:  # e.g. a request_id that is already in use
+        raise APIError(str(e), 400, param="request_id") from None
     finally:
         await merged.aclose()
     choices = []
