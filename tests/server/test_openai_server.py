@@ -157,14 +157,17 @@ def test_disconnect_mid_stream_frees_everything(server: ServerProc, model: str) 
     with httpx.Client(timeout=60) as h:
         with h.stream("POST", server.url + "/v1/completions", json=body) as r:
             n = 0
-            for line in r.iter_lines():
+            lines = r.iter_lines()
+            for line in lines:
                 if line.startswith("data: "):
                     n += 1
                 if n >= 3:
+                    # Scrape while still connected (leaving the loop closes the connection).
+                    mid = _metrics(server)
                     break
-            mid = _metrics(server)
             assert mid["tokenmill:num_requests_running"] == 1
             assert mid["tokenmill:kv_cache_usage_perc"] > idle["tokenmill:kv_cache_usage_perc"]
+            lines.close()  # disconnect mid-stream
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         m = _metrics(server)
