@@ -183,3 +183,12 @@ def test_cheap_per_token(tok):
     out = "".join(d.update([t]) for t in ids) + d.finish()
     assert out == decode(tok, ids)
     assert len(ids) > 300 and counting.max_len <= 8  # a small window, not the whole output
+
+
+def test_output_cut_inside_a_character_drops_the_partial_bytes(tok):
+    ids = tok.encode("ok 🎉")
+    # Cut the output after a token that holds only part of the emoji's bytes.
+    cut = next(i for i in range(1, len(ids)) if decode(tok, ids[:i]).endswith("\ufffd"))
+    d, deltas = stream(tok, ids[:cut])
+    assert "\ufffd" not in "".join(deltas)
+    assert "".join(deltas) == d.output_text == decode(tok, ids[:cut]).rstrip("\ufffd")

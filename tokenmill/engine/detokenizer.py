@@ -121,10 +121,10 @@ class IncrementalDetokenizer:
 
         Returns:
             The remaining text: held-back stop-string prefixes and any
-            characters still pending in the decode window (for ids that never
-            complete a character this is the tokenizer's own U+FFFD, exactly
-            what ``tokenizer.decode`` gives). "" after a stop match or a second
-            call.
+            characters still pending in the decode window. Trailing ids that
+            never complete a character (the output was cut mid-character) are
+            dropped, so the text never ends in U+FFFD. "" after a stop match or
+            a second call.
         """
         if self.stop_matched is not None or self._finished:
             return ""
@@ -147,6 +147,10 @@ class IncrementalDetokenizer:
         window = self.token_ids[self._prefix :]
         known = self._decode(self.token_ids[self._prefix : self._read]) if self._read > self._prefix else ""
         text = self._decode(window)
+        if final:
+            # The output ended inside a character (e.g. max_tokens cut an emoji): drop the
+            # incomplete bytes rather than emit U+FFFD.
+            text = text.rstrip(_REPLACEMENT)
         if len(text) <= len(known) or (text.endswith(_REPLACEMENT) and not final):
             return ""  # nothing new, or a character is still incomplete
         self._prefix, self._read = self._read, len(self.token_ids)
