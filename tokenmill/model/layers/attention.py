@@ -16,6 +16,7 @@ arXiv 2403.02310 §4). :class:`TorchAttentionBackend` is portable torch code
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -129,9 +130,10 @@ def build_attention_metadata(num_computed_tokens: Sequence[int], query_lens: Seq
     return md, torch.from_numpy(positions).to(device)
 
 
-class AttentionBackend:
+class AttentionBackend(abc.ABC):
     """The attention interface the model calls once per layer per step."""
 
+    @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write new K/V into the cache, then attend causally over each request's context.
@@ -147,7 +149,6 @@ class AttentionBackend:
         Returns:
             ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
         """
-        raise NotImplementedError
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
