@@ -54,6 +54,7 @@ class ModelConfig:
     seed: int = _f(0, "Global random seed for requests that give no seed.")
     served_model_name: str | None = _f(None, "Model name reported by /v1/models and accepted in requests (default: the model file's stem).")
     enforce_eager: bool = _f(True, "Run the model eagerly (no torch.compile of the step).")
+    compile_sizes: str | None = _f(None, "Padded token counts captured for the compiled step when --enforce-eager is off, comma-separated (default: 1,2,4,...,512 up to --max-num-batched-tokens).")
 
 
 @dataclass(frozen=True)

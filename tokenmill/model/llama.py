@@ -80,14 +80,63 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_out, residual)``, each ``[num_tokens, hidden_size]``; their sum is the block output."""
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, md)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        q, k, v, residual = pre_attention(self, x, residual, cos, sin)
+        o = self.self_attn.backend.forward(q, k, v, kv_cache, md, self.self_attn.scale)
+        return post_attention(self, o, residual)
+
+
+def pre_attention(layer: LlamaDecoderLayer, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The dense part of a block before attention: (add and) norm, fused q/k/v GEMM, q/k norm, RoPE.
+
+    A plain function of the layer (not a method) so that one ``torch.compile``
+    of it serves every layer: the layer's weights are graph inputs, not
+    constants, and all layers share one graph per input shape.
+
+    Args:
+        layer: the decoder block.
+        x: ``[num_tokens, hidden_size]`` the previous block's MLP output (or the embeddings).
+        residual: ``[num_tokens, hidden_size]`` the residual stream, None for the first block.
+        cos, sin: ``[num_tokens, 1, rotary_dim]`` from :meth:`RotaryEmbedding.cos_sin`.
+
+    Returns:
+        ``q`` ``[num_tokens, num_heads, head_dim]``, ``k``/``v``
+        ``[num_tokens, num_kv_heads, head_dim]`` and the updated residual.
+    """
+    if residual is None:
+        residual = x
+        h = layer.input_layernorm(x)
+    else:
+        h, residual = layer.input_layernorm(x, residual)
+    a = layer.self_attn
+    t = h.shape[0]
+    q, k, v = a.qkv_proj(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
+    q = q.view(t, a.num_heads, a.head_dim)
+    k = k.view(t, a.num_kv_heads, a.head_dim)
+    v = v.view(t, a.num_kv_heads, a.head_dim)
+    if a.qk_norm:
+        q = a.q_norm(q)
+        k = a.k_norm(k)
+    q = RotaryEmbedding.apply(q, cos, sin)
+    k = RotaryEmbedding.apply(k, cos, sin)
+    return q, k, v, residual
+
+
+def post_attention(layer: LlamaDecoderLayer, o: torch.Tensor, residual: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The dense part after attention: o_proj, residual add and norm, SwiGLU MLP.
+
+    Args:
+        o: ``[num_tokens, num_heads, head_dim]`` attention output.
+        residual: ``[num_tokens, hidden_size]``.
+
+    Returns:
+        ``(mlp_out, residual)`` each ``[num_tokens, hidden_size]``.
+    """
+    a = layer.self_attn
+    h = a.o_proj(o.reshape(o.shape[0], a.q_size))
+    h, residual = layer.post_attention_layernorm(h, residual)
+    return layer.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -124,6 +173,7 @@ class LlamaForCausalLM(nn.Module):
             cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
             torch.tensor(cfg.rope_freq_factors, device="cpu") if cfg.rope_freq_factors is not None else None)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._pre_attention, self._post_attention = pre_attention, post_attention
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -147,10 +197,25 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
         residual = None
+        pre, post = self._pre_attention, self._post_attention
         for layer, kv_cache in zip(layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, attn_metadata)
+            q, k, v, residual = pre(layer, x, residual, cos, sin)
+            o = layer.self_attn.backend.forward(q, k, v, kv_cache, attn_metadata, layer.self_attn.scale)
+            x, residual = post(layer, o, residual)
         x, _ = self.model.norm(x, residual)
         return x
+
+    def set_dense_fns(self, pre=None, post=None) -> None:
+        """Replace the per-layer dense parts (default :func:`pre_attention` / :func:`post_attention`).
+
+        The model runner passes ``torch.compile``-d versions of the two
+        functions (each one graph shared by all layers); the paged
+        attention between them stays eager, so per-request Python in the
+        attention backend causes no graph breaks. ``None`` restores the
+        eager function.
+        """
+        self._pre_attention = pre or pre_attention
+        self._post_attention = post or post_attention
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32."""

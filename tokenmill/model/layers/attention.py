@@ -205,13 +205,50 @@ class TorchAttentionBackend(AttentionBackend):
     ``enable_gqa`` path was 2-10x slower than either.
     """
 
+    def __init__(self) -> None:
+        self._workspace: torch.Tensor | None = None
+
+    def _gather(self, kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+        """K/V rows ``kv_rows`` of the cache viewed as ``[2, slots * KVH, D]`` -> ``[2, len(kv_rows), D]``.
+
+        Copies into a workspace kept across layers and steps (grown on
+        demand): a fresh multi-megabyte tensor per layer costs page faults
+        that, measured on the 2-core CPU, took longer than the copy itself.
+        The result is only valid until the next call.
+        """
+        d = kv_cache.shape[-1]
+        n = kv_rows.numel()
+        ws = self._workspace
+        if ws is None or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device or ws.shape[1] < n:
+            ws = self._workspace = torch.empty(2, max(n, 1), d, dtype=kv_cache.dtype, device=kv_cache.device)
+        flat = kv_cache.view(2, -1, d)
+        out = ws[:, :n]
+        torch.index_select(flat[0], 0, kv_rows, out=out[0])
+        torch.index_select(flat[1], 0, kv_rows, out=out[1])
+        return out
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata, scale: float) -> torch.Tensor:
+        """See :meth:`AttentionBackend.forward`.
+
+        Rows of ``q``/``k``/``v`` beyond ``sum(md.query_lens)`` are padding
+        (a compiled step runs a fixed bucket size): their K/V are written to
+        the slots ``md.slot_mapping`` gives them (a scratch block no request
+        owns) and their output rows are zero.
+        """
         write_kv(kv_cache, k, v, md.slot_mapping)
         plan = md.cache.get("torch_plan")
         if plan is None:
             plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device)
-        dec, prefills = plan
+        dec, prefills, num_tokens = plan
+        if q.shape[0] != num_tokens:
+            out = q.new_zeros(q.shape)
+            out[:num_tokens] = self._forward(q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache,
+                                             dec, prefills, scale)
+            return out
+        return self._forward(q, k, v, kv_cache, dec, prefills, scale)
+
+    def _forward(self, q, k, v, kv_cache, dec, prefills, scale) -> torch.Tensor:
         if not prefills:
             return self._decode(q, kv_cache, dec, scale)
         out = torch.empty_like(q)
@@ -255,21 +292,19 @@ class TorchAttentionBackend(AttentionBackend):
             pad = (pos[None, :] >= sl[:, None].to(torch.long))[:, None, None, :]
             rows = None if whole else torch.tensor(starts[dec], dtype=torch.long, device=device)
             dplan = _DecodePlan(rows, kv_rows, pad, length)
-        return dplan, prefills
+        return dplan, prefills, int(starts[-1])
 
-    @staticmethod
-    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
         """One batched attention for ``B`` single-token queries ``q`` ``[B, H, D]`` -> ``[B, H, D]``."""
         b, h, d = q.shape
         kvh = kv_cache.shape[3]
-        kv = kv_cache.view(2, -1, d).index_select(1, plan.kv_rows).view(2, b, kvh, plan.length, d)
+        kv = self._gather(kv_cache, plan.kv_rows).view(2, b, kvh, plan.length, d)
         scores = torch.matmul(q.view(b, kvh, h // kvh, d), kv[0].transpose(-1, -2)).float() * scale
         scores.masked_fill_(plan.pad, float("-inf"))                     # [B, KVH, G, L]
         probs = scores.softmax(dim=-1).to(q.dtype)
         return torch.matmul(probs, kv[1]).reshape(b, h, d)
 
-    @staticmethod
-    def _prefill_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def _prefill_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                      plan: _PrefillPlan, scale: float) -> torch.Tensor:
         """Attention for one request's ``n`` new tokens ``q`` ``[n, H, D]`` over its whole context.
 
@@ -285,7 +320,7 @@ class TorchAttentionBackend(AttentionBackend):
             if g > 1:
                 ks, vs = ks.repeat_interleave(g, dim=0), vs.repeat_interleave(g, dim=0)
         else:
-            kv = kv_cache.view(2, -1, d).index_select(1, plan.kv_rows).view(2, h, -1, d)
+            kv = self._gather(kv_cache, plan.kv_rows).view(2, h, -1, d)
             ks, vs = kv[0], kv[1]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks[None], vs[None], attn_mask=plan.mask,
                                              is_causal=plan.mask is None, scale=scale)

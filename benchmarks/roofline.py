@@ -1,0 +1,232 @@
+"""Roofline: this machine's bandwidth and GEMM rates, the model's lower bound per step, and tokenmill's actual step.
+
+1. Measures memory read bandwidth (GB/s, a full-tensor sum over 1 GiB,
+   best of several) and dense GEMM rates (GFLOP/s, ``m = n = k = 2048`` by
+   default) in float32, bfloat16 and int8 (``torch._int_mm``, int32
+   accumulate), with the threads the engine core would use.
+2. From the model's bytes and FLOPs computes the lower bound of one step:
+   ``max(bytes / bandwidth, flops / gemm_rate)`` (Williams, Waterman &
+   Patterson, "Roofline", CACM 2009), where
+
+   * bytes = every weight once (the tied LM head reads the embedding) +
+     the K/V of every request's context (read) + the new K/V (written);
+   * flops = ``2 × tokens × linear weights`` (q/k/v/o, gate/up/down) +
+     ``2 × logit rows × vocab × hidden`` (LM head) + attention
+     ``4 × layers × heads × head_dim × sum(context per query token)``.
+
+   Decode steps at batch 1, 8, 32, 64 (``--context`` tokens already cached
+   per request) and a prefill of one 512-token chunk.
+3. Times :meth:`tokenmill.model.runner.ModelRunner.execute_model` on a
+   synthetic :class:`SchedulerOutput` at the same sizes (greedy sampling
+   included) and prints ``actual / bound``; for the prefill also the reached
+   share of the measured GEMM rate.
+4. Runs a real :class:`EngineCore` with 64 requests to report the share of a
+   decode step spent in the scheduler and in the runner's input preparation.
+
+    .venv/bin/python benchmarks/roofline.py --dtype bfloat16
+    .venv/bin/python benchmarks/roofline.py --dtype float32 --context 256
+
+The model defaults to the packaged SmolLM2-135M GGUF (``--model`` for another).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+# --------------------------------------------------------------------------- machine
+def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
+    """Read bandwidth in GB/s (1e9 bytes/s): best of ``reps`` sums over a ``gib`` GiB float32 tensor."""
+    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best / 1e9
+
+
+def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
+    """Dense ``n × n × n`` GEMM rate in GFLOP/s (2 n³ per product), best of ``reps``.
+
+    int8 uses ``torch._int_mm`` (int8 × int8 → int32); returns 0.0 where it is unsupported.
+    """
+    if dtype == torch.int8:
+        a = torch.randint(-64, 64, (n, n), dtype=torch.int8)
+        b = torch.randint(-64, 64, (n, n), dtype=torch.int8)
+        try:
+            def fn():
+                return torch._int_mm(a, b)
+            fn()
+        except (RuntimeError, AttributeError):
+            return 0.0
+    else:
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+
+        def fn():
+            return a @ b
+        fn()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
+
+
+# --------------------------------------------------------------------------- model cost
+def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int
+              ) -> tuple[float, float]:
+    """``(bytes, flops)`` of one step.
+
+    Args:
+        arch: :class:`~tokenmill.model.arch_config.ModelArchConfig`.
+        dtype_bytes: bytes per weight and KV element.
+        query_lens: new tokens per request.
+        contexts: tokens already cached per request (before this step).
+        sample_rows: rows that go through the LM head.
+    """
+    h, i, L = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
+    nh, kvh, d, v = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.vocab_size
+    linear = L * (h * (nh + 2 * kvh) * d + nh * d * h + 3 * h * i)       # weights in GEMMs, per layer sum
+    emb = v * h
+    tokens = sum(query_lens)
+    kv_tok = 2 * L * kvh * d * dtype_bytes
+    weight_bytes = (linear + emb + (0 if arch.tie_word_embeddings else emb)) * dtype_bytes
+    kv_bytes = sum(c + q for c, q in zip(contexts, query_lens)) * kv_tok + tokens * kv_tok
+    # attention: each query token t (0-based in its chunk) sees c + t + 1 keys; QK^T and PV are 2 flops each
+    attn_keys = sum(q * c + q * (q + 1) // 2 for c, q in zip(contexts, query_lens))
+    flops = 2 * tokens * linear + 2 * sample_rows * emb + 4 * L * nh * d * attn_keys
+    return float(weight_bytes + kv_bytes), float(flops)
+
+
+# --------------------------------------------------------------------------- tokenmill's step
+def synthetic_step(runner, query_lens: list[int], contexts: list[int], first_block: int = 0):
+    """A :class:`SchedulerOutput` with the given requests on disjoint blocks (greedy sampling)."""
+    from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+    from tokenmill.sampling_params import SamplingParams
+
+    bs = runner.block_size
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 20, ignore_eos=True)
+    reqs, nxt = [], first_block
+    g = torch.Generator().manual_seed(0)
+    for r, (q, c) in enumerate(zip(query_lens, contexts)):
+        nb = -(-(c + q) // bs)
+        blocks = list(range(nxt, nxt + nb))
+        nxt += nb
+        toks = torch.randint(3, runner.arch.vocab_size, (q,), generator=g).tolist()
+        reqs.append(ScheduledRequest(req_id=f"r{r}", token_ids=toks, num_computed_tokens=c, block_ids=blocks,
+                                     sample=True, sampling_params=params, prompt_token_ids=[1] * max(c, 1),
+                                     output_token_ids=[], new=False))
+    if nxt > runner.num_kv_blocks:
+        raise ValueError(f"step needs {nxt} blocks, pool has {runner.num_kv_blocks}")
+    return SchedulerOutput(scheduled=reqs, total_num_scheduled_tokens=sum(query_lens))
+
+
+def time_step(runner, so, reps: int) -> float:
+    """Median seconds of ``runner.execute_model(so)`` after two warm-up calls."""
+    runner.execute_model(so)
+    runner.execute_model(so)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        runner.execute_model(so)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def engine_breakdown(runner, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
+    """Run a real EngineCore with ``batch`` requests; mean seconds per decode step of each part."""
+    from tokenmill.core.engine_core import EngineCore, EngineCoreRequest
+    from tokenmill.sampling_params import SamplingParams
+
+    core = EngineCore(runner.config, executor=runner)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    g = torch.Generator().manual_seed(1)
+    for r in range(batch):
+        ids = torch.randint(3, runner.arch.vocab_size, (prompt_len,), generator=g).tolist()
+        core.add_request(EngineCoreRequest(f"e{r}", ids, params))
+    while core.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                            for r in core.scheduler.running):
+        core.step()
+    core.step()
+    rows = []
+    for _ in range(steps):
+        core.step()
+        t = getattr(runner, "last_timings", {}) or {}
+        rows.append((core._last_step_time, core._last_schedule_time, t.get("prepare", 0.0)))
+    n = len(rows)
+    return {"step": sum(r[0] for r in rows) / n, "schedule": sum(r[1] for r in rows) / n,
+            "prepare": sum(r[2] for r in rows) / n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--context", type=int, default=256, help="cached tokens per request in the decode steps")
+    ap.add_argument("--prefill", type=int, default=512, help="tokens of the prefill chunk")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gemm-n", type=int, default=2048)
+    ap.add_argument("--enforce-eager", action="store_true", help="time the eager step (no torch.compile)")
+    ap.add_argument("--skip-engine", action="store_true", help="skip the EngineCore breakdown at batch 64")
+    args = ap.parse_args()
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.model.runner import ModelRunner, configure_threads
+
+    threads = configure_threads(torch.device("cpu"))
+    batches = [int(b) for b in args.batches.split(",")]
+    dt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+
+    print(f"torch {torch.__version__}, {threads} threads, mkldnn={torch.backends.mkldnn.is_available()}")
+    bw = measure_bandwidth()
+    rates = {name: measure_gemm(d, args.gemm_n) for name, d in
+             (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.int8))}
+    print(f"memory read bandwidth: {bw:.1f} GB/s")
+    for name, r in rates.items():
+        print(f"GEMM {args.gemm_n}^3 {name:>8}: {r:.0f} GFLOP/s" + ("  (torch._int_mm)" if name == "int8" else ""))
+    gemm = rates[args.dtype]
+
+    max_ctx = max(args.context + 1, args.prefill) + 64
+    need_blocks = max(max(batches) * (-(-(args.context + 1) // 16)), -(-args.prefill // 16)) + 8
+    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_kv_blocks=need_blocks,
+                                   max_model_len=max(max_ctx, 1024), enforce_eager=args.enforce_eager,
+                                   max_num_seqs=max(batches), enable_prefix_caching=False)
+    t0 = time.perf_counter()
+    runner = ModelRunner.from_config(cfg)
+    print(f"runner ready in {time.perf_counter() - t0:.1f} s (enforce_eager={args.enforce_eager})")
+    arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
+
+    print(f"\n{'step':<22}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
+          f"{'actual ms':>10}{'ratio':>7}{'GFLOP/s':>9}")
+    cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
+    cases.append((f"prefill {args.prefill}", [args.prefill], [0]))
+    for name, ql, ctx in cases:
+        nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql))
+        t_mem, t_cmp = nbytes / (bw * 1e9), flops / (gemm * 1e9)
+        bound = max(t_mem, t_cmp)
+        actual = time_step(runner, synthetic_step(runner, ql, ctx), args.reps)
+        print(f"{name:<22}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
+              f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>6.2f}x{flops / actual / 1e9:>9.0f}")
+        if name.startswith("prefill"):
+            print(f"  prefill reaches {flops / actual / 1e9 / gemm:.0%} of the {args.dtype} GEMM rate")
+
+    if not args.skip_engine:
+        b = max(batches)
+        br = engine_breakdown(runner, b, prompt_len=args.context, steps=10)
+        print(f"\nEngineCore decode at batch {b}: step {br['step'] * 1e3:.1f} ms, scheduler+update "
+              f"{br['schedule'] * 1e3:.2f} ms ({br['schedule'] / br['step']:.1%}), input preparation "
+              f"{br['prepare'] * 1e3:.2f} ms ({br['prepare'] / br['step']:.1%}), together "
+              f"{(br['schedule'] + br['prepare']) / br['step']:.1%}")
+
+
+if __name__ == "__main__":
+    main()
