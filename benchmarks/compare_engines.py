@@ -1,0 +1,622 @@
+"""tokenmill against Hugging Face transformers (and optionally llama.cpp) on this machine.
+
+For each engine and workload, one after another (never two servers at once),
+the script starts the engine's OpenAI-compatible server as a subprocess on a
+free 127.0.0.1 port, waits for ``/health``, warms it up with a few short
+requests, and runs ``tokenmill bench serve`` (its Python API: same load
+generator, same definitions as ``vllm bench serve``) at every max
+concurrency; then it stops the server (a fresh server per workload, so no
+cache or first-request configuration carries over).
+
+Engines (same model, same dtype, same thread budget):
+
+* ``tokenmill``: ``tokenmill serve`` on the packaged SmolLM2-135M-Instruct GGUF
+  (dequantized to ``--dtype`` at load time).
+* ``transformers``: transformers' own server, ``transformers serve
+  --continuous-batching`` (paged attention, continuous batching), started via
+  ``benchmarks/hf_server.py serve``. It cannot read the GGUF file itself
+  (see ``hf_server.py``), so the same GGUF is first exported once to a Hugging
+  Face folder (dequantized float32 weights, the exact values transformers
+  computes with when loading the GGUF) and served with ``--dtype``.
+  ``hf_server.py`` adds ``data: [DONE]`` to its streams and sends the
+  role-only chat chunk with the first token, so TTFT means the same thing for
+  every engine. It has no ``ignore_eos``; the random workload sends
+  ``generation_config: {"eos_token_id": -1}`` instead (end-of-sequence
+  disabled, the same effect).
+* ``llamacpp`` (optional, ``--llama-server PATH``): ``llama-server -m GGUF``
+  with ``--parallel`` = the highest concurrency. It computes with the GGUF's
+  own quantized weights (Q4_1/Q8_0), not ``--dtype``: not the same arithmetic.
+
+Thread budget: ``--threads`` (default: all cores) for every engine:
+``OMP_NUM_THREADS``/``MKL_NUM_THREADS``/``TOKENMILL_NUM_THREADS``, and
+``--threads``/``--threads-batch`` for llama-server. Sampling is greedy
+(``temperature 0``) for every engine, so the chat workload's answers, and so
+their lengths, are comparable.
+
+Workloads:
+
+* ``random``: random 256-token prompts, 128 output tokens, ``ignore_eos``,
+  ``/v1/completions``.
+* ``mt-bench``: MT-bench first-turn prompts on ``/v1/chat/completions``,
+  ``max_tokens`` 128, stopping at end of sequence.
+
+Each cell sends ``--num-prompts`` requests (default ``max(8, 2 × concurrency)``)
+all at once, at most ``concurrency`` in flight. Reported per engine, workload
+and concurrency: output tok/s, p99 TTFT, p99 TPOT, goodput (requests meeting
+p99-free per-request SLO TTFT ≤ ``--slo-ttft-ms`` and TPOT ≤ ``--slo-tpot-ms``,
+÷ duration), and the ratios tokenmill / other. Saves
+``OUT/compare_engines.json`` (with every cell's full ``bench serve`` result
+under ``OUT/raw/``), ``OUT/compare_engines.png`` and the servers' logs.
+
+Usage::
+
+    .venv/bin/python benchmarks/compare_engines.py                       # full sweep
+    .venv/bin/python benchmarks/compare_engines.py --concurrency 1,4 --num-prompts 4 \\
+        --output-len 32 --out-dir results/compare-smoke                 # smoke run
+    .venv/bin/python benchmarks/compare_engines.py --engines tokenmill,transformers,llamacpp \\
+        --llama-server /work/llama-build/build/bin/llama-server
+    .venv/bin/python benchmarks/compare_engines.py --replot results/compare_engines.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import math
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+ENGINES = ("tokenmill", "transformers", "llamacpp")
+BASELINE = "tokenmill"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One benchmark workload: dataset, endpoint and whether EOS is ignored."""
+
+    name: str
+    dataset: str
+    endpoint: str
+    ignore_eos: bool
+
+
+WORKLOADS = {
+    "random": Workload("random", "random", "completions", True),
+    "mt-bench": Workload("mt-bench", "mt-bench", "chat", False),
+}
+
+#: Keys of a cell (one engine × workload × concurrency) shown in the table.
+CELL_KEYS = ("output_throughput", "p99_ttft_ms", "p99_tpot_ms", "request_goodput")
+
+
+# ------------------------------------------------------------ results math ---
+
+def default_num_prompts(concurrency: int, minimum: int = 8, per_slot: int = 2) -> int:
+    """Requests per cell when ``--num-prompts`` is not given: ``max(minimum, per_slot × concurrency)``."""
+    return max(minimum, per_slot * concurrency)
+
+
+def cell_from_metrics(engine: str, workload: str, concurrency: int, m: dict[str, Any]) -> dict[str, Any]:
+    """The summary of one run from ``BenchmarkMetrics.to_dict()`` (vLLM key names)."""
+    return {
+        "engine": engine, "workload": workload, "concurrency": concurrency,
+        "num_requests": int(m.get("completed", 0)) + int(m.get("failed", 0)),
+        "completed": int(m.get("completed", 0)), "failed": int(m.get("failed", 0)),
+        "duration_s": m.get("duration"),
+        "output_throughput": m.get("output_throughput"),
+        "request_throughput": m.get("request_throughput"),
+        "request_goodput": m.get("request_goodput"),
+        "good_requests": m.get("good_requests"),
+        "slo_attainment": m.get("slo_attainment"),
+        "total_output_tokens": m.get("total_output_tokens"),
+        "mean_ttft_ms": m.get("mean_ttft_ms"), "p99_ttft_ms": m.get("p99_ttft_ms"),
+        "mean_tpot_ms": m.get("mean_tpot_ms"), "p99_tpot_ms": m.get("p99_tpot_ms"),
+        "mean_itl_ms": m.get("mean_itl_ms"), "p99_itl_ms": m.get("p99_itl_ms"),
+        "max_concurrent_requests": m.get("max_concurrent_requests"),
+    }
+
+
+def _num(x: Any) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return None if math.isnan(v) else v
+
+
+def ratio(a: Any, b: Any) -> float | None:
+    """``a / b``; ``inf`` when only ``b`` is 0; ``None`` when either is missing or both are 0."""
+    a, b = _num(a), _num(b)
+    if a is None or b is None:
+        return None
+    if b == 0:
+        return None if a == 0 else math.inf
+    return a / b
+
+
+def compute_ratios(cells: Sequence[dict[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
+    """tokenmill / other for every (workload, concurrency) both engines ran.
+
+    Throughput and goodput ratios above 1 favour tokenmill; latency ratios
+    (p99 TTFT, p99 TPOT) below 1 favour tokenmill.
+    """
+    index = {(c["engine"], c["workload"], c["concurrency"]): c for c in cells}
+    out = []
+    for c in cells:
+        if c["engine"] == baseline:
+            continue
+        base = index.get((baseline, c["workload"], c["concurrency"]))
+        if base is None:
+            continue
+        if not base.get("completed") or not c.get("completed"):  # latencies of nothing: no ratio
+            out.append({"other": c["engine"], "workload": c["workload"], "concurrency": c["concurrency"],
+                        **{k: None for k in CELL_KEYS}})
+            continue
+        out.append({"other": c["engine"], "workload": c["workload"], "concurrency": c["concurrency"],
+                    **{k: ratio(base.get(k), c.get(k)) for k in CELL_KEYS}})
+    return out
+
+
+def _fmt(v: Any, spec: str) -> str:
+    v = _num(v)
+    if v is None:
+        return "—"
+    if math.isinf(v):
+        return "inf"
+    return format(v, spec)
+
+
+def format_tables(cells: Sequence[dict[str, Any]], ratios: Sequence[dict[str, Any]],
+                  slo: dict[str, float]) -> str:
+    """The printed result: one row per cell, then one row per ratio."""
+    slo_s = f"TTFT ≤ {slo.get('ttft', 0):g} ms, TPOT ≤ {slo.get('tpot', 0):g} ms"
+    lines = [f"Per engine (goodput: requests meeting {slo_s}, per s of benchmark duration)",
+             f"| {'engine':<12} | {'workload':<8} | {'conc':>4} | {'reqs':>4} | {'out tok/s':>9} | "
+             f"{'p99 TTFT ms':>11} | {'p99 TPOT ms':>11} | {'goodput req/s':>13} | {'good':>9} | {'failed':>6} |",
+             "|" + "|".join("-" * w for w in (14, 10, 6, 6, 11, 13, 13, 15, 11, 8)) + "|"]
+    order = {e: i for i, e in enumerate(ENGINES)}
+    for c in sorted(cells, key=lambda c: (c["workload"], c["concurrency"], order.get(c["engine"], 99))):
+        good = f"{c.get('good_requests') or 0}/{c.get('num_requests', 0)}"
+        lines.append(f"| {c['engine']:<12} | {c['workload']:<8} | {c['concurrency']:>4} | "
+                     f"{c.get('num_requests', 0):>4} | {_fmt(c.get('output_throughput'), '.1f'):>9} | "
+                     f"{_fmt(c.get('p99_ttft_ms'), '.0f'):>11} | {_fmt(c.get('p99_tpot_ms'), '.1f'):>11} | "
+                     f"{_fmt(c.get('request_goodput'), '.3f'):>13} | {good:>9} | {c.get('failed', 0):>6} |")
+    if ratios:
+        lines += ["", "Ratios tokenmill / other (tok/s and goodput: > 1 favours tokenmill; "
+                      "p99 TTFT and TPOT: < 1 favours tokenmill)",
+                  f"| {'other':<12} | {'workload':<8} | {'conc':>4} | {'out tok/s':>9} | {'p99 TTFT':>8} | "
+                  f"{'p99 TPOT':>8} | {'goodput':>7} |",
+                  "|" + "|".join("-" * w for w in (14, 10, 6, 11, 10, 10, 9)) + "|"]
+        for r in sorted(ratios, key=lambda r: (r["workload"], r["concurrency"], order.get(r["other"], 99))):
+            lines.append(f"| {r['other']:<12} | {r['workload']:<8} | {r['concurrency']:>4} | "
+                         f"{_fmt(r['output_throughput'], '.2f') + '×':>9} | {_fmt(r['p99_ttft_ms'], '.2f'):>8} | "
+                         f"{_fmt(r['p99_tpot_ms'], '.2f'):>8} | {_fmt(r['request_goodput'], '.2f'):>7} |")
+    return "\n".join(lines)
+
+
+def build_report(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
+    """The saved JSON document: metadata, cells, ratios."""
+    return {**meta, "cells": list(cells), "ratios": compute_ratios(cells)}
+
+
+def plot_report(doc: dict[str, Any], path: Path) -> Path:
+    """PNG: rows = workloads, columns = output tok/s, p99 TPOT, goodput, against concurrency."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = doc["cells"]
+    workloads = [w for w in WORKLOADS if any(c["workload"] == w for c in cells)] or ["random"]
+    cols = [("output_throughput", "output tok/s"), ("p99_ttft_ms", "p99 TTFT (ms)"),
+            ("p99_tpot_ms", "p99 TPOT (ms)"), ("request_goodput", "goodput (req/s)")]
+    fig, axes = plt.subplots(len(workloads), len(cols), figsize=(4.2 * len(cols), 3.4 * len(workloads)),
+                             squeeze=False)
+    slo = doc.get("slo_ms", {})
+    for i, w in enumerate(workloads):
+        for j, (key, label) in enumerate(cols):
+            ax = axes[i][j]
+            for eng in ENGINES:
+                pts = sorted((c["concurrency"], _num(c.get(key))) for c in cells
+                             if c["engine"] == eng and c["workload"] == w and _num(c.get(key)) is not None)
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=eng)
+            if key == "p99_ttft_ms" and slo.get("ttft"):
+                ax.axhline(slo["ttft"], color="grey", ls="--", lw=1, label="SLO")
+            if key == "p99_tpot_ms" and slo.get("tpot"):
+                ax.axhline(slo["tpot"], color="grey", ls="--", lw=1, label="SLO")
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("max concurrency")
+            ax.set_title(f"{w}: {label}", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            if key.endswith("_ms"):
+                ax.set_yscale("log")
+            if i == 0 and j == 0:
+                ax.legend(fontsize=8)
+    fig.suptitle(f"{doc.get('model', '')} · {doc.get('dtype', '')} · {doc.get('threads', '')} threads · "
+                 f"{doc.get('date', '')}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------- servers ---
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:  # pragma: no cover
+        return float("nan")
+
+
+@dataclass
+class Server:
+    """A server subprocess in its own process group, its log file and its URL."""
+
+    name: str
+    cmd: list[str]
+    env: dict[str, str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    _log: Any = field(default=None, repr=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float) -> float:
+        """Start and wait until ``/health`` answers 200; returns the start-up time, s."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(self.log_path, "w")
+        self._log.write("$ " + " ".join(self.cmd) + "\n")
+        self._log.flush()
+        t0 = time.perf_counter()
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
+        while time.perf_counter() - t0 < timeout_s:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during start-up; "
+                                   f"see {self.log_path}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.perf_counter() - t0
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not answer /health within {timeout_s:g} s; see {self.log_path}")
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        """SIGTERM the process group, SIGKILL after 20 s."""
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+            except ProcessLookupError:
+                pass
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
+                "TOKENMILL_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false",
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "PYTHONUNBUFFERED": "1"})
+    return env
+
+
+def make_server(engine: str, args: argparse.Namespace, gguf: Path, hf_dir: Path | None,
+                max_conc: int, log_dir: Path, tag: str = "") -> Server:
+    port = free_port()
+    env = thread_env(args.threads)
+    py = sys.executable
+    if engine == "tokenmill":
+        cmd = [py, "-m", "tokenmill.cli", "serve", "--model", str(args.tokenmill_model or gguf),
+               "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port), *args.tokenmill_args]
+    elif engine == "transformers":
+        assert hf_dir is not None
+        cmd = [py, str(REPO / "benchmarks" / "hf_server.py"), "serve", "--continuous-batching",
+               "--device", "cpu", "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
+               "--log-level", "warning", *args.transformers_args, str(hf_dir)]
+    elif engine == "llamacpp":
+        per_slot = args.llama_ctx_per_slot
+        cmd = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "--threads", str(args.threads), "--threads-batch", str(args.threads),
+               "--parallel", str(max_conc), "--ctx-size", str(per_slot * max_conc),
+               "--no-webui", *args.llama_args]
+    else:
+        raise ValueError(f"unknown engine {engine!r}")
+    return Server(engine, cmd, env, port, log_dir / f"{engine}{'-' + tag if tag else ''}.log")
+
+
+# ------------------------------------------------------------- running ---
+
+def endpoint_for(engine: str, wl: Workload, base_url: str, model: str, timeout_s: float) -> Any:
+    """The bench EndpointConfig for one engine and workload (greedy; EOS ignored as each engine allows)."""
+    from tokenmill.bench.client import EndpointConfig
+
+    extra: dict[str, Any] = {}
+    ignore_eos = wl.ignore_eos
+    if engine == "transformers" and wl.ignore_eos:
+        # transformers serve rejects unknown fields (422) such as ignore_eos; EOS -1 disables stopping.
+        ignore_eos = False
+        extra["generation_config"] = json.dumps({"eos_token_id": -1})
+    return EndpointConfig(base_url=base_url, endpoint=wl.endpoint, model=model, ignore_eos=ignore_eos,
+                          temperature=0.0, extra_body=extra, timeout_s=timeout_s)
+
+
+def run_cell(samples: list, cfg: Any, concurrency: int, tokenizer: Any, slo: dict[str, float]) -> Any:
+    from tokenmill.bench.loadgen import LoadConfig, run_benchmark
+
+    load = LoadConfig(max_concurrency=concurrency, seed=0, num_warmups=0, disable_tqdm=True,
+                      percentiles=[50.0, 90.0, 99.0], goodput=dict(slo))
+    return asyncio.run(run_benchmark(samples, cfg, load, tokenizer))
+
+
+def warm_up(engine: str, server: Server, model: str, wl: Workload, tokenizer: Any,
+            args: argparse.Namespace) -> float:
+    """A few short requests of the workload (first-request set-up: CB cache, compilation); returns s."""
+    from tokenmill.bench.datasets import build_dataset
+
+    t0 = time.perf_counter()
+    n = min(4, max(args.concurrency))
+    if wl.dataset == "random":
+        samples = build_dataset("random", tokenizer, n, input_len=args.input_len, output_len=8, seed=123)
+    else:
+        samples = build_dataset(wl.dataset, tokenizer, n, output_len=8, seed=123)
+    cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
+    res = run_cell(samples, cfg, n, tokenizer, {})
+    if res.metrics.failed:
+        errs = sorted({r.error for r in res.records if not r.success})[:3]
+        raise RuntimeError(f"{engine}: warm-up on {wl.name} failed: {errs}")
+    return time.perf_counter() - t0
+
+
+def save(doc: dict[str, Any], out_dir: Path) -> Path:
+    from tokenmill.bench.report import json_safe
+
+    path = out_dir / "compare_engines.json"
+    path.write_text(json.dumps(json_safe(doc), indent=2))
+    return path
+
+
+def machine_info() -> dict[str, Any]:
+    info: dict[str, Any] = {"hostname": platform.node(), "cpu_count": os.cpu_count(),
+                            "python": platform.python_version()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import torch
+        import transformers
+
+        info["torch"] = torch.__version__
+        info["transformers"] = transformers.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    return info
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engines", default="tokenmill,transformers",
+                   help="Comma-separated: tokenmill, transformers, llamacpp (default tokenmill,transformers; "
+                        "llamacpp needs --llama-server and is skipped without it).")
+    p.add_argument("--workloads", default="random,mt-bench", help="Comma-separated: random, mt-bench.")
+    p.add_argument("--concurrency", default="1,4,16,64", help="Max concurrency values (default 1,4,16,64).")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="Requests per cell (default max(--min-prompts, --prompts-per-slot × concurrency)).")
+    p.add_argument("--min-prompts", type=int, default=8, help="See --num-prompts (default 8).")
+    p.add_argument("--prompts-per-slot", type=int, default=2, help="See --num-prompts (default 2).")
+    p.add_argument("--input-len", type=int, default=256, help="random: prompt tokens (default 256).")
+    p.add_argument("--output-len", type=int, default=128, help="max_tokens for both workloads (default 128).")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="Compute dtype for tokenmill and transformers (default float32).")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="Threads for each engine (default: all cores).")
+    p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="Goodput SLO on TTFT (default 2000).")
+    p.add_argument("--slo-tpot-ms", type=float, default=100.0, help="Goodput SLO on TPOT (default 100).")
+    p.add_argument("--out-dir", type=Path, default=REPO / "results" / "compare_engines",
+                   help="Where the JSON, PNG, raw results and server logs go (default results/compare_engines).")
+    p.add_argument("--hf-model-dir", type=Path, default=None,
+                   help="Hugging Face folder for transformers (default: the packaged GGUF exported once to "
+                        "~/.cache/tokenmill/hf-export/<name>).")
+    p.add_argument("--tokenmill-model", default=None, help="Model for tokenmill (default: the packaged GGUF).")
+    p.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (enables llamacpp).")
+    p.add_argument("--llama-ctx-per-slot", type=int, default=1024,
+                   help="llama-server context per parallel slot, tokens (default 1024).")
+    p.add_argument("--tokenmill-args", nargs="*", default=[], help="Extra tokenmill serve flags.")
+    p.add_argument("--transformers-args", nargs="*", default=[], help="Extra transformers serve flags.")
+    p.add_argument("--llama-args", nargs="*", default=[], help="Extra llama-server flags.")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds to wait for /health.")
+    p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
+    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
+                   help="Only re-print the table and redraw the PNG from a saved JSON.")
+    args = p.parse_args(argv)
+    args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
+    bad = [e for e in args.engine_list if e not in ENGINES]
+    if bad:
+        p.error(f"unknown engine(s) {bad}; choose from {','.join(ENGINES)}")
+    args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    bad = [w for w in args.workload_list if w not in WORKLOADS]
+    if bad:
+        p.error(f"unknown workload(s) {bad}; choose from {','.join(WORKLOADS)}")
+    try:
+        args.concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
+    except ValueError:
+        p.error("--concurrency: comma-separated integers")
+    if not args.concurrency or min(args.concurrency) < 1:
+        p.error("--concurrency values must be ≥ 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
+
+    if args.replot:
+        doc = json.loads(args.replot.read_text())
+        doc["ratios"] = compute_ratios(doc["cells"])
+        print(format_tables(doc["cells"], doc["ratios"], doc.get("slo_ms", slo)))
+        print(f"Saved plot to {plot_report(doc, args.replot.with_suffix('.png'))}")
+        return 0
+
+    from tokenmill.bench.datasets import build_dataset
+    from tokenmill.bench.loadgen import fetch_models
+    from tokenmill.bench.report import result_json, save_json
+    from tokenmill.bench.tokenizer import default_gguf_path, get_tokenizer
+
+    engines = list(args.engine_list)
+    skipped: dict[str, str] = {}
+    if "llamacpp" in engines and (args.llama_server is None or not args.llama_server.is_file()):
+        skipped["llamacpp"] = ("no --llama-server given" if args.llama_server is None
+                               else f"{args.llama_server} not found")
+        engines.remove("llamacpp")
+        print(f"skipping llamacpp: {skipped['llamacpp']}")
+
+    out_dir = args.out_dir
+    (out_dir / "raw").mkdir(parents=True, exist_ok=True)
+    gguf = default_gguf_path()
+    tokenizer = get_tokenizer(str(gguf))
+
+    hf_dir = None
+    if "transformers" in engines:
+        hf_dir = args.hf_model_dir or (Path.home() / ".cache" / "tokenmill" / "hf-export" / gguf.stem)
+        if not (hf_dir / "config.json").is_file():
+            print(f"exporting {gguf.name} to {hf_dir} for transformers serve ...", flush=True)
+            subprocess.run([sys.executable, str(REPO / "benchmarks" / "hf_server.py"), "export",
+                            "--gguf", str(gguf), "--out", str(hf_dir)],
+                           env=thread_env(args.threads), check=True)
+
+    # The same requests for every engine: one sample list per (workload, size).
+    samples_cache: dict[tuple[str, int], list] = {}
+
+    def samples_for(wl: Workload, n: int) -> list:
+        key = (wl.name, n)
+        if key not in samples_cache:
+            if wl.dataset == "random":
+                samples_cache[key] = build_dataset("random", tokenizer, n, input_len=args.input_len,
+                                                   output_len=args.output_len, seed=0)
+            else:
+                samples_cache[key] = build_dataset(wl.dataset, tokenizer, n, output_len=args.output_len, seed=0)
+        return samples_cache[key]
+
+    meta: dict[str, Any] = {
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info(), "model": gguf.name, "dtype": args.dtype, "threads": args.threads,
+        "engines": engines, "skipped_engines": skipped, "workloads": args.workload_list,
+        "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
+        "num_prompts": args.num_prompts, "slo_ms": slo, "temperature": 0.0,
+        "load_average_start": load_average(), "engine_runs": {},
+    }
+    cells: list[dict[str, Any]] = []
+    max_conc = max(args.concurrency)
+    for engine in engines:
+        run_info: dict[str, Any] = {"load_average_before": load_average(), "workloads": {}}
+        meta["engine_runs"][engine] = run_info
+        for wname in args.workload_list:
+            # A fresh server per workload: no state (caches, CB config from the first request) carries over.
+            wl = WORKLOADS[wname]
+            server = make_server(engine, args, gguf, hf_dir, max_conc, out_dir / "logs", wname)
+            info: dict[str, Any] = {"command": server.cmd}
+            run_info["workloads"][wname] = info
+            print(f"\n=== {engine} / {wname}: starting {' '.join(server.cmd)}", flush=True)
+            try:
+                info["startup_s"] = server.start(args.startup_timeout)
+                models = asyncio.run(fetch_models(server.base_url))
+                model = models[0] if models else ""
+                info["model_id"] = model
+                info["warmup_s"] = warm_up(engine, server, model, wl, tokenizer, args)
+                print(f"    up in {info['startup_s']:.1f} s, warm-up {info['warmup_s']:.1f} s, "
+                      f"model id {model!r}", flush=True)
+                cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
+                for conc in args.concurrency:
+                    n = args.num_prompts or default_num_prompts(conc, args.min_prompts, args.prompts_per_slot)
+                    samples = samples_for(wl, n)
+                    la = load_average()
+                    res = run_cell(samples, cfg, conc, tokenizer, slo)
+                    m = res.metrics.to_dict()
+                    cell = cell_from_metrics(engine, wname, conc, m)
+                    cell["load_average_1m"] = la
+                    if res.metrics.failed:
+                        cell["errors"] = sorted({r.error for r in res.records if not r.success})[:5]
+                    cells.append(cell)
+                    raw = out_dir / "raw" / f"{engine}-{wname}-c{conc}.json"
+                    save_json(raw, result_json(res.metrics, res.records, res.t0, {
+                        "engine": engine, "workload": wname, "max_concurrency": conc, "model_id": model,
+                        "endpoint_type": wl.endpoint, "date": res.date, "num_prompts": n}))
+                    print(f"    {wname:<8} c={conc:<3} n={n:<4} {cell['output_throughput']:8.1f} tok/s  "
+                          f"p99 TTFT {_fmt(cell['p99_ttft_ms'], '.0f'):>7} ms  "
+                          f"p99 TPOT {_fmt(cell['p99_tpot_ms'], '.1f'):>7} ms  "
+                          f"goodput {_fmt(cell['request_goodput'], '.3f')} req/s  "
+                          f"failed {cell['failed']}  (load {la:.2f})", flush=True)
+                    if cell.get("errors"):
+                        print(f"      errors: {cell['errors']}", flush=True)
+                    save(build_report(cells, meta), out_dir)
+            except Exception as exc:  # noqa: BLE001 - record the failure, go on with the next run
+                info["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"    {engine} / {wname} FAILED: {info['error']}\n{server.log_tail(1500)}", flush=True)
+            finally:
+                server.stop()
+        run_info["load_average_after"] = load_average()
+    meta["load_average_end"] = load_average()
+    doc = build_report(cells, meta)
+    path = save(doc, out_dir)
+    print()
+    print(format_tables(cells, doc["ratios"], slo))
+    print(f"\nmachine: {meta['machine'].get('cpu', '?')}, {meta['machine']['cpu_count']} cores; "
+          f"load average {meta['load_average_start']:.2f} at start, {meta['load_average_end']:.2f} at end")
+    print(f"Saved results to {path}")
+    if cells:
+        print(f"Saved plot to {plot_report(doc, out_dir / 'compare_engines.png')}")
+    errors = [w.get("error") for r in meta["engine_runs"].values() for w in r["workloads"].values()]
+    return 0 if cells and not any(errors) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

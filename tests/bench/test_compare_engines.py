@@ -1,0 +1,164 @@
+"""benchmarks/compare_engines.py: table, ratio and JSON assembly (no servers, no model)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ce = _load("compare_engines")
+hf = _load("hf_server")
+
+
+def _metrics(tok_s: float, ttft: float, tpot: float, goodput: float, completed: int = 8, failed: int = 0,
+             good: int = 4) -> dict:
+    return {"completed": completed, "failed": failed, "duration": 10.0, "output_throughput": tok_s,
+            "request_throughput": completed / 10.0, "request_goodput": goodput, "good_requests": good,
+            "slo_attainment": good / (completed + failed), "total_output_tokens": int(tok_s * 10),
+            "mean_ttft_ms": ttft / 2, "p99_ttft_ms": ttft, "mean_tpot_ms": tpot / 2, "p99_tpot_ms": tpot}
+
+
+def test_default_num_prompts():
+    assert ce.default_num_prompts(1) == 8
+    assert ce.default_num_prompts(4) == 8
+    assert ce.default_num_prompts(16) == 32
+    assert ce.default_num_prompts(64) == 128
+    assert ce.default_num_prompts(64, minimum=4, per_slot=1) == 64
+
+
+def test_cell_from_metrics_counts_requests_and_copies_keys():
+    c = ce.cell_from_metrics("tokenmill", "random", 4, _metrics(100.0, 500.0, 40.0, 0.8, completed=7, failed=1))
+    assert (c["engine"], c["workload"], c["concurrency"]) == ("tokenmill", "random", 4)
+    assert c["num_requests"] == 8 and c["completed"] == 7 and c["failed"] == 1
+    assert c["output_throughput"] == 100.0 and c["p99_ttft_ms"] == 500.0 and c["p99_tpot_ms"] == 40.0
+    assert c["request_goodput"] == 0.8
+
+
+def test_ratio_edge_cases():
+    assert ce.ratio(300.0, 100.0) == pytest.approx(3.0)
+    assert ce.ratio(1.0, 0.0) == math.inf
+    assert ce.ratio(0.0, 0.0) is None
+    assert ce.ratio(None, 2.0) is None
+    assert ce.ratio(float("nan"), 2.0) is None
+
+
+def test_compute_ratios_pairs_by_workload_and_concurrency():
+    cells = [ce.cell_from_metrics("tokenmill", "random", 64, _metrics(300.0, 1000.0, 50.0, 2.0)),
+             ce.cell_from_metrics("transformers", "random", 64, _metrics(100.0, 4000.0, 200.0, 0.0)),
+             ce.cell_from_metrics("transformers", "random", 1, _metrics(10.0, 100.0, 90.0, 0.1)),  # no partner
+             ce.cell_from_metrics("tokenmill", "mt-bench", 64, _metrics(200.0, 800.0, 40.0, 1.0)),
+             ce.cell_from_metrics("transformers", "mt-bench", 64,
+                                  _metrics(0.0, 0.0, 0.0, 0.0, completed=0, failed=8, good=0))]
+    rs = {(r["other"], r["workload"], r["concurrency"]): r for r in ce.compute_ratios(cells)}
+    assert set(rs) == {("transformers", "random", 64), ("transformers", "mt-bench", 64)}
+    r = rs[("transformers", "random", 64)]
+    assert r["output_throughput"] == pytest.approx(3.0)
+    assert r["p99_ttft_ms"] == pytest.approx(0.25)
+    assert r["p99_tpot_ms"] == pytest.approx(0.25)
+    assert r["request_goodput"] == math.inf
+    # The other engine completed nothing: no ratios at all rather than misleading ones.
+    assert all(rs[("transformers", "mt-bench", 64)][k] is None for k in ce.CELL_KEYS)
+
+
+def test_format_tables_rows_and_ratio_lines():
+    cells = [ce.cell_from_metrics("transformers", "random", 64, _metrics(100.0, 4000.0, 200.0, 0.0, good=0)),
+             ce.cell_from_metrics("tokenmill", "random", 64, _metrics(300.0, 1000.0, 50.0, 2.0, good=8))]
+    text = ce.format_tables(cells, ce.compute_ratios(cells), {"ttft": 2000.0, "tpot": 100.0})
+    lines = text.splitlines()
+    rows = [ln for ln in lines if ln.startswith("| tokenmill") or ln.startswith("| transformers")]
+    # tokenmill first within a (workload, concurrency) group, then the ratio row.
+    assert rows[0].startswith("| tokenmill") and "300.0" in rows[0] and "8/8" in rows[0]
+    assert rows[1].startswith("| transformers") and "100.0" in rows[1] and "0/8" in rows[1]
+    assert "3.00×" in rows[2] and "0.25" in rows[2] and "inf" in rows[2]
+    assert "TTFT ≤ 2000 ms, TPOT ≤ 100 ms" in text
+
+
+def test_build_report_is_json_serialisable_and_plot_writes_png(tmp_path):
+    cells = [ce.cell_from_metrics(e, w, c, _metrics(100.0 * (3 if e == "tokenmill" else 1), 500.0, 50.0, 1.0))
+             for e in ("tokenmill", "transformers") for w in ("random", "mt-bench") for c in (1, 4)]
+    doc = ce.build_report(cells, {"model": "m.gguf", "dtype": "float32", "threads": 2,
+                                  "slo_ms": {"ttft": 2000.0, "tpot": 100.0}})
+    assert len(doc["ratios"]) == 4 and all(r["output_throughput"] == pytest.approx(3.0) for r in doc["ratios"])
+    path = ce.save(doc, tmp_path)
+    again = json.loads(path.read_text())
+    assert again["cells"] == json.loads(json.dumps(cells))
+    png = ce.plot_report(again, tmp_path / "chart.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_parse_args_lists_and_validation():
+    a = ce.parse_args(["--concurrency", "16,1,4,4", "--engines", "tokenmill,transformers,llamacpp"])
+    assert a.concurrency == [1, 4, 16]
+    assert a.engine_list == ["tokenmill", "transformers", "llamacpp"]
+    assert a.workload_list == ["random", "mt-bench"] and a.dtype == "float32"
+    with pytest.raises(SystemExit):
+        ce.parse_args(["--engines", "vllm"])
+    with pytest.raises(SystemExit):
+        ce.parse_args(["--concurrency", "0"])
+
+
+def test_transformers_endpoint_replaces_ignore_eos():
+    rnd, chat = ce.WORKLOADS["random"], ce.WORKLOADS["mt-bench"]
+    cfg = ce.endpoint_for("transformers", rnd, "http://x", "m", 10.0)
+    body = cfg.payload("hi", 4)
+    assert "ignore_eos" not in body and json.loads(body["generation_config"]) == {"eos_token_id": -1}
+    assert body["temperature"] == 0.0
+    assert ce.endpoint_for("tokenmill", rnd, "http://x", "m", 10.0).payload("hi", 4)["ignore_eos"] is True
+    assert "generation_config" not in ce.endpoint_for("transformers", chat, "http://x", "m", 10.0).extra_body
+
+
+# ------------------------------------------------------------ hf_server shim ---
+
+def _run_asgi(app, bodies: list[bytes], ctype: bytes = b"text/event-stream") -> list[dict]:
+    import asyncio
+
+    async def inner(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype)]})
+        for b in bodies:
+            await send({"type": "http.response.body", "body": b, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    sent: list[dict] = []
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def receive():  # pragma: no cover - not used
+        return {"type": "http.disconnect"}
+
+    asyncio.run(app(inner)({"type": "http"}, receive, send))
+    return sent
+
+
+def test_sse_shim_holds_role_chunk_and_appends_done():
+    role = b'data: {"choices":[{"delta":{"role":"assistant"},"index":0}]}\n\n'
+    tok = b'data: {"choices":[{"delta":{"content":"Hi"},"index":0}]}\n\n'
+    sent = _run_asgi(hf.SSEFixMiddleware, [role, tok])
+    bodies = [m["body"] for m in sent if m["type"] == "http.response.body"]
+    assert bodies[0] == role + tok                     # the role chunk travels with the first token
+    assert b"".join(bodies).endswith(b"data: [DONE]\n\n")
+    assert sent[-1]["more_body"] is False
+
+
+def test_sse_shim_leaves_completions_and_json_alone():
+    tok = b'data: {"choices":[{"text":" Paris","index":0}]}\n\n'
+    bodies = [m["body"] for m in _run_asgi(hf.SSEFixMiddleware, [tok]) if m["type"] == "http.response.body"]
+    assert bodies == [tok, b"data: [DONE]\n\n"]
+    js = [m["body"] for m in _run_asgi(hf.SSEFixMiddleware, [b'{"a": 1}'], ctype=b"application/json")
+          if m["type"] == "http.response.body"]
+    assert js == [b'{"a": 1}', b""]
