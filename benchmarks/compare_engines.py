@@ -235,7 +235,9 @@ def plot_report(doc: dict[str, Any], path: Path) -> Path:
             ax = axes[i][j]
             for eng in ENGINES:
                 pts = sorted((c["concurrency"], _num(c.get(key))) for c in cells
-                             if c["engine"] == eng and c["workload"] == w and _num(c.get(key)) is not None)
+                             if c["engine"] == eng and c["workload"] == w and c.get("completed")
+                             and _num(c.get(key)) is not None
+                             and not (key.endswith("_ms") and not _num(c.get(key))))
                 if pts:
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=eng)
             if key == "p99_ttft_ms" and slo.get("ttft"):
@@ -243,6 +245,9 @@ def plot_report(doc: dict[str, Any], path: Path) -> Path:
             if key == "p99_tpot_ms" and slo.get("tpot"):
                 ax.axhline(slo["tpot"], color="grey", ls="--", lw=1, label="SLO")
             ax.set_xscale("log", base=2)
+            concs = sorted({c["concurrency"] for c in cells})
+            ax.set_xticks(concs)
+            ax.set_xticklabels([str(x) for x in concs])
             ax.set_xlabel("max concurrency")
             ax.set_title(f"{w}: {label}", fontsize=10)
             ax.grid(True, alpha=0.3)
