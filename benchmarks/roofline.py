@@ -24,7 +24,7 @@
    decode step spent in the scheduler and in the runner's input preparation.
 
     .venv/bin/python benchmarks/roofline.py --dtype bfloat16
-    .venv/bin/python benchmarks/roofline.py --dtype float32 --context 256
+    .venv/bin/python benchmarks/roofline.py --dtype float32 --context 256 --compile
 
 The model defaults to the packaged SmolLM2-135M GGUF (``--model`` for another).
 """
@@ -175,7 +175,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gemm-n", type=int, default=2048)
-    ap.add_argument("--enforce-eager", action="store_true", help="time the eager step (no torch.compile)")
+    ap.add_argument("--compile", action="store_true",
+                    help="also capture the compiled step at the measured sizes and time it side by side")
     ap.add_argument("--skip-engine", action="store_true", help="skip the EngineCore breakdown at batch 64")
     args = ap.parse_args()
 
@@ -198,26 +199,45 @@ def main() -> None:
     max_ctx = max(args.context + 1, args.prefill) + 64
     need_blocks = max(max(batches) * (-(-(args.context + 1) // 16)), -(-args.prefill // 16)) + 8
     cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_kv_blocks=need_blocks,
-                                   max_model_len=max(max_ctx, 1024), enforce_eager=args.enforce_eager,
+                                   max_model_len=max(max_ctx, 1024), enforce_eager=True,
                                    max_num_seqs=max(batches), enable_prefix_caching=False)
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(cfg)
-    print(f"runner ready in {time.perf_counter() - t0:.1f} s (enforce_eager={args.enforce_eager})")
+    print(f"runner ready in {time.perf_counter() - t0:.1f} s")
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
 
-    print(f"\n{'step':<22}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
-          f"{'actual ms':>10}{'ratio':>7}{'GFLOP/s':>9}")
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
     cases.append((f"prefill {args.prefill}", [args.prefill], [0]))
-    for name, ql, ctx in cases:
+    steps = [synthetic_step(runner, ql, ctx) for _, ql, ctx in cases]
+    eager = [time_step(runner, so, args.reps) for so in steps]
+    compiled = None
+    if args.compile:
+        sizes = sorted({sum(ql) for _, ql, _ in cases})
+        t0 = time.perf_counter()
+        runner.capture(sizes)
+        print(f"compiled step captured for {sizes} in {time.perf_counter() - t0:.1f} s")
+        compiled = [time_step(runner, so, args.reps) for so in steps]
+        # eager again, interleaved, so both columns see the same machine load
+        runner.model.set_dense_fns(None, None)
+        saved, runner.compile_buckets = runner.compile_buckets, []
+        eager = [min(a, time_step(runner, so, args.reps)) for a, so in zip(eager, steps)]
+        runner.compile_buckets = saved
+
+    print(f"\n{'step':<22}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
+          f"{'eager ms':>10}{'ratio':>7}{'GFLOP/s':>9}" + (f"{'compiled':>10}{'ratio':>7}" if compiled else ""))
+    for k, (name, ql, ctx) in enumerate(cases):
         nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql))
         t_mem, t_cmp = nbytes / (bw * 1e9), flops / (gemm * 1e9)
         bound = max(t_mem, t_cmp)
-        actual = time_step(runner, synthetic_step(runner, ql, ctx), args.reps)
-        print(f"{name:<22}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
-              f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>6.2f}x{flops / actual / 1e9:>9.0f}")
+        actual = eager[k]
+        line = (f"{name:<22}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
+                f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>6.2f}x{flops / actual / 1e9:>9.0f}")
+        if compiled:
+            line += f"{compiled[k] * 1e3:>10.2f}{compiled[k] / bound:>6.2f}x"
+        print(line)
         if name.startswith("prefill"):
-            print(f"  prefill reaches {flops / actual / 1e9 / gemm:.0%} of the {args.dtype} GEMM rate")
+            best = min(actual, compiled[k]) if compiled else actual
+            print(f"  prefill reaches {flops / best / 1e9 / gemm:.0%} of the measured {args.dtype} GEMM rate")
 
     if not args.skip_engine:
         b = max(batches)

@@ -24,6 +24,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tokenmill.model.layers import paged_attention_cpu
+
 
 @dataclass
 class AttentionMetadata:
@@ -163,9 +165,12 @@ class _DecodePlan:
     """Per-step gather indices for the batched decode group (shared by all layers)."""
 
     rows: torch.Tensor | None    # [B] token rows of the decode requests (None: the whole batch)
-    kv_rows: torch.Tensor        # [B * KVH * L] int64 rows of the cache viewed as [slots * KVH, D]
-    pad: torch.Tensor            # [B, 1, 1, L] bool, True past the request's context
+    block_tables: torch.Tensor   # [B, max_blocks] int32 of the group
+    seq_lens: torch.Tensor       # [B] int32 of the group
     length: int                  # L: longest decode context in the group
+    kernel: bool                 # served by the fused CPU kernel (no gather indices built)
+    kv_rows: torch.Tensor | None = None  # [B * KVH * L] int64 rows of the cache viewed as [slots * KVH, D]
+    pad: torch.Tensor | None = None      # [B, 1, 1, L] bool, True past the request's context
 
 
 @dataclass
@@ -203,9 +208,21 @@ class TorchAttentionBackend(AttentionBackend):
     row-granular gather + matmuls take 6.9 ms against 10.5 ms for a
     block-granular gather followed by a head permute, and SDPA's
     ``enable_gqa`` path was 2-10x slower than either.
+
+    On CPU with float32/bfloat16 the decode group instead goes to the fused
+    kernel of :mod:`tokenmill.model.layers.paged_attention_cpu`, which reads
+    K/V straight from the block pool (no gather copy): 2-2.8x faster than
+    the gather + matmuls over 30 layers at B = 32, L = 257, measured side by
+    side. ``use_cpu_kernel=False`` (or a failed kernel build) keeps the torch
+    path; CUDA always takes the torch path until a fused GPU kernel is added
+    behind :class:`AttentionBackend`.
+
+    Args:
+        use_cpu_kernel: allow the fused CPU decode kernel.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, use_cpu_kernel: bool = True) -> None:
+        self.use_cpu_kernel = use_cpu_kernel
         self._workspace: torch.Tensor | None = None
 
     def _gather(self, kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
@@ -239,7 +256,8 @@ class TorchAttentionBackend(AttentionBackend):
         write_kv(kv_cache, k, v, md.slot_mapping)
         plan = md.cache.get("torch_plan")
         if plan is None:
-            plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device)
+            use_kernel = self.use_cpu_kernel and paged_attention_cpu.supports(q, kv_cache)
+            plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device, use_kernel)
         dec, prefills, num_tokens = plan
         if q.shape[0] != num_tokens:
             out = q.new_zeros(q.shape)
@@ -260,7 +278,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _plan(md: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device):
+    def _plan(md: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device,
+              use_kernel: bool = False):
         """Split requests into the batched decode group and per-request prefills; build gather indices."""
         bs = md.block_size
         starts = np.zeros(md.num_reqs + 1, dtype=np.int64)
@@ -285,17 +304,20 @@ class TorchAttentionBackend(AttentionBackend):
             bt = md.block_tables if whole else md.block_tables[torch.tensor(dec, device=device)]
             sl = md.seq_lens if whole else md.seq_lens[torch.tensor(dec, device=device)]
             length = max(md.seq_lens_list[i] for i in dec)
-            pos = torch.arange(length, device=device)
-            slots = bt[:, pos // bs].to(torch.long) * bs + pos % bs                        # [B, L]
-            kvh = torch.arange(num_kv_heads, device=device)
-            kv_rows = (slots[:, None, :] * num_kv_heads + kvh[None, :, None]).reshape(-1)  # [B*KVH*L]
-            pad = (pos[None, :] >= sl[:, None].to(torch.long))[:, None, None, :]
             rows = None if whole else torch.tensor(starts[dec], dtype=torch.long, device=device)
-            dplan = _DecodePlan(rows, kv_rows, pad, length)
+            dplan = _DecodePlan(rows, bt, sl, length, kernel=use_kernel)
+            if not use_kernel:
+                pos = torch.arange(length, device=device)
+                slots = bt[:, pos // bs].to(torch.long) * bs + pos % bs                        # [B, L]
+                kvh = torch.arange(num_kv_heads, device=device)
+                dplan.kv_rows = (slots[:, None, :] * num_kv_heads + kvh[None, :, None]).reshape(-1)  # [B*KVH*L]
+                dplan.pad = (pos[None, :] >= sl[:, None].to(torch.long))[:, None, None, :]
         return dplan, prefills, int(starts[-1])
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
         """One batched attention for ``B`` single-token queries ``q`` ``[B, H, D]`` -> ``[B, H, D]``."""
+        if plan.kernel:
+            return paged_attention_cpu.paged_decode(q, kv_cache, plan.block_tables, plan.seq_lens, scale)
         b, h, d = q.shape
         kvh = kv_cache.shape[3]
         kv = self._gather(kv_cache, plan.kv_rows).view(2, b, kvh, plan.length, d)

@@ -1,0 +1,68 @@
+"""The fused CPU paged-attention decode kernel against the torch gather + matmul path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenmill.model.layers import paged_attention_cpu
+from tokenmill.model.layers.attention import TorchAttentionBackend, build_attention_metadata
+
+pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler for the CPU kernel")
+
+
+def decode_case(b: int, heads: int, kv_heads: int, d: int, block: int, dtype, seed: int = 0):
+    """A decode batch with mixed context lengths on shuffled blocks; returns the inputs of one layer."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    lens = [rng.randint(1, 70) for _ in range(b)]
+    nb = sum(-(-n // block) for n in lens) + 3
+    free = list(range(nb))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-n // block))] for n in lens]
+    cache = torch.randn(2, nb, block, kv_heads, d, generator=g).to(dtype)
+    md, _ = build_attention_metadata([n - 1 for n in lens], [1] * b, tables, block)
+    q = torch.randn(b, heads, d, generator=g).to(dtype)
+    k = torch.randn(b, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(b, kv_heads, d, generator=g).to(dtype)
+    return q, k, v, cache, md, build_attention_metadata([n - 1 for n in lens], [1] * b, tables, block)[0]
+
+
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 16), (4, 2, 64), (9, 3, 64), (8, 2, 128), (6, 3, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_torch_decode(heads, kv_heads, d, dtype):
+    q, k, v, cache, md, md2 = decode_case(7, heads, kv_heads, d, 4, dtype)
+    cache2 = cache.clone()
+    fused = TorchAttentionBackend(use_cpu_kernel=True)
+    plain = TorchAttentionBackend(use_cpu_kernel=False)
+    got = fused.forward(q, k, v, cache, md, d ** -0.5)
+    want = plain.forward(q, k, v, cache2, md2, d ** -0.5)
+    assert md.cache["torch_plan"][0].kernel and not md2.cache["torch_plan"][0].kernel
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(cache, cache2)
+
+
+def test_kernel_reads_a_strided_block_table_and_the_mixed_batch_decode_group():
+    """Block tables as a column slice of a wider buffer (the runner's layout) and decodes mixed with a prefill."""
+    torch.manual_seed(0)
+    block, kvh, heads, d = 4, 2, 4, 64
+    cache = torch.randn(2, 20, block, kvh, d)
+    wide = torch.zeros(3, 16, dtype=torch.int32)
+    wide[0, :3] = torch.tensor([5, 9, 2])
+    wide[1, :1] = torch.tensor([7])
+    lens = torch.tensor([10, 3], dtype=torch.int32)
+    q = torch.randn(2, heads, d)
+    got = paged_attention_cpu.paged_decode(q, cache, wide[:2, :3], lens, 0.125)
+    want = paged_attention_cpu.paged_decode(q, cache, wide[:2, :3].contiguous(), lens, 0.125)
+    torch.testing.assert_close(got, want)
+    # mixed: request 0 prefills 5 tokens, requests 1 and 2 decode
+    md, _ = build_attention_metadata([0, 9, 2], [5, 1, 1], [[1, 3], [5, 9, 2], [7]], block)
+    md2, _ = build_attention_metadata([0, 9, 2], [5, 1, 1], [[1, 3], [5, 9, 2], [7]], block)
+    qm, km, vm = torch.randn(7, heads, d), torch.randn(7, kvh, d), torch.randn(7, kvh, d)
+    c2 = cache.clone()
+    out = TorchAttentionBackend(True).forward(qm, km, vm, cache, md, 0.125)
+    ref = TorchAttentionBackend(False).forward(qm, km, vm, c2, md2, 0.125)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
