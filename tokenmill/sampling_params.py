@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -19,7 +20,7 @@ class SamplingParams:
             token's probability; 0 disables.
         repetition_penalty: CTRL-style penalty (Keskar et al. 2019, §4.1) on
             tokens seen in prompt or output: logits > 0 are divided by it,
-            < 0 multiplied; 1 disables.
+            < 0 multiplied; 1 disables; allowed range [0.01, 100].
         presence_penalty: subtracted once from the logit of every token that
             appeared in the output (OpenAI semantics), in [-2, 2].
         frequency_penalty: subtracted per occurrence in the output, in [-2, 2].
@@ -71,6 +72,10 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Check ranges; raise ``ValueError`` naming the bad field."""
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
         if not isinstance(self.n, int) or self.n < 1:
             raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if self.temperature < 0:
@@ -79,8 +84,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (0.01 <= self.repetition_penalty <= 100):
+            raise ValueError(f"repetition_penalty must be in [0.01, 100], got {self.repetition_penalty}")
         if not (-2 <= self.presence_penalty <= 2):
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         if not (-2 <= self.frequency_penalty <= 2):
@@ -91,6 +96,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and not (0 <= self.seed < 2**63):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):

@@ -160,7 +160,11 @@ class EngineCore:
         if scheduler_output.is_empty:
             # Nothing to run, but requests may still finish (e.g. max_tokens == 0 at admission).
             return outputs + self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
-        runner_output = self.executor.execute_model(scheduler_output)
+        try:
+            runner_output = self.executor.execute_model(scheduler_output)
+        except Exception as e:  # noqa: BLE001 - one bad batch must not take the engine down
+            logger.exception("model step failed; failing the %d requests of this step", len(scheduler_output.scheduled))
+            return outputs + self._fail_step(scheduler_output, e)
         t2 = time.perf_counter()
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
         t3 = time.perf_counter()
@@ -168,6 +172,17 @@ class EngineCore:
         self._last_step_time = t3 - t0
         self._last_schedule_time = (t1 - t0) + (t3 - t2)
         return outputs
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
+        """Finish every request of a failed step with an error output; their blocks return to the pool."""
+        ids = [s.req_id for s in scheduler_output.scheduled]
+        reqs = [self.scheduler.requests.get(i) for i in ids]
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
+        now = time.time()
+        return [EngineCoreOutput(req_id=i, finish_reason="error", error=f"internal error in the model step: {error}",
+                                 arrival_time=r.arrival_time if r else None, finished_time=now,
+                                 num_prompt_tokens=r.num_prompt_tokens if r else 0)
+                for i, r in zip(ids, reqs)]
 
     def get_stats(self) -> EngineStats:
         """Snapshot for /metrics, logging and admission control."""

@@ -62,8 +62,6 @@ class IncrementalDetokenizer:
         self.token_ids: list[int] = []
         self._stops: list[str] = list(params.stop)
         self._max_stop_len = max((len(s) for s in self._stops), default=0)
-        # Every prefix of every stop string (the full strings included).
-        self._stop_prefixes = {s[:i] for s in self._stops for i in range(1, len(s) + 1)}
         self._min_tokens = params.min_tokens
         # Window over token_ids: [prefix, read) is already text; [read, len) is not yet.
         self._prefix = 0
@@ -188,11 +186,18 @@ class IncrementalDetokenizer:
         return best
 
     def _held_back(self) -> int:
-        """Length of the longest suffix of ``_pending`` that is a prefix of a stop string."""
-        for n in range(min(len(self._pending), self._max_stop_len), 0, -1):
-            if self._pending[-n:] in self._stop_prefixes:
-                return n
-        return 0
+        """Length of the longest suffix of ``_pending`` that is a prefix of a stop string.
+
+        O(len(pending) × number of stops) comparisons per call and no per-prefix
+        tables, so a very long stop string costs memory linear in its length.
+        """
+        pending, best = self._pending, 0
+        for s in self._stops:
+            for n in range(min(len(pending), len(s)), best, -1):
+                if s.startswith(pending[-n:]):
+                    best = n
+                    break
+        return best
 
     def _emit(self, n: int) -> str:
         delta, self._pending = self._pending[:n], self._pending[n:]

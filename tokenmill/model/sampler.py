@@ -134,6 +134,10 @@ class Sampler:
         params = [r.sampling_params for r in reqs]
         logits = logits.float()
         logits = self._apply_penalties(logits, reqs)
+        # Extreme penalties or a numerically broken model can give inf/NaN logits: keep every row a valid
+        # distribution so a bad request can never produce an out-of-vocabulary id.
+        # (1e30 stays finite after division by any allowed temperature, >= 1e-5.)
+        logits = torch.nan_to_num(logits, nan=-1e30, posinf=1e30, neginf=-1e30)
 
         device = logits.device
         greedy = [p.greedy for p in params]
@@ -168,7 +172,7 @@ class Sampler:
                 token_ids = logits.argmax(dim=-1)
                 token_ids[idx] = choice
 
-        ids = token_ids.tolist()
+        ids = token_ids.clamp_(0, logits.shape[1] - 1).tolist()
         out_lp: list[TokenLogprobs | None] = [None] * len(reqs)
         if want_lp:
             assert lp_logits is not None
