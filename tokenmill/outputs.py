@@ -67,6 +67,8 @@ class RequestOutput:
         num_cached_tokens: prompt tokens served from the prefix cache.
         metrics: timing of the request.
         error: message when the request was rejected or failed.
+        error_code: 400 (the request can never be served) or 500 (the engine
+            failed while running it); meaningful only when ``error`` is set.
     """
 
     request_id: str
@@ -77,3 +79,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
+    error_code: int = 400

@@ -99,12 +99,25 @@ def make_slow_fake_executor(config) -> FakeExecutor:
     return ex
 
 
-def make_crashing_executor(config) -> FakeExecutor:
-    """An executor whose every step raises (the core reports the error and exits)."""
+def make_raising_executor(config) -> FakeExecutor:
+    """An executor whose every step raises: the core fails that step's requests and keeps running."""
     ex = make_fake_executor(config)
 
     def boom(so):
         raise RuntimeError("simulated model failure")
+
+    ex.execute_model = boom  # type: ignore[method-assign]
+    return ex
+
+
+def make_crashing_executor(config) -> FakeExecutor:
+    """An executor whose first step kills the engine core process (as a segfault or the OOM killer would)."""
+    ex = make_fake_executor(config)
+
+    def boom(so):
+        import os
+
+        os._exit(1)
 
     ex.execute_model = boom  # type: ignore[method-assign]
     return ex

@@ -314,3 +314,32 @@ async def test_dead_engine_gives_503():
     finally:
         await client.aclose()
         engine.shutdown()
+
+
+async def test_failing_model_step_is_500_and_engine_stays_up():
+    engine, state, client = await _start(_config(), "make_raising_executor")
+    try:
+        for stream in (False, True):
+            r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 3,
+                                                           "stream": stream})
+            # The failure comes before the first token, so even a stream gets a plain JSON error.
+            assert r.status_code == 500, r.text
+            assert "simulated model failure" in r.json()["error"]["message"]
+        assert engine.is_healthy
+        assert (await client.get("/health")).status_code == 200
+    finally:
+        await client.aclose()
+        engine.shutdown()
+
+
+async def test_request_larger_than_admission_cap_is_400_not_429():
+    cfg = _config().replace(max_num_waiting_requests=2)
+    engine, state, client = await _start(cfg)
+    try:
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 2, "n": 3})
+        assert r.status_code == 400 and "max-num-waiting-requests" in r.json()["error"]["message"]
+        ok = await client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 2, "n": 2})
+        assert ok.status_code == 200, ok.text
+    finally:
+        await client.aclose()
+        engine.shutdown()

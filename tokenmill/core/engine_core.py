@@ -179,7 +179,7 @@ class EngineCore:
         reqs = [self.scheduler.requests.get(i) for i in ids]
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ERROR)
         now = time.time()
-        return [EngineCoreOutput(req_id=i, finish_reason="error", error=f"internal error in the model step: {error}",
+        return [EngineCoreOutput(req_id=i, finish_reason="error", error=f"internal error in the model step: {error}", error_code=500,
                                  arrival_time=r.arrival_time if r else None, finished_time=now,
                                  num_prompt_tokens=r.num_prompt_tokens if r else 0)
                 for i, r in zip(ids, reqs)]

@@ -128,6 +128,8 @@ class EngineCoreOutput:
         stop_reason: the stop token id that ended it, if any.
         num_cached_tokens: prompt tokens served from the prefix cache.
         error: message when ``finish_reason == 'error'``.
+        error_code: HTTP-style status of that error: 400 for a request that
+            can never be served, 500 for a failure inside the engine.
         arrival_time, first_scheduled_time, first_token_time, finished_time:
             ``time.time()`` seconds (None when not reached).
         num_prompt_tokens: prompt length in tokens.
@@ -141,6 +143,7 @@ class EngineCoreOutput:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: int = 400
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

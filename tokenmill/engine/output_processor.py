@@ -44,6 +44,7 @@ class _RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: str | None = None
+    error_code: int = 400
 
     @property
     def finished(self) -> bool:
@@ -149,7 +150,7 @@ class OutputProcessor:
                 ch.finish_reason = out.finish_reason
                 ch.stop_reason = out.stop_reason
                 if out.error:
-                    st.error = out.error
+                    st.error, st.error_code = out.error, out.error_code
             if ch.finish_reason is not None:
                 delta.finish_reason, delta.stop_reason = ch.finish_reason, ch.stop_reason
                 m.finished_time = out.finished_time or now
@@ -159,7 +160,8 @@ class OutputProcessor:
             results.append(RequestOutput(
                 request_id=rid, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                 outputs=[deltas[i] for i in sorted(deltas)], finished=st.finished,
-                num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error))
+                num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error,
+                error_code=st.error_code))
         return results, stop_ids
 
     def final_output(self, request_id: str) -> RequestOutput:
@@ -175,4 +177,5 @@ class OutputProcessor:
                                       logprobs=list(c.logprobs) if st.params.logprobs is not None else None,
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                      for c in sorted(st.choices.values(), key=lambda c: c.index)],
-            finished=st.finished, num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error)
+            finished=st.finished, num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error,
+            error_code=st.error_code)

@@ -206,6 +206,13 @@ def _admit(state: ServerState, new_requests: int, new_tokens: int) -> None:
         raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
     if not state.admission.enabled:
         return
+    adm = state.admission
+    if adm.max_waiting_requests is not None and new_requests > adm.max_waiting_requests:
+        raise APIError(f"this request needs {new_requests} sequences (prompts x n) but at most "
+                       f"{adm.max_waiting_requests} may wait (--max-num-waiting-requests); send fewer", param="n")
+    if adm.max_waiting_tokens is not None and new_tokens > adm.max_waiting_tokens:
+        raise APIError(f"this request adds {new_tokens} prompt tokens (prompts x n) but at most "
+                       f"{adm.max_waiting_tokens} may wait (--max-num-waiting-tokens); send fewer", param="n")
     waiting, waiting_tokens = state.engine.waiting_load()
     refusal = state.admission.check(waiting, waiting_tokens, new_requests, new_tokens)
     if refusal is not None:
@@ -216,8 +223,16 @@ def _request_id(prefix: str, given: str | None) -> str:
     return f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
 
 
-def _encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
-    return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+# Texts longer than this are tokenized in a worker thread so the event loop keeps serving
+# other requests (health checks, streams) while a huge prompt is encoded.
+_INLINE_ENCODE_CHARS = 4096
+
+
+async def _encode(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    if len(text) <= _INLINE_ENCODE_CHARS:
+        return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    ids = await asyncio.to_thread(state.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+    return list(ids)
 
 
 def _render_chat(state: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
@@ -342,7 +357,7 @@ async def _first_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]) -> t
         raise APIError("request produced no output", 500) from None
     if first[1].error:
         await merged.aclose()
-        raise APIError(first[1].error, 400)
+        raise APIError(first[1].error, first[1].error_code)
     return first
 
 
@@ -409,7 +424,7 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
     prompts: list[tuple[str | None, list[int]]] = []
     for it in items:
         if isinstance(it, str):
-            prompts.append((it, _encode(state, it, body.add_special_tokens)))
+            prompts.append((it, await _encode(state, it, body.add_special_tokens)))
         else:
             _check_token_ids(state, it)
             prompts.append((None, list(it)))
@@ -455,7 +470,7 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
                         except StopAsyncIteration:
                             break
                     if out.error:
-                        raise APIError(out.error, 400)
+                        raise APIError(out.error, out.error_code)
                     usage.add(i, out)
                     choices = []
                     for c in out.outputs:
@@ -501,7 +516,7 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
     try:
         async for i, out in merged:
             if out.error:
-                raise APIError(out.error, 400)
+                raise APIError(out.error, out.error_code)
             usage.add(i, out)
             for c in out.outputs:
                 gi = i * n + c.index
@@ -556,7 +571,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
     _check_priority(state, body.priority)
     prompt = _render_chat(state, body.messages, body.add_generation_prompt, body.continue_final_message,
                           body.chat_template, body.chat_template_kwargs)
-    ids = _encode(state, prompt, body.add_special_tokens)
+    ids = await _encode(state, prompt, body.add_special_tokens)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     mt = _resolve_max_tokens(state, len(ids), body.requested_max_tokens, param)
     params = body.sampling_params(mt, body.num_logprobs)
@@ -589,7 +604,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
                         except StopAsyncIteration:
                             break
                     if out.error:
-                        raise APIError(out.error, 400)
+                        raise APIError(out.error, out.error_code)
                     usage.add(0, out)
                     choices = []
                     for c in out.outputs:
@@ -631,7 +646,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
     try:
         async for _, out in merged:
             if out.error:
-                raise APIError(out.error, 400)
+                raise APIError(out.error, out.error_code)
             usage.add(0, out)
             for c in out.outputs:
                 texts.setdefault(c.index, []).append(c.text)
@@ -753,11 +768,11 @@ def build_app(state: ServerState) -> FastAPI:
         _check_model(state, body.model)
         if body.prompt is not None:
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = _encode(state, body.prompt, add)
+            ids = await _encode(state, body.prompt, add)
         else:
             text = _render_chat(state, body.messages or [], body.add_generation_prompt,
                                 body.continue_final_message)
-            ids = _encode(state, text, bool(body.add_special_tokens))
+            ids = await _encode(state, text, bool(body.add_special_tokens))
         ts = state.token_strings
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": [ts.get(t)[0] for t in ids] if body.return_token_strs and ts else None}
