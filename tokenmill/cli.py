@@ -68,9 +68,18 @@ def _flat(config) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     """The full ``tokenmill`` argument parser."""
-    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: an LLM serving engine built for goodput.")
-    parser.add_argument("--log-level", default="INFO", help="Logging level.")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--log-level", default=argparse.SUPPRESS,
+                        help="Logging level: DEBUG, INFO, WARNING, ERROR [default: INFO].")
+    parser = argparse.ArgumentParser(prog="tokenmill", description="tokenmill: an LLM serving engine built for goodput.",
+                                     parents=[common])
     sub = parser.add_subparsers(dest="command", required=True)
+    _orig_add_parser = sub.add_parser
+
+    def add_parser(name: str, **kw):  # every sub-command also takes --log-level (before or after it)
+        return _orig_add_parser(name, parents=[common, *kw.pop("parents", [])], **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
     from tokenmill.server.cli_args import add_serve_args
 
     serve = sub.add_parser("serve", help="Run the OpenAI-compatible API server.",
@@ -99,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tokenmill`` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO),
+    logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "INFO")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func = getattr(args, "func", None)
     if func is None:

@@ -61,12 +61,13 @@ class SampleRequest:
 
 
 def default_mt_bench_path() -> Path:
-    """``shared/data/mt_bench_questions.jsonl`` next to (or inside) the checkout."""
+    """The MT-bench questions: ``shared/data/mt_bench_questions.jsonl`` next to (or inside) the
+    checkout when present, else the copy bundled in ``tokenmill/bench/data``."""
     repo = Path(__file__).resolve().parents[2]
     for cand in (repo.parent / "shared" / "data", repo / "shared" / "data"):
         if (cand / "mt_bench_questions.jsonl").is_file():
             return cand / "mt_bench_questions.jsonl"
-    return repo.parent / "shared" / "data" / "mt_bench_questions.jsonl"
+    return Path(__file__).resolve().parent / "data" / "mt_bench_questions.jsonl"
 
 
 # ----------------------------------------------------------------- tokens ---
