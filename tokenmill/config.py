@@ -53,7 +53,7 @@ class ModelConfig:
     max_model_len: int | None = _f(None, "Maximum context length in tokens (prompt + output). Default: the model's own context length.")
     seed: int = _f(0, "Global random seed for requests that give no seed.")
     served_model_name: str | None = _f(None, "Model name reported by /v1/models and accepted in requests (default: the model file's stem).")
-    enforce_eager: bool = _f(True, "Run the model eagerly (no torch.compile of the step).")
+    enforce_eager: bool = _f(True, "Run the model eagerly (no torch.compile of the step). On by default: on the 2-core CPU the compiled dense step was no faster than eager (decode B=32 bf16: 251 vs 236 ms; benchmarks/roofline.py --compile) and costs ~45-60 s of start-up.")
     compile_sizes: str | None = _f(None, "Padded token counts captured for the compiled step when --enforce-eager is off, comma-separated (default: 1,2,4,...,512 up to --max-num-batched-tokens).")
 
 

@@ -19,7 +19,11 @@ planning would otherwise break the graph). A step is padded to the next
 bucket; padding rows write their K/V to a scratch block that no request owns
 (the pool has ``num_kv_blocks + 1`` blocks, the last one never handed to the
 scheduler) and their output rows are dropped. Steps larger than the largest
-bucket run eagerly.
+bucket run eagerly. Measured on the 2-core CPU (``benchmarks/roofline.py
+--compile``, eager and compiled timed in one run): no gain at any size (the
+step is GEMM- and attention-bound, Inductor fuses only the cheap elementwise
+ops) and 45-60 s to capture five buckets, so eager stays the default. On CUDA
+the same hook is where CUDA graphs (``mode="reduce-overhead"``) would go.
 """
 
 from __future__ import annotations
@@ -395,8 +399,8 @@ def configure_allocator(device: torch.device) -> bool:
     pages and trims the heap top above ``M_TRIM_THRESHOLD``; a decode step
     allocates and frees megabyte-sized activations per layer, so each one
     page-faults anew. Raising both thresholds to 256/512 MiB made a batch-32
-    decode step of SmolLM2-135M ~15-25% faster on the 2-core CPU (measured
-    side by side, see benchmarks/roofline.py). Off with ``TOKENMILL_MALLOC_TUNING=0``.
+    decode step of SmolLM2-135M 13% (bfloat16) to 26% (float32) faster on
+    the 2-core CPU (one thread, same load, process pairs run back to back). Off with ``TOKENMILL_MALLOC_TUNING=0``.
 
     Returns:
         True when the thresholds were set.
