@@ -67,6 +67,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import signal
 import socket
 import subprocess
@@ -349,6 +350,29 @@ def thread_env(threads: int) -> dict[str, str]:
     return env
 
 
+#: SmolLM2-135M KV bytes per token per byte of dtype: 2 (K, V) × 30 layers × 3 KV heads × 64 head dim.
+KV_ELEMS_PER_TOKEN = 2 * 30 * 3 * 64
+#: transformers continuous batching: tokens per cache page (``ContinuousBatchingConfig.page_size`` default).
+CB_PAGE_SIZE = 256
+
+
+def transformers_cb_args(args: argparse.Namespace) -> list[str]:
+    """``--cb-num-blocks``/``--cb-max-batch-tokens`` matching tokenmill's defaults (1 GiB KV, 2048 tokens/step).
+
+    Left to itself on CPU, transformers sizes its paged cache and attention-mask
+    buffers from free *system* memory (a 14 GiB process was seen on this
+    24 GiB shared machine). Skipped when ``--transformers-args`` sets them.
+    """
+    given = " ".join(args.transformers_args)
+    out: list[str] = []
+    if "--cb-num-blocks" not in given:
+        per_token = KV_ELEMS_PER_TOKEN * (4 if args.dtype == "float32" else 2)
+        out += ["--cb-num-blocks", str(max(1, int(args.kv_cache_gib * 2**30) // (per_token * CB_PAGE_SIZE)))]
+    if "--cb-max-batch-tokens" not in given:
+        out += ["--cb-max-batch-tokens", str(args.max_batch_tokens)]
+    return out
+
+
 def make_server(engine: str, args: argparse.Namespace, gguf: Path, hf_dir: Path | None,
                 max_conc: int, log_dir: Path, tag: str = "") -> Server:
     port = free_port()
@@ -361,7 +385,7 @@ def make_server(engine: str, args: argparse.Namespace, gguf: Path, hf_dir: Path 
         assert hf_dir is not None
         cmd = [py, str(REPO / "benchmarks" / "hf_server.py"), "serve", "--continuous-batching",
                "--device", "cpu", "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning", *args.transformers_args, str(hf_dir)]
+               "--log-level", "warning", *transformers_cb_args(args), *args.transformers_args, str(hf_dir)]
     elif engine == "llamacpp":
         per_slot = args.llama_ctx_per_slot
         cmd = [str(args.llama_server), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
@@ -474,9 +498,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--llama-server", type=Path, default=None, help="llama-server binary (enables llamacpp).")
     p.add_argument("--llama-ctx-per-slot", type=int, default=1024,
                    help="llama-server context per parallel slot, tokens (default 1024).")
-    p.add_argument("--tokenmill-args", nargs="*", default=[], help="Extra tokenmill serve flags.")
-    p.add_argument("--transformers-args", nargs="*", default=[], help="Extra transformers serve flags.")
-    p.add_argument("--llama-args", nargs="*", default=[], help="Extra llama-server flags.")
+    p.add_argument("--kv-cache-gib", type=float, default=1.0,
+                   help="KV cache size for transformers' continuous batching, GiB (default 1, tokenmill's default).")
+    p.add_argument("--max-batch-tokens", type=int, default=2048,
+                   help="Tokens per step for transformers' continuous batching (default 2048, tokenmill's "
+                        "--max-num-batched-tokens default).")
+    p.add_argument("--tokenmill-args", type=shlex.split, default=[],
+                   help="Extra tokenmill serve flags as one string, e.g. --tokenmill-args='--flag value'.")
+    p.add_argument("--transformers-args", type=shlex.split, default=[],
+                   help="Extra transformers serve flags as one string, e.g. --transformers-args='--flag value'.")
+    p.add_argument("--llama-args", type=shlex.split, default=[],
+                   help="Extra llama-server flags as one string, e.g. --llama-args='--flag value'.")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds to wait for /health.")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
     p.add_argument("--replot", type=Path, default=None, metavar="JSON",

@@ -162,3 +162,11 @@ def test_sse_shim_leaves_completions_and_json_alone():
     js = [m["body"] for m in _run_asgi(hf.SSEFixMiddleware, [b'{"a": 1}'], ctype=b"application/json")
           if m["type"] == "http.response.body"]
     assert js == [b'{"a": 1}', b""]
+
+
+def test_transformers_cb_args_match_tokenmill_defaults():
+    a = ce.parse_args([])
+    assert ce.transformers_cb_args(a) == ["--cb-num-blocks", str(2**30 // (46080 * 256)),
+                                          "--cb-max-batch-tokens", "2048"]
+    b = ce.parse_args(["--dtype", "bfloat16", "--transformers-args=--cb-max-batch-tokens 512"])
+    assert ce.transformers_cb_args(b) == ["--cb-num-blocks", str(2**30 // (23040 * 256))]
