@@ -88,7 +88,8 @@ def main() -> None:
 
     tok = load_tokenizer(default_model_path())
     prompts = load_prompts(args.num_prompts)
-    prompts_ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
+    prompts_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                      tokenize=False), add_special_tokens=False)
                    for p in prompts]
     print(f"{len(prompts_ids)} prompts, mean {sum(map(len, prompts_ids)) / len(prompts_ids):.0f} input tokens, "
           f"{args.output_len} output tokens each, dtype {args.dtype}, {torch.get_num_threads()} threads")

@@ -199,3 +199,12 @@ def test_n_greater_than_one_and_timings(llm: LLM) -> None:
     assert all(len(c.token_ids) == 8 for c in out.outputs)
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+def test_bad_prompts_raise_value_error(llm: LLM) -> None:
+    for bad in ([49152], [-1], ["a", "b"]):
+        with pytest.raises(ValueError, match="token ids"):
+            llm.generate([bad], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], SamplingParams(max_tokens=2))
+    assert not llm.engine_core.has_unfinished_requests()

@@ -76,7 +76,8 @@ class LLM:
             still run.
 
         Raises:
-            ValueError: mismatched lengths, or an empty prompt.
+            ValueError: mismatched lengths, an empty prompt, or token ids
+                outside the vocabulary.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -111,6 +112,9 @@ class LLM:
             text, token_ids = prompt, self.tokenizer.encode(prompt)
         else:
             text, token_ids = None, list(prompt)
+            vocab = self.engine_core.executor.arch.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not token_ids:
             raise ValueError("prompt must not be empty")
         child_ids = self.processor.add_request(rid, text, token_ids, params)
