@@ -361,6 +361,43 @@ async def _first_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]) -> t
     return first
 
 
+async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], usage: Any, n: int
+                   ) -> tuple[dict[int, list[str]], dict[int, list[int]], dict[int, list], dict[int, tuple[str | None, Any]]]:
+    """Drain a merged stream for a non-streamed response.
+
+    Choice ``c`` of prompt ``i`` gets the global index ``i * n + c`` (``n``
+    choices per prompt; chat has one prompt). Returns per global index the
+    text pieces, token ids, logprobs and ``(finish_reason, stop_reason)``.
+
+    Raises:
+        APIError: the request failed (its own status), the engine is dead
+            (503), or the request id is in use (400).
+    """
+    texts: dict[int, list[str]] = {}
+    token_ids: dict[int, list[int]] = {}
+    lps: dict[int, list] = {}
+    finish: dict[int, tuple[str | None, Any]] = {}
+    try:
+        async for i, out in merged:
+            if out.error:
+                raise APIError(out.error, out.error_code)
+            usage.add(i, out)
+            for c in out.outputs:
+                gi = i * n + c.index
+                texts.setdefault(gi, []).append(c.text)
+                token_ids.setdefault(gi, []).extend(c.token_ids)
+                lps.setdefault(gi, []).extend(c.logprobs or [])
+                if c.finish_reason is not None:
+                    finish[gi] = (c.finish_reason, c.stop_reason)
+    except EngineDeadError as e:
+        raise APIError(f"engine is not running: {e}", 503) from None
+    except ValueError as e:  # e.g. a request_id that is already in use
+        raise APIError(str(e), 400, param="request_id") from None
+    finally:
+        await merged.aclose()
+    return texts, token_ids, lps, finish
+
+
 async def _close_quietly(agen: Any) -> None:
     try:
         await agen.aclose()
@@ -509,28 +546,7 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     # Non-streaming: collect everything.
-    texts: dict[int, list[str]] = {}
-    token_ids: dict[int, list[int]] = {}
-    lps: dict[int, list] = {}
-    finish: dict[int, tuple[str | None, Any]] = {}
-    try:
-        async for i, out in merged:
-            if out.error:
-                raise APIError(out.error, out.error_code)
-            usage.add(i, out)
-            for c in out.outputs:
-                gi = i * n + c.index
-                texts.setdefault(gi, []).append(c.text)
-                token_ids.setdefault(gi, []).extend(c.token_ids)
-                lps.setdefault(gi, []).extend(c.logprobs or [])
-                if c.finish_reason is not None:
-                    finish[gi] = (c.finish_reason, c.stop_reason)
-    except EngineDeadError as e:
-        raise APIError(f"engine is not running: {e}", 503) from None
-    except ValueError as e:  # e.g. a request_id that is already in use
-        raise APIError(str(e), 400, param="request_id") from None
-    finally:
-        await merged.aclose()
+    texts, token_ids, lps, finish = await _collect(merged, usage, n)
     choices = []
     for gi in sorted(texts):
         i = gi // n
@@ -639,27 +655,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-    texts: dict[int, list[str]] = {}
-    token_ids: dict[int, list[int]] = {}
-    lps: dict[int, list] = {}
-    finish: dict[int, tuple[str | None, Any]] = {}
-    try:
-        async for _, out in merged:
-            if out.error:
-                raise APIError(out.error, out.error_code)
-            usage.add(0, out)
-            for c in out.outputs:
-                texts.setdefault(c.index, []).append(c.text)
-                token_ids.setdefault(c.index, []).extend(c.token_ids)
-                lps.setdefault(c.index, []).extend(c.logprobs or [])
-                if c.finish_reason is not None:
-                    finish[c.index] = (c.finish_reason, c.stop_reason)
-    except EngineDeadError as e:
-        raise APIError(f"engine is not running: {e}", 503) from None
-    except ValueError as e:  # e.g. a request_id that is already in use
-        raise APIError(str(e), 400, param="request_id") from None
-    finally:
-        await merged.aclose()
+    texts, token_ids, lps, finish = await _collect(merged, usage, n=1)
     choices = []
     for idx in sorted(texts):
         fr, sr = finish.get(idx, (None, None))
