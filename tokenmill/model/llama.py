@@ -53,6 +53,17 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``; writes this step's K/V to ``kv_cache``."""
+        q, k, v = self.project_qkv(x, cos, sin)
+        o = self.backend.forward(q, k, v, kv_cache, md, self.scale)
+        return self.o_proj(o.reshape(x.shape[0], self.q_size))
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """QKV projection, optional q/k RMSNorm (Qwen3) and RoPE.
+
+        ``x`` ``[num_tokens, hidden_size]`` -> q ``[num_tokens, num_heads, head_dim]``,
+        k and v ``[num_tokens, num_kv_heads, head_dim]``.
+        """
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -61,10 +72,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q = RotaryEmbedding.apply(q, cos, sin)
-        k = RotaryEmbedding.apply(k, cos, sin)
-        o = self.backend.forward(q, k, v, kv_cache, md, self.scale)
-        return self.o_proj(o.reshape(t, self.q_size))
+        return RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin), v
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -108,17 +116,7 @@ def pre_attention(layer: LlamaDecoderLayer, x: torch.Tensor, residual: torch.Ten
         h = layer.input_layernorm(x)
     else:
         h, residual = layer.input_layernorm(x, residual)
-    a = layer.self_attn
-    t = h.shape[0]
-    q, k, v = a.qkv_proj(h).split([a.q_size, a.kv_size, a.kv_size], dim=-1)
-    q = q.view(t, a.num_heads, a.head_dim)
-    k = k.view(t, a.num_kv_heads, a.head_dim)
-    v = v.view(t, a.num_kv_heads, a.head_dim)
-    if a.qk_norm:
-        q = a.q_norm(q)
-        k = a.k_norm(k)
-    q = RotaryEmbedding.apply(q, cos, sin)
-    k = RotaryEmbedding.apply(k, cos, sin)
+    q, k, v = layer.self_attn.project_qkv(h, cos, sin)
     return q, k, v, residual
 
 
