@@ -172,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
             torch.tensor(cfg.rope_freq_factors, device="cpu") if cfg.rope_freq_factors is not None else None)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._pre_attention, self._post_attention = pre_attention, post_attention
+        self._logits_head: nn.Module | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -217,8 +218,20 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, w).float()
+        if self._logits_head is not None:
+            return self._logits_head(hidden).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+
+    def tied_logits_weight(self) -> torch.Tensor | None:
+        """The ``[vocab_size, hidden_size]`` embedding table when the LM head is tied to it, else None."""
+        return self.model.embed_tokens.weight if self.lm_head is None else None
+
+    def set_logits_head(self, head: nn.Module | None) -> None:
+        """Compute logits with ``head`` (``[n, hidden]`` -> ``[n, vocab]``), e.g. a packed copy of the
+        tied embedding (:func:`tokenmill.model.layers.linear.pack_linear_weights`); None restores the default."""
+        self._logits_head = head
 
     # ----------------------------------------------------------------- weights
     _STACKED = {  # checkpoint name part -> (fused param part, shard index)

@@ -42,6 +42,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.model.layers.linear import PackedLinear, pack_linear_weights
 from tokenmill.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -180,6 +181,7 @@ class ModelRunner:
         sched = config.scheduler
         self.buffers = InputBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                     sched.max_num_seqs, blocks_per_seq, device)
+        self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager)
         if not config.model.enforce_eager:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
 
@@ -215,10 +217,15 @@ class ModelRunner:
         Logs the start-up time and the resident-memory growth.
 
         Raises:
-            RuntimeError: the model has no ``set_dense_fns`` hook.
+            RuntimeError: the model has no ``set_dense_fns`` hook, or its
+                decoder linears were already packed by an eager runner
+                (Inductor cannot lower packed weights that are graph inputs).
         """
         if not hasattr(self.model, "set_dense_fns"):
             raise RuntimeError(f"{type(self.model).__name__} does not support the compiled step")
+        if any(isinstance(m, PackedLinear) for m in self.model.model.modules()):
+            raise RuntimeError("the model's decoder linears are oneDNN-packed (an eager runner packed them); "
+                               "load a fresh model for the compiled step")
         if not buckets:
             return
         from tokenmill.model import llama

@@ -1,0 +1,120 @@
+"""CPU linear layers with oneDNN-prepacked weights.
+
+``F.linear`` on CPU hands a plain row-major ``[out, in]`` weight to the GEMM
+library, which re-blocks (packs) it into its cache-friendly layout on every
+call. For decode-sized inputs (a few to a few dozen rows) that repacking
+costs as much as the multiply itself, and for the ``[vocab, hidden]`` LM head
+it dominates the step. oneDNN can do the packing once, ahead of time: the
+weight is reordered into the blocked layout its inner-product primitive
+wants (``torch.ops.mkldnn._reorder_linear_weight``) and every call then runs
+``torch.ops.mkldnn._linear_pointwise`` on it. These are the same two ops
+PyTorch's Inductor emits when it freezes a CPU model's linear weights.
+
+Measured on the 2-core AVX-512 development machine (``benchmarks/roofline.py``
+and a per-layer micro-benchmark, plain vs packed side by side): 1.3-1.7x on
+SmolLM2's q/k/v, gate/up and down GEMMs at 8-64 rows, 2-3x on its LM head,
+in float32 and (less) in bfloat16; results equal ``F.linear`` to float
+rounding (max abs difference ~1e-4 in float32, bit-equal in bfloat16).
+
+The packed weight is opaque (only ``_linear_pointwise`` reads it), so
+packing happens after the checkpoint is loaded, in the model runner. Set
+``TOKENMILL_CPU_PACKED_LINEAR=0`` to keep plain ``nn.Linear`` layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ENV_SWITCH = "TOKENMILL_CPU_PACKED_LINEAR"
+
+
+def packed_linear_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """True when oneDNN prepacking can serve ``dtype`` weights on ``device``.
+
+    Needs a CPU device, a PyTorch built with oneDNN (mkldnn) and float32 or
+    bfloat16 weights (bfloat16 only where oneDNN supports it on this CPU);
+    ``TOKENMILL_CPU_PACKED_LINEAR=0`` turns it off.
+    """
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return False
+    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+class PackedLinear(nn.Module):
+    """``y = x Wᵀ + b`` with ``W`` prepacked for oneDNN's inner product.
+
+    Args:
+        weight: ``[out_features, in_features]`` float32 or bfloat16 (CPU).
+        bias: ``[out_features]`` or None.
+
+    Raises:
+        ValueError: the weight is not a 2-D CPU float32/bfloat16 tensor.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"PackedLinear needs a 2-D CPU float32/bfloat16 weight, got "
+                             f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
+        self.out_features, self.in_features = weight.shape
+        self.dtype = weight.dtype
+        with torch.no_grad():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[..., in_features]`` (weight dtype) -> ``[..., out_features]``."""
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed=oneDNN"
+
+
+def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
+    """Replace every CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place.
+
+    ``include_layers=False`` packs only the LM head: the compiled step
+    (``torch.compile`` of the decoder blocks) passes weights as graph inputs,
+    and Inductor lowers ``_linear_pointwise`` only for frozen (constant)
+    weights.
+
+    The original weights are released. A model with a tied LM head (which
+    reads the embedding table, so it is no ``nn.Linear``) gets a packed copy
+    through its ``set_logits_head`` method, if it has one. Does nothing (and
+    returns 0) where :func:`packed_linear_available` is False.
+
+    Returns:
+        The number of layers packed (the LM head included).
+    """
+    params = list(model.parameters())
+    if not params:
+        return 0
+    p0 = params[0]
+    if not packed_linear_available(p0.device, p0.dtype):
+        return 0
+    count = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear and (include_layers or child is getattr(model, "lm_head", None)):
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                count += 1
+    tied = getattr(model, "tied_logits_weight", None)
+    head = tied() if tied is not None else None
+    if head is not None and hasattr(model, "set_logits_head"):
+        model.set_logits_head(PackedLinear(head))
+        count += 1
+    logger.info("packed %d linear layers for oneDNN (%s)", count, p0.dtype)
+    return count
