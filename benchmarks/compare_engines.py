@@ -440,6 +440,53 @@ def warm_up(engine: str, server: Server, model: str, wl: Workload, tokenizer: An
     return time.perf_counter() - t0
 
 
+def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokenizer: Any,
+                   slo: dict[str, float], args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+    """DistServe goodput of one engine on ``wl``: ``search_goodput`` over Poisson-arrival probes.
+
+    Each probe sends the first ``max(--goodput-min-prompts, rate × --goodput-probe-s)``
+    requests of the workload (the same requests, in the same order, for
+    every engine and rate) with Poisson arrivals (seed 0) at the probed rate.
+    """
+    from tokenmill.bench.goodput_search import probe_from_metrics, search_goodput
+    from tokenmill.bench.loadgen import LoadConfig, run_benchmark
+
+    def probe(rate: float):
+        n = max(args.goodput_min_prompts, math.ceil(rate * args.goodput_probe_s))
+        load = LoadConfig(request_rate=rate, burstiness=1.0, seed=0, num_warmups=0, disable_tqdm=True,
+                          percentiles=[50.0, 90.0, 99.0], goodput=dict(slo))
+        res = asyncio.run(run_benchmark(samples_for(wl, n), cfg, load, tokenizer))
+        return probe_from_metrics(rate, res.metrics.to_dict())
+
+    def report(p) -> None:
+        print(f"    goodput probe {wl.name} rate {p.request_rate:6.3f} req/s: attainment {p.slo_attainment:.0%} "
+              f"({'pass' if p.passed else 'fail'}), p99 TTFT {p.p99_ttft_ms:.0f} ms, p99 TPOT "
+              f"{p.p99_tpot_ms:.1f} ms, {p.output_throughput:.1f} tok/s", flush=True)
+
+    res = search_goodput(probe, target=args.attainment, initial_rate=args.goodput_initial_rate,
+                         precision=args.goodput_precision, max_probes=args.goodput_max_probes, on_probe=report)
+    doc = {"engine": engine, "workload": wl.name, "goodput_req_s": res.goodput,
+           "lowest_failing_rate": res.lowest_failing_rate, "note": res.note, "attainment_target": args.attainment,
+           "slo_ms": slo, "curve": res.curve()}
+    print(f"    {engine} goodput on {wl.name}: {res.goodput:.3f} req/s ({res.note})", flush=True)
+    return doc
+
+
+def format_goodput(searches: dict[str, Any], attainment: float, slo: dict[str, float]) -> str:
+    """Goodput per engine and the ratio tokenmill / other."""
+    base = searches.get(BASELINE, {}).get("goodput_req_s")
+    lines = [f"Goodput (highest Poisson rate with ≥ {attainment:.0%} of requests meeting TTFT ≤ "
+             f"{slo.get('ttft', 0):g} ms and TPOT ≤ {slo.get('tpot', 0):g} ms)",
+             "| engine       | workload | goodput req/s | lowest failing req/s | tokenmill / engine |",
+             "|--------------|----------|---------------|----------------------|--------------------|"]
+    for eng, d in searches.items():
+        g = d["goodput_req_s"]
+        r = ratio(base, g) if eng != BASELINE else None
+        lines.append(f"| {eng:<12} | {d['workload']:<8} | {g:>13.3f} | {_fmt(d['lowest_failing_rate'], '.3f'):>20} | "
+                     f"{(_fmt(r, '.2f') + '×') if r is not None else '—':>18} |")
+    return "\n".join(lines)
+
+
 def save(doc: dict[str, Any], out_dir: Path) -> Path:
     from tokenmill.bench.report import json_safe
 
@@ -483,8 +530,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-per-slot", type=int, default=2, help="See --num-prompts (default 2).")
     p.add_argument("--input-len", type=int, default=256, help="random: prompt tokens (default 256).")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens for both workloads (default 128).")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="Compute dtype for tokenmill and transformers (default float32).")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
+                   help="Compute dtype for tokenmill and transformers (default bfloat16, tokenmill's "
+                        "dtype=auto on a CPU with native bfloat16).")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="Threads for each engine (default: all cores).")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="Goodput SLO on TTFT (default 2000).")
@@ -509,15 +557,37 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="Extra transformers serve flags as one string, e.g. --transformers-args='--flag value'.")
     p.add_argument("--llama-args", type=shlex.split, default=[],
                    help="Extra llama-server flags as one string, e.g. --llama-args='--flag value'.")
+    p.add_argument("--goodput-search", default="",
+                   help="Comma-separated engines whose goodput (DistServe, arXiv 2401.09670: the highest Poisson "
+                        "request rate at which ≥ --attainment of requests meet both SLOs) is searched on "
+                        "--goodput-workload, on the same server right after that engine's concurrency sweep "
+                        "(e.g. tokenmill,llamacpp). Empty: no search.")
+    p.add_argument("--goodput-workload", default="mt-bench", help="Workload of the goodput search (default mt-bench).")
+    p.add_argument("--attainment", type=float, default=0.9, help="SLO attainment target (default 0.9).")
+    p.add_argument("--goodput-probe-s", type=float, default=60.0,
+                   help="Each probe sends max(--goodput-min-prompts, rate × this) requests (default 60 s).")
+    p.add_argument("--goodput-min-prompts", type=int, default=24, help="See --goodput-probe-s (default 24).")
+    p.add_argument("--goodput-initial-rate", type=float, default=1.0, help="First probed rate, req/s (default 1).")
+    p.add_argument("--goodput-precision", type=float, default=0.15,
+                   help="Stop bisecting when the bracket is narrower than this × the passing rate (default 0.15).")
+    p.add_argument("--goodput-max-probes", type=int, default=8, help="Probes per engine at most (default 8).")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds to wait for /health.")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
     p.add_argument("--replot", type=Path, default=None, metavar="JSON",
                    help="Only re-print the table and redraw the PNG from a saved JSON.")
     args = p.parse_args(argv)
+    if args.goodput_search and not 0 < args.attainment <= 1:
+        p.error("--attainment must be in (0, 1]")
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
     bad = [e for e in args.engine_list if e not in ENGINES]
     if bad:
         p.error(f"unknown engine(s) {bad}; choose from {','.join(ENGINES)}")
+    args.goodput_engines = [e.strip() for e in args.goodput_search.split(",") if e.strip()]
+    bad = [e for e in args.goodput_engines if e not in args.engine_list]
+    if bad:
+        p.error(f"--goodput-search engine(s) {bad} are not in --engines")
+    if args.goodput_workload not in WORKLOADS:
+        p.error(f"unknown --goodput-workload {args.goodput_workload!r}")
     args.workload_list = [w.strip() for w in args.workloads.split(",") if w.strip()]
     bad = [w for w in args.workload_list if w not in WORKLOADS]
     if bad:
@@ -540,6 +610,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc = json.loads(args.replot.read_text())
         doc["ratios"] = compute_ratios(doc["cells"])
         print(format_tables(doc["cells"], doc["ratios"], doc.get("slo_ms", slo)))
+        if doc.get("goodput_search"):
+            print(format_goodput(doc["goodput_search"], args.attainment, doc.get("slo_ms", slo)))
         print(f"Saved plot to {plot_report(doc, args.replot.with_suffix('.png'))}")
         return 0
 
@@ -592,11 +664,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_average_start": load_average(), "engine_runs": {},
     }
     cells: list[dict[str, Any]] = []
+    searches: dict[str, Any] = {}
+    meta["goodput_search"] = searches
     max_conc = max(args.concurrency)
     for engine in engines:
+        wanted = list(args.workload_list)
+        if engine in args.goodput_engines and args.goodput_workload not in wanted:
+            wanted.append(args.goodput_workload)
         run_info: dict[str, Any] = {"load_average_before": load_average(), "workloads": {}}
         meta["engine_runs"][engine] = run_info
-        for wname in args.workload_list:
+        for wname in wanted:
             # A fresh server per workload: no state (caches, CB config from the first request) carries over.
             wl = WORKLOADS[wname]
             server = make_server(engine, args, gguf, hf_dir, max_conc, out_dir / "logs", wname)
@@ -612,7 +689,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"    up in {info['startup_s']:.1f} s, warm-up {info['warmup_s']:.1f} s, "
                       f"model id {model!r}", flush=True)
                 cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
-                for conc in args.concurrency:
+                for conc in (args.concurrency if wname in args.workload_list else []):
                     n = args.num_prompts or default_num_prompts(conc, args.min_prompts, args.prompts_per_slot)
                     samples = samples_for(wl, n)
                     la = load_average()
@@ -635,6 +712,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if cell.get("errors"):
                         print(f"      errors: {cell['errors']}", flush=True)
                     save(build_report(cells, meta), out_dir)
+                if engine in args.goodput_engines and wname == args.goodput_workload:
+                    searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args, out_dir)
+                    save(build_report(cells, meta), out_dir)
             except Exception as exc:  # noqa: BLE001 - record the failure, go on with the next run
                 info["error"] = f"{type(exc).__name__}: {exc}"
                 print(f"    {engine} / {wname} FAILED: {info['error']}\n{server.log_tail(1500)}", flush=True)
@@ -646,6 +726,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = save(doc, out_dir)
     print()
     print(format_tables(cells, doc["ratios"], slo))
+    if searches:
+        print()
+        print(format_goodput(searches, args.attainment, slo))
     print(f"\nmachine: {meta['machine'].get('cpu', '?')}, {meta['machine']['cpu_count']} cores; "
           f"load average {meta['load_average_start']:.2f} at start, {meta['load_average_end']:.2f} at end")
     print(f"Saved results to {path}")

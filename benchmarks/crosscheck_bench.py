@@ -20,6 +20,12 @@ Definitions compared (guidellm's JSON names in brackets):
   * output throughput, tok/s    [output tokens / benchmark duration]
   * request throughput, req/s   [successful requests / benchmark duration]
 
+On a small machine the load generators take CPU from the server while they
+run, and each tool does so differently (guidellm runs worker processes), which
+skews the comparison: pin the server to some cores and the clients to others
+(``taskset -c 0 tokenmill serve ...`` and ``--client-cpus 1``), and alternate
+the tools (``--rounds N``) so that slow drift of the machine averages out.
+
 guidellm is run as a subprocess with ``HF_HUB_OFFLINE=1`` and the benchmark
 tokenizer exported to a local folder. Install it in its own virtual
 environment (it pins versions of click and multidict that differ from
@@ -129,6 +135,12 @@ def compare(tm: dict[str, float], gl: dict[str, float], tolerance: float) -> tup
     return rows, ok_all
 
 
+def mean_runs(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Per-key mean of several runs' figures (counts are summed)."""
+    return {k: (sum(r[k] for r in runs) if k in ("completed", "failed", "total_output_tokens")
+                else sum(r[k] for r in runs) / len(runs)) for k in runs[0]}
+
+
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
     """The comparison as a Markdown table (for the README)."""
     lines = [header, "", "| metric | tokenmill | guidellm | difference |", "|---|---:|---:|---:|"]
@@ -153,12 +165,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--timeout", type=float, default=1800.0, help="guidellm time limit, s.")
-    ap.add_argument("--sandwich", action="store_true",
-                    help="Run tokenmill again after guidellm and compare guidellm with the mean of both "
-                         "tokenmill runs (shows drift of a noisy server or machine).")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="Alternate the tools: tokenmill, then ROUNDS x (guidellm, tokenmill); compare the mean of "
+                         "guidellm's runs with the mean of tokenmill's, and report tokenmill's own run-to-run "
+                         "spread (server or machine drift).")
+    ap.add_argument("--client-cpus", default=None,
+                    help="Pin this script and guidellm to these CPUs (e.g. '1'; Linux only), so that the load "
+                         "generators do not take CPU from a server pinned elsewhere (taskset -c 0 ...).")
     ap.add_argument("--output", default=None, help="Write the comparison (JSON) here; a .md twin is written too.")
     args = ap.parse_args(argv)
 
+    if args.client_cpus:
+        os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})   # guidellm inherits it
     if not args.guidellm or not Path(args.guidellm).exists():
         print("guidellm not found: install it (see this script's docstring) and pass --guidellm PATH",
               file=sys.stderr)
@@ -179,38 +197,36 @@ def main(argv: list[str] | None = None) -> int:
             tokenizer.save_pretrained(str(tok_dir))
             print(f"server {base_url}, model {model}, {args.num_prompts} requests, input {args.input_len}, "
                   f"output {args.output_len}, concurrency {args.concurrency}", flush=True)
-            t = time.perf_counter()
-            tm_before = run_tokenmill(base_url, model, tokenizer, args)
-            print(f"tokenmill done in {time.perf_counter() - t:.1f} s", flush=True)
-            t = time.perf_counter()
-            try:
-                gl = run_guidellm(args.guidellm, base_url, model, tok_dir, Path(tmp) / "guidellm.json", args)
-            except (RuntimeError, subprocess.TimeoutExpired) as exc:
-                print(f"guidellm failed: {exc}", file=sys.stderr)
-                return 2
-            print(f"guidellm done in {time.perf_counter() - t:.1f} s", flush=True)
-            tm_after = None
-            if args.sandwich:
+            tm_runs: list[dict[str, float]] = []
+            gl_runs: list[dict[str, float]] = []
+            for i in range(2 * args.rounds + 1):
                 t = time.perf_counter()
-                tm_after = run_tokenmill(base_url, model, tokenizer, args)
-                print(f"tokenmill (again) done in {time.perf_counter() - t:.1f} s", flush=True)
+                if i % 2 == 0:
+                    tm_runs.append(run_tokenmill(base_url, model, tokenizer, args))
+                    print(f"tokenmill run {len(tm_runs)} done in {time.perf_counter() - t:.1f} s", flush=True)
+                    continue
+                try:
+                    gl_runs.append(run_guidellm(args.guidellm, base_url, model, tok_dir,
+                                                Path(tmp) / f"guidellm{i}.json", args))
+                except (RuntimeError, subprocess.TimeoutExpired) as exc:
+                    print(f"guidellm failed: {exc}", file=sys.stderr)
+                    return 2
+                print(f"guidellm run {len(gl_runs)} done in {time.perf_counter() - t:.1f} s", flush=True)
     finally:
         if fake is not None:
             fake.stop()
-    if tm_after is not None:
-        # tokenmill ran before and after guidellm: compare with their mean, and
-        # show tokenmill's own drift (server or machine noise) between the two.
-        drift, _ = compare(tm_after, tm_before, args.tolerance)
-        print("tokenmill run-to-run drift (after vs before): " +
-              ", ".join(f"{r['metric']} {100 * r['rel_diff']:.1f}%" for r in drift))
-        tm = {k: (tm_before[k] + tm_after[k]) / 2 if isinstance(tm_before[k], float) else tm_before[k]
-              for k in tm_before}
-    else:
-        tm = tm_before
+    # tokenmill ran before and after every guidellm run: compare the means, and
+    # show tokenmill's own spread (server or machine noise) between its runs.
+    spread = {key: (max(r[key] for r in tm_runs) - min(r[key] for r in tm_runs)) / max(
+        min(r[key] for r in tm_runs), 1e-12) for _, key in COMPARED}
+    print("tokenmill run-to-run spread (max-min)/min over its runs: " +
+          ", ".join(f"{name} {100 * spread[key]:.1f}%" for name, key in COMPARED))
+    tm, gl = mean_runs(tm_runs), mean_runs(gl_runs)
     rows, ok = compare(tm, gl, args.tolerance)
     header = (f"tokenmill vs guidellm — {'fake server' if fake else base_url}, model {model}, "
               f"{args.num_prompts} requests × {args.input_len} in / {args.output_len} out, "
-              f"concurrency {args.concurrency}")
+              f"concurrency {args.concurrency}, means of {len(tm_runs)} tokenmill and {len(gl_runs)} guidellm "
+              f"runs alternated")
     md = markdown(rows, header)
     print(md)
     print(f"requests: tokenmill {tm['completed']} ok / {tm['failed']} failed; "
@@ -220,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"header": header, "rows": rows, "tokenmill": tm, "guidellm": gl,
-                                   "tokenmill_runs": [tm_before, tm_after],
+                                   "tokenmill_runs": tm_runs, "guidellm_runs": gl_runs,
+                                   "tokenmill_spread": spread,
                                    "args": vars(args)}, indent=2, default=str) + "\n")
         out.with_suffix(".md").write_text(md + "\n")
     return 0 if ok and not math.isnan(sum(r["rel_diff"] for r in rows)) else 1

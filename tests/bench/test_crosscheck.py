@@ -35,3 +35,11 @@ def test_compare_within_and_beyond_tolerance(xc):
 
 def test_missing_guidellm_exits_2(xc, tmp_path):
     assert xc.main(["--guidellm", str(tmp_path / "nope"), "--fake-server"]) == 2
+
+
+def test_mean_runs_averages_figures_and_sums_counts(xc):
+    a = {**figures(1.0), "completed": 8, "failed": 0, "total_output_tokens": 100.0}
+    b = {**figures(1.2), "completed": 7, "failed": 1, "total_output_tokens": 90.0}
+    m = xc.mean_runs([a, b])
+    assert m["ttft_mean_ms"] == pytest.approx(55.0) and m["output_throughput"] == pytest.approx(330.0)
+    assert m["completed"] == 15 and m["failed"] == 1 and m["total_output_tokens"] == 190.0

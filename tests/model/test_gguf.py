@@ -174,7 +174,7 @@ def test_dequantized_weights_match_gguf_codecs_and_unpermute(tiny_gguf):
 def test_unpermute_is_exact_for_float_weights(tmp_path):
     path = tmp_path / "f32.gguf"
     weights = write_tiny_gguf(path, {k: Q.F32 for k in QTYPES})
-    lm = load_model(str(path), with_tokenizer=False)
+    lm = load_model(str(path), dtype="float32", with_tokenizer=False)
     attn = lm.model.model.layers[1].self_attn
     q, k, _ = attn.qkv_proj.weight.split([HEADS * HD, KV * HD, KV * HD])
     assert torch.equal(q, torch.from_numpy(weights["model.layers.1.self_attn.q_proj.weight"]))
@@ -205,7 +205,7 @@ def test_logits_match_transformers_on_same_gguf(tmp_path, paged_runner, arch):
             qt = QTYPES.get(gguf_name(name).split(".", 2)[-1] if "layers" in name else gguf_name(name), Q.F32)
             sd[name] = torch.from_numpy(roundtrip(arr, qt))
         hf.load_state_dict(sd, strict=True)
-    lm = load_model(str(path), with_tokenizer=False)
+    lm = load_model(str(path), dtype="float32", with_tokenizer=False)
     assert lm.arch.attention_bias == (arch == "qwen2") and lm.arch.qk_norm == (arch == "qwen3")
     ids = [5, 17, 3, 88, 42, 9, 61, 2, 33, 70, 11, 12, 13]
     with torch.no_grad():

@@ -132,8 +132,14 @@ def test_unknown_architecture_is_a_clear_error(make_tiny_arch, tmp_path):
     assert {"llama", "qwen2", "qwen3", "LlamaForCausalLM"} <= set(supported_architectures())
 
 
-def test_resolve_dtype():
+def test_resolve_dtype(monkeypatch):
+    from tokenmill.model.loader import cpu_has_native_bf16
+
+    assert resolve_dtype("auto", "cpu") == (torch.bfloat16 if cpu_has_native_bf16() else torch.float32)
+    monkeypatch.setenv("TOKENMILL_CPU_BF16", "0")
+    assert not cpu_has_native_bf16()
     assert resolve_dtype("auto", "cpu") == torch.float32
+    monkeypatch.delenv("TOKENMILL_CPU_BF16")
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     assert resolve_dtype("bf16", "cpu") == torch.bfloat16
     assert resolve_dtype("float16", "cpu") == torch.float16

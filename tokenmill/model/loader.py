@@ -100,10 +100,28 @@ def resolve_device(device: str | torch.device = "cpu") -> torch.device:
     return torch.device(device)
 
 
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles) and oneDNN supports it.
+
+    On CPUs without it bfloat16 GEMMs are emulated and slower than float32.
+    ``TOKENMILL_CPU_BF16=0`` forces False (so ``dtype=auto`` means float32).
+    """
+    if os.environ.get("TOKENMILL_CPU_BF16", "1") == "0":
+        return False
+    cpu = getattr(torch, "cpu", None)
+    native = any(bool(getattr(cpu, name, lambda: False)())
+                 for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return native and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
     """Map a dtype setting to a torch dtype.
 
-    ``"auto"`` -> float32 on CPU, bfloat16 on CUDA (and other accelerators).
+    ``"auto"`` -> bfloat16 on CUDA (and other accelerators) and on CPUs with
+    native bfloat16 arithmetic (AVX512-BF16 or AMX, see
+    :func:`cpu_has_native_bf16`), float32 on other CPUs, the way vLLM's CPU
+    backend defaults to bfloat16. Checkpoint weights (GGUF quants included)
+    are converted to this dtype at load time.
     Accepted names: float32/fp32/float, bfloat16/bf16, float16/fp16/half, or a
     ``torch.dtype``.
 
@@ -116,7 +134,9 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
         return dtype
     d = str(dtype).lower().removeprefix("torch.")
     if d == "auto":
-        return torch.float32 if resolve_device(device).type == "cpu" else torch.bfloat16
+        if resolve_device(device).type != "cpu":
+            return torch.bfloat16
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     if d not in _DTYPES:
         raise ValueError(f"unsupported model dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[d]
@@ -206,7 +226,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         path: a ``.gguf`` file, a Hugging Face folder (``config.json`` +
             ``*.safetensors`` + tokenizer files), a folder holding exactly one
             ``.gguf``, or None for :func:`default_model_path`.
-        dtype: see :func:`resolve_dtype` (``auto``: float32 on CPU, bfloat16 on CUDA).
+        dtype: see :func:`resolve_dtype` (``auto``: bfloat16 on CUDA and on CPUs with native
+            bfloat16, float32 on other CPUs).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
         with_tokenizer: False skips the tokenizer (``tokenizer`` is None) for
             weight-only uses.

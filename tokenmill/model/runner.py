@@ -426,8 +426,17 @@ def configure_allocator(device: torch.device) -> bool:
 
 
 def configure_threads(device: torch.device) -> int:
-    """Set and log intra-op threads for the engine core (all cores unless TOKENMILL_NUM_THREADS says otherwise)."""
-    n = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or (os.cpu_count() or 1)
+    """Set and log intra-op threads for the engine core.
+
+    Default: one per CPU this process may run on (its affinity mask, so
+    ``taskset -c 0 tokenmill serve`` gets one thread); ``TOKENMILL_NUM_THREADS``
+    overrides it.
+    """
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):          # not Linux
+        usable = os.cpu_count() or 1
+    n = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or usable
     if device.type == "cpu":
         torch.set_num_threads(n)
     logger.info("engine core: torch intra-op threads=%d, inter-op threads=%d", torch.get_num_threads(),

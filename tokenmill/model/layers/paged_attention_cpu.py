@@ -81,16 +81,19 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_table
                     for (int64_t d = 0; d < D; d++)                                                   \
                         qf[g * D + d] = LD(q, (b * H + h * G + g) * D + d) * scale;                  \
                 float m[G]; for (int64_t g = 0; g < G; g++) m[g] = -INFINITY;                         \
-                for (int64_t l = 0; l < L; l++) {                                                     \
-                    const int64_t slot = (int64_t)bt[l / block_size] * block_size + l % block_size;   \
-                    const T* kp = k + (slot * KVH + h) * D;                                           \
-                    float kf[D];                                                                      \
-                    for (int64_t d = 0; d < D; d++) kf[d] = LD(kp, d);                                \
-                    for (int64_t g = 0; g < G; g++) {                                                 \
-                        float dot = 0.f;                                                              \
-                        for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * kf[d];                 \
-                        s[g * L + l] = dot;                                                           \
-                        if (dot > m[g]) m[g] = dot;                                                   \
+                for (int64_t l0 = 0; l0 < L; l0 += block_size) {  /* block by block: no division */  \
+                    const int64_t base = (int64_t)bt[l0 / block_size] * block_size;                   \
+                    const int64_t n = L - l0 < block_size ? L - l0 : block_size;                      \
+                    for (int64_t o = 0; o < n; o++) {                                                 \
+                        const T* kp = k + ((base + o) * KVH + h) * D;                                 \
+                        float kf[D];                                                                  \
+                        for (int64_t d = 0; d < D; d++) kf[d] = LD(kp, d);                            \
+                        for (int64_t g = 0; g < G; g++) {                                             \
+                            float dot = 0.f;                                                          \
+                            for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * kf[d];             \
+                            s[g * L + l0 + o] = dot;                                                  \
+                            if (dot > m[g]) m[g] = dot;                                               \
+                        }                                                                             \
                     }                                                                                 \
                 }                                                                                     \
                 float inv[G];                                                                         \
@@ -100,14 +103,17 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_table
                     inv[g] = 1.f / sum;                                                               \
                 }                                                                                     \
                 memset(acc, 0, sizeof(float) * G * D);                                                \
-                for (int64_t l = 0; l < L; l++) {                                                     \
-                    const int64_t slot = (int64_t)bt[l / block_size] * block_size + l % block_size;   \
-                    const T* vp = v + (slot * KVH + h) * D;                                           \
-                    float vf[D];                                                                      \
-                    for (int64_t d = 0; d < D; d++) vf[d] = LD(vp, d);                                \
-                    for (int64_t g = 0; g < G; g++) {                                                 \
-                        const float p = s[g * L + l];                                                 \
-                        for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * vf[d];                  \
+                for (int64_t l0 = 0; l0 < L; l0 += block_size) {                                     \
+                    const int64_t base = (int64_t)bt[l0 / block_size] * block_size;                   \
+                    const int64_t n = L - l0 < block_size ? L - l0 : block_size;                      \
+                    for (int64_t o = 0; o < n; o++) {                                                 \
+                        const T* vp = v + ((base + o) * KVH + h) * D;                                 \
+                        float vf[D];                                                                  \
+                        for (int64_t d = 0; d < D; d++) vf[d] = LD(vp, d);                            \
+                        for (int64_t g = 0; g < G; g++) {                                             \
+                            const float p = s[g * L + l0 + o];                                        \
+                            for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * vf[d];              \
+                        }                                                                             \
                     }                                                                                 \
                 }                                                                                     \
                 for (int64_t g = 0; g < G; g++)                                                       \
