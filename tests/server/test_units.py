@@ -43,13 +43,15 @@ def test_out_of_range_values_name_the_field(field, value):
 def test_completion_checks():
     for kw, param in [({"suffix": "s"}, "suffix"), ({"best_of": 3}, "best_of"), ({"logprobs": 21}, "logprobs"),
                       ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"n": 0}, "n"), ({"prompt": []}, "prompt"),
-                      ({"stream_options": {"include_usage": True}}, "stream_options")]:
+                      ({"stream_options": {"include_usage": True}}, "stream_options"),
+                      ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -1, "echo": True}, "max_tokens")]:
         body = {"prompt": "x", **kw}
         with pytest.raises(APIError) as e:
             CompletionRequest(**body).check()
         assert e.value.param == param, kw
     with pytest.raises(ValidationError):
         CompletionRequest(prompt=3)
+    CompletionRequest(prompt="x", max_tokens=0, echo=True).check()     # the prompt back, nothing generated
 
 
 def test_chat_checks_and_max_tokens():

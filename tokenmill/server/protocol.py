@@ -152,8 +152,9 @@ class CompletionRequest(_SamplingFields):
             raise APIError("best_of other than n is not supported", param="best_of")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", param="logprobs")
-        if self.max_tokens is not None and self.max_tokens < 0:
-            raise APIError(f"max_tokens must be >= 0, got {self.max_tokens}", param="max_tokens")
+        if self.max_tokens is not None and self.max_tokens < (0 if self.echo else 1):
+            # max_tokens=0 only makes sense with echo (the prompt back, nothing generated)
+            raise APIError(f"max_tokens must be >= 1 (>= 0 with echo), got {self.max_tokens}", param="max_tokens")
         p = self.prompt
         if isinstance(p, str):
             return
