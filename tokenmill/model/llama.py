@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.model.arch_config import ModelArchConfig
+from tokenmill.model.layers import fused_cpu
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
 from tokenmill.model.layers.mlp import SwiGLUMLP
 from tokenmill.model.layers.norm import RMSNorm
@@ -65,7 +66,14 @@ class LlamaAttention(nn.Module):
         k and v ``[num_tokens, num_kv_heads, head_dim]``.
         """
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(x)
+        if not self.qk_norm and fused_cpu.usable(qkv, cos, sin):
+            # q heads then k heads are consecutive in each row: one in-place pass rotates both
+            fused_cpu.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
+                    v.view(t, self.num_kv_heads, self.head_dim))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.model.layers import fused_cpu
+
 
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))``: Shazeer, "GLU Variants Improve Transformer" (arXiv 2002.05202, §2).
@@ -26,5 +28,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if fused_cpu.usable(gate_up):
+            return self.down_proj(fused_cpu.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tokenmill.model.layers import fused_cpu
+
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension (arXiv 1910.07467 §3).
@@ -33,8 +35,12 @@ class RMSNorm(nn.Module):
 
         If ``residual`` (same shape) is given, computes ``h = x + residual``
         first and returns ``(norm(h), h)`` (the pre-norm transformer's fused
-        add-and-norm); otherwise returns ``norm(x)``.
+        add-and-norm); otherwise returns ``norm(x)``. On CPU float32/bfloat16
+        in eager mode this is one fused C loop (:mod:`tokenmill.model.layers.fused_cpu`)
+        with the same roundings.
         """
+        if fused_cpu.usable(x, self.weight) and (residual is None or residual.dtype == x.dtype):
+            return fused_cpu.rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

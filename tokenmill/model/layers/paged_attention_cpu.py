@@ -17,10 +17,8 @@ with ``slot(b, l) = block_tables[b, l // block_size] · block_size + l % block_s
 and ``G = H / KVH`` query heads sharing a KV head (GQA, arXiv 2305.13245).
 float32 and bfloat16 caches are supported; accumulation is float32.
 
-The C source is compiled once with the system C compiler (``cc -O3
--march=native -fopenmp``, about a second) into a per-user cache directory
-keyed by the source hash and loaded with :mod:`ctypes`; it links the same
-``libgomp`` torch already loaded, so it shares torch's thread pool. When no
+The C source is compiled on first use by :mod:`tokenmill.model.layers.cpu_build`
+(system ``cc``, cached per user, shares torch's OpenMP pool). When no
 compiler is available or the build fails, :func:`load` returns None and the
 caller keeps the torch path. ``TOKENMILL_CPU_ATTENTION_KERNEL=0`` disables it.
 """
@@ -28,17 +26,10 @@ caller keeps the torch path. ``TOKENMILL_CPU_ATTENTION_KERNEL=0`` disables it.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 
 import torch
 
-logger = logging.getLogger(__name__)
+from tokenmill.model.layers.cpu_build import load_library
 
 _SOURCE = r"""
 #include <math.h>
@@ -133,61 +124,14 @@ DEFINE_KERNEL(paged_decode_f32_128, float, LD_F32, ST_F32, 128)
 DEFINE_KERNEL(paged_decode_bf16_128, uint16_t, LD_BF16, ST_BF16, 128)
 """
 
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_tried = False
-
-
-def _cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tokenmill", "kernels")
-
-
-def _build(path: str) -> None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "paged_attention.c")
-        with open(src, "w") as f:
-            f.write(_SOURCE)
-        tmp_so = os.path.join(tmp, "out.so")
-        subprocess.run([cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11",
-                        src, "-o", tmp_so, "-lm"], check=True, capture_output=True, timeout=300)
-        staged = f"{path}.{os.getpid()}.tmp"
-        shutil.copyfile(tmp_so, staged)
-        os.replace(staged, path)  # atomic: concurrent builders never load a half-written file
+_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
+    [ctypes.c_float, ctypes.c_int]
+_FUNCTIONS = {f"paged_decode_{t}_{d}": _ARGTYPES for t in ("f32", "bf16") for d in ("any", "64", "128")}
 
 
 def load() -> ctypes.CDLL | None:
     """The compiled kernel library, building it on first use; None when unavailable (logged once)."""
-    global _lib, _tried
-    with _lock:
-        if _tried:
-            return _lib
-        _tried = True
-        if os.environ.get("TOKENMILL_CPU_ATTENTION_KERNEL", "1") == "0":
-            logger.info("CPU paged-attention kernel disabled by TOKENMILL_CPU_ATTENTION_KERNEL=0")
-            return None
-        digest = hashlib.sha256((_SOURCE + torch.__version__).encode()).hexdigest()[:16]
-        path = os.path.join(_cache_dir(), f"paged_attention_{digest}.so")
-        try:
-            if not os.path.exists(path):
-                _build(path)
-            lib = ctypes.CDLL(path)
-            argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
-                [ctypes.c_float, ctypes.c_int]
-            for name in (f"paged_decode_{t}_{d}" for t in ("f32", "bf16") for d in ("any", "64", "128")):
-                fn = getattr(lib, name)
-                fn.argtypes = argtypes
-                fn.restype = None
-            _lib = lib
-            logger.info("CPU paged-attention decode kernel loaded from %s", path)
-        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-            logger.warning("CPU paged-attention kernel unavailable (%s); using the torch path", e)
-            _lib = None
-        return _lib
+    return load_library("paged_attention", _SOURCE, _FUNCTIONS, "TOKENMILL_CPU_ATTENTION_KERNEL")
 
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:

@@ -1,0 +1,107 @@
+"""Fused CPU element-wise kernels against the torch reference path (same roundings)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.model.layers import fused_cpu
+from tokenmill.model.layers.mlp import SwiGLUMLP
+from tokenmill.model.layers.norm import RMSNorm
+from tokenmill.model.layers.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(fused_cpu.load() is None, reason="no C compiler for the fused CPU kernels")
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: equal to summation order; bfloat16: equal but for rare 1-ulp rounding flips."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+        assert (got != want).float().mean().item() < 0.01
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Call to get the reference: the same module with the fused kernels switched off."""
+    def run(fn):
+        with monkeypatch.context() as m:
+            m.setattr(fused_cpu, "usable", lambda *a: False)
+            return fn()
+    return run
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n", [(1, 64), (7, 576), (300, 96)])   # 300 x 96 takes the OpenMP path
+def test_rms_norm(dtype, rows, n, torch_path):
+    g = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(n, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(n, generator=g))
+    norm = norm.to(dtype)
+    x = (3 * torch.randn(rows, n, generator=g)).to(dtype)
+    r = torch.randn(rows, n, generator=g).to(dtype)
+    with torch.inference_mode():
+        assert fused_cpu.usable(x, norm.weight)
+        close(norm(x), torch_path(lambda: norm(x)))
+        (out, h), (want_out, want_h) = norm(x, r), torch_path(lambda: norm(x, r))
+        close(out, want_out)
+        assert torch.equal(h, want_h)                     # the residual sum rounds identically
+        x3 = x.view(rows, 1, n)                           # leading dims (Qwen3's per-head q/k norm)
+        close(norm(x3), torch_path(lambda: norm(x3)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim", [(9, 3, 64, 64), (4, 2, 32, 16)])
+def test_rope_in_place_on_fused_qkv_rows(dtype, heads, kv_heads, head_dim, rotary_dim, torch_path):
+    g = torch.Generator().manual_seed(head_dim)
+    t = 13
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    rope = RotaryEmbedding(head_dim, 10000.0, rotary_dim=rotary_dim)
+    cos, sin = rope.cos_sin(torch.arange(100, 100 + t), dtype)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    want_q = RotaryEmbedding.apply(qkv[:, :q_size].reshape(t, heads, head_dim), cos, sin)
+    want_k = RotaryEmbedding.apply(qkv[:, q_size:q_size + kv_size].reshape(t, kv_heads, head_dim), cos, sin)
+    v_before = qkv[:, q_size + kv_size:].clone()
+    fused_cpu.rope_(qkv, heads + kv_heads, head_dim, cos, sin)
+    close(qkv[:, :q_size].reshape(t, heads, head_dim), want_q)
+    close(qkv[:, q_size:q_size + kv_size].reshape(t, kv_heads, head_dim), want_k)
+    assert torch.equal(qkv[:, q_size + kv_size:], v_before)          # v untouched
+
+
+def test_rope_rejects_bad_layout():
+    x = torch.randn(4, 64).t()                                        # last dim not contiguous
+    cos = torch.ones(64, 1, 16)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        fused_cpu.rope_(x, 1, 16, cos, cos)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul_mlp(dtype, rows, torch_path):
+    g = torch.Generator().manual_seed(rows)
+    mlp = SwiGLUMLP(48, 1000)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    mlp = mlp.to(dtype)
+    x = torch.randn(rows, 48, generator=g).to(dtype)
+    with torch.inference_mode():
+        gu = mlp.gate_up_proj(x)
+        gate, up = gu.split(1000, dim=-1)
+        close(fused_cpu.silu_mul(gu), F.silu(gate) * up)
+        close(mlp(x), torch_path(lambda: mlp(x)))
+
+
+def test_not_used_under_autograd_or_for_other_dtypes():
+    w = torch.ones(8, requires_grad=True)
+    x = torch.randn(2, 8)
+    assert not fused_cpu.usable(x, w)                                 # training-style call keeps torch ops
+    assert not fused_cpu.usable(x.half(), w.detach().half())
+    with torch.no_grad():
+        assert fused_cpu.usable(x, w)
