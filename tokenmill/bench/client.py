@@ -161,6 +161,50 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
     return choice.get("text") or ""
 
 
+async def _post_once(session: aiohttp.ClientSession, cfg: EndpointConfig, body: dict[str, Any],
+                     rec: RequestRecord, state: "_StreamState") -> bool:
+    """One POST and its stream into ``rec``/``state``.
+
+    Returns True when the request failed before any response arrived on a
+    connection the pool had reused (the server had closed it while idle:
+    ``Can not write request body`` or a disconnect with no status line);
+    such a request never reached the server, so the caller sends it once
+    more on a fresh connection, the way browsers and HTTP libraries retry a
+    stale keep-alive connection.
+    """
+    parser = SSEParser()
+    try:
+        async with session.post(cfg.url, json=body, headers=cfg.headers(),
+                                timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
+            rec.status = resp.status
+            if resp.status != 200:
+                detail = (await resp.text())[:300].strip()
+                rec.error = f"HTTP {resp.status} {resp.reason or ''}: {detail}".strip()
+            else:
+                async for data in resp.content.iter_any():
+                    ts = time.perf_counter()
+                    for payload in parser.feed(data):
+                        state.handle(payload, ts)
+                    if rec.error:
+                        break
+                if not rec.error:
+                    ts = time.perf_counter()
+                    for payload in parser.flush():
+                        state.handle(payload, ts)
+    except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError) as exc:
+        if rec.status is None and not state.chunks:
+            rec.error = f"connection error: {type(exc).__name__}: {exc}"
+            return True
+        rec.error = f"broken stream: {type(exc).__name__}: {exc}"
+    except aiohttp.ClientPayloadError as exc:
+        rec.error = f"broken stream: {type(exc).__name__}: {exc}"
+    except TimeoutError:
+        rec.error = f"timeout after {cfg.timeout_s:g} s"
+    except aiohttp.ClientError as exc:
+        rec.error = f"connection error: {type(exc).__name__}: {exc}"
+    return False
+
+
 async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig,
                        prompt: str | Sequence[Message], max_tokens: int, prompt_len: int = 0,
                        tokenizer: Any = None, turn: int = 0) -> RequestRecord:
@@ -181,35 +225,16 @@ async def send_request(session: aiohttp.ClientSession, cfg: EndpointConfig,
         A :class:`RequestRecord`; never raises for server or network errors.
     """
     rec = RequestRecord(prompt_len=prompt_len, turn=turn)
-    state = _StreamState(rec, chat=cfg.endpoint == "chat")
     body = cfg.payload(prompt, max_tokens)
-    parser = SSEParser()
     st = time.perf_counter()
-    rec.start_time = state.last_ts = st
-    try:
-        async with session.post(cfg.url, json=body, headers=cfg.headers(),
-                                timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
-            rec.status = resp.status
-            if resp.status != 200:
-                detail = (await resp.text())[:300].strip()
-                rec.error = f"HTTP {resp.status} {resp.reason or ''}: {detail}".strip()
-            else:
-                async for data in resp.content.iter_any():
-                    ts = time.perf_counter()
-                    for payload in parser.feed(data):
-                        state.handle(payload, ts)
-                    if rec.error:
-                        break
-                if not rec.error:
-                    ts = time.perf_counter()
-                    for payload in parser.flush():
-                        state.handle(payload, ts)
-    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-        rec.error = f"broken stream: {type(exc).__name__}: {exc}"
-    except TimeoutError:
-        rec.error = f"timeout after {cfg.timeout_s:g} s"
-    except aiohttp.ClientError as exc:
-        rec.error = f"connection error: {type(exc).__name__}: {exc}"
+    for attempt in range(2):
+        state = _StreamState(rec, chat=cfg.endpoint == "chat")
+        rec.start_time = state.last_ts = st
+        rec.error, rec.status = "", None
+        retry = await _post_once(session, cfg, body, rec, state)
+        if not (retry and attempt == 0):
+            break
+        rec.retried = True
     rec.end_time = time.perf_counter()
     rec.generated_text = "".join(state.text)
     if state.chunks:

@@ -70,6 +70,9 @@ class RequestRecord:
         end_time: ``perf_counter`` when the request finished or failed, s.
         generated_text: concatenated streamed text.
         turn: 0 for a first turn, 1 for a follow-up turn of a conversation.
+        retried: sent a second time because the first attempt died on a stale
+            keep-alive connection before any response (see
+            :func:`tokenmill.bench.client.send_request`).
     """
 
     success: bool = False
@@ -85,6 +88,7 @@ class RequestRecord:
     end_time: float = 0.0
     generated_text: str = ""
     turn: int = 0
+    retried: bool = False
 
     @property
     def tpot(self) -> float:
