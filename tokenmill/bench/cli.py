@@ -82,7 +82,8 @@ def _add_common_args(p: argparse.ArgumentParser, goodput_cmd: bool) -> None:
                    help="Workload (default random).")
     w.add_argument("--dataset-path", default=None,
                    help="jsonl: the prompts file (JSON lines or a ShareGPT JSON array); mt-bench: "
-                        "override the questions file (default ../shared/data/mt_bench_questions.jsonl).")
+                        "override the questions file (default: ../shared/data/mt_bench_questions.jsonl when present, "
+                        "else the copy bundled in tokenmill/bench/data).")
     w.add_argument("--num-prompts", type=int, default=100 if goodput_cmd else 1000,
                    help="Requests to send, follow-up turns included (default "
                         + ("100 per probe)." if goodput_cmd else "1000)."))

@@ -234,8 +234,8 @@ class ChatCompletionRequest(_SamplingFields):
                            param="continue_final_message")
         mt = self.requested_max_tokens
         if mt is not None and mt < 1:
-            raise APIError(f"max_completion_tokens must be >= 1, got {mt}",
-                           param="max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens")
+            param = "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+            raise APIError(f"{param} must be >= 1, got {mt}", param=param)
 
     @property
     def requested_max_tokens(self) -> int | None:
