@@ -15,7 +15,7 @@ class SamplingParams:
             in the engine sharing the prompt's cached blocks).
         temperature: softmax temperature; 0 means greedy (argmax).
         top_p: nucleus sampling mass in (0, 1]; 1 disables.
-        top_k: keep the k most likely tokens; <= 0 (or -1) disables.
+        top_k: keep the k most likely tokens; 0 or -1 disables (other negatives are rejected, as vLLM).
         min_p: drop tokens whose probability is below ``min_p`` × the top
             token's probability; 0 disables.
         repetition_penalty: CTRL-style penalty (Keskar et al. 2019, §4.1) on
@@ -66,7 +66,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
             self.top_k = 0
-        if self.top_k < 0:
+        if isinstance(self.top_k, int) and self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
+        if self.top_k == -1:
             self.top_k = 0
         self.validate()
 

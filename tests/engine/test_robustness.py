@@ -19,7 +19,7 @@ from tokenmill.sampling_params import SamplingParams
 @pytest.mark.parametrize("field,value", [
     ("temperature", math.nan), ("temperature", math.inf), ("top_p", math.nan), ("min_p", math.nan),
     ("repetition_penalty", math.nan), ("repetition_penalty", 1e-300), ("presence_penalty", math.nan),
-    ("frequency_penalty", -math.inf), ("seed", -1),
+    ("frequency_penalty", -math.inf), ("seed", -1), ("top_k", -2),
 ])
 def test_non_finite_or_out_of_range_params_are_rejected(field, value):
     with pytest.raises(ValueError, match=field):
@@ -86,3 +86,8 @@ def test_huge_stop_string_is_cheap():
     text = "".join(d.update([ord(c)]) for c in "abcxxxy") + d.update([ord("z")])
     assert time.perf_counter() - t0 < 2.0
     assert d.stop_matched == "yz" and text == "abcxxx"
+
+
+def test_top_k_minus_one_and_zero_disable():
+    assert SamplingParams(top_k=-1).top_k == 0 and SamplingParams(top_k=0).top_k == 0
+    assert SamplingParams(top_k=5).top_k == 5

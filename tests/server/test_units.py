@@ -32,7 +32,7 @@ def test_completion_request_maps_vllm_extras():
 
 
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 1.5), ("min_p", 2.0),
-                                         ("repetition_penalty", 0.0), ("presence_penalty", 3.0)])
+                                         ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("top_k", -5)])
 def test_out_of_range_values_name_the_field(field, value):
     r = CompletionRequest(prompt="x", **{field: value})
     with pytest.raises(APIError) as e:
