@@ -107,6 +107,7 @@ class ServerConfig:
     port: int = _f(8000, "TCP port to bind.")
     api_key: str | None = _f(None, "If set, requests must send 'Authorization: Bearer KEY' (else HTTP 401).")
     log_stats_interval: float = _f(10.0, "Seconds between periodic stats log lines (0 disables).")
+    max_request_body_bytes: int = _f(16 * 2**20, "Largest accepted HTTP request body in bytes; larger ones are refused with HTTP 413 before parsing (0: no limit).")
 
 
 @dataclass(frozen=True)

@@ -343,3 +343,15 @@ async def test_request_larger_than_admission_cap_is_400_not_429():
     finally:
         await client.aclose()
         engine.shutdown()
+
+
+async def test_oversized_body_is_413_and_the_server_keeps_serving():
+    engine, _, client = await _start(_config(max_request_body_bytes=4096))
+    try:
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "a" * 5000, "max_tokens": 2})
+        assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError"
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "abc", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    finally:
+        await client.aclose()
+        engine.shutdown()

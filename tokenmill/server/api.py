@@ -47,6 +47,7 @@ from tokenmill.metrics.prometheus import CONTENT_TYPE_LATEST, PrometheusStatLogg
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.admission import AdmissionController
+from tokenmill.server.body_limit import BodySizeLimitMiddleware
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, ChatMessage, CompletionRequest,
                                        DetokenizeRequest, TokenizeRequest, error_param_from_loc)
 
@@ -693,6 +694,7 @@ def build_app(state: ServerState) -> FastAPI:
             state.engine.shutdown()
 
     app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.server.max_request_body_bytes)
     app.state.tokenmill = state
     if state.token_strings is None:
         state.token_strings = TokenStrings(state.tokenizer)

@@ -29,7 +29,7 @@ class APIError(Exception):
     """
 
     TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-             429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+             413: "RequestTooLargeError", 429: "RateLimitError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
                  headers: dict[str, str] | None = None) -> None:
