@@ -61,30 +61,33 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_table
     const int64_t D = DC > 0 ? DC : D_;                                                               \
     _Pragma("omp parallel num_threads(num_threads)")                                                  \
     {                                                                                                 \
-        int64_t cap = 0; float* s = NULL; float qf[G * D]; float acc[G * D];                          \
+        int64_t cap = 0, slot_cap = 0; float* s = NULL; int64_t* slots = NULL;                        \
+        float qf[G * D]; float acc[G * D];                                                            \
         _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                           \
         for (int64_t b = 0; b < B; b++) {                                                             \
             for (int64_t h = 0; h < KVH; h++) {                                                       \
                 const int64_t L = seq_lens[b];                                                        \
                 if (L * G > cap) { free(s); cap = L * G; s = (float*)malloc(sizeof(float) * cap); }  \
+                if (L > slot_cap) { free(slots); slot_cap = L; slots = (int64_t*)malloc(sizeof(int64_t) * L); } \
                 const int32_t* bt = block_tables + b * bt_stride;                                     \
+                for (int64_t l0 = 0; l0 < L; l0 += block_size) {  /* slot of each position, no division per l */ \
+                    const int64_t base = (int64_t)bt[l0 / block_size] * block_size;                   \
+                    const int64_t n = L - l0 < block_size ? L - l0 : block_size;                      \
+                    for (int64_t o = 0; o < n; o++) slots[l0 + o] = base + o;                         \
+                }                                                                                     \
                 for (int64_t g = 0; g < G; g++)                                                       \
                     for (int64_t d = 0; d < D; d++)                                                   \
                         qf[g * D + d] = LD(q, (b * H + h * G + g) * D + d) * scale;                  \
                 float m[G]; for (int64_t g = 0; g < G; g++) m[g] = -INFINITY;                         \
-                for (int64_t l0 = 0; l0 < L; l0 += block_size) {  /* block by block: no division */  \
-                    const int64_t base = (int64_t)bt[l0 / block_size] * block_size;                   \
-                    const int64_t n = L - l0 < block_size ? L - l0 : block_size;                      \
-                    for (int64_t o = 0; o < n; o++) {                                                 \
-                        const T* kp = k + ((base + o) * KVH + h) * D;                                 \
-                        float kf[D];                                                                  \
-                        for (int64_t d = 0; d < D; d++) kf[d] = LD(kp, d);                            \
-                        for (int64_t g = 0; g < G; g++) {                                             \
-                            float dot = 0.f;                                                          \
-                            for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * kf[d];             \
-                            s[g * L + l0 + o] = dot;                                                  \
-                            if (dot > m[g]) m[g] = dot;                                               \
-                        }                                                                             \
+                for (int64_t l = 0; l < L; l++) {                                                     \
+                    const T* kp = k + (slots[l] * KVH + h) * D;                                       \
+                    float kf[D];                                                                      \
+                    for (int64_t d = 0; d < D; d++) kf[d] = LD(kp, d);                                \
+                    for (int64_t g = 0; g < G; g++) {                                                 \
+                        float dot = 0.f;                                                              \
+                        for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * kf[d];                 \
+                        s[g * L + l] = dot;                                                           \
+                        if (dot > m[g]) m[g] = dot;                                                   \
                     }                                                                                 \
                 }                                                                                     \
                 float inv[G];                                                                         \
@@ -94,17 +97,13 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_table
                     inv[g] = 1.f / sum;                                                               \
                 }                                                                                     \
                 memset(acc, 0, sizeof(float) * G * D);                                                \
-                for (int64_t l0 = 0; l0 < L; l0 += block_size) {                                     \
-                    const int64_t base = (int64_t)bt[l0 / block_size] * block_size;                   \
-                    const int64_t n = L - l0 < block_size ? L - l0 : block_size;                      \
-                    for (int64_t o = 0; o < n; o++) {                                                 \
-                        const T* vp = v + ((base + o) * KVH + h) * D;                                 \
-                        float vf[D];                                                                  \
-                        for (int64_t d = 0; d < D; d++) vf[d] = LD(vp, d);                            \
-                        for (int64_t g = 0; g < G; g++) {                                             \
-                            const float p = s[g * L + l0 + o];                                        \
-                            for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * vf[d];              \
-                        }                                                                             \
+                for (int64_t l = 0; l < L; l++) {                                                     \
+                    const T* vp = v + (slots[l] * KVH + h) * D;                                       \
+                    float vf[D];                                                                      \
+                    for (int64_t d = 0; d < D; d++) vf[d] = LD(vp, d);                                \
+                    for (int64_t g = 0; g < G; g++) {                                                 \
+                        const float p = s[g * L + l];                                                 \
+                        for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * vf[d];                  \
                     }                                                                                 \
                 }                                                                                     \
                 for (int64_t g = 0; g < G; g++)                                                       \
@@ -112,7 +111,7 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_table
                         ST(out, (b * H + h * G + g) * D + d, acc[g * D + d] * inv[g]);               \
             }                                                                                         \
         }                                                                                             \
-        free(s);                                                                                      \
+        free(s); free(slots);                                                                         \
     }                                                                                                 \
 }
 
