@@ -441,12 +441,17 @@ def warm_up(engine: str, server: Server, model: str, wl: Workload, tokenizer: An
 
 
 def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokenizer: Any,
-                   slo: dict[str, float], args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
+                   slo: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
     """DistServe goodput of one engine on ``wl``: ``search_goodput`` over Poisson-arrival probes.
 
-    Each probe sends the first ``max(--goodput-min-prompts, rate × --goodput-probe-s)``
-    requests of the workload (the same requests, in the same order, for
-    every engine and rate) with Poisson arrivals (seed 0) at the probed rate.
+    Each probe at ``rate`` req/s sends ``n = max(--goodput-min-prompts, rate × --goodput-probe-s)``
+    requests of the workload (``samples_for(wl, n)``: the same list for every
+    engine at a given ``n``) with Poisson arrivals (seed 0).
+
+    Returns:
+        ``goodput_req_s`` (req/s), ``lowest_failing_rate`` (req/s or None),
+        the search's ``note``, the target and SLO (ms), and the ``curve`` (one
+        probe summary per rate).
     """
     from tokenmill.bench.goodput_search import probe_from_metrics, search_goodput
     from tokenmill.bench.loadgen import LoadConfig, run_benchmark
@@ -713,7 +718,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         print(f"      errors: {cell['errors']}", flush=True)
                     save(build_report(cells, meta), out_dir)
                 if engine in args.goodput_engines and wname == args.goodput_workload:
-                    searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args, out_dir)
+                    searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args)
                     save(build_report(cells, meta), out_dir)
             except Exception as exc:  # noqa: BLE001 - record the failure, go on with the next run
                 info["error"] = f"{type(exc).__name__}: {exc}"

@@ -66,7 +66,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k is None:
             self.top_k = 0
-        if isinstance(self.top_k, int) and self.top_k < -1:
+        if self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k}")
         if self.top_k == -1:
             self.top_k = 0

@@ -190,7 +190,7 @@ def test_goodput_search_args_and_table():
 def test_goodput_search_against_fake_server():
     """One engine's search end to end on the fake server (TTFT 50 ms, ITL 10 ms): every probe passes."""
     from tokenmill.bench.datasets import build_dataset
-    from tokenmill.bench.tokenizer import get_tokenizer
+    from tokenmill.bench.tokenizer import default_gguf_path, get_tokenizer
 
     from tests.bench.fake_server import FakeOpenAIServer, FakeServerConfig
 
@@ -202,14 +202,12 @@ def test_goodput_search_against_fake_server():
                               "--goodput-initial-rate", "8", "--goodput-max-probes", "2"])
         wl = ce.WORKLOADS["random"]
         cfg = ce.endpoint_for("tokenmill", wl, srv.base_url, "fake", 30.0)
-        from tokenmill.bench.tokenizer import default_gguf_path
         tok = get_tokenizer(str(default_gguf_path()))
 
         def samples_for(w, n):
             return build_dataset("random", tok, n, input_len=16, output_len=4, seed=0)
 
-        doc = ce.goodput_search("tokenmill", cfg, wl, samples_for, tok, {"ttft": 2000.0, "tpot": 100.0},
-                                args, ROOT / "unused")
+        doc = ce.goodput_search("tokenmill", cfg, wl, samples_for, tok, {"ttft": 2000.0, "tpot": 100.0}, args)
     finally:
         srv.stop()
     assert [p["request_rate"] for p in doc["curve"]] == [8.0, 16.0]

@@ -67,16 +67,15 @@ class LlamaAttention(nn.Module):
         """
         t = x.shape[0]
         qkv = self.qkv_proj(x)
-        if not self.qk_norm and fused_cpu.usable(qkv, cos, sin):
-            # q heads then k heads are consecutive in each row: one in-place pass rotates both
+        fused_rope = not self.qk_norm and fused_cpu.usable(qkv, cos, sin)
+        if fused_rope:  # q heads then k heads are consecutive in each row: one in-place pass rotates both
             fused_cpu.rope_(qkv, self.num_heads + self.num_kv_heads, self.head_dim, cos, sin)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            return (q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim),
-                    v.view(t, self.num_kv_heads, self.head_dim))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if fused_rope:
+            return q, k, v
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
