@@ -20,11 +20,16 @@
    synthetic :class:`SchedulerOutput` at the same sizes (greedy sampling
    included) and prints ``actual / bound``; for the prefill also the reached
    share of the measured GEMM rate.
-4. Runs a real :class:`EngineCore` with 64 requests to report the share of a
+4. With ``--breakdown``, times the parts of each step (weight GEMMs with
+   the LM head, attention, sampling, input preparation, the rest) and sets
+   the GEMMs and the attention against their own bounds and against the
+   whole step's bound: where the step loses against the roofline.
+5. Runs a real :class:`EngineCore` with 64 requests to report the share of a
    decode step spent in the scheduler and in the runner's input preparation.
 
     .venv/bin/python benchmarks/roofline.py --dtype bfloat16
     .venv/bin/python benchmarks/roofline.py --dtype float32 --context 256 --compile
+    .venv/bin/python benchmarks/roofline.py --dtype bfloat16 --breakdown --skip-engine
 
 The model defaults to the packaged SmolLM2-135M GGUF (``--model`` for another).
 """
@@ -81,9 +86,13 @@ def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
 
 
 # --------------------------------------------------------------------------- model cost
-def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int
-              ) -> tuple[float, float]:
-    """``(bytes, flops)`` of one step.
+def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int
+                    ) -> dict[str, tuple[float, float]]:
+    """``{"linear": (bytes, flops), "attention": (bytes, flops)}`` of one step.
+
+    ``linear`` is every GEMM with a weight (q/k/v/o, gate/up/down and the LM
+    head, which reads the embedding table when tied); ``attention`` is the
+    paged attention (reads every request's cached K/V, writes the new K/V).
 
     Args:
         arch: :class:`~tokenmill.model.arch_config.ModelArchConfig`.
@@ -102,8 +111,15 @@ def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int]
     kv_bytes = sum(c + q for c, q in zip(contexts, query_lens)) * kv_tok + tokens * kv_tok
     # attention: each query token t (0-based in its chunk) sees c + t + 1 keys; QK^T and PV are 2 flops each
     attn_keys = sum(q * c + q * (q + 1) // 2 for c, q in zip(contexts, query_lens))
-    flops = 2 * tokens * linear + 2 * sample_rows * emb + 4 * L * nh * d * attn_keys
-    return float(weight_bytes + kv_bytes), float(flops)
+    return {"linear": (float(weight_bytes), float(2 * tokens * linear + 2 * sample_rows * emb)),
+            "attention": (float(kv_bytes), float(4 * L * nh * d * attn_keys))}
+
+
+def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int
+              ) -> tuple[float, float]:
+    """``(bytes, flops)`` of one step: the sum of :func:`step_cost_parts`."""
+    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows).values()
+    return sum(b for b, _ in parts), sum(f for _, f in parts)
 
 
 # --------------------------------------------------------------------------- tokenmill's step
@@ -139,6 +155,71 @@ def time_step(runner, so, reps: int) -> float:
         runner.execute_model(so)
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def step_breakdown(runner, so, reps: int) -> dict[str, float]:
+    """Median seconds per part of ``runner.execute_model(so)``.
+
+    Parts: ``linear`` (every ``nn.Linear``/``PackedLinear`` GEMM, the LM head
+    included), ``attention`` (the backend's ``forward``: KV write + paged
+    attention), ``sampling`` (the sampler, after the LM head), ``prepare``
+    (input preparation) and ``other`` (norms, RoPE, activations, embedding,
+    Python between them). Linears are timed with forward hooks and the
+    backend by wrapping its ``forward``; that adds a few microseconds per
+    call, so ``step`` is the median of separate uninstrumented runs.
+    """
+    from torch import nn
+
+    from tokenmill.model.layers.linear import PackedLinear
+
+    model = runner.model
+    head = getattr(model, "_logits_head", None) or getattr(model, "lm_head", None)
+    acc = {"linear": 0.0, "head": 0.0, "attention": 0.0}
+    starts: dict[int, float] = {}
+
+    def pre(mod, _args):
+        starts[id(mod)] = time.perf_counter()
+
+    def post(mod, _args, _out):
+        dt = time.perf_counter() - starts[id(mod)]
+        acc["linear"] += dt
+        if mod is head:
+            acc["head"] += dt
+
+    handles = []
+    for mod in model.modules():
+        if isinstance(mod, (nn.Linear, PackedLinear)):
+            handles += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(post)]
+    backend = model.attn_backend
+    plain_forward = backend.forward
+
+    def timed_forward(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = plain_forward(*args, **kwargs)
+        acc["attention"] += time.perf_counter() - t0
+        return out
+
+    backend.forward = timed_forward
+    rows = []
+    try:
+        runner.execute_model(so)
+        for _ in range(reps):
+            acc.update(linear=0.0, head=0.0, attention=0.0)
+            t0 = time.perf_counter()
+            runner.execute_model(so)
+            total = time.perf_counter() - t0
+            t = runner.last_timings
+            rows.append({"linear": acc["linear"], "attention": acc["attention"],
+                         "sampling": max(0.0, t["sample"] - acc["head"]), "prepare": t["prepare"],
+                         "other": max(0.0, total - acc["linear"] - acc["attention"] - t["prepare"]
+                                      - (t["sample"] - acc["head"]))})
+    finally:
+        del backend.forward
+        for hd in handles:
+            hd.remove()
+    out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    out["step"] = time_step(runner, so, reps)
+    return out
 
 
 def engine_breakdown(runner, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
@@ -178,6 +259,9 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true",
                     help="also capture the compiled step at the measured sizes and time it side by side")
     ap.add_argument("--skip-engine", action="store_true", help="skip the EngineCore breakdown at batch 64")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the parts of each eager step (weight GEMMs, attention, sampling, rest) "
+                         "against each part's own bound")
     args = ap.parse_args()
 
     from tokenmill.config import EngineConfig
@@ -238,6 +322,25 @@ def main() -> None:
         if name.startswith("prefill"):
             best = min(actual, compiled[k]) if compiled else actual
             print(f"  prefill reaches {flops / best / 1e9 / gemm:.0%} of the measured {args.dtype} GEMM rate")
+
+    if args.breakdown:
+        print(f"\n{'step':<22}{'part':<11}{'ms':>8}{'share':>7}{'bound ms':>10}{'ratio':>7}"
+              f"{'/ step bound':>14}")
+        for k, (name, ql, ctx) in enumerate(cases):
+            br = step_breakdown(runner, steps[k], args.reps)
+            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql))
+            step_bound = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
+                             sum(f for _, f in parts.values()) / (gemm * 1e9))
+            for part in ("linear", "attention", "sampling", "prepare", "other"):
+                t = br[part]
+                line = f"{name if part == 'linear' else '':<22}{part:<11}{t * 1e3:>8.2f}{t / br['step']:>7.0%}"
+                if part in parts:
+                    nbytes, flops = parts[part]
+                    pb = max(nbytes / (bw * 1e9), flops / (gemm * 1e9))
+                    line += f"{pb * 1e3:>10.2f}{t / pb:>6.2f}x{t / step_bound:>13.2f}x"
+                print(line)
+            print(f"{'':<22}{'step':<11}{br['step'] * 1e3:>8.2f}{'':>7}{step_bound * 1e3:>10.2f}"
+                  f"{br['step'] / step_bound:>6.2f}x")
 
     if not args.skip_engine:
         b = max(batches)

@@ -13,11 +13,11 @@ from tokenmill.model.layers.attention import TorchAttentionBackend, build_attent
 pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler for the CPU kernel")
 
 
-def decode_case(b: int, heads: int, kv_heads: int, d: int, block: int, dtype, seed: int = 0):
+def decode_case(b: int, heads: int, kv_heads: int, d: int, block: int, dtype, seed: int = 0, max_len: int = 70):
     """A decode batch with mixed context lengths on shuffled blocks; returns the inputs of one layer."""
     rng = random.Random(seed)
     g = torch.Generator().manual_seed(seed)
-    lens = [rng.randint(1, 70) for _ in range(b)]
+    lens = [rng.randint(1, max_len) for _ in range(b)]
     nb = sum(-(-n // block) for n in lens) + 3
     free = list(range(nb))
     rng.shuffle(free)
@@ -30,10 +30,14 @@ def decode_case(b: int, heads: int, kv_heads: int, d: int, block: int, dtype, se
     return q, k, v, cache, md, build_attention_metadata([n - 1 for n in lens], [1] * b, tables, block)[0]
 
 
-@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 16), (4, 2, 64), (9, 3, 64), (8, 2, 128), (6, 3, 24)])
+@pytest.mark.parametrize("heads,kv_heads,d", [(4, 4, 16), (4, 2, 64), (9, 3, 64), (8, 2, 128), (6, 3, 24),
+                                             (10, 2, 64), (12, 1, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_torch_decode(heads, kv_heads, d, dtype):
-    q, k, v, cache, md, md2 = decode_case(7, heads, kv_heads, d, 4, dtype)
+@pytest.mark.parametrize("batch,block,max_len", [(7, 4, 70), (2, 16, 300), (1, 16, 5)])
+def test_kernel_matches_torch_decode(heads, kv_heads, d, dtype, batch, block, max_len):
+    """Whole-request work items (batch 7), per-KV-head items (batch 1-2), GQA groups larger than the
+    register tile (10/2, 12/1), the scalar head sizes (16, 24) and contexts shorter than one block."""
+    q, k, v, cache, md, md2 = decode_case(batch, heads, kv_heads, d, block, dtype, max_len=max_len)
     cache2 = cache.clone()
     fused = TorchAttentionBackend(use_cpu_kernel=True)
     plain = TorchAttentionBackend(use_cpu_kernel=False)

@@ -3,7 +3,7 @@
 A kernel source is compiled once with the system C compiler (``cc -O3
 -march=native -ffast-math -fopenmp``, about a second) into a per-user cache
 directory (``$XDG_CACHE_HOME/tokenmill/kernels``, keyed by the hash of the
-source and the torch version) and loaded with :mod:`ctypes`; it links the same
+source, the torch version and the CPU's model and feature flags) and loaded with :mod:`ctypes`; it links the same
 ``libgomp`` torch already loaded, so it shares torch's OpenMP thread pool.
 When no compiler is available or the build fails, :func:`load_library`
 returns None (logged once) and callers keep their torch path.
@@ -15,6 +15,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -33,6 +34,26 @@ def cache_dir() -> str:
     """Where compiled kernels are kept (``$XDG_CACHE_HOME/tokenmill/kernels`` or ``~/.cache/...``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tokenmill", "kernels")
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the machine type and the CPU's feature flags.
+
+    Part of the cache key, so a cache directory shared between different
+    CPUs (an NFS home, a copied container layer) never loads a kernel built
+    for instructions this CPU lacks.
+    """
+    sig = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name")):
+                    sig += "|" + line.strip()
+                    if line.startswith(("flags", "Features")):
+                        break
+    except OSError:
+        sig += "|" + platform.processor()
+    return sig
 
 
 def _build(source: str, path: str) -> None:
@@ -74,7 +95,7 @@ def load_library(name: str, source: str, functions: dict[str, Sequence], env_swi
         if os.environ.get(env_switch, "1") == "0":
             logger.info("CPU %s kernels disabled by %s=0", name, env_switch)
         else:
-            digest = hashlib.sha256((source + torch.__version__).encode()).hexdigest()[:16]
+            digest = hashlib.sha256((source + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:16]
             path = os.path.join(cache_dir(), f"{name}_{digest}.so")
             try:
                 if not os.path.exists(path):

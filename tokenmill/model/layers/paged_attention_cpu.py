@@ -8,14 +8,29 @@ two batched matmuls; on the 2-core CPU the gather copy and the tiny
 matmuls (3 query rows per KV head) took ~35% of a batch-32 decode step.
 This kernel reads K and V once, straight from the block pool:
 
-    for each (request b, KV head h) in parallel (OpenMP):
-        s[g, l] = scale · q[b, h·G + g] · K[slot(b, l), h]    for l < seq_len[b], g < G
-        p = softmax(s) (float32)
-        out[b, h·G + g] = Σ_l p[g, l] · V[slot(b, l), h]
+    for each work item (request b, KV heads h0..h1) in parallel (OpenMP):
+        for each KV head h, query head g of its group:
+            s[g, l] = scale · q[b, h·G + g] · K[slot(b, l), h]    for l < seq_len[b]
+            p = softmax(s) (float32)
+            out[b, h·G + g] = Σ_l p[g, l] · V[slot(b, l), h]
 
 with ``slot(b, l) = block_tables[b, l // block_size] · block_size + l % block_size``
 and ``G = H / KVH`` query heads sharing a KV head (GQA, arXiv 2305.13245).
 float32 and bfloat16 caches are supported; accumulation is float32.
+
+A work item is a whole request (all KV heads) when there are at least two
+requests per thread, so it walks each block's contiguous
+``[block_size, KVH, D]`` K and V once and prefetches the block two ahead;
+smaller batches split requests by KV head to keep every thread busy. With
+AVX-512 and ``head_dim`` 64 or 128 the inner loops are 16-wide float32 FMAs
+with a tile of query rows and their output accumulators in registers
+(bfloat16 K/V widened on load); other sizes, and CPUs without AVX-512, take
+a scalar loop. Measured on the 2-core AVX-512 machine (30 layers, each its
+own cache so K/V come from DRAM as in a real step; B = 32, contexts 257):
+1.3-1.45x the previous per-(request, head) scalar kernel in bfloat16 and
+1.1x in float32, and within ~1.2x of a plain block-gather copy of the same
+K/V (which bounds any kernel that reads them: ~12 GB/s for scattered
+6 KB blocks here against ~28 GB/s for a sequential sum).
 
 The C source is compiled on first use by :mod:`tokenmill.model.layers.cpu_build`
 (system ``cc``, cached per user, shares torch's OpenMP pool). When no
@@ -36,6 +51,9 @@ _SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } c; c.u = ((uint32_t)x) << 16; return c.f;
@@ -46,86 +64,178 @@ static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even */
     c.u += 0x7fffu + ((c.u >> 16) & 1u);
     return (uint16_t)(c.u >> 16);
 }
+static inline float ld_f32(const float* p) { return *p; }
+static inline float ld_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
+static inline void st_f32(float* p, float x) { *p = x; }
+static inline void st_bf16(uint16_t* p, float x) { *p = f32_to_bf16(x); }
 
-#define LD_F32(p, i) ((p)[i])
-#define LD_BF16(p, i) bf16_to_f32((p)[i])
-#define ST_F32(p, i, v) ((p)[i] = (v))
-#define ST_BF16(p, i, v) ((p)[i] = f32_to_bf16(v))
-
-/* q, out: [B, H, D]; k, v: [num_slots, KVH, D]; block_tables: [B, bt_stride] int32; seq_lens: [B] int32 */
-#define DEFINE_KERNEL(NAME, T, LD, ST, DC)                                                            \
-void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_tables, int64_t bt_stride, \
-          const int32_t* seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D_, int64_t block_size, \
-          float scale, int num_threads) {                                                             \
-    const int64_t G = H / KVH;                                                                        \
-    const int64_t D = DC > 0 ? DC : D_;                                                               \
-    _Pragma("omp parallel num_threads(num_threads)")                                                  \
-    {                                                                                                 \
-        int64_t cap = 0, slot_cap = 0; float* s = NULL; int64_t* slots = NULL;                        \
-        float qf[G * D]; float acc[G * D];                                                            \
-        _Pragma("omp for collapse(2) schedule(dynamic, 1)")                                           \
-        for (int64_t b = 0; b < B; b++) {                                                             \
-            for (int64_t h = 0; h < KVH; h++) {                                                       \
-                const int64_t L = seq_lens[b];                                                        \
-                if (L * G > cap) { free(s); cap = L * G; s = (float*)malloc(sizeof(float) * cap); }  \
-                if (L > slot_cap) { free(slots); slot_cap = L; slots = (int64_t*)malloc(sizeof(int64_t) * L); } \
-                const int32_t* bt = block_tables + b * bt_stride;                                     \
-                for (int64_t l0 = 0; l0 < L; l0 += block_size) {  /* slot of each position, no division per l */ \
-                    const int64_t base = (int64_t)bt[l0 / block_size] * block_size;                   \
-                    const int64_t n = L - l0 < block_size ? L - l0 : block_size;                      \
-                    for (int64_t o = 0; o < n; o++) slots[l0 + o] = base + o;                         \
-                }                                                                                     \
-                for (int64_t g = 0; g < G; g++)                                                       \
-                    for (int64_t d = 0; d < D; d++)                                                   \
-                        qf[g * D + d] = LD(q, (b * H + h * G + g) * D + d) * scale;                  \
-                float m[G]; for (int64_t g = 0; g < G; g++) m[g] = -INFINITY;                         \
-                for (int64_t l = 0; l < L; l++) {                                                     \
-                    const T* kp = k + (slots[l] * KVH + h) * D;                                       \
-                    float kf[D];                                                                      \
-                    for (int64_t d = 0; d < D; d++) kf[d] = LD(kp, d);                                \
-                    for (int64_t g = 0; g < G; g++) {                                                 \
-                        float dot = 0.f;                                                              \
-                        for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * kf[d];                 \
-                        s[g * L + l] = dot;                                                           \
-                        if (dot > m[g]) m[g] = dot;                                                   \
-                    }                                                                                 \
-                }                                                                                     \
-                float inv[G];                                                                         \
-                for (int64_t g = 0; g < G; g++) {                                                     \
-                    float sum = 0.f;                                                                  \
-                    for (int64_t l = 0; l < L; l++) { float e = expf(s[g * L + l] - m[g]); s[g * L + l] = e; sum += e; } \
-                    inv[g] = 1.f / sum;                                                               \
-                }                                                                                     \
-                memset(acc, 0, sizeof(float) * G * D);                                                \
-                for (int64_t l = 0; l < L; l++) {                                                     \
-                    const T* vp = v + (slots[l] * KVH + h) * D;                                       \
-                    float vf[D];                                                                      \
-                    for (int64_t d = 0; d < D; d++) vf[d] = LD(vp, d);                                \
-                    for (int64_t g = 0; g < G; g++) {                                                 \
-                        const float p = s[g * L + l];                                                 \
-                        for (int64_t d = 0; d < D; d++) acc[g * D + d] += p * vf[d];                  \
-                    }                                                                                 \
-                }                                                                                     \
-                for (int64_t g = 0; g < G; g++)                                                       \
-                    for (int64_t d = 0; d < D; d++)                                                   \
-                        ST(out, (b * H + h * G + g) * D + d, acc[g * D + d] * inv[g]);               \
-            }                                                                                         \
-        }                                                                                             \
-        free(s); free(slots);                                                                         \
-    }                                                                                                 \
+#ifndef PF_DIST
+#define PF_DIST 2
+#endif
+/* Ask for the rows of one KV head in one block: n rows of `bytes` bytes, `stride` bytes apart. */
+static inline void prefetch_rows(const void* p, int64_t n, int64_t stride, int64_t bytes) {
+    const char* c = (const char*)p;
+    for (int64_t r = 0; r < n; r++, c += stride)
+        for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
 }
 
-DEFINE_KERNEL(paged_decode_f32_any, float, LD_F32, ST_F32, 0)
-DEFINE_KERNEL(paged_decode_bf16_any, uint16_t, LD_BF16, ST_BF16, 0)
-DEFINE_KERNEL(paged_decode_f32_64, float, LD_F32, ST_F32, 64)
-DEFINE_KERNEL(paged_decode_bf16_64, uint16_t, LD_BF16, ST_BF16, 64)
-DEFINE_KERNEL(paged_decode_f32_128, float, LD_F32, ST_F32, 128)
-DEFINE_KERNEL(paged_decode_bf16_128, uint16_t, LD_BF16, ST_BF16, 128)
+/* Scalar path (any head_dim; also the path without AVX-512). One work item = (request b, KV head h). */
+#define DEFINE_SCALAR_ITEM(NAME, T, LD, ST)                                                           \
+static void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* bt, int64_t L, int64_t b, \
+                 int64_t h, int64_t H, int64_t KVH, int64_t G, int64_t D, int64_t bs, float scale,  \
+                 float* s, float* work) {                                                           \
+    float* qf = work; float* acc = work + G * D;                                                    \
+    for (int64_t g = 0; g < G; g++)                                                                 \
+        for (int64_t d = 0; d < D; d++) qf[g * D + d] = LD(q + (b * H + h * G + g) * D + d) * scale; \
+    for (int64_t l = 0; l < L; l++) {                                                               \
+        const T* kp = k + (((int64_t)bt[l / bs] * bs + l % bs) * KVH + h) * D;                      \
+        for (int64_t g = 0; g < G; g++) {                                                           \
+            float dot = 0.f;                                                                        \
+            for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * LD(kp + d);                      \
+            s[g * L + l] = dot;                                                                     \
+        }                                                                                           \
+    }                                                                                               \
+    memset(acc, 0, sizeof(float) * G * D);                                                          \
+    for (int64_t g = 0; g < G; g++) {                                                               \
+        float mx = -INFINITY, sum = 0.f; float* sg = s + g * L;                                     \
+        for (int64_t l = 0; l < L; l++) mx = sg[l] > mx ? sg[l] : mx;                               \
+        for (int64_t l = 0; l < L; l++) { sg[l] = expf(sg[l] - mx); sum += sg[l]; }                 \
+        qf[g] = 1.f / sum;                                                                          \
+    }                                                                                               \
+    for (int64_t l = 0; l < L; l++) {                                                               \
+        const T* vp = v + (((int64_t)bt[l / bs] * bs + l % bs) * KVH + h) * D;                      \
+        for (int64_t g = 0; g < G; g++)                                                             \
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += s[g * L + l] * LD(vp + d);            \
+    }                                                                                               \
+    for (int64_t g = 0; g < G; g++)                                                                 \
+        for (int64_t d = 0; d < D; d++) ST(out + (b * H + h * G + g) * D + d, acc[g * D + d] * qf[g]); \
+}
+DEFINE_SCALAR_ITEM(scalar_item_f32, float, ld_f32, st_f32)
+DEFINE_SCALAR_ITEM(scalar_item_bf16, uint16_t, ld_bf16, st_bf16)
+
+#if defined(__AVX512F__)
+static inline __m512 ld16_f32(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 ld16_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+/* AVX-512 path for head_dim = 16 * NC: the query rows of a tile of up to GT query heads (sharing
+ * KV head h) and their output accumulators stay in registers; K/V rows are widened to float32 on
+ * load. Pass 1 walks the request's blocks for QK^T, pass 2 for PV, each prefetching the next
+ * block's rows of this head while it works on the current one. */
+#define DEFINE_VEC_ITEM(NAME, T, LD16, ST, NC, GT)                                                  \
+static void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* bt, int64_t L, int64_t b, \
+                 int64_t h0, int64_t NH, int64_t H, int64_t KVH, int64_t G, int64_t bs, float scale, float* s) { \
+    const int64_t D = 16 * NC, row = KVH * D, nblk = (L + bs - 1) / bs;                             \
+    const int64_t rb = row * (int64_t)sizeof(T), hb = NH * D * (int64_t)sizeof(T);                  \
+    for (int64_t j = 0; j < PF_DIST && j < nblk; j++) {                                             \
+        const int64_t n = L - j * bs < bs ? L - j * bs : bs;                                        \
+        prefetch_rows(k + (int64_t)bt[j] * bs * row + h0 * D, n, rb, hb);                           \
+        prefetch_rows(v + (int64_t)bt[j] * bs * row + h0 * D, n, rb, hb);                           \
+    }                                                                                               \
+    for (int64_t h = h0; h < h0 + NH; h++)                                                          \
+    for (int64_t g0 = 0; g0 < G; g0 += GT) {                                                        \
+        const int64_t gc = G - g0 < GT ? G - g0 : GT;                                               \
+        __m512 qv[GT][NC], av[GT][NC];                                                              \
+        float mx[GT];                                                                               \
+        for (int gi = 0; gi < GT; gi++) {                                                           \
+            mx[gi] = -INFINITY;                                                                     \
+            for (int c = 0; c < NC; c++) {                                                          \
+                qv[gi][c] = gi < gc ? _mm512_mul_ps(LD16(q + (b * H + h * G + g0 + gi) * D + 16 * c), \
+                                                    _mm512_set1_ps(scale)) : _mm512_setzero_ps();   \
+                av[gi][c] = _mm512_setzero_ps();                                                    \
+            }                                                                                       \
+        }                                                                                           \
+        for (int64_t j = 0; j < nblk; j++) {                                                        \
+            const int64_t l0 = j * bs, n = L - l0 < bs ? L - l0 : bs;                               \
+            const T* kb = k + (int64_t)bt[j] * bs * row + h * D;                                    \
+            const int pf = h == h0 && g0 == 0 && j + PF_DIST < nblk;                               \
+            const T* kpf = pf ? k + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;            \
+            const T* vpf = pf ? v + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;            \
+            for (int64_t o = 0; o < n; o++) {                                                       \
+                if (pf) { prefetch_rows(kpf + o * row, 1, rb, hb); prefetch_rows(vpf + o * row, 1, rb, hb); } \
+                __m512 kv[NC];                                                                      \
+                for (int c = 0; c < NC; c++) kv[c] = LD16(kb + o * row + 16 * c);                   \
+                for (int gi = 0; gi < GT; gi++) {                                                   \
+                    __m512 a = _mm512_mul_ps(qv[gi][0], kv[0]);                                     \
+                    for (int c = 1; c < NC; c++) a = _mm512_fmadd_ps(qv[gi][c], kv[c], a);          \
+                    const float dot = _mm512_reduce_add_ps(a);                                      \
+                    s[gi * L + l0 + o] = dot;                                                       \
+                    mx[gi] = dot > mx[gi] ? dot : mx[gi];                                           \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        float inv[GT];                                                                              \
+        for (int gi = 0; gi < GT; gi++) {                                                           \
+            float sum = 0.f; float* sg = s + gi * L; const float m = mx[gi];                        \
+            for (int64_t l = 0; l < L; l++) { const float e = expf(sg[l] - m); sg[l] = e; sum += e; } \
+            inv[gi] = 1.f / sum;                                                                    \
+        }                                                                                           \
+        for (int64_t j = 0; j < nblk; j++) {                                                        \
+            const int64_t l0 = j * bs, n = L - l0 < bs ? L - l0 : bs;                               \
+            const T* vb = v + (int64_t)bt[j] * bs * row + h * D;                                    \
+            for (int64_t o = 0; o < n; o++) {                                                       \
+                __m512 vv[NC];                                                                      \
+                for (int c = 0; c < NC; c++) vv[c] = LD16(vb + o * row + 16 * c);                   \
+                for (int gi = 0; gi < GT; gi++) {                                                   \
+                    const __m512 p = _mm512_set1_ps(s[gi * L + l0 + o]);                            \
+                    for (int c = 0; c < NC; c++) av[gi][c] = _mm512_fmadd_ps(p, vv[c], av[gi][c]);  \
+                }                                                                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int gi = 0; gi < gc; gi++) {                                                           \
+            float o16[16];                                                                          \
+            T* op = out + (b * H + h * G + g0 + gi) * D;                                            \
+            for (int c = 0; c < NC; c++) {                                                          \
+                _mm512_storeu_ps(o16, _mm512_mul_ps(av[gi][c], _mm512_set1_ps(inv[gi])));           \
+                for (int e = 0; e < 16; e++) ST(op + 16 * c + e, o16[e]);                           \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+}
+DEFINE_VEC_ITEM(vec_item_f32_64, float, ld16_f32, st_f32, 4, 4)
+DEFINE_VEC_ITEM(vec_item_bf16_64, uint16_t, ld16_bf16, st_bf16, 4, 4)
+DEFINE_VEC_ITEM(vec_item_f32_128, float, ld16_f32, st_f32, 8, 2)
+DEFINE_VEC_ITEM(vec_item_bf16_128, uint16_t, ld16_bf16, st_bf16, 8, 2)
+#define VEC_DISPATCH(SFX)                                                                           \
+    if (D == 64) { vec_item_##SFX##_64(q, k, v, out, bt, L, b, h0, NH, H, KVH, G, bs, scale, s); continue; } \
+    if (D == 128) { vec_item_##SFX##_128(q, k, v, out, bt, L, b, h0, NH, H, KVH, G, bs, scale, s); continue; }
+#else
+#define VEC_DISPATCH(SFX)
+#endif
+
+/* q, out: [B, H, D]; k, v: [num_slots, KVH, D]; block_tables: [B, bt_stride] int32; seq_lens: [B] int32.
+ * One work item per (request, KV head), scheduled dynamically over the threads. The score rows
+ * s hold L floats for each of G (scalar) or up to G + 3 (a padded vector tile) query rows. */
+#define DEFINE_KERNEL(NAME, T, SFX)                                                                 \
+void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_tables, int64_t bt_stride, \
+          const int32_t* seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,        \
+          float scale, int num_threads) {                                                           \
+    const int64_t G = H / KVH, hsplit = B >= 2 * num_threads ? 1 : KVH, NH = KVH / hsplit;         \
+    _Pragma("omp parallel num_threads(num_threads)")                                                \
+    {                                                                                               \
+        int64_t cap = 0; float* s = NULL;                                                           \
+        float* work = (float*)malloc(sizeof(float) * 2 * G * D);                                    \
+        _Pragma("omp for schedule(dynamic, 1)")                                                     \
+        for (int64_t it = 0; it < B * hsplit; it++) {                                               \
+            const int64_t b = it / hsplit, h0 = (it % hsplit) * NH, L = seq_lens[b];                \
+            const int32_t* bt = block_tables + b * bt_stride;                                       \
+            if (L * (G + 4) > cap) { free(s); cap = L * (G + 4); s = (float*)malloc(sizeof(float) * cap); } \
+            VEC_DISPATCH(SFX)                                                                       \
+            for (int64_t h = h0; h < h0 + NH; h++)                                                  \
+                scalar_item_##SFX(q, k, v, out, bt, L, b, h, H, KVH, G, D, bs, scale, s, work);      \
+        }                                                                                           \
+        free(s); free(work);                                                                        \
+    }                                                                                               \
+}
+
+DEFINE_KERNEL(paged_decode_f32, float, f32)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16)
 """
 
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
     [ctypes.c_float, ctypes.c_int]
-_FUNCTIONS = {f"paged_decode_{t}_{d}": _ARGTYPES for t in ("f32", "bf16") for d in ("any", "64", "128")}
+_FUNCTIONS = {f"paged_decode_{t}": _ARGTYPES for t in ("f32", "bf16")}
 
 
 def load() -> ctypes.CDLL | None:
@@ -168,8 +278,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    fn = getattr(lib, f"paged_decode_{'f32' if q.dtype == torch.float32 else 'bf16'}_"
-                      f"{d if d in (64, 128) else 'any'}")
+    fn = lib.paged_decode_f32 if q.dtype == torch.float32 else lib.paged_decode_bf16
     fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
        block_tables.stride(0), seq_lens.data_ptr(), b, h, kvh, d, bs, float(scale), torch.get_num_threads())
     return out
