@@ -70,3 +70,62 @@ def test_kernel_reads_a_strided_block_table_and_the_mixed_batch_decode_group():
     out = TorchAttentionBackend(True).forward(qm, km, vm, cache, md, 0.125)
     ref = TorchAttentionBackend(False).forward(qm, km, vm, c2, md2, 0.125)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def prefill_case(new: list[int], ctx: list[int], heads: int, kv_heads: int, d: int, block: int, dtype, seed=0):
+    """A batch of prefill chunks (``new[i]`` tokens after ``ctx[i] - new[i]`` cached) on shuffled blocks."""
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-c // block) for c in ctx) + 2
+    free = list(range(nb))
+    rng.shuffle(free)
+    tables = [[free.pop() for _ in range(-(-c // block))] for c in ctx]
+    cache = torch.randn(2, nb, block, kv_heads, d, generator=g).to(dtype)
+    t = sum(new)
+    q = torch.randn(t, heads, d, generator=g).to(dtype)
+    k = torch.randn(t, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(t, kv_heads, d, generator=g).to(dtype)
+    mds = [build_attention_metadata([c - n for c, n in zip(ctx, new)], new, tables, block)[0] for _ in range(2)]
+    return q, k, v, cache, mds[0], mds[1]
+
+
+needs_prefill_kernel = pytest.mark.skipif(
+    not paged_attention_cpu.prefill_supports(torch.zeros(1, 2, 64), torch.zeros(2, 1, 1, 1, 64)),
+    reason="prefill kernel needs AVX-512")
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 2, 128), (8, 8, 64), (12, 1, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("new,ctx,block", [
+    ([100], [100], 16),                     # a whole prompt; key tiles that end mid-block
+    ([37, 1, 5, 70], [100, 9, 5, 300], 4),  # chunks after cached prefixes, a decode and a tiny prompt mixed in
+    ([33, 2], [33, 40], 16),                # a two-token chunk; more than one query tile
+])
+def test_prefill_kernel_matches_torch(heads, kv_heads, d, dtype, new, ctx, block):
+    q, k, v, cache, md, md2 = prefill_case(new, ctx, heads, kv_heads, d, block, dtype)
+    cache2 = cache.clone()
+    got = TorchAttentionBackend(use_cpu_kernel=True).forward(q, k, v, cache, md, d ** -0.5)
+    want = TorchAttentionBackend(use_cpu_kernel=False).forward(q, k, v, cache2, md2, d ** -0.5)
+    assert type(md.cache["torch_plan"][1]).__name__ == "_KernelPrefillPlan"
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(cache, cache2)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_leaves_unlisted_rows_and_rejects_bad_calls():
+    q, k, v, cache, md, _ = prefill_case([20, 7], [20, 30], 4, 2, 64, 4, torch.float32)
+    TorchAttentionBackend(use_cpu_kernel=False).forward(q, k, v, cache, md, 0.125)   # writes the K/V
+    out = torch.full_like(q, 7.0)
+    i32 = dict(dtype=torch.int32)
+    paged_attention_cpu.paged_prefill(q, cache, md.block_tables[1:], torch.tensor([20], **i32),
+                                      torch.tensor([7], **i32), md.seq_lens[1:], 0.125, out)
+    assert torch.all(out[:20] == 7.0) and not torch.any(out[20:] == 7.0)
+    with pytest.raises(RuntimeError):   # out of the wrong shape
+        paged_attention_cpu.paged_prefill(q, cache, md.block_tables, torch.tensor([0, 20]), torch.tensor([20, 7]),
+                                          md.seq_lens, 0.125, out[:5])
+    with pytest.raises(RuntimeError):   # head_dim 24: no vector kernel
+        paged_attention_cpu.paged_prefill(torch.zeros(3, 2, 24), torch.zeros(2, 4, 4, 1, 24), md.block_tables,
+                                          torch.tensor([0]), torch.tensor([3]), torch.tensor([3]), 0.125,
+                                          torch.zeros(3, 2, 24))

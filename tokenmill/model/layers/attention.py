@@ -174,6 +174,16 @@ class _DecodePlan:
 
 
 @dataclass
+class _KernelPrefillPlan:
+    """Every prefill/chunk request of the step, for one call of the fused CPU prefill kernel."""
+
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    q_start: torch.Tensor       # [R] int32 first token row of each request
+    q_len: torch.Tensor         # [R] int32 new tokens
+    seq_lens: torch.Tensor      # [R] int32 context after this step
+
+
+@dataclass
 class _PrefillPlan:
     """One prefill/chunk request: its token rows and (with a cached prefix) gather indices."""
 
@@ -213,7 +223,14 @@ class TorchAttentionBackend(AttentionBackend):
     kernel of :mod:`tokenmill.model.layers.paged_attention_cpu`, which reads
     K/V straight from the block pool (no gather copy): 2-2.8x faster than
     the gather + matmuls over 30 layers at B = 32, L = 257, measured side by
-    side. ``use_cpu_kernel=False`` (or a failed kernel build) keeps the torch
+    side. Prefill and prefill-chunk requests likewise go, all in one call
+    per layer, to that module's prefill kernel (FlashAttention-2-style
+    online softmax over the paged cache; AVX-512, head_dim 64/128): no
+    gather of the cached prefix and no per-head repeat of K/V. Measured side
+    by side against this class's SDPA path on the 2-core machine (one
+    layer, 9/3 heads, bfloat16): 1.7x for a 512-token prompt, 1.1-1.2x for
+    a 256-token chunk after a 768-token prefix and for a 2048-token prompt.
+    ``use_cpu_kernel=False`` (or a failed kernel build) keeps the torch
     path; CUDA always takes the torch path until a fused GPU kernel is added
     behind :class:`AttentionBackend`.
 
@@ -257,7 +274,9 @@ class TorchAttentionBackend(AttentionBackend):
         plan = md.cache.get("torch_plan")
         if plan is None:
             use_kernel = self.use_cpu_kernel and paged_attention_cpu.supports(q, kv_cache)
-            plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device, use_kernel)
+            use_prefill_kernel = use_kernel and paged_attention_cpu.prefill_supports(q, kv_cache)
+            plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device, use_kernel,
+                                                       use_prefill_kernel)
         dec, prefills, num_tokens = plan
         if q.shape[0] != num_tokens:
             out = q.new_zeros(q.shape)
@@ -272,6 +291,10 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         if dec is not None:
             out[dec.rows] = self._decode(q[dec.rows], kv_cache, dec, scale)
+        if isinstance(prefills, _KernelPrefillPlan):
+            paged_attention_cpu.paged_prefill(q.contiguous(), kv_cache, prefills.block_tables, prefills.q_start,
+                                              prefills.q_len, prefills.seq_lens, scale, out)
+            return out
         for p in prefills:
             out[p.start:p.end] = self._prefill_one(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
                                                    kv_cache, p, scale)
@@ -279,17 +302,28 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _plan(md: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device,
-              use_kernel: bool = False):
-        """Split requests into the batched decode group and per-request prefills; build gather indices."""
+              use_kernel: bool = False, use_prefill_kernel: bool = False):
+        """Split requests into the batched decode group and the prefills; build gather indices.
+
+        With ``use_prefill_kernel`` the prefills are one :class:`_KernelPrefillPlan`
+        (no gather indices); otherwise a list of :class:`_PrefillPlan`.
+        """
         bs = md.block_size
         starts = np.zeros(md.num_reqs + 1, dtype=np.int64)
         starts[1:] = np.cumsum(md.query_lens)
         dec = [i for i, ql in enumerate(md.query_lens) if ql == 1]
         prefills = []
-        for i, ql in enumerate(md.query_lens):
-            if ql == 1:
-                continue
-            ctx, s, e = md.seq_lens_list[i], int(starts[i]), int(starts[i + 1])
+        pre = [i for i, ql in enumerate(md.query_lens) if ql != 1]
+        if use_prefill_kernel and pre:
+            idx = torch.tensor(pre, device=device)
+            prefills = _KernelPrefillPlan(
+                block_tables=md.block_tables[idx].contiguous(),
+                q_start=torch.tensor(starts[pre], dtype=torch.int32, device=device),
+                q_len=torch.tensor([md.query_lens[i] for i in pre], dtype=torch.int32, device=device),
+                seq_lens=md.seq_lens[idx].contiguous())
+            pre = []
+        for i in pre:
+            ql, ctx, s, e = md.query_lens[i], md.seq_lens_list[i], int(starts[i]), int(starts[i + 1])
             rows = mask = None
             if ctx != ql:
                 pos = torch.arange(ctx, device=device)

@@ -231,11 +231,153 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_table
 
 DEFINE_KERNEL(paged_decode_f32, float, f32)
 DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16)
+
+/* ---------------------------------------------------------------- prefill / chunked prefill
+ * Causal attention of R requests' new tokens over their whole context (cached prefix + the new
+ * tokens, whose K/V are already in the cache), read straight from the block pool; online softmax
+ * over key tiles as in FlashAttention-2 (Dao, arXiv 2307.08691, Algorithm 1), on the CPU.
+ * Work item = (request, tile of PQ query tokens, KV head): its PQ * G query rows (the G query heads
+ * sharing the KV head, so K/V tiles are read once per group) are kept scaled in float32; each key
+ * tile of PK positions is transposed (K) and widened (V) once and reused by every row; S = Q K^T
+ * runs PR rows at a time with the rows' accumulators in registers. Rows see keys up to their own
+ * position (c + token index, c = cached prefix length); tiles past a row are skipped. */
+#define PQ 32
+#define PK 16
+#define PR 8
+int paged_prefill_vectorized(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+void paged_prefill_available(int* out) { *out = paged_prefill_vectorized(); }
+
+#if defined(__AVX512F__)
+#define DEFINE_PREFILL(NAME, T, LD, LD16, ST, NC)                                                     \
+static void NAME##_item(const T* q, const T* k, const T* v, T* out, const int32_t* bt, int64_t q0,      \
+                        int64_t n, int64_t L, int64_t t0, int64_t h, int64_t H, int64_t KVH, int64_t bs, \
+                        float scale, float* qf, float* o, float* m, float* l, float* kt, float* vt) {   \
+    const int64_t D = 16 * NC, G = H / KVH, row = KVH * D, c = L - n;                                  \
+    const int64_t tq = n - t0 < PQ ? n - t0 : PQ, rows = tq * G;                                       \
+    const __m512 sc = _mm512_set1_ps(scale);                                                           \
+    for (int64_t ri = 0; ri < rows + PR; ri++)                                                         \
+        for (int cc = 0; cc < NC; cc++) {                                                              \
+            __m512 x = _mm512_setzero_ps();                                                            \
+            if (ri < rows) x = _mm512_mul_ps(LD16(q + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D + 16 * cc), sc); \
+            _mm512_storeu_ps(qf + ri * D + 16 * cc, x);                                                \
+        }                                                                                              \
+    memset(o, 0, sizeof(float) * rows * D);                                                            \
+    for (int64_t ri = 0; ri < rows; ri++) { m[ri] = -INFINITY; l[ri] = 0.f; }                          \
+    const int64_t last = c + t0 + tq - 1;          /* the last key position any row of the tile sees */ \
+    for (int64_t p0 = 0; p0 <= last; p0 += PK) {                                                       \
+        const int64_t kn = last + 1 - p0 < PK ? last + 1 - p0 : PK;                                    \
+        for (int64_t j = 0; j < PK; j++) {                                                             \
+            if (j < kn) {                                                                              \
+                const int64_t pos = p0 + j, slot = (int64_t)bt[pos / bs] * bs + pos % bs;               \
+                const T* kp = k + slot * row + h * D; const T* vp = v + slot * row + h * D;            \
+                for (int64_t d = 0; d < D; d++) kt[d * PK + j] = LD(kp + d);                           \
+                for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(vt + j * D + 16 * cc, LD16(vp + 16 * cc)); \
+            } else {                                                                                   \
+                for (int64_t d = 0; d < D; d++) kt[d * PK + j] = 0.f;                                  \
+                for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(vt + j * D + 16 * cc, _mm512_setzero_ps()); \
+            }                                                                                          \
+        }                                                                                              \
+        const int64_t first_row = p0 > c + t0 ? (p0 - c - t0) * G : 0;  /* rows before see none */    \
+        for (int64_t rc = first_row; rc < rows; rc += PR) {                                            \
+            __m512 acc[PR];                                                                            \
+            for (int i = 0; i < PR; i++) acc[i] = _mm512_setzero_ps();                                 \
+            for (int64_t d = 0; d < D; d++) {                                                          \
+                const __m512 kd = _mm512_loadu_ps(kt + d * PK);                                        \
+                for (int i = 0; i < PR; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(rc + i) * D + d]), kd, acc[i]); \
+            }                                                                                          \
+            for (int i = 0; i < PR && rc + i < rows; i++) {                                            \
+                const int64_t ri = rc + i, qpos = c + t0 + ri / G;                                     \
+                int64_t nv = qpos - p0 + 1; nv = nv < kn ? nv : kn;                                    \
+                if (nv <= 0) continue;                                                                 \
+                const __mmask16 mk = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);       \
+                const __m512 s = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), acc[i]);          \
+                const float mnew = fmaxf(m[ri], _mm512_reduce_max_ps(s));                              \
+                float pj[16];                                                                          \
+                _mm512_storeu_ps(pj, _mm512_sub_ps(s, _mm512_set1_ps(mnew)));                          \
+                for (int j = 0; j < 16; j++) pj[j] = expf(pj[j]);                                      \
+                const float corr = expf(m[ri] - mnew);                                                 \
+                float psum = 0.f;                                                                      \
+                for (int j = 0; j < 16; j++) psum += pj[j];                                            \
+                l[ri] = l[ri] * corr + psum;                                                           \
+                m[ri] = mnew;                                                                          \
+                __m512 ov[NC];                                                                         \
+                const __m512 cv = _mm512_set1_ps(corr);                                                \
+                for (int cc = 0; cc < NC; cc++) ov[cc] = _mm512_mul_ps(_mm512_loadu_ps(o + ri * D + 16 * cc), cv); \
+                for (int64_t j = 0; j < nv; j++) {                                                     \
+                    const __m512 pv = _mm512_set1_ps(pj[j]);                                           \
+                    for (int cc = 0; cc < NC; cc++)                                                    \
+                        ov[cc] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vt + j * D + 16 * cc), ov[cc]);   \
+                }                                                                                      \
+                for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(o + ri * D + 16 * cc, ov[cc]);        \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int64_t ri = 0; ri < rows; ri++) {                                                            \
+        const float inv = 1.f / l[ri];                                                                 \
+        T* op = out + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D;                                   \
+        for (int64_t d = 0; d < D; d++) ST(op + d, o[ri * D + d] * inv);                               \
+    }                                                                                                  \
+}
+DEFINE_PREFILL(prefill_f32_64, float, ld_f32, ld16_f32, st_f32, 4)
+DEFINE_PREFILL(prefill_bf16_64, uint16_t, ld_bf16, ld16_bf16, st_bf16, 4)
+DEFINE_PREFILL(prefill_f32_128, float, ld_f32, ld16_f32, st_f32, 8)
+DEFINE_PREFILL(prefill_bf16_128, uint16_t, ld_bf16, ld16_bf16, st_bf16, 8)
+#define PREFILL_ITEM(SFX, D) (D == 64 ? prefill_##SFX##_64_item : prefill_##SFX##_128_item)
+#else
+#define PREFILL_ITEM(SFX, D) NULL
+#endif
+
+/* q, out: [num_tokens, H, D]; k, v: [num_slots, KVH, D]; block_tables: [R, bt_stride] int32 (row r:
+ * request r's blocks); q_start, q_len, seq_lens: [R] int32 (first row in q, new tokens, context
+ * length after this step). head_dim 64 or 128 and AVX-512 only (paged_prefill_available). */
+#define DEFINE_PREFILL_KERNEL(NAME, T, SFX)                                                           \
+void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_tables, int64_t bt_stride, \
+          const int32_t* q_start, const int32_t* q_len, const int32_t* seq_lens, int64_t R, int64_t H,  \
+          int64_t KVH, int64_t D, int64_t bs, float scale, int num_threads) {                         \
+    void (*item)(const T*, const T*, const T*, T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,  \
+                 int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float*,     \
+                 float*) = PREFILL_ITEM(SFX, D);                                                      \
+    if (item == NULL || (D != 64 && D != 128)) return;                                                \
+    const int64_t G = H / KVH;                                                                        \
+    int64_t total = 0;                                                                                \
+    for (int64_t r = 0; r < R; r++) total += (q_len[r] + PQ - 1) / PQ * KVH;                          \
+    int64_t* items = (int64_t*)malloc(sizeof(int64_t) * 3 * (total > 0 ? total : 1));                 \
+    int64_t w = 0;                                                                                    \
+    for (int64_t r = 0; r < R; r++)               /* later tiles see more keys: hand them out first */ \
+        for (int64_t t = (q_len[r] + PQ - 1) / PQ - 1; t >= 0; t--)                                   \
+            for (int64_t h = 0; h < KVH; h++) { items[w++] = r; items[w++] = t; items[w++] = h; }     \
+    _Pragma("omp parallel num_threads(num_threads)")                                                  \
+    {                                                                                                 \
+        float* buf = (float*)malloc(sizeof(float) * ((2 * PQ * G + PR) * D + 2 * PQ * G + 2 * PK * D)); \
+        float* qf = buf; float* o = qf + (PQ * G + PR) * D; float* m = o + PQ * G * D;                \
+        float* l = m + PQ * G; float* kt = l + PQ * G; float* vt = kt + PK * D;                       \
+        _Pragma("omp for schedule(dynamic, 1)")                                                       \
+        for (int64_t it = 0; it < total; it++) {                                                      \
+            const int64_t r = items[3 * it], t = items[3 * it + 1], h = items[3 * it + 2];            \
+            item(q, k, v, out, block_tables + r * bt_stride, q_start[r], q_len[r], seq_lens[r], t * PQ, \
+                 h, H, KVH, bs, scale, qf, o, m, l, kt, vt);                                          \
+        }                                                                                             \
+        free(buf);                                                                                    \
+    }                                                                                                 \
+    free(items);                                                                                      \
+}
+DEFINE_PREFILL_KERNEL(paged_prefill_f32, float, f32)
+DEFINE_PREFILL_KERNEL(paged_prefill_bf16, uint16_t, bf16)
 """
 
 _ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
     [ctypes.c_float, ctypes.c_int]
-_FUNCTIONS = {f"paged_decode_{t}": _ARGTYPES for t in ("f32", "bf16")}
+_PREFILL_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + \
+    [ctypes.c_float, ctypes.c_int]
+_FUNCTIONS = {**{f"paged_decode_{t}": _ARGTYPES for t in ("f32", "bf16")},
+              **{f"paged_prefill_{t}": _PREFILL_ARGTYPES for t in ("f32", "bf16")},
+              "paged_prefill_available": [ctypes.c_void_p]}
 
 
 def load() -> ctypes.CDLL | None:
@@ -282,3 +424,53 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
        block_tables.stride(0), seq_lens.data_ptr(), b, h, kvh, d, bs, float(scale), torch.get_num_threads())
     return out
+
+
+def prefill_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """True when :func:`paged_prefill` can serve this layer: :func:`supports`, head_dim 64 or 128,
+    and the library was built with AVX-512."""
+    if not supports(q, kv_cache) or q.shape[-1] not in (64, 128):
+        return False
+    flag = ctypes.c_int(0)
+    load().paged_prefill_available(ctypes.byref(flag))
+    return bool(flag.value)
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
+                  q_len: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Causal attention for ``R`` prefill (or prefill-chunk) requests straight from the paged cache.
+
+    Request ``r`` owns rows ``q_start[r] : q_start[r] + q_len[r]`` of ``q``;
+    its context is ``seq_lens[r]`` tokens (a cached prefix of
+    ``seq_lens[r] - q_len[r]`` tokens, then the new ones, whose K/V must
+    already be in the cache), and new token ``i`` attends to positions
+    ``<= seq_lens[r] - q_len[r] + i``. FlashAttention-2's online softmax
+    (Dao, arXiv 2307.08691, Algorithm 1) over 16-key tiles; float32
+    accumulation. Rows of ``out`` that belong to no listed request are not
+    touched.
+
+    Args:
+        q: ``[num_tokens, H, D]`` contiguous, float32 or bfloat16, ``D`` 64 or 128.
+        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous, same dtype.
+        block_tables: ``[R, >= ceil(max(seq_lens) / block_size)]`` int32, last dim contiguous.
+        q_start, q_len, seq_lens: ``[R]`` int32.
+        scale: softmax scale.
+        out: ``[num_tokens, H, D]`` contiguous, same dtype; written in place.
+
+    Raises:
+        RuntimeError: the kernel cannot serve the call (check :func:`prefill_supports`).
+    """
+    if not prefill_supports(q, kv_cache):
+        raise RuntimeError("CPU paged prefill kernel unavailable for this call")
+    if not (q.is_contiguous() and out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype):
+        raise RuntimeError("paged_prefill needs contiguous q and out of the same shape and dtype")
+    _, h, d = q.shape
+    _, _, bs, kvh, _ = kv_cache.shape
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    q_start, q_len, seq_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_len, seq_lens))
+    lib = load()
+    fn = lib.paged_prefill_f32 if q.dtype == torch.float32 else lib.paged_prefill_bf16
+    fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+       block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
+       d, bs, float(scale), torch.get_num_threads())
