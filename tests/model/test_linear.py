@@ -84,3 +84,47 @@ def test_runner_packs_eager_model_and_only_the_head_when_compiled():
     r = ModelRunner(model, arch, cfg.replace(enforce_eager=False, compile_sizes=""), torch.device("cpu"),
                     torch.float32, [2])
     assert r.num_packed_linear == 1 and isinstance(model._logits_head, PackedLinear)
+
+
+def q4_weight(n: int, k: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    zero = (torch.rand(n, k // 32, generator=g) - 0.5) * 0.1
+    dense = ((codes.float() - 8).view(n, -1, 32) * scale[..., None] + zero[..., None]).view(n, k)
+    return codes, scale, zero, dense
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_path_matches_the_dense_layer_up_to_its_row_limit(bias):
+    if not packed_linear_available("cpu", torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 on this CPU")
+    codes, scale, zero, dense = q4_weight(48, 64)
+    b = torch.randn(48).bfloat16() if bias else None
+    lin = PackedLinear(dense.bfloat16(), b)
+    plain = PackedLinear(dense.bfloat16(), b)
+    nbytes = lin.attach_int4(codes, scale, zero, 32, max_rows=4)
+    assert nbytes == 48 * 64 // 2 + 2 * 2 * 48 * 64 // 32 and "int4 rows<=4" in repr(lin)
+    for rows in (1, 4):
+        x = torch.randn(rows, 64).bfloat16()
+        want = F.linear(x.float(), dense, None if b is None else b.float())
+        torch.testing.assert_close(lin(x).float(), want, rtol=3e-2, atol=3e-2)
+    x = torch.randn(5, 64).bfloat16()
+    assert torch.equal(lin(x), plain(x))                  # above the limit: the dense oneDNN GEMM
+
+
+def test_int4_attach_rejects_float32_and_mismatched_codes(monkeypatch):
+    from tokenmill.model.layers.linear import int4_max_tokens
+
+    codes, scale, zero, dense = q4_weight(16, 64)
+    with pytest.raises(ValueError, match="bfloat16"):
+        PackedLinear(dense).attach_int4(codes, scale, zero, 32, 8)
+    if packed_linear_available("cpu", torch.bfloat16):
+        with pytest.raises(ValueError, match="do not fit"):
+            PackedLinear(dense.bfloat16()).attach_int4(codes[:8], scale, zero, 32, 8)
+    assert int4_max_tokens("cpu", torch.float32) == 0
+    monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "-1")
+    with pytest.raises(ValueError, match="non-negative"):
+        int4_max_tokens("cpu", torch.bfloat16)
+    monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "0")
+    assert int4_max_tokens("cpu", torch.bfloat16) == 0

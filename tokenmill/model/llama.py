@@ -257,6 +257,38 @@ class LlamaForCausalLM(nn.Module):
         i = c.intermediate_size
         return [(0, i), (i, 2 * i)][shard]
 
+    def stack_row_shards(self, items: Iterable[tuple[str, tuple[torch.Tensor, ...]]]
+                         ) -> dict[str, tuple[torch.Tensor, ...]]:
+        """Assemble per-checkpoint-tensor side data (e.g. int4 codes and scales) for the fused layers.
+
+        Args:
+            items: ``(hf_weight_name, tensors)`` where every tensor has the
+                weight's output rows as its first dimension (``q_proj``,
+                ``k_proj`` ... as in :meth:`load_weights`).
+
+        Returns:
+            module name (``model.layers.0.self_attn.qkv_proj``) -> the
+            tensors, q/k/v and gate/up shards concatenated along rows in the
+            fused layer's order. Modules with a shard missing are left out.
+        """
+        shards: dict[str, dict[int, tuple[torch.Tensor, ...]]] = {}
+        for name, tensors in items:
+            if not name.endswith(".weight"):
+                continue
+            target, shard = name[: -len(".weight")], 0
+            for part, (fused, idx) in self._STACKED.items():
+                if f".{part}." in name:
+                    target, shard = name.replace(part, fused)[: -len(".weight")], idx
+                    break
+            shards.setdefault(target, {})[shard] = tensors
+        out = {}
+        for target, parts in shards.items():
+            n = 3 if target.endswith("qkv_proj") else 2 if target.endswith("gate_up_proj") else 1
+            if len(parts) == n:
+                out[target] = tuple(torch.cat([parts[i][j] for i in range(n)]) if n > 1 else parts[0][j]
+                                    for j in range(len(parts[0])))
+        return out
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the model.

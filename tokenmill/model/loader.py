@@ -56,6 +56,10 @@ class LoadedModel:
         dtype: weight/activation dtype.
         device: where the weights live.
         load_seconds: wall time of :func:`load_model`.
+        int4_weights: with ``load_model(..., int4=True)`` and a GGUF whose
+            linear weights are Q4_0/Q4_1: module name -> ``(codes, scale,
+            zero)`` for :func:`tokenmill.model.layers.linear.attach_int4_weights`
+            (the runner takes and clears it); otherwise None.
     """
 
     model: nn.Module
@@ -69,6 +73,7 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     load_seconds: float = 0.0
+    int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None
 
 
 def default_model_path() -> str:
@@ -219,7 +224,8 @@ def load_arch_config(path: str | None) -> ModelArchConfig:
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               *, with_tokenizer: bool = True, attn_backend: AttentionBackend | None = None) -> LoadedModel:
+               *, with_tokenizer: bool = True, attn_backend: AttentionBackend | None = None,
+               int4: bool = False) -> LoadedModel:
     """Load a checkpoint into a :class:`LoadedModel`.
 
     Args:
@@ -232,6 +238,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         with_tokenizer: False skips the tokenizer (``tokenizer`` is None) for
             weight-only uses.
         attn_backend: override the attention backend.
+        int4: also collect the 4-bit codes of Q4_0/Q4_1 GGUF linear weights
+            (:attr:`LoadedModel.int4_weights`).
 
     Raises:
         FileNotFoundError: the path (or the default package) is missing.
@@ -242,16 +250,20 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
     import time
 
     t0 = time.perf_counter()
+    int4_weights = None
     kind, path = _resolve_checkpoint(path)
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
     if kind == "gguf":
-        from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
+        from tokenmill.model.gguf_loader import (chat_template, iter_gguf_int4, iter_gguf_weights, open_gguf,
+                                                 read_arch_config)
 
         reader = open_gguf(path)
         arch = read_arch_config(reader)
         model = _instantiate(arch, dt, device, attn_backend)
         model.load_weights(iter_gguf_weights(reader, arch))
+        if int4 and hasattr(model, "stack_row_shards"):
+            int4_weights = model.stack_row_shards(iter_gguf_int4(reader, arch)) or None
         template = chat_template(reader)
         name = os.path.splitext(os.path.basename(path))[0]
         del reader
@@ -274,4 +286,4 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         eos = [int(tokenizer.eos_token_id)]
     return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,
                        eos_token_ids=eos, bos_token_id=arch.bos_token_id, name=name, path=path,
-                       dtype=dt, device=device, load_seconds=time.perf_counter() - t0)
+                       dtype=dt, device=device, load_seconds=time.perf_counter() - t0, int4_weights=int4_weights)

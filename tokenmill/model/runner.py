@@ -42,7 +42,8 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.layers.linear import PackedLinear, pack_linear_weights
+from tokenmill.model.gguf_loader import INT4_GROUP_SIZE
+from tokenmill.model.layers.linear import PackedLinear, attach_int4_weights, int4_max_tokens, pack_linear_weights
 from tokenmill.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -143,11 +144,15 @@ class ModelRunner:
         scratch_block: id of the scratch block (``num_kv_blocks``).
         max_model_len: context limit in tokens.
         compile_buckets: padded token counts with a compiled step (empty when eager).
+        int4_max_tokens: steps of at most this many tokens run their block
+            linears on 4-bit weights (a GGUF with Q4_0/Q4_1 linears, bfloat16
+            on CPU, eager; see :meth:`PackedLinear.attach_int4`); 0 when off.
         last_timings: seconds of the last step's parts (``prepare``, ``forward``, ``sample``).
     """
 
     def __init__(self, model: torch.nn.Module, arch, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, eos_token_ids: list[int]) -> None:
+                 dtype: torch.dtype, eos_token_ids: list[int],
+                 int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None) -> None:
         self.model = model
         self.arch = arch
         self.config = config
@@ -182,6 +187,11 @@ class ModelRunner:
         self.buffers = InputBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                     sched.max_num_seqs, blocks_per_seq, device)
         self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager)
+        self.int4_max_tokens = 0
+        if int4_weights:
+            limit = int4_max_tokens(device, dtype)
+            if limit and attach_int4_weights(model, int4_weights, INT4_GROUP_SIZE, limit)[0]:
+                self.int4_max_tokens = limit
         if not config.model.enforce_eager:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
 
@@ -199,11 +209,14 @@ class ModelRunner:
         configure_threads(device)
         configure_allocator(device)
         t0 = time.perf_counter()
-        loaded = load_model(config.model.model, dtype=config.model.dtype, device=device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        want_int4 = config.model.enforce_eager and int4_max_tokens(device, dtype) > 0
+        loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, int4=want_int4)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        runner = cls(loaded.model, loaded.arch, config, device, dtype, loaded.eos_token_ids)
+        runner = cls(loaded.model, loaded.arch, config, device, dtype, loaded.eos_token_ids,
+                     int4_weights=loaded.int4_weights)
+        loaded.int4_weights = None
         runner.loaded = loaded
         return runner
 

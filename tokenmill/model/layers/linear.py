@@ -75,12 +75,68 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
 
+        self.int4_max_rows = 0
+        self.int4_group_size = 0
+        self.int4_weight: torch.Tensor | None = None
+        self.int4_scale_zero: torch.Tensor | None = None
+
+    def attach_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+                    max_rows: int) -> int:
+        """Also keep the weight as 4-bit codes, used for inputs of at most ``max_rows`` rows.
+
+        Small-batch decode steps are memory-bound: they read every weight
+        for a few rows of activations. torch's int4 CPU GEMM
+        (``aten._weight_int4pack_mm_for_cpu``, the kernel behind torchao's
+        int4 weight-only CPU layout) reads a quarter of the bfloat16 bytes;
+        measured on the 2-core machine over SmolLM2's 120 block GEMMs: 4x the
+        oneDNN bfloat16 GEMM at 1 row, 2x at 4, even at 6-8, slower above
+        (``benchmarks/roofline.py`` times the whole step). Weight
+        ``w = (codes - 8) * scale + zero`` per group of ``group_size`` input
+        columns; scale and zero are held in bfloat16 (the kernel's format),
+        so results match the bfloat16 GEMM to bfloat16 rounding, not bit for
+        bit.
+
+        Args:
+            codes: ``[out_features, in_features]`` integers in 0..15.
+            scale, zero: ``[out_features, in_features / group_size]`` (float32).
+            group_size: input columns per scale (32 for GGUF Q4_0/Q4_1).
+            max_rows: use the int4 path for inputs of at most this many rows.
+
+        Returns:
+            bytes held by the int4 copy.
+
+        Raises:
+            ValueError: not a bfloat16 layer (the kernel has no vectorised
+                float32 path), or shapes that do not match.
+        """
+        if self.dtype != torch.bfloat16:
+            raise ValueError(f"int4 weights need a bfloat16 layer, this one is {self.dtype}")
+        n, k = self.out_features, self.in_features
+        groups = k // group_size if group_size > 0 else 0
+        if (tuple(codes.shape) != (n, k) or k % max(group_size, 1) or tuple(scale.shape) != (n, groups)
+                or tuple(zero.shape) != (n, groups)):
+            raise ValueError(f"int4 codes {tuple(codes.shape)} / scales {tuple(scale.shape)} do not fit a "
+                             f"[{n}, {k}] weight with groups of {group_size}")
+        with torch.no_grad():
+            self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                codes.to(torch.int32).contiguous(), 1)
+            self.int4_scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+        self.int4_group_size, self.int4_max_rows = group_size, max_rows
+        return self.int4_weight.numel() * self.int4_weight.element_size() + \
+            self.int4_scale_zero.numel() * self.int4_scale_zero.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` (weight dtype) -> ``[..., out_features]``."""
+        if self.int4_max_rows and x.dim() == 2 and x.shape[0] <= self.int4_max_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4_weight, self.int4_group_size,
+                                                            self.int4_scale_zero)
+            return y if self.bias is None else y + self.bias
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed=oneDNN"
+        extra = f", int4 rows<={self.int4_max_rows}" if self.int4_max_rows else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
+                f"packed=oneDNN{extra}")
 
 
 def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
@@ -118,3 +174,52 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
         count += 1
     logger.info("packed %d linear layers for oneDNN (%s)", count, p0.dtype)
     return count
+
+
+INT4_ENV = "TOKENMILL_CPU_INT4_MAX_TOKENS"
+DEFAULT_INT4_MAX_TOKENS = 8
+
+
+def int4_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
+    """Largest step (tokens) whose linears use 4-bit weights; 0 when the int4 path is off.
+
+    On for bfloat16 CPU models with oneDNN packing; ``TOKENMILL_CPU_INT4_MAX_TOKENS``
+    sets the limit (default 8, ``0`` turns it off).
+
+    Raises:
+        ValueError: the variable is not a non-negative integer.
+    """
+    raw = os.environ.get(INT4_ENV, str(DEFAULT_INT4_MAX_TOKENS)).strip()
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{INT4_ENV} must be a non-negative integer, got {raw!r}")
+    if dtype != torch.bfloat16 or not packed_linear_available(device, dtype):
+        return 0
+    return limit
+
+
+def attach_int4_weights(model: nn.Module, int4: dict[str, tuple[torch.Tensor, ...]], group_size: int,
+                        max_rows: int) -> tuple[int, int]:
+    """Give every :class:`PackedLinear` of ``model`` named in ``int4`` its 4-bit copy (:meth:`PackedLinear.attach_int4`).
+
+    Args:
+        int4: module name -> ``(codes, scale, zero)`` (e.g. from
+            :func:`tokenmill.model.gguf_loader.iter_gguf_int4` through the
+            model's ``stack_row_shards``).
+
+    Returns:
+        ``(layers, bytes)`` attached.
+    """
+    count = nbytes = 0
+    for name, mod in model.named_modules():
+        if name in int4 and isinstance(mod, PackedLinear) and mod.dtype == torch.bfloat16:
+            codes, scale, zero = int4[name]
+            nbytes += mod.attach_int4(codes, scale, zero, group_size, max_rows)
+            count += 1
+    if count:
+        logger.info("int4 weights for %d linear layers (steps of <= %d tokens): %.1f MiB extra",
+                    count, max_rows, nbytes / 2**20)
+    return count, nbytes
