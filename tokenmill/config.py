@@ -87,8 +87,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one step (prefill chunk tokens + decode tokens).")
     scheduling_policy: str = _f("fcfs", "Waiting-queue order: fcfs (arrival) or priority (request 'priority', lower first, then arrival).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts into chunks across steps so decodes are not stalled.")
-    max_num_waiting_requests: int | None = _f(None, "Admission control: requests waiting beyond this number are refused (HTTP 429). Default: unlimited.")
-    max_num_waiting_tokens: int | None = _f(None, "Admission control: prompt tokens waiting beyond this number are refused (HTTP 429). Default: unlimited.")
+    max_num_waiting_requests: int | None = _f(None, "Admission control: requests waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
+    max_num_waiting_tokens: int | None = _f(None, "Admission control: prompt tokens waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -157,6 +157,18 @@ def test_help_mentions_every_flag_with_default():
     assert "[default: 128]" in text and "[default: 16]" in text
 
 
+def test_generate_flags_leave_out_server_only_knobs():
+    """``tokenmill generate`` has no HTTP server: no host/port/api-key, no admission control (429)."""
+    parser = add_serve_args(argparse.ArgumentParser(), include_server=False)
+    text = parser.format_help()
+    for flag in ["--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--scheduling-policy", "--dtype"]:
+        assert flag in text, flag
+    for flag in ["--max-num-waiting-requests", "--max-num-waiting-tokens", "--api-key", "--port"]:
+        assert flag not in text, flag
+    c = config_from_args(parser.parse_args(["--max-num-seqs", "4"]))
+    assert c.scheduler.max_num_seqs == 4 and c.scheduler.max_num_waiting_requests is None
+
+
 # -- metrics -------------------------------------------------------------------------
 def test_vllm_buckets():
     assert TTFT_BUCKETS[:4] == [0.001, 0.005, 0.01, 0.02] and TTFT_BUCKETS[-1] == 2560.0

@@ -42,7 +42,8 @@ def add_serve_args(parser: argparse.ArgumentParser, include_server: bool = True)
 
     Defaults are the dataclass defaults, so ``config_from_args(parser.parse_args([]))``
     equals ``EngineConfig()``. With ``include_server=False`` only the engine
-    sections (model, cache, scheduler) are added, for ``tokenmill generate``.
+    sections (model, cache, scheduler) are added, without the fields marked
+    ``server_only`` (admission control), for ``tokenmill generate``.
     """
     parser.add_argument(_POSITIONAL_DEST, nargs="?", default=None, metavar="MODEL",
                         help="Model to serve: a GGUF file or a Hugging Face checkpoint folder (same as --model). "
@@ -53,6 +54,8 @@ def add_serve_args(parser: argparse.ArgumentParser, include_server: bool = True)
         group = parser.add_argument_group(f"{section} options", (cls.__doc__ or "").strip().splitlines()[0])
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.metadata.get("server_only") and not include_server:
+                continue            # e.g. admission control: only the HTTP server refuses requests
             flag = "--" + f.name.replace("_", "-")
             typ = _base_type(hints[f.name])
             text = f.metadata.get("help", "")
