@@ -289,6 +289,9 @@ async def test_admission_control_429():
         r = await client.post("/v1/completions", json=body)
         err = _error(r, 429)
         assert int(r.headers["Retry-After"]) >= 1 and "waiting" in err["message"]
+        metrics = (await client.get("/metrics")).text
+        assert 'tokenmill:request_refused_total{model_name="%s",reason="waiting_requests"} 1.0' % MODEL in metrics
+        assert 'tokenmill:request_refused_total{model_name="%s",reason="waiting_tokens"} 0.0' % MODEL in metrics
         assert (await first).status_code == 200
         assert (await second).status_code == 200
         assert (await client.post("/v1/completions", json={**body, "max_tokens": 2})).status_code == 200

@@ -9,6 +9,9 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
 * counters ``num_preemptions_total``, ``prompt_tokens_total``,
   ``generation_tokens_total``, ``prefix_cache_queries_total`` and
   ``prefix_cache_hits_total`` (tokens), ``request_success_total{finished_reason}``;
+* counter ``request_refused_total{reason}`` (tokenmill-specific: requests
+  refused with HTTP 429 by admission control, ``reason`` =
+  ``waiting_requests`` or ``waiting_tokens``; vLLM has no admission control);
 * histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
   ``request_prefill_time_seconds``, ``request_decode_time_seconds``,
@@ -93,6 +96,11 @@ class PrometheusStatLogger:
                                 ["model_name", "finished_reason"], registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self._success.labels(model_name, reason)  # export zeros from the start
+        self._refused = Counter(PREFIX + "request_refused",
+                                "Requests refused by admission control (HTTP 429), by the limit that refused them.",
+                                ["model_name", "reason"], registry=r)
+        for reason in ("waiting_requests", "waiting_tokens"):
+            self._refused.labels(model_name, reason)
         self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
                          TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
@@ -122,6 +130,10 @@ class PrometheusStatLogger:
         self._last_queries = 0
         self._last_hits = 0
         self._last_steps = 0
+
+    def record_refusal(self, reason: str) -> None:
+        """Count one request refused by admission control (``reason``: the limit that refused it)."""
+        self._refused.labels(self.model_name, reason).inc()
 
     def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
         """Update gauges from the core snapshot and counters/histograms from the iteration."""

@@ -30,10 +30,14 @@ class Refusal:
     Attributes:
         message: human-readable reason (states the limit and the queue).
         retry_after: whole seconds, in [MIN_RETRY_AFTER, MAX_RETRY_AFTER].
+        reason: which limit refused it: ``waiting_requests`` or
+            ``waiting_tokens`` (the ``reason`` label of
+            ``tokenmill:request_refused_total``).
     """
 
     message: str
     retry_after: int
+    reason: str = "waiting_requests"
 
 
 class ServiceRate:
@@ -115,14 +119,14 @@ class AdmissionController:
             refusals.append(Refusal(
                 f"server is busy: {num_waiting} requests are waiting and the limit is "
                 f"{self.max_waiting_requests} (--max-num-waiting-requests); retry later",
-                retry_after_seconds(excess, self.request_rate.rate(now))))
+                retry_after_seconds(excess, self.request_rate.rate(now)), "waiting_requests"))
         if self.max_waiting_tokens is not None and num_waiting_tokens + new_tokens > self.max_waiting_tokens:
             excess = num_waiting_tokens + new_tokens - self.max_waiting_tokens
             refusals.append(Refusal(
                 f"server is busy: {num_waiting_tokens} prompt tokens are waiting, this request adds "
                 f"{new_tokens} and the limit is {self.max_waiting_tokens} (--max-num-waiting-tokens); "
                 "retry later",
-                retry_after_seconds(excess, self.token_rate.rate(now))))
+                retry_after_seconds(excess, self.token_rate.rate(now)), "waiting_tokens"))
         if not refusals:
             return None
         return max(refusals, key=lambda r: r.retry_after)

@@ -217,6 +217,7 @@ def _admit(state: ServerState, new_requests: int, new_tokens: int) -> None:
     waiting, waiting_tokens = state.engine.waiting_load()
     refusal = state.admission.check(waiting, waiting_tokens, new_requests, new_tokens)
     if refusal is not None:
+        state.prometheus.record_refusal(refusal.reason)
         raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
 
 
