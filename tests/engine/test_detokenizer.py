@@ -192,3 +192,19 @@ def test_output_cut_inside_a_character_drops_the_partial_bytes(tok):
     d, deltas = stream(tok, ids[:cut])
     assert "\ufffd" not in "".join(deltas)
     assert "".join(deltas) == d.output_text == decode(tok, ids[:cut]).rstrip("\ufffd")
+
+
+def test_cached_tokens_of_an_n2_request_is_what_the_cache_held_before_it(tok):
+    """The first sibling computes the prompt (0 cached), the second hits its blocks (16 cached): the
+    request reports 0, not 16; a single choice reports its own count."""
+    from tokenmill.core.sched_output import EngineCoreOutput
+    from tokenmill.engine.output_processor import OutputProcessor
+
+    proc = OutputProcessor(tok)
+    ids = proc.add_request("r", "hi", [1, 2, 3] * 6, SamplingParams(n=2, max_tokens=4))
+    proc.process_outputs([EngineCoreOutput(ids[1], [tok.eos_token_id + 5], num_cached_tokens=16)])
+    outs, _ = proc.process_outputs([EngineCoreOutput(ids[0], [tok.eos_token_id + 5], num_cached_tokens=0)])
+    assert outs[-1].num_cached_tokens == 0
+    one = proc.add_request("s", "hi", [1, 2, 3] * 6, SamplingParams(max_tokens=4))
+    outs, _ = proc.process_outputs([EngineCoreOutput(one[0], [tok.eos_token_id + 5], num_cached_tokens=16)])
+    assert outs[-1].num_cached_tokens == 16

@@ -42,9 +42,20 @@ class _RequestState:
     params: SamplingParams
     choices: dict[str, _ChoiceState]
     metrics: RequestMetrics
-    num_cached_tokens: int = 0
+    cached_by_choice: dict[int, int] = field(default_factory=dict)
     error: str | None = None
     error_code: int = 400
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache: the least over the choices reported so far.
+
+        With ``n > 1`` the choices are sibling engine requests over the same
+        prompt; the first one scheduled computes the prompt and the others
+        then hit its blocks, so the minimum is what the cache held for this
+        request (the maximum would count the request's own work as cached).
+        """
+        return min(self.cached_by_choice.values(), default=0)
 
     @property
     def finished(self) -> bool:
@@ -122,7 +133,7 @@ class OutputProcessor:
             m = st.metrics
             if out.first_scheduled_time and (m.first_scheduled_time is None or out.first_scheduled_time < m.first_scheduled_time):
                 m.first_scheduled_time = out.first_scheduled_time
-            st.num_cached_tokens = max(st.num_cached_tokens, out.num_cached_tokens)
+            st.cached_by_choice.setdefault(ch.index, out.num_cached_tokens)
             delta = touched.setdefault(st.request_id, {}).setdefault(
                 ch.index, CompletionOutput(index=ch.index, logprobs=[] if st.params.logprobs is not None else None))
             new_ids = out.new_token_ids

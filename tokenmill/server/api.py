@@ -339,7 +339,7 @@ class _Usage:
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
         self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
-        self.cached[prompt_index] = max(self.cached.get(prompt_index, 0), out.num_cached_tokens)
+        self.cached[prompt_index] = out.num_cached_tokens   # the request's latest view (min over its choices)
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
