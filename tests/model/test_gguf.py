@@ -180,6 +180,9 @@ def test_unpermute_is_exact_for_float_weights(tmp_path):
     assert torch.equal(q, torch.from_numpy(weights["model.layers.1.self_attn.q_proj.weight"]))
     assert torch.equal(k, torch.from_numpy(weights["model.layers.1.self_attn.k_proj.weight"]))
     assert lm.chat_template == TEMPLATE and lm.name == "f32" and lm.tokenizer is None
+    # the engine core's mode: the tokenizer only as the EOS fallback; this GGUF names its EOS (2)
+    lm = load_model(str(path), dtype="float32", with_tokenizer="eos")
+    assert lm.tokenizer is None and lm.eos_token_ids == [2]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])

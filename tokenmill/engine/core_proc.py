@@ -140,7 +140,12 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         num_threads = _configure_threads()
         from tokenmill.core.engine_core import EngineCore
 
-        executor = executor_factory(config) if executor_factory is not None else None
+        if executor_factory is not None:
+            executor = executor_factory(config)
+        else:   # the API process loads its own tokenizer; here it is only the EOS fallback
+            from tokenmill.model.runner import ModelRunner
+
+            executor = ModelRunner.from_config(config, with_tokenizer="eos")
         core = EngineCore(config, executor=executor)
         info = CoreInfo(max_model_len=core.max_model_len, num_kv_blocks=core.executor.num_kv_blocks,
                         block_size=config.cache.block_size,

@@ -224,7 +224,7 @@ def load_arch_config(path: str | None) -> ModelArchConfig:
 
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
-               *, with_tokenizer: bool = True, attn_backend: AttentionBackend | None = None,
+               *, with_tokenizer: bool | str = True, attn_backend: AttentionBackend | None = None,
                int4: bool = False) -> LoadedModel:
     """Load a checkpoint into a :class:`LoadedModel`.
 
@@ -236,7 +236,9 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             bfloat16, float32 on other CPUs).
         device: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``.
         with_tokenizer: False skips the tokenizer (``tokenizer`` is None) for
-            weight-only uses.
+            weight-only uses; ``"eos"`` loads it only when the checkpoint
+            names no end-of-sequence token (the tokenizer's is the fallback),
+            as the engine core of the server does (the API process has its own).
         attn_backend: override the attention backend.
         int4: also collect the 4-bit codes of Q4_0/Q4_1 GGUF linear weights
             (:attr:`LoadedModel.int4_weights`).
@@ -276,7 +278,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         template = None
         name = os.path.basename(os.path.normpath(path))
     tokenizer = None
-    if with_tokenizer:
+    if with_tokenizer is True or (with_tokenizer == "eos" and not arch.eos_token_ids):
         tokenizer = load_tokenizer(path)
         if template is None:
             t = getattr(tokenizer, "chat_template", None)

@@ -196,8 +196,12 @@ class ModelRunner:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "ModelRunner":
+    def from_config(cls, config: EngineConfig, with_tokenizer: bool | str = True) -> "ModelRunner":
         """Load the checkpoint named by ``config.model`` and build the runner.
+
+        ``with_tokenizer`` is passed to :func:`~tokenmill.model.loader.load_model`
+        (``"eos"``: only when the checkpoint lacks an EOS id); the loaded
+        checkpoint is kept as ``runner.loaded``.
 
         Raises:
             FileNotFoundError, ValueError: from the loader (missing file,
@@ -211,7 +215,8 @@ class ModelRunner:
         t0 = time.perf_counter()
         dtype = resolve_dtype(config.model.dtype, device)
         want_int4 = config.model.enforce_eager and int4_max_tokens(device, dtype) > 0
-        loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, int4=want_int4)
+        loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, int4=want_int4,
+                            with_tokenizer=with_tokenizer)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)
         runner = cls(loaded.model, loaded.arch, config, device, dtype, loaded.eos_token_ids,
