@@ -31,7 +31,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -407,6 +407,58 @@ async def _close_quietly(agen: Any) -> None:
         pass
 
 
+def _stream_response(merged: AsyncIterator[tuple[int, RequestOutput]], first: tuple[int, RequestOutput],
+                     usage: "_Usage", head: dict[str, Any], stream_options: Any,
+                     make_choices: Callable[[int, RequestOutput], list[dict[str, Any]]]) -> StreamingResponse:
+    """The SSE response shared by completions and chat: one chunk per engine output with choices.
+
+    Args:
+        merged: ``(prompt index, output)`` pairs (:func:`_merge`), ``first``
+            already taken from it (so errors before the first token are HTTP errors).
+        usage: token accounting, updated with every output.
+        head: the chunk's fixed fields (``id``, ``object``, ``created``, ``model``).
+        stream_options: the request's ``stream_options`` (``include_usage``:
+            a final usage chunk; ``continuous_usage_stats``: usage in every chunk).
+        make_choices: the dialect's ``choices`` entries for one output (empty: no chunk).
+
+    An error after streaming began is sent in-band as an error event; the
+    stream always ends with ``data: [DONE]``.
+    """
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = bool(stream_options and stream_options.continuous_usage_stats)
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            pending: list[tuple[int, RequestOutput]] = [first]
+            while True:
+                if pending:
+                    i, out = pending.pop()
+                else:
+                    try:
+                        i, out = await merged.__anext__()
+                    except StopAsyncIteration:
+                        break
+                if out.error:
+                    raise APIError(out.error, out.error_code)
+                usage.add(i, out)
+                choices = make_choices(i, out)
+                if not choices:
+                    continue
+                chunk: dict[str, Any] = {**head, "choices": choices}
+                if continuous:
+                    chunk["usage"] = usage.to_dict()
+                yield _sse(chunk)
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": usage.to_dict()})
+        except Exception as e:  # noqa: BLE001 - reported in-band once streaming started
+            await _close_quietly(merged)
+            yield _error_event(e)
+        yield _SSE_DONE
+
+    return StreamingResponse(stream(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
 def _error_event(e: BaseException) -> str:
     if isinstance(e, APIError):
         return _sse(e.to_dict())
@@ -491,61 +543,32 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
     merged = _merge(gens)
     if body.stream:
         first = await _first_or_error(merged)
-        opts = body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        offsets: dict[int, int] = {}
+        started: set[int] = set()
 
-        async def stream() -> AsyncIterator[str]:
-            offsets: dict[int, int] = {}
-            started: set[int] = set()
-            try:
-                pending: list[tuple[int, RequestOutput]] = [first]
-                while True:
-                    if pending:
-                        i, out = pending.pop()
-                    else:
-                        try:
-                            i, out = await merged.__anext__()
-                        except StopAsyncIteration:
-                            break
-                    if out.error:
-                        raise APIError(out.error, out.error_code)
-                    usage.add(i, out)
-                    choices = []
-                    for c in out.outputs:
-                        gi = i * n + c.index
-                        text = c.text
-                        prompt_ids = None
-                        if gi not in started:
-                            started.add(gi)
-                            if body.echo:
-                                text = echo_text(i) + text
-                                prompt_ids = prompts[i][1]
-                        elif not text and c.finish_reason is None and body.logprobs is None:
-                            continue  # nothing to show yet (e.g. half a UTF-8 character)
-                        lp = None
-                        if body.logprobs is not None:
-                            lp, offsets[gi] = _completion_logprobs(ts, c.token_ids, c.logprobs or [],
-                                                                   offsets.get(gi, 0), prompt_ids)
-                        choices.append({"index": gi, "text": text, "logprobs": lp,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                    if not choices:
-                        continue
-                    chunk: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created,
-                                             "model": state.model_name, "choices": choices}
-                    if continuous:
-                        chunk["usage"] = usage.to_dict()
-                    yield _sse(chunk)
-                if include_usage:
-                    yield _sse({"id": rid, "object": "text_completion", "created": created,
-                                "model": state.model_name, "choices": [], "usage": usage.to_dict()})
-            except Exception as e:  # noqa: BLE001 - reported in-band once streaming started
-                await _close_quietly(merged)
-                yield _error_event(e)
-            yield _SSE_DONE
+        def completion_choices(i: int, out: RequestOutput) -> list[dict[str, Any]]:
+            choices = []
+            for c in out.outputs:
+                gi = i * n + c.index
+                text = c.text
+                prompt_ids = None
+                if gi not in started:
+                    started.add(gi)
+                    if body.echo:
+                        text = echo_text(i) + text
+                        prompt_ids = prompts[i][1]
+                elif not text and c.finish_reason is None and body.logprobs is None:
+                    continue  # nothing to show yet (e.g. half a UTF-8 character)
+                lp = None
+                if body.logprobs is not None:
+                    lp, offsets[gi] = _completion_logprobs(ts, c.token_ids, c.logprobs or [], offsets.get(gi, 0),
+                                                           prompt_ids)
+                choices.append({"index": gi, "text": text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return choices
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+        return _stream_response(merged, first, usage, head, body.stream_options, completion_choices)
 
     # Non-streaming: collect everything.
     texts, token_ids, lps, finish = await _collect(merged, usage, n)
@@ -605,57 +628,28 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
 
     if body.stream:
         first = await _first_or_error(merged)
-        opts = body.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
+        started: set[int] = set()
 
-        async def stream() -> AsyncIterator[str]:
-            started: set[int] = set()
-            try:
-                pending: list[tuple[int, RequestOutput]] = [first]
-                while True:
-                    if pending:
-                        _, out = pending.pop()
-                    else:
-                        try:
-                            _, out = await merged.__anext__()
-                        except StopAsyncIteration:
-                            break
-                    if out.error:
-                        raise APIError(out.error, out.error_code)
-                    usage.add(0, out)
-                    choices = []
-                    for c in out.outputs:
-                        if c.index not in started:
-                            # The role is announced together with the first generated token.
-                            started.add(c.index)
-                            delta: dict[str, Any] = {"role": "assistant", "content": c.text}
-                        elif not c.text and c.finish_reason is None and not body.logprobs:
-                            continue  # nothing to show yet (e.g. half a UTF-8 character)
-                        else:
-                            delta = {"content": c.text} if c.text else {}
-                        lp = None
-                        if body.logprobs:
-                            lp = {"content": _chat_logprobs(ts, c.token_ids, c.logprobs or [], top_n)}
-                        choices.append({"index": c.index, "delta": delta, "logprobs": lp,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-                    if not choices:
-                        continue
-                    chunk: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                                             "model": state.model_name, "choices": choices}
-                    if continuous:
-                        chunk["usage"] = usage.to_dict()
-                    yield _sse(chunk)
-                if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created,
-                                "model": state.model_name, "choices": [], "usage": usage.to_dict()})
-            except Exception as e:  # noqa: BLE001 - reported in-band once streaming started
-                await _close_quietly(merged)
-                yield _error_event(e)
-            yield _SSE_DONE
+        def chat_choices(_: int, out: RequestOutput) -> list[dict[str, Any]]:
+            choices = []
+            for c in out.outputs:
+                if c.index not in started:
+                    # The role is announced together with the first generated token.
+                    started.add(c.index)
+                    delta: dict[str, Any] = {"role": "assistant", "content": c.text}
+                elif not c.text and c.finish_reason is None and not body.logprobs:
+                    continue  # nothing to show yet (e.g. half a UTF-8 character)
+                else:
+                    delta = {"content": c.text} if c.text else {}
+                lp = None
+                if body.logprobs:
+                    lp = {"content": _chat_logprobs(ts, c.token_ids, c.logprobs or [], top_n)}
+                choices.append({"index": c.index, "delta": delta, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            return choices
 
-        return StreamingResponse(stream(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+        return _stream_response(merged, first, usage, head, body.stream_options, chat_choices)
 
     texts, token_ids, lps, finish = await _collect(merged, usage, n=1)
     choices = []
