@@ -69,6 +69,10 @@ class RequestOutput:
         error: message when the request was rejected or failed.
         error_code: 400 (the request can never be served) or 500 (the engine
             failed while running it); meaningful only when ``error`` is set.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: per prompt
+            token, None for the first, then its :class:`TokenLogprobs` given
+            the tokens before it; set from the output that carries the first
+            generated token on (None before, and when not asked for).
     """
 
     request_id: str
@@ -80,3 +84,4 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
     error_code: int = 400
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

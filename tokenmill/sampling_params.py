@@ -35,6 +35,15 @@ class SamplingParams:
         ignore_eos: keep generating past EOS.
         logprobs: return this many top log-probabilities per generated token
             (plus the sampled token's own); None for none.
+        prompt_logprobs: also return, for every prompt token after the
+            first, its log-probability given the tokens before it and this
+            many top alternatives (vLLM's ``prompt_logprobs``); None for
+            none. Such a request computes its whole prompt (no prefix-cache
+            hits), since cached positions have no logits; they arrive with
+            the first generated token, so ``max_tokens`` must be >= 1 (a
+            request with ``max_tokens == 0`` finishes without running; the
+            server's ``echo`` with ``max_tokens: 0`` samples one token and
+            drops it).
         skip_special_tokens: drop special tokens from the text.
     Raises:
         ValueError: from :meth:`validate` (called on construction) naming the
@@ -57,6 +66,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
@@ -102,6 +112,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.logprobs is not None and not (0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

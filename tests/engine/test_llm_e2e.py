@@ -208,3 +208,47 @@ def test_bad_prompts_raise_value_error(llm: LLM) -> None:
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], SamplingParams(max_tokens=2))
     assert not llm.engine_core.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def prompt_logprob_runs(llm: LLM):
+    """Prompt logprobs (top 3) of three prompts, the long one included, computed the plain way
+    (after test_prefix_cache_hits_same_output the module LLM holds these prompts' blocks: they must
+    be recomputed, not read from the cache)."""
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    return llm.generate([PROMPTS[1], PROMPTS[4], PROMPTS[7]], params)
+
+
+def test_prompt_logprobs_match_transformers(prompt_logprob_runs) -> None:
+    from transformers import AutoModelForCausalLM
+
+    folder, name = _gguf()
+    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    hf.eval()
+    for out in prompt_logprob_runs:
+        ids = out.prompt_token_ids
+        plp = out.prompt_logprobs
+        assert plp is not None and len(plp) == len(ids) and plp[0] is None
+        assert out.num_cached_tokens == 0
+        with torch.inference_mode():
+            ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)   # [P, V]
+        for t in range(1, len(ids)):
+            e = plp[t]
+            assert abs(e.logprob - ref[t - 1, ids[t]].item()) < 2e-3, (t, e.logprob)
+            assert e.rank == int((ref[t - 1] > ref[t - 1, ids[t]]).sum()) + 1
+            assert len(e.top_token_ids) == 3 and e.top_token_ids[0] == int(ref[t - 1].argmax())
+
+
+def test_prompt_logprobs_same_when_chunked_and_preempted(prompt_logprob_runs) -> None:
+    # a 300-token step budget and a 24-block pool that two copies of the long prompt (17 blocks each)
+    # cannot share: the second copy starts with a chunk, is preempted mid-prompt, and is recomputed
+    small = LLM(dtype="float32", max_model_len=1024, num_kv_blocks=24, block_size=16, max_num_batched_tokens=300)
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    outs = small.generate([PROMPTS[1], PROMPTS[4], PROMPTS[7], PROMPTS[7]], params)
+    assert small.engine_core.scheduler.num_preemptions_total > 0
+    for got, want in zip(outs, [*prompt_logprob_runs, prompt_logprob_runs[2]]):
+        assert got.error is None and len(got.prompt_logprobs) == len(want.prompt_logprobs)
+        for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]):
+            assert abs(a.logprob - b.logprob) < 1e-4 and a.top_token_ids == b.top_token_ids
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert small.engine_core.scheduler.kv_cache_usage == 0.0

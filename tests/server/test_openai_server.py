@@ -235,6 +235,60 @@ def test_tokenize_detokenize_health_version(server: ServerProc, model: str) -> N
     assert httpx.get(server.url + "/version").json()["version"]
 
 
+def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, model: str, server: ServerProc) -> None:
+    """lm-eval style loglikelihood: echo + max_tokens 0 + logprobs returns the prompt with each
+    token's logprob (the first None) and nothing generated; the same values come back with
+    generation, in vLLM's prompt_logprobs field, in a stream, and for chat."""
+    prompt = "The capital of France is Paris"
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    c = r.choices[0]
+    lp = c.logprobs
+    assert c.text == prompt and c.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(lp.tokens) == r.usage.prompt_tokens and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    scores = lp.token_logprobs[1:]
+    assert all(isinstance(x, float) and x <= 0 for x in scores)
+    assert scores[-1] > -5          # "Paris" after "The capital of France is" is likely
+    assert all(len(t) >= 1 for t in lp.top_logprobs[1:])
+
+    r2 = client.completions.create(model=model, prompt=prompt, max_tokens=3, echo=True, logprobs=2, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    lp2 = r2.choices[0].logprobs
+    n = r.usage.prompt_tokens
+    assert len(lp2.tokens) == n + 3 and r2.usage.completion_tokens == 3
+    assert lp2.token_logprobs[:n][0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp2.token_logprobs[1:n], scores))
+    assert all(x is not None for x in lp2.token_logprobs[n:])
+
+    raw = httpx.post(server.url + "/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "temperature": 0}).json()
+    plp = raw["choices"][0]["prompt_logprobs"]
+    ids = httpx.post(server.url + "/tokenize", json={"model": model, "prompt": prompt}).json()["tokens"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for t in range(1, len(ids)):
+        entry = plp[t][str(ids[t])]
+        assert abs(entry["logprob"] - scores[t - 1]) < 1e-4 and entry["rank"] >= 1 and entry["decoded_token"]
+        assert len(plp[t]) in (2, 3)   # the two top tokens, plus the prompt token when not among them
+
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=2, echo=True, logprobs=0,
+                                            temperature=0, stream=True))
+    first = chunks[0].choices[0].logprobs
+    assert first.token_logprobs[0] is None
+    assert all(abs(a - b) < 1e-4 for a, b in zip(first.token_logprobs[1:n], scores))
+
+    chat = httpx.post(server.url + "/v1/chat/completions", json={
+        "model": model, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0}).json()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+    bad = httpx.post(server.url + "/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2, "stream": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+    bad = httpx.post(server.url + "/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 1, "prompt_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_sigint_shuts_down_promptly_and_leaves_no_child(server: ServerProc, model: str) -> None:
     """Runs last: Ctrl-C with a stream open ends the stream and both processes within seconds."""
     kids = server.children()

@@ -89,6 +89,14 @@ class Request:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
+        # Prompt logprobs gathered chunk by chunk (entry j: prompt token j + 1), None when not asked
+        # for or already sent with the first output.
+        self.prompt_logprobs: list[Any] | None = [] if sampling_params.prompt_logprobs is not None else None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """True while prompt logprobs are asked for and not complete (the prompt must be computed)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     # -- sizes ---------------------------------------------------------------
     @property

@@ -34,6 +34,9 @@ class ScheduledRequest:
         new: True the first time the runner sees this request id since it was
             (re)scheduled from the waiting queue: the runner (re)initialises
             per-request state (e.g. the seeded generator).
+        prompt_logprobs: top entries per prompt token when the runner must
+            return prompt logprobs for the prompt positions of this chunk
+            (:attr:`ModelRunnerOutput.prompt_logprobs`); None otherwise.
     """
 
     req_id: str
@@ -45,6 +48,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     new: bool = False
+    prompt_logprobs: int | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -108,11 +112,16 @@ class ModelRunnerOutput:
         sampled_token_ids: ``[len(req_ids)]`` ints.
         logprobs: per request, a :class:`TokenLogprobs` when the request asked
             for logprobs, else None.
+        prompt_logprobs: per request with ``ScheduledRequest.prompt_logprobs``:
+            ``(first, entries)``, the logprobs of prompt tokens ``first,
+            first + 1, ...`` (each given the tokens before it) that this
+            step's chunk predicts; ``first >= 1``.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -134,6 +143,9 @@ class EngineCoreOutput:
             ``time.time()`` seconds (None when not reached).
         num_prompt_tokens: prompt length in tokens.
         num_preemptions: how often the request was preempted.
+        prompt_logprobs: with the first token of a request that asked for
+            them: ``[num_prompt_tokens]``, None for the first prompt token,
+            then each token's :class:`TokenLogprobs` given the ones before it.
     """
 
     req_id: str
@@ -150,3 +162,4 @@ class EngineCoreOutput:
     finished_time: float | None = None
     num_prompt_tokens: int = 0
     num_preemptions: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

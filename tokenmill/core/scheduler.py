@@ -345,7 +345,8 @@ class Scheduler:
         """
         while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek()
-            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(req)
+            # cached positions have no logits: a request that still needs prompt logprobs computes its prompt
+            hit_blocks, num_hit = ([], 0) if req.needs_prompt_logprobs else self.kv_cache_manager.get_computed_blocks(req)
             n = req.num_tokens - num_hit
             if n > budget:
                 # Without chunked prefill, a request wider than the whole budget (only possible
@@ -380,6 +381,8 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             new=new,
+            prompt_logprobs=req.sampling_params.prompt_logprobs
+            if req.needs_prompt_logprobs and start < req.num_prompt_tokens - 1 else None,
         )
         req.num_computed_tokens = start + n
         return sr
@@ -435,11 +438,16 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs))
+        prompt_lps = model_runner_output.prompt_logprobs
         finished_any = False
         for sr in scheduler_output.scheduled:
             req = self.requests.get(sr.req_id)
             if req is None or req.status != RequestStatus.RUNNING:
                 continue
+            if sr.req_id in prompt_lps and req.prompt_logprobs is not None:
+                first, entries = prompt_lps[sr.req_id]
+                have = len(req.prompt_logprobs)          # entries for prompt tokens 1 .. have
+                req.prompt_logprobs.extend(entries[max(0, have + 1 - first):])  # a recompute repeats some
             token = sampled.get(sr.req_id)
             if token is None:
                 self.kv_cache_manager.cache_blocks(req)
@@ -483,7 +491,11 @@ class Scheduler:
         self._finished_req_ids.add(req.request_id)
 
     def _make_output(self, req: Request, tokens: list[int], lps: list | None = None) -> EngineCoreOutput:
+        prompt_lps = None
+        if req.prompt_logprobs is not None and (tokens or req.is_finished) and not req.needs_prompt_logprobs:
+            prompt_lps, req.prompt_logprobs = [None, *req.prompt_logprobs], None   # sent once, with the first token
         return EngineCoreOutput(
+            prompt_logprobs=prompt_lps,
             req_id=req.request_id,
             new_token_ids=tokens,
             new_logprobs=lps if lps is not None else [None] * len(tokens),

@@ -43,6 +43,7 @@ class _RequestState:
     choices: dict[str, _ChoiceState]
     metrics: RequestMetrics
     cached_by_choice: dict[int, int] = field(default_factory=dict)
+    prompt_logprobs: list | None = None
     error: str | None = None
     error_code: int = 400
 
@@ -134,6 +135,8 @@ class OutputProcessor:
             if out.first_scheduled_time and (m.first_scheduled_time is None or out.first_scheduled_time < m.first_scheduled_time):
                 m.first_scheduled_time = out.first_scheduled_time
             st.cached_by_choice.setdefault(ch.index, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and st.prompt_logprobs is None:
+                st.prompt_logprobs = out.prompt_logprobs   # every choice computes them; the first wins
             delta = touched.setdefault(st.request_id, {}).setdefault(
                 ch.index, CompletionOutput(index=ch.index, logprobs=[] if st.params.logprobs is not None else None))
             new_ids = out.new_token_ids
@@ -172,7 +175,7 @@ class OutputProcessor:
                 request_id=rid, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                 outputs=[deltas[i] for i in sorted(deltas)], finished=st.finished,
                 num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error,
-                error_code=st.error_code))
+                error_code=st.error_code, prompt_logprobs=st.prompt_logprobs))
         return results, stop_ids
 
     def final_output(self, request_id: str) -> RequestOutput:
@@ -189,4 +192,4 @@ class OutputProcessor:
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                      for c in sorted(st.choices.values(), key=lambda c: c.index)],
             finished=st.finished, num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error,
-            error_code=st.error_code)
+            error_code=st.error_code, prompt_logprobs=st.prompt_logprobs)

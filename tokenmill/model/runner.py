@@ -387,8 +387,42 @@ class ModelRunner:
             token_ids, logprobs = self.sampler(logits, sampling)
             out = ModelRunnerOutput(req_ids=[r.req_id for r in sampling], sampled_token_ids=token_ids,
                                     logprobs=logprobs)
+        if any(r.prompt_logprobs is not None for r in so.scheduled):
+            out.prompt_logprobs = self._prompt_logprobs(so, hidden)
         self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
         return out
+
+    PROMPT_LOGPROBS_ROWS = 256  # logits rows per slice: 256 x vocab float32 (48 MiB at a 49k vocab)
+
+    @torch.inference_mode()
+    def _prompt_logprobs(self, so: SchedulerOutput, hidden: torch.Tensor) -> dict[str, tuple[int, list]]:
+        """Logprobs of the prompt tokens each asking request's chunk predicts.
+
+        Row ``r`` of a chunk (position ``p = num_computed_tokens + r``)
+        predicts prompt token ``p + 1``; rows whose next token is not a
+        prompt token (the last prompt position, decode rows) are skipped.
+        The distribution is the model's raw softmax (no temperature or
+        penalties), as vLLM reports prompt logprobs. Logits are computed in
+        slices of :attr:`PROMPT_LOGPROBS_ROWS` rows to bound memory.
+
+        Returns:
+            req id -> ``(first prompt index predicted, [TokenLogprobs, ...])``.
+        """
+        result: dict[str, tuple[int, list]] = {}
+        row = 0
+        for r in so.scheduled:
+            n, start = len(r.token_ids), r.num_computed_tokens
+            if r.prompt_logprobs is not None:
+                m = min(start + n, len(r.prompt_token_ids) - 1) - start  # rows whose next token is in the prompt
+                entries: list = []
+                for s0 in range(0, max(m, 0), self.PROMPT_LOGPROBS_ROWS):
+                    s1 = min(m, s0 + self.PROMPT_LOGPROBS_ROWS)
+                    logits = self.model.compute_logits(hidden[row + s0:row + s1]).float()
+                    targets = torch.tensor(r.prompt_token_ids[start + 1 + s0:start + 1 + s1], device=logits.device)
+                    entries += self.sampler.token_logprobs(logits, targets, r.prompt_logprobs)
+                result[r.req_id] = (start + 1, entries)
+            row += n
+        return result
 
 
 def parse_buckets(spec: str | None, max_num_batched_tokens: int) -> list[int]:

@@ -345,6 +345,14 @@ class Sampler:
         target = torch.minimum(target, torch.nextafter(total, torch.zeros_like(total)))
         return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
+    @classmethod
+    def token_logprobs(cls, logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+        """Log-probabilities of given ``tokens`` ``[R]`` under raw ``logits`` ``[R, V]`` (e.g. prompt
+        logprobs), with ``num_top`` (0..20) top alternatives each; non-finite logits are sanitised
+        as in sampling."""
+        logits = torch.nan_to_num(logits, nan=-1e30, posinf=1e30, neginf=-1e30)
+        return cls._logprobs(logits, tokens, [num_top] * int(tokens.shape[0])) if tokens.numel() else []
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:
         """Log-probabilities for rows that asked.

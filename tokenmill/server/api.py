@@ -332,13 +332,15 @@ async def _with_disconnect(raw: Request, coro: Awaitable[Any]) -> Any:
 class _Usage:
     """Token accounting for one API request (all prompts and choices)."""
 
-    def __init__(self, prompt_lens: list[int]) -> None:
+    def __init__(self, prompt_lens: list[int], count_completion: bool = True) -> None:
         self.prompt_tokens = sum(prompt_lens)
         self.completion_tokens = 0
+        self.count_completion = count_completion  # False: the generated tokens are not returned (echo only)
         self.cached: dict[int, int] = {}
 
     def add(self, prompt_index: int, out: RequestOutput) -> None:
-        self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        if self.count_completion:
+            self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
         self.cached[prompt_index] = out.num_cached_tokens   # the request's latest view (min over its choices)
 
     def to_dict(self) -> dict[str, Any]:
@@ -364,12 +366,14 @@ async def _first_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]) -> t
 
 
 async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], usage: Any, n: int
-                   ) -> tuple[dict[int, list[str]], dict[int, list[int]], dict[int, list], dict[int, tuple[str | None, Any]]]:
+                   ) -> tuple[dict[int, list[str]], dict[int, list[int]], dict[int, list],
+                              dict[int, tuple[str | None, Any]], dict[int, list]]:
     """Drain a merged stream for a non-streamed response.
 
     Choice ``c`` of prompt ``i`` gets the global index ``i * n + c`` (``n``
     choices per prompt; chat has one prompt). Returns per global index the
-    text pieces, token ids, logprobs and ``(finish_reason, stop_reason)``.
+    text pieces, token ids, logprobs and ``(finish_reason, stop_reason)``,
+    and per prompt index its prompt logprobs (when the request asked).
 
     Raises:
         APIError: the request failed (its own status), the engine is dead
@@ -379,11 +383,14 @@ async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], usage: Any,
     token_ids: dict[int, list[int]] = {}
     lps: dict[int, list] = {}
     finish: dict[int, tuple[str | None, Any]] = {}
+    prompt_lps: dict[int, list] = {}
     try:
         async for i, out in merged:
             if out.error:
                 raise APIError(out.error, out.error_code)
             usage.add(i, out)
+            if out.prompt_logprobs is not None:
+                prompt_lps.setdefault(i, out.prompt_logprobs)
             for c in out.outputs:
                 gi = i * n + c.index
                 texts.setdefault(gi, []).append(c.text)
@@ -397,7 +404,7 @@ async def _collect(merged: AsyncIterator[tuple[int, RequestOutput]], usage: Any,
         raise APIError(str(e), 400, param="request_id") from None
     finally:
         await merged.aclose()
-    return texts, token_ids, lps, finish
+    return texts, token_ids, lps, finish, prompt_lps
 
 
 async def _close_quietly(agen: Any) -> None:
@@ -470,19 +477,37 @@ def _error_event(e: BaseException) -> str:
 # ---------------------------------------------------------------------------
 # Completions
 # ---------------------------------------------------------------------------
+def _vllm_prompt_logprobs(ts: TokenStrings, prompt_ids: list[int], plps: list[TokenLogprobs | None] | None
+                          ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or ``{token_id: {"logprob",
+    "rank", "decoded_token"}}`` for the token itself and its top alternatives."""
+    if plps is None:
+        return None
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, lp in zip(prompt_ids, plps):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": _lp(v), "rank": r + 1, "decoded_token": ts.get(t)[0]}
+                 for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+        entry[str(tid)] = {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": ts.get(tid)[0]}
+        out.append(entry)
+    return out
+
+
 def _completion_logprobs(ts: TokenStrings, token_ids: list[int], lps: list[TokenLogprobs | None],
-                         offset: int, prompt_ids: list[int] | None = None) -> tuple[dict[str, Any], int]:
+                         offset: int, prompt_ids: list[int] | None = None,
+                         prompt_lps: list[TokenLogprobs | None] | None = None) -> tuple[dict[str, Any], int]:
+    """The legacy completions ``logprobs`` object (``tokens``, ``token_logprobs``, ``top_logprobs``,
+    ``text_offset``) for echoed prompt tokens (their logprobs from ``prompt_lps`` when computed,
+    else None) followed by generated ones; returns it and the text offset after the last token."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
     offsets: list[int] = []
-    for tid in prompt_ids or []:
-        s = ts.get(tid)[0]
-        tokens.append(s)
-        token_logprobs.append(None)
-        top.append(None)
-        offsets.append(offset)
-        offset += len(s)
+    if prompt_ids:
+        token_ids = list(prompt_ids) + list(token_ids)
+        lps = list(prompt_lps if prompt_lps is not None else [None] * len(prompt_ids)) + list(lps)
     for tid, lp in zip(token_ids, lps):
         s = ts.get(tid)[0]
         tokens.append(s)
@@ -521,10 +546,14 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
             prompts.append((None, list(it)))
     if any(len(ids) == 0 for _, ids in prompts):
         raise APIError("prompt must contain at least one token", param="prompt")
+    plp = body.effective_prompt_logprobs
+    # echo with max_tokens 0 and prompt logprobs: the engine must run the prompt; it samples one
+    # token that is not returned (vLLM does the same)
+    echo_only = body.echo_without_generation and plp is not None
     params_list: list[SamplingParams] = []
     for _, ids in prompts:
-        mt = _resolve_max_tokens(state, len(ids), body.max_tokens)
-        params_list.append(body.sampling_params(mt, body.logprobs))
+        mt = 1 if echo_only else _resolve_max_tokens(state, len(ids), body.max_tokens)
+        params_list.append(body.sampling_params(mt, body.logprobs, plp))
     n = body.n
     _admit(state, n * len(prompts), n * sum(len(ids) for _, ids in prompts))
     rid = _request_id("cmpl", body.request_id)
@@ -532,7 +561,7 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
     gens = [state.engine.generate(rid if len(prompts) == 1 else f"{rid}-p{i}", text, ids, params_list[i],
                                   body.priority, body.cache_salt, arrival)
             for i, (text, ids) in enumerate(prompts)]
-    usage = _Usage([len(ids) for _, ids in prompts])
+    usage = _Usage([len(ids) for _, ids in prompts], count_completion=not echo_only)
     ts = state.token_strings
     assert ts is not None
 
@@ -550,7 +579,7 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
             choices = []
             for c in out.outputs:
                 gi = i * n + c.index
-                text = c.text
+                text, gen_ids, gen_lps = ("", [], []) if echo_only else (c.text, c.token_ids, c.logprobs or [])
                 prompt_ids = None
                 if gi not in started:
                     started.add(gi)
@@ -561,28 +590,34 @@ async def _completion(state: ServerState, body: CompletionRequest, raw: Request)
                     continue  # nothing to show yet (e.g. half a UTF-8 character)
                 lp = None
                 if body.logprobs is not None:
-                    lp, offsets[gi] = _completion_logprobs(ts, c.token_ids, c.logprobs or [], offsets.get(gi, 0),
-                                                           prompt_ids)
-                choices.append({"index": gi, "text": text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                    lp, offsets[gi] = _completion_logprobs(ts, gen_ids, gen_lps, offsets.get(gi, 0), prompt_ids,
+                                                           out.prompt_logprobs)
+                fr, sr = ("length", None) if echo_only and c.finish_reason else (c.finish_reason, c.stop_reason)
+                choices.append({"index": gi, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr})
             return choices
 
         head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
         return _stream_response(merged, first, usage, head, body.stream_options, completion_choices)
 
     # Non-streaming: collect everything.
-    texts, token_ids, lps, finish = await _collect(merged, usage, n)
+    texts, token_ids, lps, finish, prompt_lps = await _collect(merged, usage, n)
     choices = []
     for gi in sorted(texts):
         i = gi // n
+        if echo_only:
+            texts[gi], token_ids[gi], lps[gi] = [], [], []
         text = "".join(texts[gi])
         lp = None
         if body.echo:
             text = echo_text(i) + text
         if body.logprobs is not None:
-            lp, _ = _completion_logprobs(ts, token_ids[gi], lps[gi], 0, prompts[i][1] if body.echo else None)
-        fr, sr = finish.get(gi, (None, None))
-        choices.append({"index": gi, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr})
+            lp, _ = _completion_logprobs(ts, token_ids[gi], lps[gi], 0, prompts[i][1] if body.echo else None,
+                                         prompt_lps.get(i))
+        fr, sr = ("length", None) if echo_only else finish.get(gi, (None, None))
+        choice = {"index": gi, "text": text, "logprobs": lp, "finish_reason": fr, "stop_reason": sr}
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _vllm_prompt_logprobs(ts, prompts[i][1], prompt_lps.get(i))
+        choices.append(choice)
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
                          "choices": choices, "usage": usage.to_dict()})
 
@@ -615,7 +650,7 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
     ids = await _encode(state, prompt, body.add_special_tokens)
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     mt = _resolve_max_tokens(state, len(ids), body.requested_max_tokens, param)
-    params = body.sampling_params(mt, body.num_logprobs)
+    params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs)
     n = body.n
     _admit(state, n, n * len(ids))
     rid = _request_id("chatcmpl", body.request_id)
@@ -651,15 +686,18 @@ async def _chat(state: ServerState, body: ChatCompletionRequest, raw: Request) -
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
         return _stream_response(merged, first, usage, head, body.stream_options, chat_choices)
 
-    texts, token_ids, lps, finish = await _collect(merged, usage, n=1)
+    texts, token_ids, lps, finish, prompt_lps = await _collect(merged, usage, n=1)
     choices = []
     for idx in sorted(texts):
         fr, sr = finish.get(idx, (None, None))
         lp = {"content": _chat_logprobs(ts, token_ids[idx], lps[idx], top_n)} if body.logprobs else None
         choices.append({"index": idx, "message": {"role": "assistant", "content": "".join(texts[idx])},
                         "logprobs": lp, "finish_reason": fr, "stop_reason": sr})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                         "choices": choices, "usage": usage.to_dict()})
+    resp: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
+                            "model": state.model_name, "choices": choices, "usage": usage.to_dict()}
+    if body.prompt_logprobs is not None:   # vLLM puts them on the response, not the choice
+        resp["prompt_logprobs"] = _vllm_prompt_logprobs(ts, ids, prompt_lps.get(0))
+    return JSONResponse(resp)
 
 
 # ---------------------------------------------------------------------------

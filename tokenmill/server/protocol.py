@@ -85,6 +85,7 @@ class _SamplingFields(_Base):
     priority: int = 0
     cache_salt: str | None = None
     request_id: str | None = None
+    prompt_logprobs: int | None = None
 
     def _check_common(self) -> None:
         if self.logit_bias:
@@ -97,8 +98,15 @@ class _SamplingFields(_Base):
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         if self.cache_salt is not None and self.cache_salt == "":
             raise APIError("cache_salt must be a non-empty string", param="cache_salt")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
+                               param="prompt_logprobs")
+            if self.stream:   # as vLLM: they would all arrive before the first token anyway
+                raise APIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Build :class:`SamplingParams`.
 
         Raises:
@@ -119,7 +127,7 @@ class _SamplingFields(_Base):
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []),
                 include_stop_str_in_output=self.include_stop_str_in_output,
-                ignore_eos=self.ignore_eos, logprobs=logprobs,
+                ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
             )
         except ValueError as e:
@@ -160,6 +168,20 @@ class CompletionRequest(_SamplingFields):
             return
         if len(p) == 0 or any(isinstance(x, list) and len(x) == 0 for x in p):
             raise APIError("prompt must not be empty", param="prompt")
+
+    @property
+    def effective_prompt_logprobs(self) -> int | None:
+        """Top entries per prompt token the engine computes: ``prompt_logprobs``, or with ``echo``
+        the ``logprobs`` setting (as vLLM, so echoed prompt tokens carry their logprobs)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo else None
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """``echo`` with ``max_tokens`` 0: only the prompt comes back. When prompt logprobs are
+        wanted the engine still runs the prompt and samples one token, which is not returned."""
+        return self.echo and self.max_tokens == 0
 
 
 class ContentPart(_Base):
