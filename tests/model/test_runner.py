@@ -208,3 +208,16 @@ def test_compiled_step_matches_eager(tiny):
         assert tokens == eager_tokens
     finally:
         model.set_dense_fns(None, None)
+
+
+def test_pool_smaller_than_max_model_len_is_warned(tiny, caplog):
+    model, arch = tiny
+    cfg = EngineConfig.from_kwargs(num_kv_blocks=2, block_size=4, max_model_len=128, max_num_seqs=2,
+                                   max_num_batched_tokens=64)
+    with caplog.at_level("WARNING", logger="tokenmill.model.runner"):
+        ModelRunner(model, arch, cfg, torch.device("cpu"), torch.float32, [2])
+    assert any("holds 8 tokens, less than max_model_len=128" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tokenmill.model.runner"):
+        make_runner(model, arch)
+    assert not any("less than max_model_len" in r.getMessage() for r in caplog.records)

@@ -175,6 +175,9 @@ async def test_errors_then_normal_request(server):
         ({**ok, "prompt": []}, 400, "prompt"),
         ({**ok, "prompt": [999999]}, 400, "prompt"),
         ({**ok, "model": "other"}, 404, "model"),
+        ({**ok, "stop": ["x"] * 257}, 400, "stop"),            # checked per token in the event loop
+        ({**ok, "stop": ["y" * 40000, "z" * 40000]}, 400, "stop"),
+        ({**ok, "prompt_logprobs": 21}, 400, "prompt_logprobs"),
     ]
     for body, status, param in cases:
         err = _error(await client.post("/v1/completions", json=body), status)

@@ -180,6 +180,11 @@ class ModelRunner:
             self.bytes_per_token, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
             torch.empty((), dtype=dtype).element_size(), self.num_kv_blocks, self.block_size, pool_tokens,
             pool_tokens * self.bytes_per_token / 2**20, self.num_kv_blocks / blocks_per_seq, self.max_model_len)
+        if self.num_kv_blocks < blocks_per_seq:
+            logger.warning(
+                "the KV cache holds %d tokens, less than max_model_len=%d: requests longer than the pool "
+                "will be refused (400); raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len",
+                pool_tokens, self.max_model_len)
         self.sampler = Sampler(seed=config.model.seed, device=device)
         self.compile_buckets: list[int] = []
         self.last_timings: dict[str, float] = {}

@@ -16,6 +16,12 @@ from tokenmill.sampling_params import SamplingParams
 
 # Most log-probabilities per token a request may ask for (vLLM's default limit).
 MAX_LOGPROBS = 20
+# Every stop string is checked against the new text of every generated token in the API process's
+# event loop: a million of them (10 MB, inside the body limit) cost ~0.8 s per token and stall every
+# other request. OpenAI allows 4 stop strings; vLLM sets no limit; these bounds keep the per-token
+# cost under a millisecond.
+MAX_STOP_STRINGS = 256
+MAX_STOP_CHARS = 65536
 
 
 class APIError(Exception):
@@ -98,6 +104,14 @@ class _SamplingFields(_Base):
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
         if self.cache_salt is not None and self.cache_salt == "":
             raise APIError("cache_salt must be a non-empty string", param="cache_salt")
+        if isinstance(self.stop, list):
+            if len(self.stop) > MAX_STOP_STRINGS:
+                raise APIError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+                               param="stop")
+            if sum(len(x) for x in self.stop) > MAX_STOP_CHARS:
+                raise APIError(f"stop strings may total at most {MAX_STOP_CHARS} characters", param="stop")
+        elif isinstance(self.stop, str) and len(self.stop) > MAX_STOP_CHARS:
+            raise APIError(f"stop strings may total at most {MAX_STOP_CHARS} characters", param="stop")
         if self.prompt_logprobs is not None:
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
