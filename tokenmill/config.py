@@ -87,6 +87,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = _f(2048, "Token budget of one step (prefill chunk tokens + decode tokens).")
     scheduling_policy: str = _f("fcfs", "Waiting-queue order: fcfs (arrival) or priority (request 'priority', lower first, then arrival).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts into chunks across steps so decodes are not stalled.")
+    long_prefill_token_threshold: int = _f(0, "With chunked prefill: the most prompt tokens one request gets in a step (0: no cap), so a long prompt shares each step with the requests queued behind it and their time to first token drops.")
     max_num_waiting_requests: int | None = _f(None, "Admission control: requests waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
     max_num_waiting_tokens: int | None = _f(None, "Admission control: prompt tokens waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
 
@@ -97,6 +98,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
 
 
 @dataclass(frozen=True)

@@ -467,3 +467,31 @@ def test_logprobs_passed_through():
     lp = TokenLogprobs(logprob=-0.5, rank=1, top_token_ids=[7], top_logprobs=[-0.5])
     (o,) = s.update_from_output(so, ModelRunnerOutput(["a"], [7], [lp]))
     assert o.new_logprobs == [lp] and o.finish_reason == "length"
+
+
+def test_long_prefill_token_threshold_lets_a_short_request_start_in_the_first_step():
+    """A 100-token prompt then a 5-token one, budget 64: without a cap the long prompt takes the whole
+    first step and the short one starts in the second; capped at 16 tokens per request and step, both
+    start in the first step and the long prompt still completes."""
+    def run(threshold):
+        s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                      long_prefill_token_threshold=threshold),
+                      CacheConfig(block_size=BS), max_model_len=256, num_kv_blocks=64)
+        s.add_request(make_req("long", 100, arrival=0.0, max_tokens=2))
+        s.add_request(make_req("short", 5, arrival=1.0, max_tokens=2))
+        first_token_step, chunks, n = {}, [], 0
+        while s.has_unfinished_requests():
+            so, outs = step(s)
+            n += 1
+            chunks.append({sr.req_id: len(sr.token_ids) for sr in so.scheduled})
+            for rid in outs:
+                first_token_step.setdefault(rid, n)
+        return first_token_step, chunks
+
+    plain, plain_chunks = run(0)
+    capped, capped_chunks = run(16)
+    assert plain_chunks[0] == {"long": 64} and plain["short"] == 2
+    assert capped_chunks[0] == {"long": 16, "short": 5} and capped["short"] == 1
+    assert max(c.get("long", 0) for c in capped_chunks) == 16 and set(capped) == {"long", "short"}
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        SchedulerConfig(long_prefill_token_threshold=-1)

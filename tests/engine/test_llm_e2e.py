@@ -77,6 +77,7 @@ def test_parity_with_transformers(llm: LLM) -> None:
     dict(enable_prefix_caching=False),
     dict(max_num_batched_tokens=8),  # every prompt is chunked
     dict(max_num_seqs=2),
+    dict(long_prefill_token_threshold=16),  # long prompts share steps with the others, 16 tokens at a time
 ])
 def test_equivalent_under_scheduling_configs(kwargs, reference_ids) -> None:
     other = LLM(dtype="float32", max_model_len=1024, **kwargs)

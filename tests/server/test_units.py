@@ -132,7 +132,8 @@ def test_vllm_flag_names():
                 "--block-size", "32", "--num-kv-blocks", "100", "--kv-cache-memory", "1GiB",
                 "--no-enable-prefix-caching", "--scheduling-policy", "priority", "--served-model-name", "x",
                 "--api-key", "k", "--dtype", "bfloat16", "--seed", "7", "--port", "9000", "--host", "0.0.0.0",
-                "--max-num-waiting-requests", "3", "--max-num-waiting-tokens", "999"])
+                "--max-num-waiting-requests", "3", "--max-num-waiting-tokens", "999",
+                "--long-prefill-token-threshold", "256"])
     assert c.model.model == "m.gguf" and c.model.max_model_len == 1024 and c.model.dtype == "bfloat16"
     assert c.scheduler.max_num_seqs == 8 and c.scheduler.max_num_batched_tokens == 512
     assert c.cache.block_size == 32 and c.cache.num_kv_blocks == 100 and c.cache.kv_cache_memory == "1GiB"
@@ -140,6 +141,7 @@ def test_vllm_flag_names():
     assert c.model.served_model_name == "x" and c.server.api_key == "k" and c.model.seed == 7
     assert (c.server.host, c.server.port) == ("0.0.0.0", 9000)
     assert c.scheduler.max_num_waiting_requests == 3 and c.scheduler.max_num_waiting_tokens == 999
+    assert c.scheduler.long_prefill_token_threshold == 256
     assert _parse(["--model", "a.gguf"]).model.model == "a.gguf"
     with pytest.raises(ValueError):
         _parse(["a.gguf", "--model", "b.gguf"])

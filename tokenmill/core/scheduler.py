@@ -15,7 +15,10 @@ scheduler hands out at most ``max_num_batched_tokens`` tokens:
 
 Long prompts take whatever budget is left (chunked prefill, Sarathi-Serve,
 Agrawal et al., arXiv 2403.02310, §4.1-4.2: decodes are never stalled by a
-prefill). ``num_computed_tokens`` is advanced in :meth:`Scheduler.schedule`
+prefill). With ``long_prefill_token_threshold`` > 0 no request gets more
+prompt tokens than that in one step (vLLM's flag of the same name), so the
+budget a long prompt leaves admits the requests behind it: a short request
+no longer waits for the whole long prompt before its first token. ``num_computed_tokens`` is advanced in :meth:`Scheduler.schedule`
 for the tokens handed out (vLLM v1 style), so the next step's schedule already
 assumes them computed.
 
@@ -153,6 +156,8 @@ class Scheduler:
         self.max_num_seqs = scheduler_config.max_num_seqs
         self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
         self.enable_chunked_prefill = scheduler_config.enable_chunked_prefill
+        # prompt tokens one request may take per step (0: the whole budget); only with chunked prefill
+        self.long_prefill_cap = scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         self.policy = scheduler_config.scheduling_policy
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, cache_config.enable_prefix_caching)
 
@@ -317,6 +322,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if 0 < self.long_prefill_cap < n:
+                n = self.long_prefill_cap
             if n <= 0:
                 i += 1
                 continue
@@ -348,6 +355,8 @@ class Scheduler:
             # cached positions have no logits: a request that still needs prompt logprobs computes its prompt
             hit_blocks, num_hit = ([], 0) if req.needs_prompt_logprobs else self.kv_cache_manager.get_computed_blocks(req)
             n = req.num_tokens - num_hit
+            if 0 < self.long_prefill_cap < n:
+                n = self.long_prefill_cap
             if n > budget:
                 # Without chunked prefill, a request wider than the whole budget (only possible
                 # after preemption, since add_request rejects such prompts) is chunked anyway.
