@@ -208,3 +208,14 @@ def test_cached_tokens_of_an_n2_request_is_what_the_cache_held_before_it(tok):
     one = proc.add_request("s", "hi", [1, 2, 3] * 6, SamplingParams(max_tokens=4))
     outs, _ = proc.process_outputs([EngineCoreOutput(one[0], [tok.eos_token_id + 5], num_cached_tokens=16)])
     assert outs[-1].num_cached_tokens == 16
+
+
+def test_child_params_split_seeds_and_leave_prompt_logprobs_to_the_first_choice():
+    from tokenmill.engine.output_processor import child_params
+
+    p = SamplingParams(n=3, seed=5, prompt_logprobs=2, max_tokens=4)
+    kids = [child_params(p, i) for i in range(3)]
+    assert [k.n for k in kids] == [1, 1, 1] and [k.seed for k in kids] == [5, 6, 7]
+    assert [k.prompt_logprobs for k in kids] == [2, None, None]
+    one = SamplingParams(prompt_logprobs=1)
+    assert child_params(one, 0) is one

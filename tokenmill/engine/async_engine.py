@@ -14,7 +14,6 @@ If the core process dies, every pending request fails with
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import multiprocessing
 import os
@@ -31,7 +30,7 @@ import zmq.asyncio
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCoreRequest, EngineStats
 from tokenmill.engine.core_proc import CoreInfo, dumps, loads, run_engine_core
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.output_processor import OutputProcessor, child_params
 from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -291,12 +290,8 @@ class AsyncEngine:
         finished = False
         try:
             for i, cid in enumerate(child_ids):
-                child = params
-                if params.n > 1:
-                    child = dataclasses.replace(params, n=1,
-                                                seed=None if params.seed is None else params.seed + i)
-                self._send(("add", EngineCoreRequest(cid, list(prompt_token_ids), child, arrival_time,
-                                                     priority, cache_salt)))
+                self._send(("add", EngineCoreRequest(cid, list(prompt_token_ids), child_params(params, i),
+                                                     arrival_time, priority, cache_salt)))
                 self._num_adds_sent += 1
                 self._inflight.append((self._num_adds_sent, len(prompt_token_ids)))
             while True:

@@ -10,12 +10,27 @@ they share the prompt's cached blocks through the prefix cache.
 from __future__ import annotations
 
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 from tokenmill.core.sched_output import EngineCoreOutput
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+
+
+def child_params(params: SamplingParams, index: int) -> SamplingParams:
+    """The engine-side params of choice ``index`` of a request with ``params.n`` choices.
+
+    Each child is a request with ``n = 1``; a seeded request's choice ``i``
+    uses ``seed + i`` so the choices differ; only choice 0 computes prompt
+    logprobs (they are the same for every choice), so the others may take
+    the prompt from the prefix cache.
+    """
+    if params.n == 1:
+        return params
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
+                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -136,7 +151,7 @@ class OutputProcessor:
                 m.first_scheduled_time = out.first_scheduled_time
             st.cached_by_choice.setdefault(ch.index, out.num_cached_tokens)
             if out.prompt_logprobs is not None and st.prompt_logprobs is None:
-                st.prompt_logprobs = out.prompt_logprobs   # every choice computes them; the first wins
+                st.prompt_logprobs = out.prompt_logprobs   # computed by choice 0 only (child_params)
             delta = touched.setdefault(st.request_id, {}).setdefault(
                 ch.index, CompletionOutput(index=ch.index, logprobs=[] if st.params.logprobs is not None else None))
             new_ids = out.new_token_ids

@@ -12,7 +12,7 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.engine_core import EngineCore, EngineCoreRequest
-from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.engine.output_processor import OutputProcessor, child_params
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -119,7 +119,7 @@ class LLM:
             raise ValueError("prompt must not be empty")
         child_ids = self.processor.add_request(rid, text, token_ids, params)
         for i, cid in enumerate(child_ids):
-            self.engine_core.add_request(EngineCoreRequest(cid, token_ids, _child_params(params, i),
+            self.engine_core.add_request(EngineCoreRequest(cid, token_ids, child_params(params, i),
                                                            priority=priority, cache_salt=cache_salt))
         return rid
 
@@ -134,15 +134,6 @@ class LLM:
             for d in deltas:
                 if d.finished:
                     pending.discard(d.request_id)
-
-
-def _child_params(params: SamplingParams, index: int) -> SamplingParams:
-    """Per-choice params: choice i of a seeded request with n > 1 uses seed + i so choices differ."""
-    if params.n == 1:
-        return params
-    from dataclasses import replace
-
-    return replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
 __all__ = ["LLM", "CompletionOutput", "RequestOutput"]
