@@ -32,9 +32,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     import time
 
     from tokenmill import LLM, SamplingParams
-    from tokenmill.server.cli_args import config_from_args
 
-    config = config_from_args(args)
+    config = _config_or_exit(args, "generate")
+    if config is None:
+        return 2
     llm = LLM(**_flat(config))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed)
@@ -96,11 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_serve(args: argparse.Namespace) -> int:
-    from tokenmill.server.api import run_server
+def _config_or_exit(args: argparse.Namespace, command: str):
+    """The engine config from the flags (and environment switches), or None after printing why not."""
+    from tokenmill.config import int4_max_tokens_from_env
     from tokenmill.server.cli_args import config_from_args
 
-    run_server(config_from_args(args))
+    try:
+        int4_max_tokens_from_env()
+        return config_from_args(args)
+    except ValueError as e:
+        print(f"tokenmill {command}: error: {e}", file=sys.stderr)
+        return None
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from tokenmill.server.api import run_server
+
+    config = _config_or_exit(args, "serve")
+    if config is None:
+        return 2
+    run_server(config)
     return 0
 
 

@@ -8,6 +8,8 @@ everywhere.
 
 from __future__ import annotations
 
+import os
+
 import dataclasses
 import re
 from dataclasses import dataclass, field
@@ -36,6 +38,26 @@ def parse_size(value: str | int | None) -> int | None:
     if not m or (m.group(2) or "").lower() not in _SIZE_UNITS:
         raise ValueError(f"invalid memory size {value!r}: expected e.g. '2GiB', '512MB' or a byte count")
     return int(float(m.group(1)) * _SIZE_UNITS[(m.group(2) or "").lower()])
+
+
+INT4_ENV = "TOKENMILL_CPU_INT4_MAX_TOKENS"
+DEFAULT_INT4_MAX_TOKENS = 8
+
+
+def int4_max_tokens_from_env() -> int:
+    """``TOKENMILL_CPU_INT4_MAX_TOKENS``: the largest step (tokens) that uses 4-bit weights (default 8, 0 off).
+
+    Raises:
+        ValueError: the variable is not a non-negative integer.
+    """
+    raw = os.environ.get(INT4_ENV, str(DEFAULT_INT4_MAX_TOKENS)).strip()
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{INT4_ENV} must be a non-negative integer, got {raw!r}")
+    return limit
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:

@@ -213,3 +213,15 @@ def test_stats_log_line():
     line = log.summary(now=log._last_time + 10)
     assert "prompt 20.0 tok/s" in line and "generation 5.0 tok/s" in line
     assert "running 3, waiting 2" in line and "KV cache 50.0%" in line and "hit rate 25.0%" in line
+
+
+def test_cli_config_errors_are_one_line_and_exit_2(capsys, monkeypatch):
+    from tokenmill import cli
+
+    assert cli.main(["serve", "--block-size", "0"]) == 2
+    assert "tokenmill serve: error: block_size must be > 0" in capsys.readouterr().err
+    monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "abc")
+    assert cli.main(["generate", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenmill generate: error: TOKENMILL_CPU_INT4_MAX_TOKENS must be a non-negative integer" in err
+    assert "Traceback" not in err

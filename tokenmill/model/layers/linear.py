@@ -176,26 +176,19 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
     return count
 
 
-INT4_ENV = "TOKENMILL_CPU_INT4_MAX_TOKENS"
-DEFAULT_INT4_MAX_TOKENS = 8
-
-
 def int4_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
     """Largest step (tokens) whose linears use 4-bit weights; 0 when the int4 path is off.
 
     On for bfloat16 CPU models with oneDNN packing; ``TOKENMILL_CPU_INT4_MAX_TOKENS``
-    sets the limit (default 8, ``0`` turns it off).
+    sets the limit (default 8, ``0`` turns it off; see
+    :func:`tokenmill.config.int4_max_tokens_from_env`).
 
     Raises:
         ValueError: the variable is not a non-negative integer.
     """
-    raw = os.environ.get(INT4_ENV, str(DEFAULT_INT4_MAX_TOKENS)).strip()
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"{INT4_ENV} must be a non-negative integer, got {raw!r}")
+    from tokenmill.config import int4_max_tokens_from_env
+
+    limit = int4_max_tokens_from_env()
     if dtype != torch.bfloat16 or not packed_linear_available(device, dtype):
         return 0
     return limit
