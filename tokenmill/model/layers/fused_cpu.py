@@ -139,10 +139,13 @@ def usable(*tensors: torch.Tensor) -> bool:
     """True when the fused kernels can serve these tensors: CPU, one dtype (float32 or
     bfloat16), no autograd, not inside ``torch.compile`` tracing, library loaded."""
     t0 = tensors[0]
-    if t0.device.type != "cpu" or t0.dtype not in _SUFFIX or torch.compiler.is_compiling():
+    dt = t0.dtype
+    if dt not in _SUFFIX or t0.device.type != "cpu" or torch.compiler.is_compiling():
         return False
-    if any(t.dtype != t0.dtype or t.device.type != "cpu" or (t.requires_grad and torch.is_grad_enabled())
-           for t in tensors):
+    for t in tensors[1:]:       # a plain loop: this runs several times per layer per step
+        if t.dtype != dt or t.device.type != "cpu":
+            return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
     return load() is not None
 
