@@ -40,10 +40,9 @@ class SamplingParams:
             many top alternatives (vLLM's ``prompt_logprobs``); None for
             none. Such a request computes its whole prompt (no prefix-cache
             hits), since cached positions have no logits; they arrive with
-            the first generated token, so ``max_tokens`` must be >= 1 (a
-            request with ``max_tokens == 0`` finishes without running; the
-            server's ``echo`` with ``max_tokens: 0`` samples one token and
-            drops it).
+            the first generated token, so ``max_tokens`` must be >= 1
+            (ValueError otherwise; the server's ``echo`` with ``max_tokens:
+            0`` samples one token and drops it).
         skip_special_tokens: drop special tokens from the text.
     Raises:
         ValueError: from :meth:`validate` (called on construction) naming the
@@ -114,6 +113,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= 20):
             raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
+        if self.prompt_logprobs is not None and self.max_tokens == 0:
+            raise ValueError("prompt_logprobs needs max_tokens >= 1 (they come with the first generated token)")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

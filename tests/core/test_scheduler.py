@@ -495,3 +495,41 @@ def test_long_prefill_token_threshold_lets_a_short_request_start_in_the_first_st
     assert max(c.get("long", 0) for c in capped_chunks) == 16 and set(capped) == {"long", "short"}
     with pytest.raises(ValueError, match="long_prefill_token_threshold"):
         SchedulerConfig(long_prefill_token_threshold=-1)
+
+
+def test_prompt_logprobs_params_are_checked():
+    assert SamplingParams(prompt_logprobs=0, max_tokens=1).prompt_logprobs == 0
+    for bad, match in [(dict(prompt_logprobs=21), r"prompt_logprobs must be in \[0, 20\]"),
+                       (dict(prompt_logprobs=-1), r"prompt_logprobs must be in \[0, 20\]"),
+                       (dict(prompt_logprobs=2, max_tokens=0), "needs max_tokens >= 1")]:
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(**bad)
+
+
+def test_prompt_logprobs_skip_prefix_hits_and_arrive_once_with_the_first_token():
+    """A request asking for prompt logprobs computes its whole prompt even when its blocks are cached, and
+    they come with its first token only; a later identical request without them takes the cache hit."""
+    s = make_sched(num_blocks=32, budget=64, max_model_len=64)
+    prompt = list(range(500, 520))
+    s.add_request(make_req("warm", prompt, max_tokens=1))
+    step(s)
+    s.add_request(make_req("plp", prompt, max_tokens=3, prompt_logprobs=1))
+
+    def runner(so):
+        out = FakeRunner()(so)
+        for sr in so.scheduled:
+            if sr.prompt_logprobs is not None:
+                m = min(sr.num_computed_tokens + len(sr.token_ids), len(sr.prompt_token_ids) - 1) - sr.num_computed_tokens
+                out.prompt_logprobs[sr.req_id] = (sr.num_computed_tokens + 1, [f"lp{sr.num_computed_tokens + 1 + j}"
+                                                                              for j in range(m)])
+        return out
+
+    so, outs = step(s, runner)
+    assert [(sr.req_id, sr.num_computed_tokens, len(sr.token_ids)) for sr in so.scheduled] == [("plp", 0, 20)]
+    assert outs["plp"].prompt_logprobs == [None] + [f"lp{t}" for t in range(1, 20)]
+    assert outs["plp"].num_cached_tokens == 0
+    so, outs = step(s, runner)
+    assert outs["plp"].prompt_logprobs is None and all(sr.prompt_logprobs is None for sr in so.scheduled)
+    s.add_request(make_req("hit", prompt, max_tokens=1))
+    so, outs = step(s)
+    assert outs["hit"].num_cached_tokens == 16

@@ -210,12 +210,13 @@ def test_cached_tokens_of_an_n2_request_is_what_the_cache_held_before_it(tok):
     assert outs[-1].num_cached_tokens == 16
 
 
-def test_child_params_split_seeds_and_leave_prompt_logprobs_to_the_first_choice():
+def test_child_params_split_seeds_and_keep_prompt_logprobs_on_every_choice():
+    """Every choice computes prompt logprobs: each streams its first token only with them."""
     from tokenmill.engine.output_processor import child_params
 
     p = SamplingParams(n=3, seed=5, prompt_logprobs=2, max_tokens=4)
     kids = [child_params(p, i) for i in range(3)]
     assert [k.n for k in kids] == [1, 1, 1] and [k.seed for k in kids] == [5, 6, 7]
-    assert [k.prompt_logprobs for k in kids] == [2, None, None]
+    assert [k.prompt_logprobs for k in kids] == [2, 2, 2]
     one = SamplingParams(prompt_logprobs=1)
     assert child_params(one, 0) is one

@@ -128,3 +128,19 @@ def test_int4_attach_rejects_float32_and_mismatched_codes(monkeypatch):
         int4_max_tokens("cpu", torch.bfloat16)
     monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "0")
     assert int4_max_tokens("cpu", torch.bfloat16) == 0
+
+
+def test_int4_is_skipped_for_output_sizes_the_packing_cannot_take():
+    """torch's int4 CPU packing needs out_features % 16 == 0 (an untied head over a 32001 vocabulary is not)."""
+    from tokenmill.model.layers.linear import attach_int4_weights
+
+    if not packed_linear_available("cpu", torch.bfloat16):
+        pytest.skip("no oneDNN bfloat16 on this CPU")
+    model = nn.Module()
+    _, _, _, dense_ok = q4_weight(48, 64)
+    codes, scale, zero, dense_odd = q4_weight(40, 64)
+    model.ok, model.odd = PackedLinear(dense_ok.bfloat16()), PackedLinear(dense_odd.bfloat16())
+    with pytest.raises(ValueError, match="divisible by 16"):
+        PackedLinear(dense_odd.bfloat16()).attach_int4(codes, scale, zero, 32, 8)
+    count, _ = attach_int4_weights(model, {"ok": q4_weight(48, 64)[:3], "odd": (codes, scale, zero)}, 32, 8)
+    assert count == 1 and model.ok.int4_max_rows == 8 and model.odd.int4_max_rows == 0

@@ -23,14 +23,14 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The engine-side params of choice ``index`` of a request with ``params.n`` choices.
 
     Each child is a request with ``n = 1``; a seeded request's choice ``i``
-    uses ``seed + i`` so the choices differ; only choice 0 computes prompt
-    logprobs (they are the same for every choice), so the others may take
-    the prompt from the prefix cache.
+    uses ``seed + i`` so the choices differ. Every child computes the
+    prompt logprobs (if asked): a choice streams its first token only with
+    them, and a sibling that read the prompt from the prefix cache could
+    otherwise start before the one computing them.
     """
     if params.n == 1:
         return params
-    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index,
-                               prompt_logprobs=params.prompt_logprobs if index == 0 else None)
+    return dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + index)
 
 
 def child_request_ids(request_id: str, n: int) -> list[str]:
@@ -151,7 +151,7 @@ class OutputProcessor:
                 m.first_scheduled_time = out.first_scheduled_time
             st.cached_by_choice.setdefault(ch.index, out.num_cached_tokens)
             if out.prompt_logprobs is not None and st.prompt_logprobs is None:
-                st.prompt_logprobs = out.prompt_logprobs   # computed by choice 0 only (child_params)
+                st.prompt_logprobs = out.prompt_logprobs   # every choice computes the same; the first wins
             delta = touched.setdefault(st.request_id, {}).setdefault(
                 ch.index, CompletionOutput(index=ch.index, logprobs=[] if st.params.logprobs is not None else None))
             new_ids = out.new_token_ids

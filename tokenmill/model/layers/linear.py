@@ -107,7 +107,8 @@ class PackedLinear(nn.Module):
 
         Raises:
             ValueError: not a bfloat16 layer (the kernel has no vectorised
-                float32 path), or shapes that do not match.
+                float32 path), shapes that do not match, or an output size
+                that is not a multiple of :data:`INT4_N_MULTIPLE`.
         """
         if self.dtype != torch.bfloat16:
             raise ValueError(f"int4 weights need a bfloat16 layer, this one is {self.dtype}")
@@ -117,6 +118,8 @@ class PackedLinear(nn.Module):
                 or tuple(zero.shape) != (n, groups)):
             raise ValueError(f"int4 codes {tuple(codes.shape)} / scales {tuple(scale.shape)} do not fit a "
                              f"[{n}, {k}] weight with groups of {group_size}")
+        if n % INT4_N_MULTIPLE:
+            raise ValueError(f"int4 weights need out_features divisible by {INT4_N_MULTIPLE}, got {n}")
         with torch.no_grad():
             self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
                 codes.to(torch.int32).contiguous(), 1)
@@ -194,9 +197,17 @@ def int4_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
     return limit
 
 
+# torch's int4 CPU packing (aten._convert_weight_to_int4pack_for_cpu) needs the output size to be a multiple of this.
+INT4_N_MULTIPLE = 16
+
+
 def attach_int4_weights(model: nn.Module, int4: dict[str, tuple[torch.Tensor, ...]], group_size: int,
                         max_rows: int) -> tuple[int, int]:
     """Give every :class:`PackedLinear` of ``model`` named in ``int4`` its 4-bit copy (:meth:`PackedLinear.attach_int4`).
+
+    Layers whose output size is not a multiple of :data:`INT4_N_MULTIPLE`
+    (e.g. an untied LM head over a 32001-token vocabulary) keep only the
+    bfloat16 path.
 
     Args:
         int4: module name -> ``(codes, scale, zero)`` (e.g. from
@@ -209,6 +220,10 @@ def attach_int4_weights(model: nn.Module, int4: dict[str, tuple[torch.Tensor, ..
     count = nbytes = 0
     for name, mod in model.named_modules():
         if name in int4 and isinstance(mod, PackedLinear) and mod.dtype == torch.bfloat16:
+            if mod.out_features % INT4_N_MULTIPLE:
+                logger.info("no int4 copy for %s: %d output features, not a multiple of %d (torch's int4 "
+                            "CPU packing)", name, mod.out_features, INT4_N_MULTIPLE)
+                continue
             codes, scale, zero = int4[name]
             nbytes += mod.attach_int4(codes, scale, zero, group_size, max_rows)
             count += 1
