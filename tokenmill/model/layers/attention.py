@@ -334,7 +334,7 @@ class TorchAttentionBackend(AttentionBackend):
             prefills.append(_PrefillPlan(i, s, e, rows, mask))
         dplan = None
         if dec:
-            whole = not prefills
+            whole = len(dec) == md.num_reqs   # no prefill in the step: the decode group is the batch
             bt = md.block_tables if whole else md.block_tables[torch.tensor(dec, device=device)]
             sl = md.seq_lens if whole else md.seq_lens[torch.tensor(dec, device=device)]
             length = max(md.seq_lens_list[i] for i in dec)

@@ -30,6 +30,24 @@ _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
 
 
+# Prepended to every kernel source: the headers all kernels use and bfloat16 <-> float32 conversion
+# with torch's rounding (round to nearest even; NaN stays NaN), so each kernel does not carry a copy.
+PRELUDE = r"""
+#include <math.h>
+#include <stdint.h>
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c; c.u = ((uint32_t)x) << 16; return c.f;
+}
+static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch */
+    union { uint32_t u; float f; } c; c.f = f;
+    if ((c.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(c.u >> 16) | ((c.u & 0xffff) ? 0x40 : 0);
+    c.u += 0x7fffu + ((c.u >> 16) & 1u);
+    return (uint16_t)(c.u >> 16);
+}
+"""
+
+
 def cache_dir() -> str:
     """Where compiled kernels are kept (``$XDG_CACHE_HOME/tokenmill/kernels`` or ``~/.cache/...``)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
@@ -78,7 +96,8 @@ def load_library(name: str, source: str, functions: dict[str, Sequence], env_swi
 
     Args:
         name: file-name stem and log label (``paged_attention``, ``fused_ops``).
-        source: the C source.
+        source: the C source (:data:`PRELUDE` is prepended: ``math.h``,
+            ``stdint.h``, ``bf16_to_f32``, ``f32_to_bf16``).
         functions: exported function name -> ctypes argument types (all return void).
         env_switch: environment variable that disables the library when ``"0"``.
 
@@ -95,6 +114,7 @@ def load_library(name: str, source: str, functions: dict[str, Sequence], env_swi
         if os.environ.get(env_switch, "1") == "0":
             logger.info("CPU %s kernels disabled by %s=0", name, env_switch)
         else:
+            source = PRELUDE + source
             digest = hashlib.sha256((source + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:16]
             path = os.path.join(cache_dir(), f"{name}_{digest}.so")
             try:
