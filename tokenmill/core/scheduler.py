@@ -18,7 +18,8 @@ Agrawal et al., arXiv 2403.02310, §4.1-4.2: decodes are never stalled by a
 prefill). With ``long_prefill_token_threshold`` > 0 no request gets more
 prompt tokens than that in one step (vLLM's flag of the same name), so the
 budget a long prompt leaves admits the requests behind it: a short request
-no longer waits for the whole long prompt before its first token. ``num_computed_tokens`` is advanced in :meth:`Scheduler.schedule`
+no longer waits for the whole long prompt before its first token.
+``num_computed_tokens`` is advanced in :meth:`Scheduler.schedule`
 for the tokens handed out (vLLM v1 style), so the next step's schedule already
 assumes them computed.
 
@@ -321,9 +322,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if 0 < self.long_prefill_cap < n:
-                n = self.long_prefill_cap
+            n = self._capped(min(req.num_tokens - req.num_computed_tokens, budget))
             if n <= 0:
                 i += 1
                 continue
@@ -354,9 +353,7 @@ class Scheduler:
             req = self.waiting.peek()
             # cached positions have no logits: a request that still needs prompt logprobs computes its prompt
             hit_blocks, num_hit = ([], 0) if req.needs_prompt_logprobs else self.kv_cache_manager.get_computed_blocks(req)
-            n = req.num_tokens - num_hit
-            if 0 < self.long_prefill_cap < n:
-                n = self.long_prefill_cap
+            n = self._capped(req.num_tokens - num_hit)
             if n > budget:
                 # Without chunked prefill, a request wider than the whole budget (only possible
                 # after preemption, since add_request rejects such prompts) is chunked anyway.
@@ -377,6 +374,10 @@ class Scheduler:
             out.scheduled.append(self._scheduled(req, n, new=True))
             budget -= n
         return budget
+
+    def _capped(self, n: int) -> int:
+        """``n`` new tokens limited to ``long_prefill_token_threshold`` (when set, with chunked prefill)."""
+        return self.long_prefill_cap if 0 < self.long_prefill_cap < n else n
 
     def _scheduled(self, req: Request, n: int, new: bool) -> ScheduledRequest:
         start = req.num_computed_tokens

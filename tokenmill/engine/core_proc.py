@@ -83,26 +83,10 @@ def loads(data: bytes) -> Any:
     return pickle.loads(data)
 
 
-def _configure_threads() -> int:
-    """Pin torch's intra-op threads to the CPUs this process may use; returns the count.
-
-    ``TOKENMILL_NUM_THREADS`` overrides the count. Returns 0 when torch is
-    unavailable (a fake executor in tests).
-    """
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a hard dependency
-        return 0
-    env = os.environ.get("TOKENMILL_NUM_THREADS")
-    if env:
-        n = int(env)
-    else:
-        try:
-            n = len(os.sched_getaffinity(0))
-        except AttributeError:  # pragma: no cover - not Linux
-            n = os.cpu_count() or 1
-    torch.set_num_threads(max(1, n))
-    return torch.get_num_threads()
+def torch_num_threads() -> int:
+    """torch's intra-op thread count, 0 when torch is not loaded (a fake executor in tests)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else 0
 
 
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
@@ -137,7 +121,6 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     code = 0
     try:
         t0 = time.perf_counter()
-        num_threads = _configure_threads()
         from tokenmill.core.engine_core import EngineCore
 
         if executor_factory is not None:
@@ -147,6 +130,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
 
             executor = ModelRunner.from_config(config, with_tokenizer="eos")
         core = EngineCore(config, executor=executor)
+        # the model runner set the intra-op threads (tokenmill.model.runner.configure_threads)
+        num_threads = torch_num_threads()
         info = CoreInfo(max_model_len=core.max_model_len, num_kv_blocks=core.executor.num_kv_blocks,
                         block_size=config.cache.block_size,
                         eos_token_ids=list(core.executor.eos_token_ids or []), pid=os.getpid(),
