@@ -314,7 +314,7 @@ def main() -> None:
         runner.compile_buckets = saved
 
     print(f"\n{'step':<22}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
-          f"{'eager ms':>10}{'ratio':>7}{'GFLOP/s':>9}" + (f"{'compiled':>10}{'ratio':>7}" if compiled else ""))
+          f"{'eager ms':>10}{'ratio':>9}{'GFLOP/s':>9}" + (f"{'compiled':>10}{'ratio':>9}" if compiled else ""))
     for k, (name, ql, ctx) in enumerate(cases):
         nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql),
                                   int4_linear=sum(ql) <= runner.int4_max_tokens)
@@ -322,16 +322,16 @@ def main() -> None:
         bound = max(t_mem, t_cmp)
         actual = eager[k]
         line = (f"{name:<22}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
-                f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>6.2f}x{flops / actual / 1e9:>9.0f}")
+                f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>8.2f}x{flops / actual / 1e9:>9.0f}")
         if compiled:
-            line += f"{compiled[k] * 1e3:>10.2f}{compiled[k] / bound:>6.2f}x"
+            line += f"{compiled[k] * 1e3:>10.2f}{compiled[k] / bound:>8.2f}x"
         print(line)
         if name.startswith("prefill"):
             best = min(actual, compiled[k]) if compiled else actual
             print(f"  prefill reaches {flops / best / 1e9 / gemm:.0%} of the measured {args.dtype} GEMM rate")
 
     if args.breakdown:
-        print(f"\n{'step':<22}{'part':<11}{'ms':>8}{'share':>7}{'bound ms':>10}{'ratio':>7}"
+        print(f"\n{'step':<22}{'part':<11}{'ms':>8}{'share':>7}{'bound ms':>10}{'ratio':>9}"
               f"{'/ step bound':>14}")
         for k, (name, ql, ctx) in enumerate(cases):
             br = step_breakdown(runner, steps[k], args.reps)
@@ -345,10 +345,10 @@ def main() -> None:
                 if part in parts:
                     nbytes, flops = parts[part]
                     pb = max(nbytes / (bw * 1e9), flops / (gemm * 1e9))
-                    line += f"{pb * 1e3:>10.2f}{t / pb:>6.2f}x{t / step_bound:>13.2f}x"
+                    line += f"{pb * 1e3:>10.2f}{t / pb:>8.2f}x{t / step_bound:>13.2f}x"
                 print(line)
             print(f"{'':<22}{'step':<11}{br['step'] * 1e3:>8.2f}{'':>7}{step_bound * 1e3:>10.2f}"
-                  f"{br['step'] / step_bound:>6.2f}x")
+                  f"{br['step'] / step_bound:>8.2f}x")
 
     if not args.skip_engine:
         b = max(batches)
