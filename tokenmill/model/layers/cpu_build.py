@@ -1,10 +1,25 @@
-"""Build-on-first-use C kernels for the CPU path, loaded with :mod:`ctypes`.
+"""Build-on-first-use C kernels for the CPU path, one build per instruction set, loaded with :mod:`ctypes`.
 
-A kernel source is compiled once with the system C compiler (``cc -O3
--march=native -ffast-math -fopenmp``, about a second) into a per-user cache
-directory (``$XDG_CACHE_HOME/tokenmill/kernels``, keyed by the hash of the
-source, the torch version and the CPU's model and feature flags) and loaded with :mod:`ctypes`; it links the same
+The kernel sources live in ``tokenmill/model/csrc/*.c`` / ``*.h`` (package
+data). A library is compiled once per instruction-set variant with the system
+C compiler (``cc -O3 -ffast-math -fopenmp`` plus the variant's ``-march``,
+about a second) into a per-user cache directory
+(``$XDG_CACHE_HOME/tokenmill/kernels``, keyed by the hash of the sources, the
+flags and the torch version) and loaded with :mod:`ctypes`; it links the same
 ``libgomp`` torch already loaded, so it shares torch's OpenMP thread pool.
+
+Variants (:data:`ISAS`), best first:
+
+* ``avx512``: ``-march=x86-64-v4`` (AVX-512 F/BW/CD/DQ/VL), 16-wide float32 paths;
+* ``avx2``: ``-march=x86-64-v3`` (AVX2, FMA, F16C, BMI2), 8-wide float32 paths;
+* ``scalar``: the compiler's default target, portable loops (any CPU).
+
+Each source picks its code path from the compiler's predefined macros
+(``__AVX512F__``, ``__AVX2__``), so one source serves every variant. At run
+time :func:`cpu_isa` chooses the best variant this CPU can run (from
+``/proc/cpuinfo``); ``TOKENMILL_CPU_ISA=avx2|scalar`` forces a lower one
+(ablations, or a CPU whose flags are misreported). Tests build and run every
+variant the CPU supports explicitly (``load_library(..., isa=...)``).
 When no compiler is available or the build fails, :func:`load_library`
 returns None (logged once) and callers keep their torch path.
 """
@@ -12,6 +27,7 @@ returns None (logged once) and callers keep their torch path.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -27,25 +43,20 @@ import torch
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
-_libs: dict[str, ctypes.CDLL | None] = {}
+_libs: dict[tuple[str, str], ctypes.CDLL | None] = {}
 
+#: Source directory of the kernels (shipped as package data).
+CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
-# Prepended to every kernel source: the headers all kernels use and bfloat16 <-> float32 conversion
-# with torch's rounding (round to nearest even; NaN stays NaN), so each kernel does not carry a copy.
-PRELUDE = r"""
-#include <math.h>
-#include <stdint.h>
+#: Instruction-set variants, best first.
+ISAS = ("avx512", "avx2", "scalar")
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c; c.u = ((uint32_t)x) << 16; return c.f;
-}
-static inline uint16_t f32_to_bf16(float f) {   /* round to nearest even, as torch */
-    union { uint32_t u; float f; } c; c.f = f;
-    if ((c.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(c.u >> 16) | ((c.u & 0xffff) ? 0x40 : 0);
-    c.u += 0x7fffu + ((c.u >> 16) & 1u);
-    return (uint16_t)(c.u >> 16);
-}
-"""
+# The CPU flags (as /proc/cpuinfo names them) each x86-64 micro-architecture level needs.
+_X86_V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
+_X86_V4 = _X86_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+_ISA_FLAGS = {"avx512": ["-march=x86-64-v4", "-mtune=generic"],
+              "avx2": ["-march=x86-64-v3", "-mtune=generic"],
+              "scalar": []}
 
 
 def cache_dir() -> str:
@@ -54,80 +65,122 @@ def cache_dir() -> str:
     return os.path.join(base, "tokenmill", "kernels")
 
 
-def _cpu_signature() -> str:
-    """What ``-march=native`` depends on: the machine type and the CPU's feature flags.
-
-    Part of the cache key, so a cache directory shared between different
-    CPUs (an NFS home, a copied container layer) never loads a kernel built
-    for instructions this CPU lacks.
-    """
-    sig = platform.machine()
+@functools.lru_cache(maxsize=1)
+def _cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty when unreadable or not Linux)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith(("flags", "Features", "model name")):
-                    sig += "|" + line.strip()
-                    if line.startswith(("flags", "Features")):
-                        break
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        sig += "|" + platform.processor()
-    return sig
+        pass
+    return frozenset()
 
 
-def _build(source: str, path: str) -> None:
+def isa_supported(isa: str) -> bool:
+    """True when this CPU can run the ``isa`` variant (``scalar`` always can)."""
+    if isa == "scalar":
+        return True
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    need = {"avx512": _X86_V4, "avx2": _X86_V3}[isa]
+    return all(f in _cpu_flags() for f in need)
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_isa() -> str:
+    """The variant the kernels use in this process: the best the CPU supports, or ``TOKENMILL_CPU_ISA``.
+
+    Decided once per process (``cpu_isa.cache_clear()`` re-reads the environment).
+
+    Raises:
+        ValueError: ``TOKENMILL_CPU_ISA`` names an unknown variant or one this CPU cannot run.
+    """
+    forced = os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower()
+    if forced:
+        if forced not in ISAS:
+            raise ValueError(f"TOKENMILL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+        if not isa_supported(forced):
+            raise ValueError(f"TOKENMILL_CPU_ISA={forced}: this CPU lacks the instructions it needs")
+        return forced
+    return next(isa for isa in ISAS if isa_supported(isa))
+
+
+def _sources_digest(sources: Sequence[str]) -> str:
+    """Hash of the named sources and every header in :data:`CSRC_DIR`."""
+    h = hashlib.sha256()
+    names = list(sources) + sorted(n for n in os.listdir(CSRC_DIR) if n.endswith(".h"))
+    for n in names:
+        with open(os.path.join(CSRC_DIR, n), "rb") as f:
+            h.update(n.encode() + b"\0" + f.read())
+    return h.hexdigest()
+
+
+def _compile_command(cc: str, sources: Sequence[str], isa: str, out: str) -> list[str]:
+    return [cc, "-O3", *_ISA_FLAGS[isa], "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
+            f"-I{CSRC_DIR}", *[os.path.join(CSRC_DIR, s) for s in sources], "-o", out, "-lm"]
+
+
+def _build(sources: Sequence[str], isa: str, path: str) -> None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "kernel.c")
-        with open(src, "w") as f:
-            f.write(source)
         tmp_so = os.path.join(tmp, "out.so")
-        subprocess.run([cc, "-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11",
-                        src, "-o", tmp_so, "-lm"], check=True, capture_output=True, timeout=300)
+        r = subprocess.run(_compile_command(cc, sources, isa, tmp_so), capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         staged = f"{path}.{os.getpid()}.tmp"
         shutil.copyfile(tmp_so, staged)
         os.replace(staged, path)  # atomic: concurrent builders never load a half-written file
 
 
-def load_library(name: str, source: str, functions: dict[str, Sequence], env_switch: str) -> ctypes.CDLL | None:
-    """Compile (once) and load the kernel library ``name``; None when unavailable.
+def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequence], env_switch: str,
+                 isa: str | None = None) -> ctypes.CDLL | None:
+    """Compile (once) and load the kernel library ``name`` for one instruction-set variant.
 
     Args:
         name: file-name stem and log label (``paged_attention``, ``fused_ops``).
-        source: the C source (:data:`PRELUDE` is prepended: ``math.h``,
-            ``stdint.h``, ``bf16_to_f32``, ``f32_to_bf16``).
+        sources: C files in :data:`CSRC_DIR` compiled into the library (headers
+            there are found with ``-I``).
         functions: exported function name -> ctypes argument types (all return void).
         env_switch: environment variable that disables the library when ``"0"``.
+        isa: a variant of :data:`ISAS`; None: :func:`cpu_isa`.
 
     Returns:
         The loaded library, or None (disabled, no compiler, build or load
-        failure; logged once per process).
+        failure, or a variant this CPU cannot run; logged once per process).
     """
-    if name in _libs:           # fast path: called per layer per step
-        return _libs[name]
+    if isa is None:
+        isa = cpu_isa()
+    key = (name, isa)
+    if key in _libs:           # fast path: called per layer per step
+        return _libs[key]
     with _lock:
-        if name in _libs:
-            return _libs[name]
+        if key in _libs:
+            return _libs[key]
         lib = None
         if os.environ.get(env_switch, "1") == "0":
             logger.info("CPU %s kernels disabled by %s=0", name, env_switch)
+        elif not isa_supported(isa):
+            logger.warning("CPU %s kernels: this CPU cannot run the %s variant", name, isa)
         else:
-            source = PRELUDE + source
-            digest = hashlib.sha256((source + torch.__version__ + _cpu_signature()).encode()).hexdigest()[:16]
-            path = os.path.join(cache_dir(), f"{name}_{digest}.so")
+            key_text = _sources_digest(sources) + " ".join(_ISA_FLAGS[isa]) + torch.__version__
+            digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
+            path = os.path.join(cache_dir(), f"{name}_{isa}_{digest}.so")
             try:
                 if not os.path.exists(path):
-                    _build(source, path)
+                    _build(sources, isa, path)
                 lib = ctypes.CDLL(path)
                 for fn_name, argtypes in functions.items():
                     fn = getattr(lib, fn_name)
                     fn.argtypes = list(argtypes)
                     fn.restype = None
-                logger.info("CPU %s kernels loaded from %s", name, path)
+                logger.info("CPU %s kernels (%s) loaded from %s", name, isa, path)
             except (OSError, RuntimeError, AttributeError, subprocess.SubprocessError) as e:
-                logger.warning("CPU %s kernels unavailable (%s); using the torch path", name, e)
+                logger.warning("CPU %s kernels (%s) unavailable (%s); using the torch path", name, isa, e)
                 lib = None
-        _libs[name] = lib
+        _libs[key] = lib
         return lib
