@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(func=_run_serve)
     _add_generate(sub)
+    from tokenmill.router.cli import add_router_parser
+
+    add_router_parser(sub)
     try:
         from tokenmill.bench.cli import add_bench_subparsers
     except ImportError:  # pragma: no cover - bench is part of the package

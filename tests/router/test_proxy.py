@@ -1,0 +1,151 @@
+"""The router process's HTTP behaviour over fake backends (no model)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from tests.router.fake_backend import FakeBackend, RouterThread
+from tokenmill.router.app import RouterConfig
+from tokenmill.router.backends import BackendSpec, load_backend_file
+
+
+@pytest.fixture
+def cluster():
+    """Factory: ``cluster([FakeBackend, ...], policy=...)`` -> (router, backends); all stopped afterwards."""
+    started: list = []
+
+    def make(fakes: list[FakeBackend], **kw):
+        for f in fakes:
+            started.append(f.start())
+        kw.setdefault("health_check_interval", 0.2)
+        kw.setdefault("health_check_timeout", 0.5)
+        r = RouterThread(RouterConfig(backends=[BackendSpec(f.url) for f in fakes], **kw)).start()
+        started.append(r)
+        return r, fakes
+
+    yield make
+    for s in reversed(started):
+        s.stop()
+
+
+def post(url: str, body: dict, **kw) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json=body, timeout=10, **kw)
+
+
+def test_round_robin_models_union_and_unknown_model_404(cluster):
+    r, (a, b, c) = cluster([FakeBackend("a", ["big"]), FakeBackend("b", ["small"]), FakeBackend("c", ["small"])])
+    models = httpx.get(r.url + "/v1/models").json()
+    assert sorted(m["id"] for m in models["data"]) == ["big", "small"]
+    got = [post(r.url, {"model": "small", "prompt": "hi"}).json()["backend"] for _ in range(4)]
+    assert sorted(got) == ["b", "b", "c", "c"]
+    assert post(r.url, {"model": "big", "prompt": "hi"}).json()["backend"] == "a"
+    resp = post(r.url, {"model": "nope", "prompt": "hi"})
+    assert resp.status_code == 404
+    err = resp.json()["error"]
+    assert err["type"] == "NotFoundError" and err["param"] == "model" and err["code"] == 404
+    assert "big" in err["message"] and "small" in err["message"]
+    assert httpx.post(r.url + "/v1/completions", content=b"{not json").status_code == 400
+    # /tokenize goes to the model's pool too
+    assert httpx.post(r.url + "/tokenize", json={"model": "big", "prompt": "a b"}).json()["backend"] == "a"
+
+
+def test_streaming_is_relayed_unbuffered(cluster):
+    r, (a,) = cluster([FakeBackend("a", chunks=4, itl_s=0.4)])
+    arrivals = []
+    with httpx.stream("POST", r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True},
+                      timeout=10) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                arrivals.append(time.time())
+    assert len(arrivals) == 4
+    # chunks arrive spread out as the backend sends them (0.4 s apart), not all at the end
+    assert arrivals[-1] - arrivals[0] > 0.8
+
+
+def test_429_and_retry_after_are_passed_through(cluster):
+    r, (a,) = cluster([FakeBackend("a")])
+    a.refuse_429 = True
+    resp = post(r.url, {"model": "fake-model", "prompt": "x"})
+    assert resp.status_code == 429 and resp.headers["retry-after"] == "7"
+    assert resp.json()["error"]["type"] == "RateLimitError"
+
+
+def test_client_disconnect_aborts_upstream(cluster):
+    r, (a,) = cluster([FakeBackend("a", chunks=50, itl_s=0.1)])
+    with httpx.stream("POST", r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True},
+                      timeout=10) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                break   # leave after the first chunk
+    deadline = time.monotonic() + 5
+    while a.disconnects == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.disconnects == 1 and a.completed == 0
+    # and a non-streamed request whose client leaves before the answer
+    a.chunks, a.itl_s = 1, 3.0
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x"}, timeout=0.5)
+    deadline = time.monotonic() + 5
+    while a.disconnects < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.disconnects == 2
+    time.sleep(0.3)
+    assert r.router.backends[0].in_flight == 0
+
+
+def test_dead_backend_leaves_rotation_retry_and_recovery(cluster):
+    r, (a, b) = cluster([FakeBackend("a"), FakeBackend("b")], policy="round_robin")
+    a.stop()
+    # every request succeeds: one that hit the dead backend is retried on the other
+    got = [post(r.url, {"model": "fake-model", "prompt": "x"}).json()["backend"] for _ in range(6)]
+    assert got == ["b"] * 6
+    metrics = httpx.get(r.url + "/metrics").text
+    assert 'tokenmill:router_backend_healthy{backend="%s"} 0.0' % a.url in metrics
+    # an unhealthy /health also takes a backend out within a few check intervals
+    b.healthy = False
+    deadline = time.monotonic() + 3
+    while httpx.get(r.url + "/health").status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert httpx.get(r.url + "/health").status_code == 503
+    resp = post(r.url, {"model": "fake-model", "prompt": "x"})
+    assert resp.status_code == 503 and resp.json()["error"]["code"] == 503
+    # recovery: a restarted on its port and b healthy again -> both back in rotation
+    a.start()
+    b.healthy = True
+    deadline = time.monotonic() + 5
+    while not all(x.healthy for x in r.router.backends) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = {post(r.url, {"model": "fake-model", "prompt": "x"}).json()["backend"] for _ in range(4)}
+    assert got == {"a", "b"}
+
+
+def test_router_metrics_count_requests_and_reasons(cluster):
+    r, (a, b) = cluster([FakeBackend("a"), FakeBackend("b")], policy="prefix_aware", cache_threshold=0.5)
+    prompt = "a long shared system prompt. " * 20
+    homes = {post(r.url, {"model": "fake-model", "prompt": prompt + f"q{i}"}).json()["backend"] for i in range(5)}
+    assert len(homes) == 1
+    text = httpx.get(r.url + "/metrics").text
+    assert 'tokenmill:router_routed_total{policy="prefix_aware",reason="prefix_match"} 4.0' in text
+    assert 'tokenmill:router_routed_total{policy="prefix_aware",reason="cache_capacity"} 1.0' in text
+    hits = [l for l in text.splitlines() if l.startswith('tokenmill:router_estimated_prefix_cache_hits_total')]
+    assert hits and float(hits[0].split()[-1]) >= 4 * len(prompt)
+
+
+def test_backend_specs_and_file(tmp_path):
+    s = BackendSpec.parse("http://10.0.0.5:8000/,kv_events=tcp://*:5557,replay=tcp://*:5558")
+    assert s.url == "http://10.0.0.5:8000" and s.kv_events == "tcp://10.0.0.5:5557"
+    assert s.replay == "tcp://10.0.0.5:5558"
+    with pytest.raises(ValueError):
+        BackendSpec.parse("10.0.0.5:8000")
+    with pytest.raises(ValueError):
+        BackendSpec.parse("http://h:1,bogus=1")
+    f = tmp_path / "b.txt"
+    f.write_text("# two\nhttp://h1:1\nhttp://h2:2,kv_events=tcp://h2:9\n")
+    assert [x.url for x in load_backend_file(str(f))] == ["http://h1:1", "http://h2:2"]
+    f.write_text(json.dumps([{"url": "http://h3:3", "kv_events": "tcp://*:7"}]))
+    assert load_backend_file(str(f))[0].kv_events == "tcp://h3:7"

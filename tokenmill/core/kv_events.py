@@ -1,0 +1,205 @@
+"""KV cache events: what the engine tells a cache-aware router about its prefix cache.
+
+Wire format (the same shape as vLLM's ``vllm/distributed/kv_events.py``, so a
+router written for vLLM's events can read ours):
+
+* Transport: a ZMQ ``PUB`` socket (``endpoint``, default ``tcp://*:5557``).
+  Every message is three frames: ``[topic, seq, payload]`` where ``topic`` is
+  the configured topic as UTF-8 bytes (default empty), ``seq`` the batch
+  sequence number as an 8-byte big-endian signed integer (0, 1, 2, ... per
+  publisher; a subscriber that sees a jump knows it missed batches), and
+  ``payload`` one msgpack-encoded :class:`KVEventBatch`.
+* Replay: a ZMQ ``ROUTER`` socket (``replay_endpoint``) keeps the last
+  ``buffer_steps`` batches. A client (``DEALER``, or ``REQ`` for a single
+  reply) sends ``[b"", start_seq]`` (8-byte big-endian); the publisher answers
+  ``[b"", seq, payload]`` for every buffered batch with ``seq >= start_seq``
+  in order, then the end marker ``[b"", -1 (8 bytes, signed), b""]``.
+* Payload: msgpack arrays (msgspec ``array_like`` structs). A batch is
+  ``[ts, [event, ...]]`` or ``[ts, [event, ...], data_parallel_rank]``
+  (``ts``: publisher wall-clock seconds, float). Each event is a tagged array
+  whose first element is its type name:
+
+  - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size]``
+    (optionally followed by ``lora_id`` and ``medium``): full blocks just
+    registered in the prefix cache, in chain order. ``block_hashes`` are
+    32-byte SHA-256 digests (:func:`tokenmill.core.prefix_cache.hash_block_tokens`),
+    ``parent_block_hash`` is the hash of the block before the first one (nil
+    for a chain that starts at the prompt's first token), ``token_ids`` the
+    ``len(block_hashes) * block_size`` token ids of those blocks.
+  - ``["BlockRemoved", block_hashes]``: blocks evicted from the prefix cache
+    (their hash is gone; a new request cannot hit them any more).
+  - ``["AllBlocksCleared"]``: every hash was dropped (prefix-cache reset).
+
+An event describes the prefix *index*, not block occupancy: a block freed by
+its last request but still cached (lazy eviction) stays "stored" until a
+``BlockRemoved`` says otherwise. This module is pure Python (msgspec only) so
+both the engine core and the router import it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Union
+
+import msgspec
+
+
+class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Full blocks registered in the prefix cache, in chain order.
+
+    Attributes:
+        block_hashes: ``[num_blocks]`` 32-byte hashes.
+        parent_block_hash: hash of the block before ``block_hashes[0]``; None
+            when ``block_hashes[0]`` is the first block of a sequence.
+        token_ids: ``[num_blocks * block_size]`` token ids of these blocks.
+        block_size: tokens per block.
+        lora_id: adapter id (always None here; kept for vLLM's layout).
+        medium: storage tier (None means the device pool).
+    """
+
+    block_hashes: list[bytes]
+    parent_block_hash: Union[bytes, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Union[int, None] = None
+    medium: Union[str, None] = None
+
+
+class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Blocks evicted from the prefix cache (``[num_blocks]`` 32-byte hashes)."""
+
+    block_hashes: list[bytes]
+    medium: Union[str, None] = None
+
+
+class AllBlocksCleared(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Every cached hash was dropped."""
+
+
+KVCacheEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The events of one engine step.
+
+    Attributes:
+        ts: wall-clock time of publication, seconds since the epoch.
+        events: the step's events in the order they happened.
+        data_parallel_rank: the engine's rank under ``--data-parallel-size`` (None: single engine).
+    """
+
+    ts: float
+    events: list[KVCacheEvent]
+    data_parallel_rank: Union[int, None] = None
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """msgpack bytes of one batch (the ``payload`` frame)."""
+    return _ENCODER.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """Parse a ``payload`` frame.
+
+    Raises:
+        msgspec.DecodeError / msgspec.ValidationError: not a valid batch.
+    """
+    return _DECODER.decode(payload)
+
+
+def seq_to_bytes(seq: int) -> bytes:
+    """The 8-byte big-endian signed encoding of a sequence number (the ``seq`` frame)."""
+    return int(seq).to_bytes(8, "big", signed=True)
+
+
+def seq_from_bytes(data: bytes) -> int:
+    """Inverse of :func:`seq_to_bytes`."""
+    return int.from_bytes(data, "big", signed=True)
+
+
+REPLAY_END = -1
+"""Sequence number of the replay socket's end marker."""
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """``--kv-events-config`` (vLLM's ``KVEventsConfig`` keys).
+
+    Attributes:
+        enable_kv_cache_events: publish events at all.
+        publisher: ``"zmq"`` (or ``"null"``: collect nothing).
+        endpoint: ZMQ PUB address to bind (``tcp://*:5557``) or connect (an
+            address without ``*`` whose host is not local is still bound).
+        replay_endpoint: ZMQ ROUTER address for replays (None: no replay).
+        topic: topic frame of every message.
+        buffer_steps: batches kept for replay.
+        hwm: ZMQ send high-water mark, in messages.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str = "zmq"
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: Union[str, None] = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.publisher not in ("zmq", "null"):
+            raise ValueError(f"kv events publisher must be 'zmq' or 'null', got {self.publisher!r}")
+        if self.buffer_steps < 0:
+            raise ValueError(f"kv events buffer_steps must be >= 0, got {self.buffer_steps}")
+
+    @property
+    def active(self) -> bool:
+        """Events are collected and published."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str | dict[str, Any] | None) -> "KVEventsConfig":
+        """Parse the ``--kv-events-config`` JSON object.
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a bad value.
+        """
+        if text is None:
+            return cls()
+        if isinstance(text, dict):
+            data = text
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        extra = sorted(set(data) - known - {"max_queue_size"})
+        if extra:
+            raise ValueError(f"--kv-events-config: unknown keys {extra}; known: {sorted(known)}")
+        data = {k: v for k, v in data.items() if k in known}
+        if "enable_kv_cache_events" in data and "publisher" not in data:
+            data["publisher"] = "zmq"
+        return cls(**data)
+
+    def for_rank(self, rank: int) -> "KVEventsConfig":
+        """The config of data-parallel engine ``rank``: TCP ports shifted by ``rank`` (as vLLM does)."""
+        if rank == 0:
+            return self
+        import dataclasses
+
+        return dataclasses.replace(self, endpoint=_offset_port(self.endpoint, rank),
+                                   replay_endpoint=_offset_port(self.replay_endpoint, rank)
+                                   if self.replay_endpoint else None)
+
+
+def _offset_port(endpoint: str, offset: int) -> str:
+    if not endpoint.startswith("tcp://"):
+        return f"{endpoint}_dp{offset}"
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + offset}"

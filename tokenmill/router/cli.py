@@ -1,0 +1,92 @@
+"""``tokenmill router`` flags (SGLang's and Dynamo's names for their knobs)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tokenmill.router.policies import POLICIES
+
+
+def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``router`` sub-command to the ``tokenmill`` parser."""
+    p = sub.add_parser("router", help="Route OpenAI API requests over several backends (cache-aware).",
+                       description="A separate process speaking the OpenAI API in front of several backends "
+                                   "(tokenmill serve, vLLM, SGLang), with cache-aware routing policies.")
+    p.add_argument("--backend", action="append", default=[], metavar="URL[,kv_events=ADDR][,replay=ADDR]",
+                   help="A backend (repeat the flag). kv_events / replay: the backend's --kv-events-config "
+                        "endpoint and replay_endpoint (for --policy kv_aware).")
+    p.add_argument("--backend-file", default=None, metavar="PATH",
+                   help="File of backends: one spec per line (# comments) or a JSON list of "
+                        "{url, kv_events, replay} objects.")
+    p.add_argument("--host", default="127.0.0.1", help="Address to bind [default: 127.0.0.1].")
+    p.add_argument("--port", type=int, default=8080, help="TCP port to bind [default: 8080].")
+    p.add_argument("--policy", choices=POLICIES, default="round_robin", help="Routing policy [default: round_robin].")
+    g = p.add_argument_group("prefix_aware (SGLang's cache-aware rule)")
+    g.add_argument("--cache-threshold", type=float, default=0.3,
+                   help="Prefix match ratio (matched / prompt characters) above which the best-matching "
+                        "backend wins [default: 0.3].")
+    g.add_argument("--balance-abs-threshold", type=int, default=64,
+                   help="Load is imbalanced when max - min in-flight requests exceeds this (and the relative "
+                        "rule holds); then the least loaded backend wins [default: 64].")
+    g.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                   help="... and max > min x this ratio [default: 1.5].")
+    g.add_argument("--max-tree-size", type=int, default=2**26,
+                   help="Characters kept per backend prefix tree; least recently used leaves are evicted "
+                        "beyond [default: 2^26].")
+    g = p.add_argument_group("kv_aware (Dynamo's KV router cost)")
+    g.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
+                   help="Weight of prefill blocks in cost = weight x prefill_blocks + decode_blocks [default: 1].")
+    g.add_argument("--router-temperature", type=float, default=0.0,
+                   help="Softmax temperature over normalised costs (0: always the cheapest) [default: 0].")
+    g.add_argument("--block-size", type=int, default=16,
+                   help="Backends' KV block size in tokens until their events say otherwise [default: 16].")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="Tokenizer of the served model (GGUF or HF folder), to hash prompts as the backends do "
+                        "[default: the packaged SmolLM2-135M-Instruct].")
+    g.add_argument("--kv-events-topic", default="", help="Topic to subscribe to [default: all].")
+    g = p.add_argument_group("health and retries")
+    g.add_argument("--health-check-interval", type=float, default=1.0,
+                   help="Seconds between health checks (/health and /v1/models) [default: 1].")
+    g.add_argument("--health-check-timeout", type=float, default=2.0, help="Seconds per check [default: 2].")
+    g.add_argument("--max-retries", type=int, default=2,
+                   help="Other backends tried when one cannot be reached (connection refused or timed out) "
+                        "[default: 2].")
+    g.add_argument("--seed", type=int, default=None, help="Seed of the softmax draw.")
+    p.set_defaults(func=run)
+    return p
+
+
+def config_from_args(args: argparse.Namespace):
+    """The :class:`RouterConfig` of parsed flags.
+
+    Raises:
+        ValueError: no backend, or a bad backend spec.
+    """
+    from tokenmill.router.app import RouterConfig
+    from tokenmill.router.backends import BackendSpec, load_backend_file
+
+    specs = [BackendSpec.parse(s) for s in args.backend]
+    if args.backend_file:
+        specs += load_backend_file(args.backend_file)
+    if not specs:
+        raise ValueError("give at least one --backend URL or a --backend-file")
+    return RouterConfig(
+        backends=specs, policy=args.policy, host=args.host, port=args.port, cache_threshold=args.cache_threshold,
+        balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
+        max_tree_size=args.max_tree_size, kv_overlap_score_weight=args.kv_overlap_score_weight,
+        router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
+        kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
+        health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tokenmill.router.app import run_router
+
+    try:
+        config = config_from_args(args)
+    except (ValueError, OSError) as e:
+        print(f"tokenmill router: error: {e}", file=sys.stderr)
+        return 2
+    run_router(config)
+    return 0

@@ -1,0 +1,264 @@
+"""Which backend holds which KV block: an index fed by the backends' KV events.
+
+Each backend publishes ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared``
+batches (:mod:`tokenmill.core.kv_events`); :class:`KVEventSubscriber` receives
+them over ZMQ SUB and applies them to :class:`KVIndex`, which answers "how many
+leading blocks of this block-hash chain does each backend hold?". Because a
+block hash chains its whole prefix (:func:`tokenmill.core.prefix_cache.hash_block_tokens`),
+a backend holds the first ``k`` blocks of a request exactly when it holds
+hashes ``0 .. k-1`` of the request's chain (the idea of Dynamo's KV indexer
+and of vLLM's KV events).
+
+Sequence gaps: a subscriber that sees batch ``seq`` after ``last`` with
+``seq > last + 1`` asks the backend's replay socket for ``last + 1 ..``; if
+the replay cannot fill the gap (no replay socket, or the batches are no longer
+buffered), that backend's entries are dropped (missed ``BlockRemoved`` events
+would otherwise make the router send requests to blocks that are gone) and
+rebuilt from the following events. A sequence number going backwards means
+the backend restarted: its entries are dropped too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+
+import zmq
+import zmq.asyncio
+
+from tokenmill.core.kv_events import (REPLAY_END, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+                                      decode_batch, seq_from_bytes, seq_to_bytes)
+
+logger = logging.getLogger(__name__)
+
+
+class KVIndex:
+    """Block hash → backends holding it, for the backends of one pool.
+
+    Backends are identified by an int (their router index).
+    """
+
+    def __init__(self) -> None:
+        self._holders: dict[bytes, set[int]] = {}
+        self._held: dict[int, set[bytes]] = {}
+        self.block_size: int | None = None   # learnt from BlockStored events
+        self.num_events: dict[int, int] = {}
+        self.last_event_time: dict[int, float] = {}
+
+    def has_events(self, backend: int) -> bool:
+        """True once any event of ``backend`` was applied (the index knows something about it)."""
+        return self.num_events.get(backend, 0) > 0
+
+    def num_blocks(self, backend: int) -> int:
+        """Blocks the index believes ``backend`` holds."""
+        return len(self._held.get(backend, ()))
+
+    def apply(self, backend: int, batch: KVEventBatch) -> None:
+        """Apply one batch of ``backend``'s events, in order."""
+        for ev in batch.events:
+            self.apply_event(backend, ev)
+        self.last_event_time[backend] = time.monotonic()
+
+    def apply_event(self, backend: int, ev: object) -> None:
+        held = self._held.setdefault(backend, set())
+        if isinstance(ev, BlockStored):
+            if self.block_size is None:
+                self.block_size = ev.block_size
+            elif ev.block_size != self.block_size:
+                logger.warning("backend %d publishes block_size %d, the pool uses %d: its blocks never match",
+                               backend, ev.block_size, self.block_size)
+                return
+            for h in ev.block_hashes:
+                held.add(h)
+                self._holders.setdefault(h, set()).add(backend)
+        elif isinstance(ev, BlockRemoved):
+            for h in ev.block_hashes:
+                held.discard(h)
+                s = self._holders.get(h)
+                if s is not None:
+                    s.discard(backend)
+                    if not s:
+                        del self._holders[h]
+        elif isinstance(ev, AllBlocksCleared):
+            self.clear_backend(backend, keep_event_count=True)
+        self.num_events[backend] = self.num_events.get(backend, 0) + 1
+
+    def clear_backend(self, backend: int, keep_event_count: bool = False) -> None:
+        """Forget every block of ``backend`` (gap without replay, restart, removal)."""
+        for h in self._held.pop(backend, set()):
+            s = self._holders.get(h)
+            if s is not None:
+                s.discard(backend)
+                if not s:
+                    del self._holders[h]
+        if not keep_event_count:
+            self.num_events.pop(backend, None)
+
+    def match(self, block_hashes: Sequence[bytes], backends: Sequence[int]) -> dict[int, int]:
+        """Leading blocks of ``block_hashes`` held by each backend.
+
+        Args:
+            block_hashes: the request's chain, ``[num_full_blocks]``.
+            backends: candidates.
+
+        Returns:
+            ``{backend: k}`` where blocks ``0 .. k-1`` are held (0 for none).
+        """
+        out = {b: 0 for b in backends}
+        alive = set(backends)
+        for i, h in enumerate(block_hashes):
+            holders = self._holders.get(h)
+            if not holders:
+                break
+            alive &= holders
+            if not alive:
+                break
+            for b in alive:
+                out[b] = i + 1
+        return out
+
+
+class KVEventSubscriber:
+    """Receives one backend's KV events and applies them to a :class:`KVIndex`.
+
+    Args:
+        backend: the backend's router index.
+        endpoint: its PUB address (``tcp://host:5557``).
+        index: the pool's index.
+        replay_endpoint: its replay ROUTER address (None: gaps drop the backend's entries).
+        topic: subscription topic (empty: everything).
+        replay_timeout: seconds to wait for a replay answer.
+        ctx: a ``zmq.asyncio.Context`` (shared).
+    """
+
+    def __init__(self, backend: int, endpoint: str, index: KVIndex, replay_endpoint: str | None = None,
+                 topic: str = "", replay_timeout: float = 2.0, ctx: zmq.asyncio.Context | None = None) -> None:
+        self.backend = backend
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.index = index
+        self.topic = topic
+        self.replay_timeout = replay_timeout
+        self.ctx = ctx or zmq.asyncio.Context.instance()
+        self.last_seq: int | None = None
+        self.num_batches = 0
+        self.num_gaps = 0
+        self.num_replayed = 0
+        self.num_resets = 0
+        self._task: asyncio.Task | None = None
+        self._sub: zmq.asyncio.Socket | None = None
+
+    # -- message handling (also driven directly by tests) ---------------------
+    async def handle(self, seq: int, payload: bytes) -> None:
+        """Process batch ``seq``: skip duplicates, fill gaps by replay, apply."""
+        if self.last_seq is not None and seq <= self.last_seq:
+            if seq < self.last_seq or seq == 0:
+                # the publisher restarted: everything we knew about it is stale
+                logger.info("backend %d KV events restarted at seq %d (last %d): dropping its index",
+                            self.backend, seq, self.last_seq)
+                self.index.clear_backend(self.backend)
+                self.num_resets += 1
+                self.last_seq = None
+            else:
+                return  # already applied (replay overlap)
+        want = 0 if self.last_seq is None else self.last_seq + 1
+        if seq > want:
+            self.num_gaps += self.last_seq is not None
+            filled = await self._replay(want, seq)
+            if not filled and self.last_seq is not None:
+                logger.warning("backend %d missed KV event batches %d..%d and could not replay them: "
+                               "dropping its index", self.backend, want, seq - 1)
+                self.index.clear_backend(self.backend)
+                self.num_resets += 1
+        if self.last_seq is not None and seq <= self.last_seq:
+            return  # the replay already covered it
+        self._apply(seq, payload)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            batch = decode_batch(payload)
+        except Exception as e:  # noqa: BLE001 - a bad message must not kill the subscriber
+            logger.warning("backend %d: undecodable KV event batch %d: %s", self.backend, seq, e)
+            self.last_seq = seq
+            return
+        self.index.apply(self.backend, batch)
+        self.last_seq = seq
+        self.num_batches += 1
+
+    async def _replay(self, start: int, until: int) -> bool:
+        """Fetch batches ``start .. until-1`` from the replay socket and apply them.
+
+        Returns:
+            True when every batch of the range was replayed.
+        """
+        if self.replay_endpoint is None:
+            return False
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        got: list[tuple[int, bytes]] = []
+        try:
+            sock.connect(self.replay_endpoint)
+            await sock.send_multipart([b"", seq_to_bytes(start)])
+            deadline = time.monotonic() + self.replay_timeout
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or not await sock.poll(int(left * 1000)):
+                    logger.warning("backend %d: replay from %s timed out", self.backend, self.replay_endpoint)
+                    break
+                frames = await sock.recv_multipart()
+                if len(frames) < 3:
+                    continue
+                s = seq_from_bytes(frames[-2])
+                if s == REPLAY_END:
+                    break
+                if s < until:
+                    got.append((s, frames[-1]))
+        except zmq.ZMQError as e:
+            logger.warning("backend %d: replay failed: %s", self.backend, e)
+        finally:
+            sock.close(linger=0)
+        got.sort()
+        complete = bool(got) and got[0][0] <= start and all(b[0] == a[0] + 1 for a, b in zip(got, got[1:])) \
+            and got[-1][0] == until - 1
+        if not complete and self.last_seq is not None:
+            return False  # caller drops the index; applying a holed range would not help
+        for s, p in got:
+            if self.last_seq is None or s > self.last_seq:
+                self._apply(s, p)
+                self.num_replayed += 1
+        return complete
+
+    # -- the socket loop ------------------------------------------------------
+    async def _run(self) -> None:
+        sub = self._sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        sub.connect(self.endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3:
+                    continue
+                _, seq_b, payload = frames
+                try:
+                    await self.handle(seq_from_bytes(seq_b), payload)
+                except Exception:  # noqa: BLE001 - keep listening
+                    logger.exception("backend %d: KV event handling failed", self.backend)
+        finally:
+            sub.close(linger=0)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"kv-events-{self.backend}")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001
+                pass
+            self._task = None

@@ -1,0 +1,301 @@
+"""Routing policies: which backend of a pool gets a request.
+
+* ``round_robin``: in turn.
+* ``least_load``: fewest requests in flight from this router (ties in turn).
+* ``prefix_aware``: SGLang's cache-aware rule over an approximate per-backend
+  prefix tree of the text routed there (:class:`~tokenmill.router.prefix_tree.PrefixTree`).
+* ``kv_aware``: Dynamo's KV router cost over the backends' real cache state,
+  known from their KV events (:class:`~tokenmill.router.kv_index.KVIndex`).
+
+Every policy returns a :class:`RouteDecision` with the reason it chose (a
+metric label) and its estimate of the prompt share the backend has cached.
+Policies see only :class:`~tokenmill.router.backends.Backend` objects, so they
+are tested with fake backends and no model.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from tokenmill.router.backends import Backend
+from tokenmill.router.kv_index import KVIndex
+from tokenmill.router.prefix_tree import PrefixTree
+
+
+@dataclass
+class RouteInput:
+    """What a policy may look at.
+
+    Attributes:
+        text: the prompt as text (completion prompt, or the chat messages' contents joined).
+        block_hashes: the prompt's full-block hash chain, ``[num_tokens // block_size]``
+            (kv_aware only; None otherwise).
+        num_prompt_tokens: prompt length in tokens (kv_aware only; None otherwise).
+    """
+
+    text: str = ""
+    block_hashes: list[bytes] | None = None
+    num_prompt_tokens: int | None = None
+
+
+@dataclass
+class RouteDecision:
+    """A policy's choice.
+
+    Attributes:
+        backend: where the request goes.
+        reason: why (metric label): ``round_robin``, ``least_load``, ``prefix_match``,
+            ``cache_capacity``, ``load_balance``, ``kv_overlap``, ``kv_load``, ``load_fallback``.
+        matched, total: estimated cached part and size of the prompt, in ``unit``.
+        unit: ``tokens`` (kv_aware), ``chars`` (prefix_aware) or ``""`` (no estimate).
+        new_prefill_blocks, request_blocks: kv_aware's load bookkeeping (blocks).
+        costs: kv_aware's cost per backend index (for logs and tests).
+    """
+
+    backend: Backend
+    reason: str
+    matched: int = 0
+    total: int = 0
+    unit: str = ""
+    new_prefill_blocks: int = 0
+    request_blocks: int = 0
+    costs: dict[int, float] = field(default_factory=dict)
+
+
+class Policy:
+    """Base class. ``needs_tokens``: the router must tokenize and hash the prompt first."""
+
+    name = "base"
+    needs_tokens = False
+
+    def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
+        """Choose one of ``candidates`` (non-empty, all healthy).
+
+        Raises:
+            ValueError: no candidates.
+        """
+        raise NotImplementedError
+
+    def on_backend_down(self, backend: Backend) -> None:
+        """A backend left the rotation (it may come back empty)."""
+
+
+def _check(candidates: Sequence[Backend]) -> None:
+    if not candidates:
+        raise ValueError("no backend to route to")
+
+
+class RoundRobin(Policy):
+    """Each request to the next backend in turn."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
+        _check(candidates)
+        b = candidates[self._next % len(candidates)]
+        self._next += 1
+        return RouteDecision(b, "round_robin")
+
+
+class LeastLoad(Policy):
+    """The backend with the fewest requests in flight from this router; ties go in turn."""
+
+    name = "least_load"
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
+        _check(candidates)
+        low = min(b.in_flight for b in candidates)
+        ties = [b for b in candidates if b.in_flight == low]
+        b = ties[self._next % len(ties)]
+        self._next += 1
+        return RouteDecision(b, "least_load")
+
+
+class PrefixAware(Policy):
+    """SGLang's cache-aware routing over approximate per-backend prefix trees.
+
+    Rule (SGLang router, ``cache_aware`` policy): if the load is imbalanced,
+    i.e. ``max_load - min_load > balance_abs_threshold`` **and** ``max_load >
+    min_load * balance_rel_threshold`` (load = requests in flight), route to
+    the least loaded backend. Otherwise find the backend whose tree matches
+    the longest prefix of the request's text; if that match covers more than
+    ``cache_threshold`` of the text, route there, else to the backend with the
+    smallest tree (the most free cache, by this estimate). The text is then
+    inserted into the chosen backend's tree.
+
+    Args:
+        cache_threshold: match ratio in [0, 1] above which the best match wins.
+        balance_abs_threshold: requests.
+        balance_rel_threshold: ratio (>= 1).
+        max_tree_size: characters kept per backend tree (LRU eviction beyond).
+    """
+
+    name = "prefix_aware"
+
+    def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
+                 balance_rel_threshold: float = 1.5, max_tree_size: int = 2**26) -> None:
+        if not 0.0 <= cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {cache_threshold}")
+        if balance_rel_threshold < 1.0:
+            raise ValueError(f"balance_rel_threshold must be >= 1, got {balance_rel_threshold}")
+        self.cache_threshold = cache_threshold
+        self.balance_abs_threshold = balance_abs_threshold
+        self.balance_rel_threshold = balance_rel_threshold
+        self.max_tree_size = max_tree_size
+        self.trees: dict[int, PrefixTree] = {}
+
+    def tree(self, b: Backend) -> PrefixTree:
+        t = self.trees.get(b.index)
+        if t is None:
+            t = self.trees[b.index] = PrefixTree(self.max_tree_size)
+        return t
+
+    def imbalanced(self, candidates: Sequence[Backend]) -> bool:
+        loads = [b.in_flight for b in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
+
+    def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
+        _check(candidates)
+        text = req.text
+        n = len(text)
+        matches = {b.index: self.tree(b).match(text, touch=False) for b in candidates}
+        if len(candidates) > 1 and self.imbalanced(candidates):
+            b = min(candidates, key=lambda c: (c.in_flight, c.index))
+            reason = "load_balance"
+        else:
+            best = max(candidates, key=lambda c: (matches[c.index], -c.in_flight, -c.index))
+            if n and matches[best.index] / n > self.cache_threshold:
+                b, reason = best, "prefix_match"
+            else:
+                b = min(candidates, key=lambda c: (self.tree(c).size, c.in_flight, c.index))
+                reason = "cache_capacity"
+        self.tree(b).insert(text)
+        return RouteDecision(b, reason, matched=matches[b.index], total=n, unit="chars")
+
+    def on_backend_down(self, backend: Backend) -> None:
+        self.trees.pop(backend.index, None)
+
+
+class KVAware(Policy):
+    """Dynamo's KV-aware routing: lowest ``overlap_weight × prefill_blocks + decode_blocks``.
+
+    For candidate ``w`` and a request of ``n`` blocks of which ``overlap(w)``
+    leading blocks are in ``w``'s prefix cache (from its KV events):
+
+    * ``prefill_blocks(w) = w.prefill_blocks + n - overlap(w)`` (blocks it
+      would still have to prefill, its queued prefills included);
+    * ``decode_blocks(w) = w.active_blocks + n`` (blocks its running requests
+      would hold, i.e. the decode step's memory traffic);
+    * ``cost(w) = overlap_weight * prefill_blocks(w) + decode_blocks(w)``.
+
+    With ``temperature == 0`` the cheapest backend wins (ties in turn);
+    otherwise costs are normalised to [0, 1] and a backend is drawn with
+    probability ``softmax(-cost / temperature)`` (Dynamo's ``--router-temperature``),
+    which spreads load when costs are close. With no events from any candidate
+    every overlap is 0 and the rule is pure load balancing (reason
+    ``load_fallback``).
+
+    Args:
+        index: the pool's :class:`KVIndex`.
+        overlap_weight: weight of prefill blocks (Dynamo's ``--kv-overlap-score-weight``, default 1).
+        temperature: softmax temperature (0: deterministic).
+        block_size: tokens per block when the index has not learnt it from events.
+        seed: RNG seed for the softmax draw.
+    """
+
+    name = "kv_aware"
+    needs_tokens = True
+
+    def __init__(self, index: KVIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
+                 block_size: int = 16, seed: int | None = None) -> None:
+        if temperature < 0:
+            raise ValueError(f"router temperature must be >= 0, got {temperature}")
+        if overlap_weight < 0:
+            raise ValueError(f"overlap weight must be >= 0, got {overlap_weight}")
+        self.index = index
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self.default_block_size = block_size
+        self._rng = random.Random(seed)
+        self._next = 0
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block: learnt from the events, else the configured default."""
+        return self.index.block_size or self.default_block_size
+
+    def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
+        _check(candidates)
+        bs = self.block_size
+        ntok = req.num_prompt_tokens or 0
+        n = -(-ntok // bs)
+        hashes = req.block_hashes or []
+        have_events = any(self.index.has_events(b.index) for b in candidates)
+        overlaps = self.index.match(hashes, [b.index for b in candidates]) if have_events else {}
+        # the engine always computes a prompt's last token, so at most (ntok - 1) // bs blocks hit
+        max_hit = max(0, (ntok - 1) // bs)
+        costs: dict[int, float] = {}
+        for b in candidates:
+            ov = min(overlaps.get(b.index, 0), max_hit)
+            prefill = b.prefill_blocks + (n - ov)
+            decode = b.active_blocks + n
+            costs[b.index] = self.overlap_weight * prefill + decode
+        chosen = self._pick(candidates, costs)
+        ov = min(overlaps.get(chosen.index, 0), max_hit)
+        if not have_events:
+            reason = "load_fallback"
+        elif ov > 0:
+            reason = "kv_overlap"
+        else:
+            reason = "kv_load"
+        return RouteDecision(chosen, reason, matched=ov * bs, total=ntok, unit="tokens",
+                             new_prefill_blocks=n - ov, request_blocks=n, costs=costs)
+
+    def _pick(self, candidates: Sequence[Backend], costs: dict[int, float]) -> Backend:
+        lo = min(costs.values())
+        if self.temperature <= 0:
+            ties = [b for b in candidates if costs[b.index] == lo]
+            b = ties[self._next % len(ties)]
+            self._next += 1
+            return b
+        hi = max(costs.values())
+        span = hi - lo or 1.0
+        weights = [math.exp(-((costs[b.index] - lo) / span) / self.temperature) for b in candidates]
+        return self._rng.choices(list(candidates), weights=weights, k=1)[0]
+
+    def on_backend_down(self, backend: Backend) -> None:
+        # its events resume (or restart at seq 0) when it returns; keep the index until then
+        pass
+
+
+POLICIES = ("round_robin", "least_load", "prefix_aware", "kv_aware")
+
+
+def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: float = 0.3,
+                balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
+                max_tree_size: int = 2**26, overlap_weight: float = 1.0, temperature: float = 0.0,
+                block_size: int = 16, seed: int | None = None) -> Policy:
+    """Build a policy by name.
+
+    Raises:
+        ValueError: unknown name or bad parameter.
+    """
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_load":
+        return LeastLoad()
+    if name == "prefix_aware":
+        return PrefixAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
+    if name == "kv_aware":
+        return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed)
+    raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
