@@ -87,13 +87,22 @@ class CacheConfig:
     kv_cache_memory: str | None = _f(None, "KV cache pool size in bytes, e.g. '2GiB' or '512MB' (default: 1GiB unless --num-kv-blocks is given).")
     num_kv_blocks: int | None = _f(None, "KV cache pool size in blocks (overrides --kv-cache-memory).")
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes (block-hash prefix caching).")
+    kv_events_config: str | None = _f(None, "KV cache events for a cache-aware router, as vLLM's JSON: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"buffer_steps\": 10000}' (wire format: tokenmill/core/kv_events.py). Default: off.", server_only=True)
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        self.kv_events  # validates the JSON
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         parse_size(self.kv_cache_memory)
+
+    @property
+    def kv_events(self):
+        """The parsed ``--kv-events-config`` (:class:`tokenmill.core.kv_events.KVEventsConfig`)."""
+        from tokenmill.core.kv_events import KVEventsConfig
+
+        return KVEventsConfig.from_json(self.kv_events_config)
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -149,6 +149,8 @@ class BlockPool:
         # (two requests prefilling the same prefix at once) is simply not
         # registered and is reused like any uncached block.
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # KV cache events (tokenmill.core.kv_events) for a cache-aware router; None: not collected.
+        self.kv_events: list | None = None
 
     # -- queries -------------------------------------------------------------
     @property
@@ -226,7 +228,35 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                if self.kv_events is not None:
+                    from tokenmill.core.kv_events import BlockRemoved
+
+                    self.kv_events.append(BlockRemoved(block_hashes=[block.block_hash]))
             block.block_hash = None
+
+    def enable_kv_events(self) -> None:
+        """Start collecting :mod:`tokenmill.core.kv_events` events (drain them with :meth:`take_kv_events`)."""
+        if self.kv_events is None:
+            self.kv_events = []
+
+    def take_kv_events(self) -> list:
+        """The events since the last call, in order, consecutive removals merged into one event.
+
+        Returns:
+            a list of ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` (empty when not collecting).
+        """
+        if not self.kv_events:
+            return []
+        from tokenmill.core.kv_events import BlockRemoved
+
+        out: list = []
+        for ev in self.kv_events:
+            if isinstance(ev, BlockRemoved) and out and isinstance(out[-1], BlockRemoved):
+                out[-1].block_hashes.extend(ev.block_hashes)
+            else:
+                out.append(ev)
+        self.kv_events = []
+        return out
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached hash (referenced blocks stay allocated, just unshareable).
@@ -238,4 +268,8 @@ class BlockPool:
         for block in list(self.cached_blocks.values()):
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.kv_events is not None:
+            from tokenmill.core.kv_events import AllBlocksCleared
+
+            self.kv_events.append(AllBlocksCleared())
         return n

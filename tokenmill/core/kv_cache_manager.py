@@ -119,9 +119,29 @@ class KVCacheManager:
             return
         hashes = update_block_hashes(request, self.block_size)
         num_full = min(num_full, len(hashes))
+        events = self.block_pool.kv_events
+        run_start = -1
         for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+            registered = self.block_pool.cache_block(blocks[i], hashes[i])
+            if events is not None:
+                if registered and run_start < 0:
+                    run_start = i
+                if not registered and run_start >= 0:
+                    self._stored_event(request, hashes, run_start, i)
+                    run_start = -1
+        if events is not None and run_start >= 0:
+            self._stored_event(request, hashes, run_start, num_full)
         self.num_cached_blocks[rid] = max(start, num_full)
+
+    def _stored_event(self, request: Request, hashes: list, first: int, end: int) -> None:
+        """Record a ``BlockStored`` event for the request's newly registered blocks ``first .. end-1``."""
+        from tokenmill.core.kv_events import BlockStored
+
+        bs = self.block_size
+        assert self.block_pool.kv_events is not None
+        self.block_pool.kv_events.append(BlockStored(
+            block_hashes=list(hashes[first:end]), parent_block_hash=hashes[first - 1] if first > 0 else None,
+            token_ids=list(request.all_token_ids[first * bs:end * bs]), block_size=bs))
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached hash and zero the stats; returns the number of hashes dropped.

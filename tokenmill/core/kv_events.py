@@ -15,18 +15,18 @@ router written for vLLM's events can read ours):
   ``[b"", seq, payload]`` for every buffered batch with ``seq >= start_seq``
   in order, then the end marker ``[b"", -1 (8 bytes, signed), b""]``.
 * Payload: msgpack arrays (msgspec ``array_like`` structs). A batch is
-  ``[ts, [event, ...]]`` or ``[ts, [event, ...], data_parallel_rank]``
-  (``ts``: publisher wall-clock seconds, float). Each event is a tagged array
-  whose first element is its type name:
+  ``[ts, [event, ...], data_parallel_rank]`` (``ts``: publisher wall-clock
+  seconds, float; the rank is nil for a single engine). Each event is a
+  tagged array whose first element is its type name:
 
-  - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size]``
-    (optionally followed by ``lora_id`` and ``medium``): full blocks just
+  - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
+    lora_id, medium]`` (the last two nil here): full blocks just
     registered in the prefix cache, in chain order. ``block_hashes`` are
     32-byte SHA-256 digests (:func:`tokenmill.core.prefix_cache.hash_block_tokens`),
     ``parent_block_hash`` is the hash of the block before the first one (nil
     for a chain that starts at the prompt's first token), ``token_ids`` the
     ``len(block_hashes) * block_size`` token ids of those blocks.
-  - ``["BlockRemoved", block_hashes]``: blocks evicted from the prefix cache
+  - ``["BlockRemoved", block_hashes, medium]``: blocks evicted from the prefix cache
     (their hash is gone; a new request cannot hit them any more).
   - ``["AllBlocksCleared"]``: every hash was dropped (prefix-cache reset).
 

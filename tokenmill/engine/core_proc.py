@@ -139,8 +139,9 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         logger.info("engine core ready in %.1fs: pid %d, torch threads %d, %d KV blocks of %d tokens, "
                     "max_model_len %d", info.load_time, info.pid, num_threads, info.num_kv_blocks,
                     info.block_size, info.max_model_len)
+        on_step = _kv_event_hook(core, config)
         out_sock.send(dumps(("ready", info)))
-        _core_loop(core, in_sock, out_sock, parent_pid)
+        _core_loop(core, in_sock, out_sock, parent_pid, on_step)
     except SystemExit:
         pass
     except BaseException as e:  # noqa: BLE001 - report anything, then exit
@@ -159,8 +160,31 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         sys.exit(code)
 
 
-def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int) -> None:
-    """Schedule → execute → update until shutdown (see module docstring)."""
+def _kv_event_hook(core: Any, config: Any, data_parallel_rank: int | None = None) -> Callable[[], None] | None:
+    """With ``--kv-events-config`` enabled: start the publisher and return the per-step flush, else None."""
+    cache = getattr(config, "cache", None)
+    kv_cfg = cache.kv_events if cache is not None and hasattr(cache, "kv_events") else None
+    if kv_cfg is None or not kv_cfg.active:
+        return None
+    from tokenmill.engine.kv_events_publisher import ZmqEventPublisher
+
+    pool = core.scheduler.kv_cache_manager.block_pool
+    pool.enable_kv_events()
+    rank = data_parallel_rank or 0
+    publisher = ZmqEventPublisher(kv_cfg.for_rank(rank), data_parallel_rank)
+
+    def flush() -> None:
+        publisher.publish(pool.take_kv_events())
+
+    return flush
+
+
+def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int,
+               on_step: Callable[[], None] | None = None) -> None:
+    """Schedule → execute → update until shutdown (see module docstring).
+
+    ``on_step`` runs after every step (the KV event flush).
+    """
     num_adds = 0
     last_parent_check = time.monotonic()
     last_send = 0.0
@@ -203,6 +227,8 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
         steps_before = core.get_stats().num_steps if handled == 0 else -1
         if core.has_unfinished_requests():
             outputs = core.step()
+            if on_step is not None:
+                on_step()
         now = time.monotonic()
         if outputs or handled or now - last_send > _STATS_INTERVAL_S:
             # Stats ride along with every batch, and at least every _STATS_INTERVAL_S
