@@ -1,0 +1,108 @@
+"""End to end: two real ``tokenmill serve`` replicas publishing KV events behind the kv_aware router."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from tests.router.fake_backend import RouterThread
+from tokenmill.router.app import RouterConfig
+from tokenmill.router.local import LocalReplica
+from tokenmill.router.prompt import PromptTokenizer
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("replicas")
+    reps = [LocalReplica(["--num-kv-blocks", "64", "--max-model-len", "1024", "--max-num-seqs", "8"],
+                         log_path=str(logs / f"r{i}.log")) for i in range(2)]
+    try:
+        for r in reps:
+            r.start()
+        for r in reps:
+            r.wait_healthy(300)
+        yield reps
+    finally:
+        for r in reps:
+            r.stop()
+
+
+@pytest.fixture(scope="module")
+def prompt_tokenizer():
+    return PromptTokenizer.load(None)
+
+
+def _complete(url: str, prompt: str) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": _model(url), "prompt": prompt, "max_tokens": 2,
+                                                  "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+_MODELS: dict[str, str] = {}
+
+
+def _model(url: str) -> str:
+    if url not in _MODELS:
+        _MODELS[url] = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    return _MODELS[url]
+
+
+def test_router_tokenizes_like_the_server(replicas, prompt_tokenizer):
+    url = replicas[0].url
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    srv = httpx.post(url + "/tokenize", json={"prompt": text}).json()["tokens"]
+    assert prompt_tokenizer.token_ids("/v1/completions", {"prompt": text}) == srv
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there!"}]
+    srv = httpx.post(url + "/tokenize", json={"messages": msgs, "add_generation_prompt": True}).json()["tokens"]
+    assert prompt_tokenizer.token_ids("/v1/chat/completions", {"messages": msgs}) == srv
+
+
+def test_kv_aware_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas, prompt_tokenizer):
+    router = RouterThread(RouterConfig(backends=[r.spec for r in replicas], policy="kv_aware",
+                                       health_check_interval=0.5), prompt_tokenizer).start()
+    try:
+        rt = router.router
+        deadline = time.monotonic() + 10
+        while not all(b.healthy for b in rt.backends) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        prefix_a = "You are a meticulous assistant for the harbour master's office. " * 12
+        prefix_b = "Answer as a medieval poet who only writes about mountains and snow. " * 12
+        first_a = _complete(router.url, prefix_a + "Question: how many ships?")
+        # wait until the KV events of the first request reached the router's index
+        deadline = time.monotonic() + 10
+        while sum(rt.index.num_blocks(b.index) for b in rt.backends) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        holder_a = [b.index for b in rt.backends if rt.index.num_blocks(b.index) > 0]
+        assert len(holder_a) == 1, "the first prompt's blocks are on exactly one replica"
+        first_b = _complete(router.url, prefix_b + "Question: which peak?")
+        assert first_a["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert first_b["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        deadline = time.monotonic() + 10
+        while min(rt.index.num_blocks(b.index) for b in rt.backends) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # prefix B went to the other replica (same load, no overlap -> the lower load wins)
+        assert all(rt.index.num_blocks(b.index) > 0 for b in rt.backends)
+        served_before = {b.index: _requests(router.url, b.url) for b in rt.backends}
+        for q in ("Question: what tide?", "Question: which berth?"):
+            out = _complete(router.url, prefix_a + q)
+            n_prefix = len(prompt_tokenizer.token_ids("/v1/completions", {"prompt": prefix_a}))
+            cached = out["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= (n_prefix // 16 - 1) * 16, (cached, n_prefix)
+        served_after = {b.index: _requests(router.url, b.url) for b in rt.backends}
+        assert served_after[holder_a[0]] - served_before[holder_a[0]] == 2
+        metrics = httpx.get(router.url + "/metrics").text
+        assert 'tokenmill:router_routed_total{policy="kv_aware",reason="kv_overlap"} 2.0' in metrics
+    finally:
+        router.stop()
+
+
+def _requests(router_url: str, backend_url: str) -> float:
+    for line in httpx.get(router_url + "/metrics").text.splitlines():
+        if line.startswith(f'tokenmill:router_requests_total{{backend="{backend_url}"}}'):
+            return float(line.split()[-1])
+    return 0.0
