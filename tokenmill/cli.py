@@ -1,4 +1,4 @@
-"""The ``tokenmill`` command: ``serve``, ``generate`` and ``bench``.
+"""The ``tokenmill`` command: ``serve``, ``generate``, ``bench`` and the playbook (``plan``, ``tune``, ``run-batch``, ``top``).
 
 Engine flags are generated from the config dataclasses (vLLM's names), so
 ``tokenmill serve --help`` and ``tokenmill generate --help`` list the same
@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_bench_subparsers = None
     if add_bench_subparsers is not None:
         add_bench_subparsers(sub)
+    from tokenmill.playbook.cli import add_playbook_subparsers
+
+    add_playbook_subparsers(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The serving playbook as commands: ``plan`` (capacity), ``tune`` (lever search), ``run-batch``, ``top``."""

