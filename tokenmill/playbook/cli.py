@@ -20,3 +20,11 @@ def add_playbook_subparsers(sub: Any) -> None:
                                    "without preemption, from a GGUF file, a HF folder or a bare config.json.")
     plan.add_plan_args(p)
     p.set_defaults(func=plan.run_plan)
+
+    from tokenmill.playbook import top
+
+    t = sub.add_parser("top", help="Live terminal view of a running server's /metrics.",
+                       description="Requests, queue, KV usage, token rates, preemptions, prefix hits and "
+                                   "p50/p99 latencies of a running tokenmill server, redrawn every --interval.")
+    top.add_top_args(t)
+    t.set_defaults(func=top.run_top)
