@@ -28,3 +28,12 @@ def add_playbook_subparsers(sub: Any) -> None:
                                    "p50/p99 latencies of a running tokenmill server, redrawn every --interval.")
     top.add_top_args(t)
     t.set_defaults(func=top.run_top)
+
+    from tokenmill.playbook import run_batch
+
+    b = sub.add_parser("run-batch", help="Run an OpenAI batch file (JSON lines) through a local engine.",
+                       description="Read requests in the OpenAI batch format (/v1/completions, "
+                                   "/v1/chat/completions), run them through a local engine with continuous "
+                                   "batching and write one result line per request, in input order.")
+    run_batch.add_run_batch_args(b)
+    b.set_defaults(func=run_batch.run_batch_cli)
