@@ -83,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
-    from tokenmill.engine.tokenizer import load_tokenizer
+    from tokenmill.tokenizer import load_tokenizer
     from tokenmill.model.loader import default_model_path
 
     tok = load_tokenizer(default_model_path())

@@ -228,7 +228,7 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
 
 def engine_breakdown(runner, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
     """Run a real EngineCore with ``batch`` requests; mean seconds per decode step of each part."""
-    from tokenmill.core.engine_core import EngineCore, EngineCoreRequest
+    from tokenmill.engine.engine_core import EngineCore, EngineCoreRequest
     from tokenmill.sampling_params import SamplingParams
 
     core = EngineCore(runner.config, executor=runner)
@@ -269,7 +269,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from tokenmill.config import EngineConfig
-    from tokenmill.model.runner import ModelRunner, configure_threads
+    from tokenmill.model.process_tuning import configure_threads
+    from tokenmill.model.runner import ModelRunner
 
     threads = configure_threads(torch.device("cpu"))
     batches = [int(b) for b in args.batches.split(",")]

@@ -117,7 +117,7 @@ def _config_or_exit(args: argparse.Namespace, command: str):
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from tokenmill.server.api import run_server
+    from tokenmill.server.launch import run_server
 
     config = _config_or_exit(args, "serve")
     if config is None:

@@ -1,10 +1,32 @@
-"""Results handed to users of the engine (offline ``LLM`` and the API server)."""
+"""Results handed to users of the engine (offline ``LLM`` and the API server).
+
+Plain data that imports nothing else from tokenmill, so every layer (the core
+included) may use it: :class:`TokenLogprobs` travels from the sampler through
+the core to the front end.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenmill.core.sched_output import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities for one sampled token.
+
+    Attributes:
+        logprob: natural-log probability of the sampled token under the
+            distribution the sampler used after temperature/penalties
+            (for greedy: the raw softmax).
+        rank: 1-based rank of the sampled token in that distribution.
+        top_token_ids: ids of the top-N tokens, most likely first.
+        top_logprobs: their log-probabilities, same order.
+    """
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
 
 
 @dataclass

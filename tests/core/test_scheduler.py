@@ -459,7 +459,7 @@ def test_max_tokens_and_max_model_len():
 
 
 def test_logprobs_passed_through():
-    from tokenmill.core.sched_output import TokenLogprobs
+    from tokenmill.outputs import TokenLogprobs
 
     s = make_sched()
     s.add_request(make_req("a", 4, max_tokens=1))

@@ -114,7 +114,7 @@ def test_request_larger_than_pool_fails_fast_and_small_completes() -> None:
 
 
 def test_abort_frees_every_block(llm: LLM) -> None:
-    from tokenmill.core.engine_core import EngineCoreRequest
+    from tokenmill.engine.engine_core import EngineCoreRequest
 
     core = llm.engine_core
     free_before = core.scheduler.kv_cache_manager.num_free_blocks

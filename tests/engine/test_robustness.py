@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_core import EngineCore, EngineCoreRequest
+from tokenmill.engine.engine_core import EngineCore, EngineCoreRequest
 from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.model.sampler import Sampler

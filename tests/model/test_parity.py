@@ -115,7 +115,7 @@ def test_greedy_tokens_and_logits_match_transformers(ours, hf_model, prompt_ids,
 
 def test_gguf_tokenizer_cache_roundtrip(ours, tmp_path, monkeypatch):
     """The tokenizer converted from the GGUF and the cached copy encode and template identically."""
-    from tokenmill.engine.tokenizer import load_tokenizer
+    from tokenmill.tokenizer import load_tokenizer
 
     monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
     fresh = load_tokenizer(ours.path)            # converts, then writes the cache

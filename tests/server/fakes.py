@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import time
 
-from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.outputs import TokenLogprobs
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz ,.!?é日本語😀"
 SPECIAL = ["<pad>", "<bos>", "<eos>"]
@@ -59,7 +60,7 @@ def next_token(last: int) -> int:
 
 
 class FakeExecutor:
-    """Model-free executor for :class:`tokenmill.core.engine_core.EngineCore`."""
+    """Model-free executor for :class:`tokenmill.engine.engine_core.EngineCore`."""
 
     def __init__(self, num_kv_blocks: int = 256, max_model_len: int = 512, step_time: float = 0.01) -> None:
         self.num_kv_blocks = num_kv_blocks

@@ -18,7 +18,8 @@ from tests.server.fakes import CharTokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.api import build_app, create_server_state
+from tokenmill.server.app import build_app
+from tokenmill.server.launch import create_server_state
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_core import EngineStats
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.prometheus import (ITL_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, PrometheusStatLogger,
                                           build_1_2_5_buckets)

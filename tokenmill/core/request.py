@@ -1,6 +1,6 @@
 """A request as the engine core sees it: token ids, progress and timestamps.
 
-The one scheduling invariant (design.md): every request has ``num_tokens``
+The one scheduling invariant (docs/architecture.md): every request has ``num_tokens``
 (prompt + generated so far) and ``num_computed_tokens`` (how many of them have
 K/V in the cache). Each step the scheduler hands out tokens so requests catch
 up; a request samples a new token when a step brings ``num_computed_tokens``

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
+
+__all__ = ["ScheduledRequest", "SchedulerOutput", "ModelRunnerOutput", "EngineCoreOutput", "TokenLogprobs"]
 
 
 @dataclass
@@ -82,25 +85,6 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> dict[str, int]:
         return {s.req_id: len(s.token_ids) for s in self.scheduled}
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities for one sampled token.
-
-    Attributes:
-        logprob: natural-log probability of the sampled token under the
-            distribution the sampler used after temperature/penalties
-            (for greedy: the raw softmax).
-        rank: 1-based rank of the sampled token in that distribution.
-        top_token_ids: ids of the top-N tokens, most likely first.
-        top_logprobs: their log-probabilities, same order.
-    """
-
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
 
 
 @dataclass

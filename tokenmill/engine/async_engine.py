@@ -28,7 +28,8 @@ import zmq
 import zmq.asyncio
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_core import EngineCoreRequest, EngineStats
+from tokenmill.engine.engine_core import EngineCoreRequest
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.engine.core_proc import CoreInfo, dumps, loads, run_engine_core
 from tokenmill.engine.output_processor import OutputProcessor, child_params
 from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
@@ -218,6 +219,19 @@ class AsyncEngine:
             self._ctx = None
         if self._tmpdir:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
+
+    def shutdown_threadsafe(self) -> None:
+        """:meth:`shutdown` from any thread or a signal handler.
+
+        Runs it on the engine's event loop when that loop is running (so the
+        output task and socket readers are torn down where they live), else
+        directly.
+        """
+        loop = self._loop
+        if loop is not None and not loop.is_closed() and loop.is_running():
+            loop.call_soon_threadsafe(self.shutdown)
+        else:
+            self.shutdown()
 
     def _kill_proc(self) -> None:
         p = self._proc

@@ -3,7 +3,7 @@
 The API process (:class:`tokenmill.engine.async_engine.AsyncEngine`) owns HTTP,
 tokenization and detokenization; the engine core (scheduler, KV cache, model)
 runs :func:`run_engine_core` in a child process started with the ``spawn``
-context, so that JSON and SSE work never stalls a decode step (design.md,
+context, so that JSON and SSE work never stalls a decode step (docs/architecture.md,
 "Request path").
 
 Transport: two ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temp
@@ -40,6 +40,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
+
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.executor import create_executor
 
 logger = logging.getLogger(__name__)
 
@@ -121,16 +124,12 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     code = 0
     try:
         t0 = time.perf_counter()
-        from tokenmill.core.engine_core import EngineCore
-
         if executor_factory is not None:
             executor = executor_factory(config)
         else:   # the API process loads its own tokenizer; here it is only the EOS fallback
-            from tokenmill.model.runner import ModelRunner
-
-            executor = ModelRunner.from_config(config, with_tokenizer="eos")
+            executor = create_executor(config, with_tokenizer="eos")
         core = EngineCore(config, executor=executor)
-        # the model runner set the intra-op threads (tokenmill.model.runner.configure_threads)
+        # the model runner set the intra-op threads (tokenmill.model.process_tuning.configure_threads)
         num_threads = torch_num_threads()
         info = CoreInfo(max_model_len=core.max_model_len, num_kv_blocks=core.executor.num_kv_blocks,
                         block_size=config.cache.block_size,

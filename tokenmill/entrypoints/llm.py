@@ -1,6 +1,6 @@
 """Offline batch inference: ``LLM(...).generate(prompts, params)``.
 
-Runs the same :class:`~tokenmill.core.engine_core.EngineCore` as the server,
+Runs the same :class:`~tokenmill.engine.engine_core.EngineCore` as the server,
 in-process, so the scheduler, KV cache and batching are identical.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.engine_core import EngineCore, EngineCoreRequest
+from tokenmill.engine.engine_core import EngineCore, EngineCoreRequest
 from tokenmill.engine.output_processor import OutputProcessor, child_params
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling_params import SamplingParams

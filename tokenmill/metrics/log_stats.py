@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 
-from tokenmill.core.engine_core import EngineStats
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats import IterationStats
 
 logger = logging.getLogger("tokenmill.stats")

@@ -29,7 +29,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the API
 
-from tokenmill.core.engine_core import EngineStats
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats import IterationStats
 
 PREFIX = "tokenmill:"

@@ -1,6 +1,6 @@
 """Front-end statistics: what the API process measures per batch of core outputs.
 
-The engine core reports its own state (:class:`tokenmill.core.engine_core.EngineStats`:
+The engine core reports its own state (:class:`EngineStats`:
 queue lengths, KV usage, prefix-cache counters); the front end adds what only
 it sees — tokens streamed, time to first token, inter-token latency and
 per-request phase times — as one :class:`IterationStats` per output batch. Stat
@@ -13,7 +13,37 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.core.engine_core import EngineStats
+
+@dataclass
+class EngineStats:
+    """A snapshot of the core for metrics and admission control.
+
+    Attributes:
+        num_running: requests in the running set.
+        num_waiting: requests queued (including preempted ones).
+        num_waiting_tokens: prompt tokens of waiting requests.
+        kv_cache_usage: fraction of KV blocks referenced, in [0, 1].
+        num_preemptions_total: preemptions since start.
+        prefix_cache_queries: prompt tokens looked up in the prefix cache since start.
+        prefix_cache_hits: of those, tokens found.
+        num_steps: engine steps executed since start.
+        last_step_time: seconds of the most recent step (schedule + execute + update).
+        last_schedule_time: seconds spent in schedule() + update in that step.
+        num_kv_blocks, block_size: pool geometry.
+    """
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_waiting_tokens: int = 0
+    kv_cache_usage: float = 0.0
+    num_preemptions_total: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    num_steps: int = 0
+    last_step_time: float = 0.0
+    last_schedule_time: float = 0.0
+    num_kv_blocks: int = 0
+    block_size: int = 0
 
 
 @dataclass

@@ -20,6 +20,7 @@ from torch import nn
 from tokenmill.model.arch_config import ModelArchConfig
 from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
 from tokenmill.model.registry import get_model_class
+from tokenmill.tokenizer import load_tokenizer
 
 __all__ = [
     "ModelArchConfig", "LoadedModel", "default_model_path", "resolve_dtype", "resolve_device",
@@ -31,13 +32,6 @@ _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
 }
-
-
-def load_tokenizer(path: str):
-    """Re-export of :func:`tokenmill.engine.tokenizer.load_tokenizer`."""
-    from tokenmill.engine.tokenizer import load_tokenizer as _load
-
-    return _load(path)
 
 
 @dataclass

@@ -29,10 +29,7 @@ the same hook is where CUDA graphs (``mode="reduce-overhead"``) would go.
 from __future__ import annotations
 
 import bisect
-import ctypes
-import ctypes.util
 import logging
-import os
 import time
 from itertools import chain
 
@@ -44,6 +41,8 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.gguf_loader import INT4_GROUP_SIZE
 from tokenmill.model.layers.linear import PackedLinear, attach_int4_weights, int4_max_tokens, pack_linear_weights
+from tokenmill.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, plan_kv_cache  # noqa: F401 - re-export
+from tokenmill.model.process_tuning import configure_allocator, configure_threads, rss_bytes
 from tokenmill.model.sampler import Sampler
 
 logger = logging.getLogger(__name__)
@@ -56,11 +55,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes of KV cache one token takes: 2 (K and V) × layers × KV heads × head dim × element size."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 class InputBuffers:
@@ -164,27 +158,12 @@ class ModelRunner:
         self.max_model_len = int(config.model.max_model_len or model_len)
         if self.max_model_len > model_len:
             logger.warning("max_model_len %d exceeds the model's context length %d", self.max_model_len, model_len)
-        self.bytes_per_token = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, dtype)
-        if config.cache.num_kv_blocks is not None:
-            self.num_kv_blocks = int(config.cache.num_kv_blocks)
-        else:
-            self.num_kv_blocks = max(1, config.cache.kv_cache_memory_bytes // (self.bytes_per_token * self.block_size))
+        self.kv_layout = plan_kv_cache(config.cache, arch, dtype, self.max_model_len)
+        self.bytes_per_token = self.kv_layout.bytes_per_token
+        self.num_kv_blocks = self.kv_layout.num_blocks
         self.scratch_block = self.num_kv_blocks
-        shape = (2, self.num_kv_blocks + 1, self.block_size, arch.num_key_value_heads, arch.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]
-        pool_tokens = self.num_kv_blocks * self.block_size
-        blocks_per_seq = -(-self.max_model_len // self.block_size)
-        logger.info(
-            "KV cache: %d bytes/token (2 x %d layers x %d KV heads x %d head dim x %d B), %d blocks x %d tokens = "
-            "%d tokens (%.1f MiB, + 1 scratch block); %.2f requests fit at max_model_len=%d",
-            self.bytes_per_token, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
-            torch.empty((), dtype=dtype).element_size(), self.num_kv_blocks, self.block_size, pool_tokens,
-            pool_tokens * self.bytes_per_token / 2**20, self.num_kv_blocks / blocks_per_seq, self.max_model_len)
-        if self.num_kv_blocks < blocks_per_seq:
-            logger.warning(
-                "the KV cache holds %d tokens, less than max_model_len=%d: requests longer than the pool "
-                "will be refused (400); raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len",
-                pool_tokens, self.max_model_len)
+        self.kv_caches = allocate_kv_caches(self.kv_layout, device)
+        blocks_per_seq = self.kv_layout.blocks_per_seq
         self.sampler = Sampler(seed=config.model.seed, device=device)
         self.compile_buckets: list[int] = []
         self.last_timings: dict[str, float] = {}
@@ -260,7 +239,7 @@ class ModelRunner:
         for name in ("recompile_limit", "cache_size_limit"):
             if hasattr(dynamo_config, name) and getattr(dynamo_config, name) < need:
                 setattr(dynamo_config, name, need)
-        rss0, t0 = _rss_bytes(), time.perf_counter()
+        rss0, t0 = rss_bytes(), time.perf_counter()
         self.model.set_dense_fns(torch.compile(llama.pre_attention, dynamic=False),
                                  torch.compile(llama.post_attention, dynamic=False))
         self.compile_buckets = sorted(set(buckets))
@@ -268,7 +247,7 @@ class ModelRunner:
             self._warmup_step(n)
         logger.info("compiled step: %d token buckets %s in %.1f s, resident memory +%.0f MiB",
                     len(self.compile_buckets), self.compile_buckets, time.perf_counter() - t0,
-                    (_rss_bytes() - rss0) / 2**20)
+                    (rss_bytes() - rss0) / 2**20)
 
     @torch.inference_mode()
     def _warmup_step(self, num_tokens: int) -> None:
@@ -445,57 +424,3 @@ def parse_buckets(spec: str | None, max_num_batched_tokens: int) -> list[int]:
     if any(s <= 0 for s in sizes):
         raise ValueError(f"compile sizes must be positive integers, got {spec!r}")
     return sorted({s for s in sizes if s <= max_num_batched_tokens})
-
-
-def _rss_bytes() -> int:
-    """Resident set size of this process in bytes (0 where /proc is unavailable)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def configure_allocator(device: torch.device) -> bool:
-    """Keep freed activation memory in the heap instead of returning it to the OS (glibc only).
-
-    glibc serves allocations above ``M_MMAP_THRESHOLD`` with fresh ``mmap``
-    pages and trims the heap top above ``M_TRIM_THRESHOLD``; a decode step
-    allocates and frees megabyte-sized activations per layer, so each one
-    page-faults anew. Raising both thresholds to 256/512 MiB made a batch-32
-    decode step of SmolLM2-135M 13% (bfloat16) to 26% (float32) faster on
-    the 2-core CPU (one thread, same load, process pairs run back to back). Off with ``TOKENMILL_MALLOC_TUNING=0``.
-
-    Returns:
-        True when the thresholds were set.
-    """
-    if device.type != "cpu" or os.environ.get("TOKENMILL_MALLOC_TUNING", "1") == "0":
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3
-        ok = bool(libc.mallopt(m_mmap_threshold, 256 << 20)) and bool(libc.mallopt(m_trim_threshold, 512 << 20))
-    except (OSError, AttributeError):
-        ok = False
-    logger.info("glibc malloc tuning (mmap threshold 256 MiB, trim threshold 512 MiB): %s",
-                "on" if ok else "unavailable")
-    return ok
-
-
-def configure_threads(device: torch.device) -> int:
-    """Set and log intra-op threads for the engine core.
-
-    Default: one per CPU this process may run on (its affinity mask, so
-    ``taskset -c 0 tokenmill serve`` gets one thread); ``TOKENMILL_NUM_THREADS``
-    overrides it.
-    """
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):          # not Linux
-        usable = os.cpu_count() or 1
-    n = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or usable
-    if device.type == "cpu":
-        torch.set_num_threads(n)
-    logger.info("engine core: torch intra-op threads=%d, inter-op threads=%d", torch.get_num_threads(),
-                torch.get_num_interop_threads())
-    return torch.get_num_threads()

@@ -33,7 +33,8 @@ import math
 
 import torch
 
-from tokenmill.core.sched_output import ScheduledRequest, TokenLogprobs
+from tokenmill.core.sched_output import ScheduledRequest
+from tokenmill.outputs import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
 

@@ -10,7 +10,7 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the serve flags and run the server until SIGINT/SIGTERM; returns the exit status."""
-    from tokenmill.server.api import run_server
+    from tokenmill.server.launch import run_server
     from tokenmill.server.cli_args import build_parser, config_from_args
 
     parser = build_parser("python -m tokenmill.server")

@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from tokenmill.core.engine_core import EngineStats
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats import IterationStats
 
 # Bounds of the Retry-After estimate (seconds).
@@ -101,6 +101,24 @@ class AdmissionController:
             now = time.monotonic()
             self.request_rate.add(len(iteration.time_to_first_tokens), now)
             self.token_rate.add(iteration.num_prompt_tokens, now)
+
+    def check_size(self, new_requests: int, new_tokens: int) -> str | None:
+        """Why a request can never be admitted, whatever the queue (a 400), or None.
+
+        Args:
+            new_requests: engine requests it adds (prompts × ``n``).
+            new_tokens: prompt tokens it adds (prompts × ``n`` × prompt length).
+
+        Returns:
+            the message (it names the flag that sets the cap) or None.
+        """
+        if self.max_waiting_requests is not None and new_requests > self.max_waiting_requests:
+            return (f"this request needs {new_requests} sequences (prompts x n) but at most "
+                    f"{self.max_waiting_requests} may wait (--max-num-waiting-requests); send fewer")
+        if self.max_waiting_tokens is not None and new_tokens > self.max_waiting_tokens:
+            return (f"this request adds {new_tokens} prompt tokens (prompts x n) but at most "
+                    f"{self.max_waiting_tokens} may wait (--max-num-waiting-tokens); send fewer")
+        return None
 
     def check(self, num_waiting: int, num_waiting_tokens: int, new_requests: int = 1,
               new_tokens: int = 0, now: float | None = None) -> Refusal | None:

@@ -2,7 +2,7 @@
 
 Unknown fields are ignored (as OpenAI and vLLM do). Values that parse but are
 out of range raise :class:`APIError` (HTTP 400) naming the field in ``param``.
-Responses are built as plain dicts in :mod:`tokenmill.server.api` (cheaper than
+Responses are built as plain dicts in :mod:`tokenmill.server.serving_completion` and :mod:`tokenmill.server.serving_chat` (cheaper than
 models on the streaming path); their shapes follow OpenAI's reference.
 """
 

@@ -5,12 +5,17 @@
   chat template is the ``tokenizer.chat_template`` metadata string.
 * Hugging Face folder: ``tokenizer.json`` / ``tokenizer_config.json`` (and
   ``chat_template.jinja`` when present) via ``AutoTokenizer``.
+
+Also :class:`TokenStrings`, the text and bytes of single tokens that logprobs
+report. Used by the engine, the server and the offline API; imports no model
+code (GGUF metadata is read with the ``gguf`` library directly).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+from typing import Any
 
 
 def _split_gguf(path: str) -> tuple[str, str] | None:
@@ -88,9 +93,57 @@ def load_chat_template(path: str, tokenizer=None) -> str | None:
     ``tokenizer.chat_template`` of the given (or freshly loaded) tokenizer.
     """
     if _split_gguf(path) is not None:
-        from tokenmill.model.gguf_loader import chat_template, open_gguf
+        import gguf
 
-        return chat_template(open_gguf(path))
+        field = gguf.GGUFReader(path, "r").fields.get("tokenizer.chat_template")
+        return None if field is None else field.contents()
     tok = tokenizer if tokenizer is not None else load_tokenizer(path)
     t = getattr(tok, "chat_template", None)
     return t if isinstance(t, str) else None
+
+
+def _byte_level_alphabet() -> dict[int, str]:
+    """Byte → printable character map of byte-level BPE vocabularies (GPT-2 style).
+
+    Printable Latin-1 bytes stand for themselves; the other 68 bytes map, in
+    order, to code points 256, 257, ...
+    """
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    keep_set = set(keep)
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in keep_set:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+class TokenStrings:
+    """Text and raw bytes of single tokens, for logprobs (cached per id).
+
+    For byte-level BPE vocabularies the bytes are exact (a token may hold part
+    of a UTF-8 character; its text then contains U+FFFD, as in vLLM/OpenAI);
+    otherwise the token is decoded on its own.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._char_to_byte = {c: b for b, c in _byte_level_alphabet().items()}
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def get(self, token_id: int) -> tuple[str, list[int]]:
+        """``(text, utf8 bytes)`` of one token."""
+        hit = self._cache.get(token_id)
+        if hit is not None:
+            return hit
+        piece = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        if isinstance(piece, str) and piece and all(ch in self._char_to_byte for ch in piece):
+            raw = bytes(self._char_to_byte[ch] for ch in piece)
+            out = (raw.decode("utf-8", errors="replace"), list(raw))
+        else:
+            text = self.tokenizer.decode([int(token_id)])
+            out = (text, list(text.encode("utf-8")))
+        if len(self._cache) < 200_000:
+            self._cache[token_id] = out
+        return out

@@ -3,10 +3,11 @@
 It owns the scheduler, the KV cache and the model runner. The offline
 :class:`tokenmill.LLM` runs it in-process; the API server runs it in its own
 process (:mod:`tokenmill.engine.core_proc`) so that HTTP work never stalls a
-step (design.md, "Request path").
+step (docs/architecture.md, "Request path").
 
-This module imports torch only through the model runner, which is created
-lazily from the config; tests can pass their own ``executor``.
+This module imports no torch: the model runner comes from
+:func:`tokenmill.engine.executor.create_executor` (which loads the model) unless
+the caller passes its own ``executor`` (tests pass model-free fakes).
 """
 
 from __future__ import annotations
@@ -14,11 +15,14 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.scheduler import RequestRejectedError, Scheduler
+from tokenmill.engine.executor import Executor, create_executor
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -45,48 +49,6 @@ class EngineCoreRequest:
     cache_salt: str | None = None
 
 
-@dataclass
-class EngineStats:
-    """A snapshot of the core for metrics and admission control.
-
-    Attributes:
-        num_running: requests in the running set.
-        num_waiting: requests queued (including preempted ones).
-        num_waiting_tokens: prompt tokens of waiting requests.
-        kv_cache_usage: fraction of KV blocks referenced, in [0, 1].
-        num_preemptions_total: preemptions since start.
-        prefix_cache_queries: prompt tokens looked up in the prefix cache since start.
-        prefix_cache_hits: of those, tokens found.
-        num_steps: engine steps executed since start.
-        last_step_time: seconds of the most recent step (schedule + execute + update).
-        last_schedule_time: seconds spent in schedule() + update in that step.
-        num_kv_blocks, block_size: pool geometry.
-    """
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_waiting_tokens: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions_total: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_steps: int = 0
-    last_step_time: float = 0.0
-    last_schedule_time: float = 0.0
-    num_kv_blocks: int = 0
-    block_size: int = 0
-
-
-class Executor(Protocol):
-    """What the core needs from a model runner (see :class:`tokenmill.model.runner.ModelRunner`)."""
-
-    num_kv_blocks: int
-    max_model_len: int
-    eos_token_ids: list[int]
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-
 class EngineCore:
     """Schedule → execute → update, one step at a time.
 
@@ -101,13 +63,9 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
-        from tokenmill.core.scheduler import Scheduler
-
         self.config = config
         if executor is None:
-            from tokenmill.model.runner import ModelRunner
-
-            executor = ModelRunner.from_config(config)
+            executor = create_executor(config)
         self.executor = executor
         self.max_model_len = executor.max_model_len
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks)
@@ -123,8 +81,6 @@ class EngineCore:
         The error (finish_reason 'error', with the message) is returned by the
         next :meth:`step`, so a bad request never blocks the queue.
         """
-        from tokenmill.core.scheduler import RequestRejectedError
-
         eos = self.executor.eos_token_ids
         request = Request(
             req.request_id, req.prompt_token_ids, req.sampling_params,

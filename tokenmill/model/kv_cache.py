@@ -1,0 +1,100 @@
+"""KV cache sizing and allocation for the model runner.
+
+The paged KV cache (PagedAttention, arXiv 2309.06180 §4.1) is one
+preallocated pool of fixed-size blocks per layer. :func:`plan_kv_cache` turns
+the cache config (``--kv-cache-memory`` bytes or ``--num-kv-blocks``) and the
+model geometry into a :class:`KVCacheLayout` and logs what it means (bytes per
+token, pool size in tokens, requests that fit at ``max_model_len``);
+:func:`allocate_kv_caches` allocates the tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of KV cache one token takes: 2 (K and V) × layers × KV heads × head dim × element size."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    """Geometry of the KV pool.
+
+    Attributes:
+        num_blocks: blocks the scheduler may hand out (ids ``0 .. num_blocks - 1``);
+            one more scratch block (id ``num_blocks``) is allocated for padding rows.
+        block_size: tokens per block.
+        num_layers, num_kv_heads, head_dim: model geometry.
+        dtype: element type of the cache.
+        bytes_per_token: KV bytes of one token over all layers.
+        max_model_len: context limit in tokens.
+    """
+
+    num_blocks: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    bytes_per_token: int
+    max_model_len: int
+
+    @property
+    def blocks_per_seq(self) -> int:
+        """Blocks one request at ``max_model_len`` needs (the block-table width)."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """Per-layer cache shape ``[2, num_blocks + 1, block_size, num_kv_heads, head_dim]``."""
+        return (2, self.num_blocks + 1, self.block_size, self.num_kv_heads, self.head_dim)
+
+
+def plan_kv_cache(cache: CacheConfig, arch, dtype: torch.dtype, max_model_len: int) -> KVCacheLayout:
+    """Size the pool from ``cache.num_kv_blocks`` or ``cache.kv_cache_memory_bytes`` and log the result.
+
+    Args:
+        cache: the cache config (block size and pool size).
+        arch: the model's :class:`~tokenmill.model.arch_config.ModelArchConfig`.
+        dtype: element type of the cache.
+        max_model_len: context limit in tokens.
+
+    Returns:
+        the layout; at least one block. Warns when one request at
+        ``max_model_len`` does not fit (such requests are refused with 400).
+    """
+    bpt = kv_bytes_per_token(arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim, dtype)
+    if cache.num_kv_blocks is not None:
+        num_blocks = int(cache.num_kv_blocks)
+    else:
+        num_blocks = max(1, cache.kv_cache_memory_bytes // (bpt * cache.block_size))
+    layout = KVCacheLayout(num_blocks=num_blocks, block_size=cache.block_size, num_layers=arch.num_hidden_layers,
+                           num_kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, dtype=dtype,
+                           bytes_per_token=bpt, max_model_len=max_model_len)
+    pool_tokens = num_blocks * cache.block_size
+    logger.info(
+        "KV cache: %d bytes/token (2 x %d layers x %d KV heads x %d head dim x %d B), %d blocks x %d tokens = "
+        "%d tokens (%.1f MiB, + 1 scratch block); %.2f requests fit at max_model_len=%d",
+        bpt, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+        torch.empty((), dtype=dtype).element_size(), num_blocks, cache.block_size, pool_tokens,
+        pool_tokens * bpt / 2**20, num_blocks / layout.blocks_per_seq, max_model_len)
+    if num_blocks < layout.blocks_per_seq:
+        logger.warning(
+            "the KV cache holds %d tokens, less than max_model_len=%d: requests longer than the pool "
+            "will be refused (400); raise --kv-cache-memory / --num-kv-blocks or lower --max-model-len",
+            pool_tokens, max_model_len)
+    return layout
+
+
+def allocate_kv_caches(layout: KVCacheLayout, device: torch.device) -> list[torch.Tensor]:
+    """One zeroed tensor of :attr:`KVCacheLayout.shape` per layer, on ``device``."""
+    return [torch.zeros(layout.shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]

@@ -1,0 +1,185 @@
+"""The OpenAI-compatible HTTP app (FastAPI): factory, routes, API-key check, error handlers.
+
+Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
+``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``,
+``GET /metrics``. The API process owns HTTP, tokenization, the chat template,
+detokenization and SSE; the engine core runs in its own process
+(:class:`~tokenmill.engine.async_engine.AsyncEngine`). The endpoints' work is
+in :mod:`~tokenmill.server.serving_completion` and
+:mod:`~tokenmill.server.serving_chat`; process start-up in
+:mod:`~tokenmill.server.launch`.
+
+Errors are OpenAI-shaped JSON ``{"error": {"message", "type", "param", "code"}}``:
+400 invalid parameters (malformed JSON and wrong types included) or a prompt
+beyond ``--max-model-len``; 401 missing/wrong API key on ``/v1/*`` when
+``--api-key`` is set; 404 unknown model; 413 body too large; 429 with
+``Retry-After`` from admission control; 503 when the engine core is dead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tokenmill
+from tokenmill.metrics.prometheus import CONTENT_TYPE_LATEST
+from tokenmill.server.body_limit import BodySizeLimitMiddleware
+from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                       TokenizeRequest, error_param_from_loc)
+from tokenmill.server.serving import OpenAIServing, ServerState
+from tokenmill.server.serving_chat import OpenAIServingChat
+from tokenmill.server.serving_completion import OpenAIServingCompletion
+from tokenmill.server.streaming import with_disconnect
+
+logger = logging.getLogger("tokenmill.server")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Map every error to OpenAI-shaped JSON with its HTTP status (validation errors are 400, not 422)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        param: str | None = None
+        parts: list[str] = []
+        seen: set[str | None] = set()
+        for e in errs:
+            if e.get("type") == "json_invalid":
+                parts.append(f"invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
+                break
+            p = error_param_from_loc(e.get("loc", ()))
+            if p in seen:  # one message per field (a union reports one error per branch)
+                continue
+            seen.add(p)
+            param = param or p
+            parts.append(f"{p or 'body'}: {e.get('msg')}")
+        msg = "; ".join(parts[:3]) or "invalid request"
+        return JSONResponse(APIError(msg, 400, param).to_dict(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        err = APIError(str(exc.detail), exc.status_code)
+        return JSONResponse(err.to_dict(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(APIError(f"internal error: {type(exc).__name__}: {exc}", 500).to_dict(),
+                            status_code=500)
+
+
+def api_key_dependency(state: ServerState):
+    """A FastAPI dependency that checks ``Authorization: Bearer <key>`` when ``--api-key`` is set.
+
+    Raises:
+        APIError: 401 on a missing or wrong key (compared in constant time).
+    """
+
+    async def check_api_key(request: Request) -> None:
+        key = state.api_key
+        if not key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+            raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')", 401)
+
+    return check_api_key
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """Create the FastAPI app serving ``state`` (the engine must be started).
+
+    The app's lifespan starts the engine's output task and the periodic stats
+    log, and shuts the engine down when the server stops.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.engine.start_background()
+
+        async def log_loop() -> None:
+            while True:
+                await asyncio.sleep(1.0)
+                state.log_stats.maybe_log()
+
+        task = asyncio.create_task(log_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            state.engine.shutdown()
+
+    app = FastAPI(title="tokenmill", version=tokenmill.__version__, lifespan=lifespan)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=state.config.server.max_request_body_bytes)
+    app.state.tokenmill = state
+    add_error_handlers(app)
+    base = OpenAIServing(state)
+    completions = OpenAIServingCompletion(state)
+    chat = OpenAIServingChat(state)
+
+    v1 = APIRouter(dependencies=[Depends(api_key_dependency(state))])
+
+    @v1.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len, "permission": []}]}
+
+    @v1.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Any:
+        return await with_disconnect(raw, completions.create_completion(body))
+
+    @v1.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
+        return await with_disconnect(raw, chat.create_chat_completion(body))
+
+    app.include_router(v1)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        body.check()
+        base.check_model(body.model)
+        if body.prompt is not None:
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = await base.encode(body.prompt, add)
+        else:
+            text = base.render_chat(body.messages or [], body.add_generation_prompt, body.continue_final_message)
+            ids = await base.encode(text, bool(body.add_special_tokens))
+        ts = base.token_strings
+        return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
+                "token_strs": [ts.get(t)[0] for t in ids] if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        base.check_model(body.model)
+        base.check_token_ids(body.tokens, "tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not state.engine.is_healthy:
+            raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tokenmill.__version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(content=state.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,119 @@
+"""Process launch: start the engine core, load the tokenizer, serve HTTP with uvicorn until a signal."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.metrics.log_stats import LoggingStatLogger
+from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.server.admission import AdmissionController
+from tokenmill.server.app import build_app
+from tokenmill.server.serving import ServerState
+from tokenmill.tokenizer import load_tokenizer
+
+logger = logging.getLogger("tokenmill.server")
+
+
+def served_model_name(config: EngineConfig, path: str) -> str:
+    """``--served-model-name``, else the checkpoint's file stem or folder name."""
+    if config.model.served_model_name:
+        return config.model.served_model_name
+    base = os.path.basename(os.path.normpath(path))
+    return os.path.splitext(base)[0] if base.endswith(".gguf") else base
+
+
+def resolve_model_path(config: EngineConfig) -> str:
+    """``config.model.model`` or the packaged default model's path."""
+    if config.model.model:
+        return config.model.model
+    from tokenmill.model.loader import default_model_path  # torch only when no model was named
+
+    return default_model_path()
+
+
+def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: Any, model_path: str) -> ServerState:
+    """Assemble the :class:`ServerState` for a started engine (registers the stat loggers)."""
+    assert engine.info is not None, "engine must be started"
+    name = served_model_name(config, model_path)
+    prom = PrometheusStatLogger(name, engine.info.max_model_len)
+    log_stats = LoggingStatLogger(config.server.log_stats_interval)
+    admission = AdmissionController(config.scheduler.max_num_waiting_requests,
+                                    config.scheduler.max_num_waiting_tokens)
+    engine.stat_loggers.extend([prom, log_stats, admission])
+    template = getattr(tokenizer, "chat_template", None)
+    return ServerState(config=config, engine=engine, tokenizer=tokenizer,
+                       chat_template=template if isinstance(template, str) else None, model_name=name,
+                       model_path=model_path, max_model_len=engine.info.max_model_len, admission=admission,
+                       prometheus=prom, log_stats=log_stats)
+
+
+def run_server(config: EngineConfig) -> None:
+    """Load the tokenizer, start the engine core process and serve HTTP until SIGINT/SIGTERM.
+
+    The core loads the model while this process loads the tokenizer. Returns
+    after shutdown; the core process is always stopped (no child is left).
+
+    Raises:
+        RuntimeError: the engine core failed to start (message from the core).
+        FileNotFoundError / ValueError: bad model or tokenizer path.
+    """
+    import uvicorn
+
+    level = os.environ.get("TOKENMILL_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model_path = resolve_model_path(config)
+    tok_path = config.model.tokenizer or model_path
+    engine = AsyncEngine(config)
+    engine.launch()
+    try:
+        t0 = time.perf_counter()
+        tokenizer = load_tokenizer(tok_path)
+        logger.info("tokenizer loaded in %.1fs", time.perf_counter() - t0)
+        if "torch" in sys.modules:
+            # The API process does no tensor work; keep it from competing with the core.
+            import torch
+
+            torch.set_num_threads(1)
+            logger.info("API process: torch threads=%d (engine core has its own)", torch.get_num_threads())
+        engine.set_tokenizer(tokenizer)
+        engine.wait_ready()
+    except BaseException:
+        engine.shutdown()
+        raise
+    state = create_server_state(config, engine, tokenizer, model_path)
+    app = build_app(state)
+    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
+                               access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+    server = _make_server(uv_config, engine)
+    logger.info("serving %s on http://%s:%d (max_model_len %d)", state.model_name, config.server.host,
+                config.server.port, state.max_model_len)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its own shutdown
+        pass
+    finally:
+        engine.shutdown()
+    if not server.started:
+        raise RuntimeError(f"HTTP server failed to start on {config.server.host}:{config.server.port}")
+
+
+def _make_server(config: Any, engine: AsyncEngine) -> Any:
+    """A uvicorn.Server that stops the engine first on SIGINT/SIGTERM.
+
+    Open streams then end at once with an error event and ``[DONE]``, so the
+    graceful shutdown does not wait for long generations.
+    """
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.shutdown_threadsafe()
+            super().handle_exit(sig, frame)
+
+    return Server(config)

@@ -1,0 +1,358 @@
+"""The serving base shared by the OpenAI endpoints: server state, validation, prompt rendering, collect.
+
+:class:`OpenAIServing` holds what every endpoint needs — model-name and token-id
+checks, the context-length check, admission (503 dead engine, 400 over a cap,
+429 busy), tokenization off the event loop for long texts, the chat template —
+and the helpers that turn the engine's per-request streams into one
+(:func:`merge_streams`) and drain it for a non-streamed response
+(:func:`collect`). The completion and chat endpoints
+(:mod:`~tokenmill.server.serving_completion`, :mod:`~tokenmill.server.serving_chat`)
+build on it; the routes live in :mod:`~tokenmill.server.app`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.metrics.log_stats import LoggingStatLogger
+from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.outputs import RequestOutput, TokenLogprobs
+from tokenmill.server.admission import AdmissionController
+from tokenmill.server.protocol import APIError, ChatMessage
+from tokenmill.tokenizer import TokenStrings
+
+# JSON cannot carry -inf; vLLM clamps log-probabilities the same way.
+MIN_LOGPROB = -9999.0
+
+# Texts longer than this are tokenized in a worker thread so the event loop keeps serving
+# other requests (health checks, streams) while a huge prompt is encoded.
+INLINE_ENCODE_CHARS = 4096
+
+
+@dataclass
+class ServerState:
+    """Everything the routes need.
+
+    Attributes:
+        config: the engine configuration.
+        engine: the started :class:`AsyncEngine`.
+        tokenizer: Hugging Face tokenizer (``encode``, ``decode``, ``apply_chat_template``).
+        chat_template: Jinja chat template or None.
+        model_name: the served model name (requests must use it or omit ``model``).
+        model_path: checkpoint path (``root`` in ``/v1/models``).
+        max_model_len: context limit in tokens, from the core's handshake.
+        admission: admission control (400 over a cap, 429 busy).
+        prometheus: the ``/metrics`` exporter.
+        log_stats: the periodic log line.
+        token_strings: text/bytes of single tokens for logprobs (built from the tokenizer).
+    """
+
+    config: EngineConfig
+    engine: AsyncEngine
+    tokenizer: Any
+    chat_template: str | None
+    model_name: str
+    model_path: str
+    max_model_len: int
+    admission: AdmissionController
+    prometheus: PrometheusStatLogger
+    log_stats: LoggingStatLogger
+    created: int = field(default_factory=lambda: int(time.time()))
+    token_strings: TokenStrings | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_strings is None:
+            self.token_strings = TokenStrings(self.tokenizer)
+
+    @property
+    def api_key(self) -> str | None:
+        return self.config.server.api_key
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+
+def clamp_logprob(v: float) -> float:
+    """A log-probability JSON can carry (``-inf`` becomes :data:`MIN_LOGPROB`)."""
+    return max(float(v), MIN_LOGPROB)
+
+
+def request_id(prefix: str, given: str | None) -> str:
+    """``{prefix}-{given}`` or ``{prefix}-{random hex}``."""
+    return f"{prefix}-{given}" if given else f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIServing:
+    """Validation, admission and prompt rendering shared by every endpoint.
+
+    Args:
+        state: the server state (engine, tokenizer, limits).
+    """
+
+    def __init__(self, state: ServerState) -> None:
+        self.state = state
+
+    @property
+    def token_strings(self) -> TokenStrings:
+        assert self.state.token_strings is not None
+        return self.state.token_strings
+
+    # -- validation ----------------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        """Raises: APIError 404 when ``name`` is given and is not the served model."""
+        if name is not None and name != self.state.model_name:
+            raise APIError(f"The model `{name}` does not exist. This server serves `{self.state.model_name}`.",
+                           404, param="model")
+
+    def check_token_ids(self, ids: Any, param: str = "prompt") -> None:
+        """Raises: APIError 400 naming the first id outside ``[0, vocab_size)`` and the range."""
+        v = self.state.vocab_size
+        for t in ids:
+            if t < 0 or t >= v:
+                raise APIError(f"token id {t} in {param} is out of range [0, {v})", param=param)
+
+    def check_priority(self, priority: int) -> None:
+        """Raises: APIError 400 for a non-zero priority without ``--scheduling-policy priority``."""
+        policy = self.state.config.scheduler.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise APIError("priority is only supported with --scheduling-policy priority "
+                           f"(this server uses {policy})", param="priority")
+
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str = "max_tokens") -> int:
+        """Check the context limit; return the max_tokens to use (the rest of the context when None).
+
+        Raises:
+            APIError: 400 stating the limit and the request's token counts.
+        """
+        limit = self.state.max_model_len
+        if requested is None:
+            if prompt_len >= limit:
+                raise APIError(
+                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                    f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
+                    "of the prompt.", param="prompt" if param == "max_tokens" else "messages")
+            return limit - prompt_len
+        if prompt_len + requested > limit or prompt_len > limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "
+                f"Please reduce the length of the prompt or {param}.", param=param)
+        return requested
+
+    def admit(self, new_requests: int, new_tokens: int) -> None:
+        """Admission: the engine must be alive, the request within the caps, the queue not full.
+
+        Raises:
+            APIError: 503 (engine dead), 400 (over a cap even with an empty
+                queue), 429 with ``Retry-After`` (queue full).
+        """
+        state = self.state
+        if not state.engine.is_healthy:
+            raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
+        adm = state.admission
+        if not adm.enabled:
+            return
+        too_large = adm.check_size(new_requests, new_tokens)
+        if too_large is not None:
+            raise APIError(too_large, param="n")
+        waiting, waiting_tokens = state.engine.waiting_load()
+        refusal = adm.check(waiting, waiting_tokens, new_requests, new_tokens)
+        if refusal is not None:
+            state.prometheus.record_refusal(refusal.reason)
+            raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
+
+    # -- prompts -------------------------------------------------------------
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        """Token ids of ``text``; long texts are encoded in a worker thread."""
+        tok = self.state.tokenizer
+        if len(text) <= INLINE_ENCODE_CHARS:
+            return list(tok.encode(text, add_special_tokens=add_special_tokens))
+        return list(await asyncio.to_thread(tok.encode, text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool,
+                    chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text of a conversation, from the request's or the model's chat template.
+
+        Raises:
+            APIError: 400 when there is no template or it fails on these messages.
+        """
+        template = chat_template or self.state.chat_template
+        if not template:
+            raise APIError("this model has no chat template; use /v1/completions", param="messages")
+        msgs = []
+        for m in messages:
+            d: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.name:
+                d["name"] = m.name
+            msgs.append(d)
+        try:
+            out = self.state.tokenizer.apply_chat_template(
+                msgs, chat_template=template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}))
+        except APIError:
+            raise
+        except Exception as e:  # noqa: BLE001 - jinja2 errors, bad kwargs
+            raise APIError(f"chat template could not be applied: {type(e).__name__}: {e}",
+                           param="messages") from None
+        return out if isinstance(out, str) else str(out)
+
+    # -- logprobs shared by both dialects ------------------------------------
+    def vllm_prompt_logprobs(self, prompt_ids: list[int], plps: list[TokenLogprobs | None] | None
+                             ) -> list[dict[str, dict[str, Any]] | None] | None:
+        """vLLM's ``prompt_logprobs`` field: per prompt token None (the first) or ``{token_id: {"logprob",
+        "rank", "decoded_token"}}`` for the token itself and its top alternatives."""
+        if plps is None:
+            return None
+        ts = self.token_strings
+        out: list[dict[str, dict[str, Any]] | None] = []
+        for tid, lp in zip(prompt_ids, plps):
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": clamp_logprob(v), "rank": r + 1, "decoded_token": ts.get(t)[0]}
+                     for r, (t, v) in enumerate(zip(lp.top_token_ids, lp.top_logprobs))}
+            entry[str(tid)] = {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                               "decoded_token": ts.get(tid)[0]}
+            out.append(entry)
+        return out
+
+
+class Usage:
+    """Token accounting for one API request (all prompts and choices)."""
+
+    def __init__(self, prompt_lens: list[int], count_completion: bool = True) -> None:
+        self.prompt_tokens = sum(prompt_lens)
+        self.completion_tokens = 0
+        self.count_completion = count_completion  # False: the generated tokens are not returned (echo only)
+        self.cached: dict[int, int] = {}
+
+    def add(self, prompt_index: int, out: RequestOutput) -> None:
+        if self.count_completion:
+            self.completion_tokens += sum(len(c.token_ids) for c in out.outputs)
+        self.cached[prompt_index] = out.num_cached_tokens   # the request's latest view (min over its choices)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": sum(self.cached.values())}}
+
+
+async def merge_streams(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as ``(stream index, delta)``.
+
+    Closing (or cancelling) the merged stream cancels the readers, which aborts
+    the requests. The ``finally`` never awaits, so it is safe under anyio
+    cancellation.
+    """
+    if len(gens) == 1:
+        async for item in gens[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for item in g:
+                queue.put_nowait((i, item))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+async def first_or_error(merged: AsyncIterator[tuple[int, RequestOutput]]) -> tuple[int, RequestOutput]:
+    """Await the first delta (before any byte is sent), mapping failures to HTTP errors.
+
+    Raises:
+        APIError: 503 engine dead, 400 request id in use, or the request's own error.
+    """
+    try:
+        first = await merged.__anext__()
+    except EngineDeadError as e:
+        raise APIError(f"engine is not running: {e}", 503) from None
+    except ValueError as e:  # e.g. a request_id that is already in use
+        raise APIError(str(e), 400, param="request_id") from None
+    except StopAsyncIteration:  # pragma: no cover - generate always yields a final delta
+        raise APIError("request produced no output", 500) from None
+    if first[1].error:
+        await merged.aclose()
+        raise APIError(first[1].error, first[1].error_code)
+    return first
+
+
+@dataclass
+class Collected:
+    """A drained request stream, per global choice index (``prompt index * n + choice``).
+
+    Attributes:
+        texts: text pieces.
+        token_ids: generated ids.
+        logprobs: per generated token its :class:`TokenLogprobs` or None.
+        finish: ``(finish_reason, stop_reason)``.
+        prompt_logprobs: per prompt index, its prompt logprobs (when asked).
+    """
+
+    texts: dict[int, list[str]] = field(default_factory=dict)
+    token_ids: dict[int, list[int]] = field(default_factory=dict)
+    logprobs: dict[int, list] = field(default_factory=dict)
+    finish: dict[int, tuple[str | None, Any]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list] = field(default_factory=dict)
+
+
+async def collect(merged: AsyncIterator[tuple[int, RequestOutput]], usage: Usage, n: int) -> Collected:
+    """Drain a merged stream for a non-streamed response.
+
+    Choice ``c`` of prompt ``i`` gets the global index ``i * n + c`` (``n``
+    choices per prompt; chat has one prompt).
+
+    Raises:
+        APIError: the request failed (its own status), the engine is dead
+            (503), or the request id is in use (400).
+    """
+    res = Collected()
+    try:
+        async for i, out in merged:
+            if out.error:
+                raise APIError(out.error, out.error_code)
+            usage.add(i, out)
+            if out.prompt_logprobs is not None:
+                res.prompt_logprobs.setdefault(i, out.prompt_logprobs)
+            for c in out.outputs:
+                gi = i * n + c.index
+                res.texts.setdefault(gi, []).append(c.text)
+                res.token_ids.setdefault(gi, []).extend(c.token_ids)
+                res.logprobs.setdefault(gi, []).extend(c.logprobs or [])
+                if c.finish_reason is not None:
+                    res.finish[gi] = (c.finish_reason, c.stop_reason)
+    except EngineDeadError as e:
+        raise APIError(f"engine is not running: {e}", 503) from None
+    except ValueError as e:  # e.g. a request_id that is already in use
+        raise APIError(str(e), 400, param="request_id") from None
+    finally:
+        await merged.aclose()
+    return res
