@@ -38,11 +38,11 @@ both the engine core and the router import it.
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
-from typing import Any, Union
+from typing import Union
 
 import msgspec
+
+from tokenmill.config import KVEventsConfig  # noqa: F401 - re-export (the config lives with the others)
 
 
 class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
@@ -124,82 +124,3 @@ def seq_from_bytes(data: bytes) -> int:
 
 REPLAY_END = -1
 """Sequence number of the replay socket's end marker."""
-
-
-@dataclass(frozen=True)
-class KVEventsConfig:
-    """``--kv-events-config`` (vLLM's ``KVEventsConfig`` keys).
-
-    Attributes:
-        enable_kv_cache_events: publish events at all.
-        publisher: ``"zmq"`` (or ``"null"``: collect nothing).
-        endpoint: ZMQ PUB address to bind (``tcp://*:5557``) or connect (an
-            address without ``*`` whose host is not local is still bound).
-        replay_endpoint: ZMQ ROUTER address for replays (None: no replay).
-        topic: topic frame of every message.
-        buffer_steps: batches kept for replay.
-        hwm: ZMQ send high-water mark, in messages.
-    """
-
-    enable_kv_cache_events: bool = False
-    publisher: str = "zmq"
-    endpoint: str = "tcp://*:5557"
-    replay_endpoint: Union[str, None] = None
-    topic: str = ""
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-
-    def __post_init__(self) -> None:
-        if self.publisher not in ("zmq", "null"):
-            raise ValueError(f"kv events publisher must be 'zmq' or 'null', got {self.publisher!r}")
-        if self.buffer_steps < 0:
-            raise ValueError(f"kv events buffer_steps must be >= 0, got {self.buffer_steps}")
-
-    @property
-    def active(self) -> bool:
-        """Events are collected and published."""
-        return self.enable_kv_cache_events and self.publisher == "zmq"
-
-    @classmethod
-    def from_json(cls, text: str | dict[str, Any] | None) -> "KVEventsConfig":
-        """Parse the ``--kv-events-config`` JSON object.
-
-        Raises:
-            ValueError: not a JSON object, an unknown key, or a bad value.
-        """
-        if text is None:
-            return cls()
-        if isinstance(text, dict):
-            data = text
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        extra = sorted(set(data) - known - {"max_queue_size"})
-        if extra:
-            raise ValueError(f"--kv-events-config: unknown keys {extra}; known: {sorted(known)}")
-        data = {k: v for k, v in data.items() if k in known}
-        if "enable_kv_cache_events" in data and "publisher" not in data:
-            data["publisher"] = "zmq"
-        return cls(**data)
-
-    def for_rank(self, rank: int) -> "KVEventsConfig":
-        """The config of data-parallel engine ``rank``: TCP ports shifted by ``rank`` (as vLLM does)."""
-        if rank == 0:
-            return self
-        import dataclasses
-
-        return dataclasses.replace(self, endpoint=_offset_port(self.endpoint, rank),
-                                   replay_endpoint=_offset_port(self.replay_endpoint, rank)
-                                   if self.replay_endpoint else None)
-
-
-def _offset_port(endpoint: str, offset: int) -> str:
-    if not endpoint.startswith("tcp://"):
-        return f"{endpoint}_dp{offset}"
-    host, _, port = endpoint.rpartition(":")
-    return f"{host}:{int(port) + offset}"

@@ -92,7 +92,7 @@ class PromptTokenizer:
     @classmethod
     def load(cls, path: str | None) -> "PromptTokenizer":
         """Load from a GGUF file or a Hugging Face folder (default: the packaged model)."""
-        from tokenmill.engine.tokenizer import load_tokenizer
+        from tokenmill.tokenizer import load_tokenizer
 
         return cls(load_tokenizer(path or default_tokenizer_path()))
 
