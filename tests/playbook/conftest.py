@@ -27,7 +27,8 @@ class LiveServer:
         import uvicorn
 
         from tokenmill.engine.async_engine import AsyncEngine
-        from tokenmill.server.api import build_app, create_server_state
+        from tokenmill.server.app import build_app
+        from tokenmill.server.launch import create_server_state
         import tests.server.fakes as fakes
 
         base = dict(served_model_name="fake", num_kv_blocks=256, max_model_len=512, max_num_seqs=32,

@@ -132,14 +132,15 @@ async def _run(requests: list[BatchRequest], out, config: EngineConfig, *, execu
     from tqdm import tqdm
 
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.server.api import build_app, create_server_state, _resolve_model_path
+    from tokenmill.server.app import build_app
+    from tokenmill.server.launch import create_server_state, resolve_model_path
 
-    model_path = "/models/fake" if executor_factory is not None else _resolve_model_path(config)
+    model_path = "/models/fake" if executor_factory is not None else resolve_model_path(config)
     engine = AsyncEngine(config, tokenizer, executor_factory=executor_factory)
     engine.launch()
     try:
         if tokenizer is None:
-            from tokenmill.engine.tokenizer import load_tokenizer
+            from tokenmill.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(config.model.tokenizer or model_path)
             engine.set_tokenizer(tokenizer)
