@@ -204,10 +204,15 @@ def test_kv_aware_temperature_spreads_choices():
     chain = block_hash_chain(list(range(32)), 4)
     idx.apply(0, KVEventBatch(ts=0.0, events=[stored(chain[:2])]))
     rin = RouteInput(block_hashes=chain, num_prompt_tokens=32)
+    def pick(p):
+        d = p.select(bs, rin)
+        p.on_finish(d)
+        return d.backend.index
+
     det = _kv_policy(idx)
-    assert {det.select(bs, rin).backend.index for _ in range(20)} == {0}
+    assert {pick(det) for _ in range(20)} == {0}
     hot = _kv_policy(idx, temperature=1.0, seed=1)
-    counts = collections.Counter(hot.select(bs, rin).backend.index for _ in range(400))
+    counts = collections.Counter(pick(hot) for _ in range(400))
     # normalised costs 0 and 1: p(0) = 1 / (1 + e^-1) ~ 0.73
     assert 0.63 < counts[0] / 400 < 0.83
 
@@ -219,3 +224,27 @@ def test_make_policy_rejects_unknown_and_bad_parameters():
         make_policy("kv_aware", temperature=-1)
     with pytest.raises(ValueError):
         make_policy("prefix_aware", cache_threshold=2.0)
+
+
+def test_kv_aware_counts_in_flight_blocks_before_events_arrive():
+    bs = backends(2)
+    p = _kv_policy(KVIndex())
+    a = block_hash_chain(list(range(64)), 4)
+    b = block_hash_chain(list(range(1000, 1064)), 4)
+    rin_a, rin_b = RouteInput(block_hashes=a, num_prompt_tokens=64), RouteInput(block_hashes=b, num_prompt_tokens=64)
+
+    def begin(d):  # what the proxy does when it forwards a request
+        d.backend.in_flight += 1
+        d.backend.active_blocks += d.request_blocks
+        d.backend.prefill_blocks += d.new_prefill_blocks
+
+    d1 = p.select(bs, rin_a)
+    begin(d1)
+    d2 = p.select(bs, rin_b)          # equal prefill work elsewhere is cheaper: the other backend
+    begin(d2)
+    assert d2.backend is not d1.backend and d2.reason == "load_fallback"
+    d3 = p.select(bs, rin_a)          # same prefix as d1, no events yet: follows d1's in-flight blocks
+    assert d3.backend is d1.backend and d3.reason == "kv_overlap" and d3.matched == 60
+    p.on_finish(d1)
+    p.on_finish(d3)
+    assert p.pending[d1.backend.index] == {}

@@ -238,7 +238,9 @@ class Router:
         b.prefill_blocks -= d.new_prefill_blocks
         d.new_prefill_blocks = 0
 
-    def _end(self, b: Backend, d: RouteDecision) -> None:
+    def _end(self, b: Backend, d: RouteDecision, policy: Policy | None = None) -> None:
+        if policy is not None:
+            policy.on_finish(d)
         self._first_byte(b, d)
         b.in_flight -= 1
         b.active_blocks -= d.request_blocks
@@ -286,19 +288,19 @@ class Router:
                         await send
                     except BaseException:  # noqa: BLE001
                         pass
-                    self._end(b, d)
+                    self._end(b, d, policy)
                     return Response(status_code=499)
                 try:
                     resp = send.result()
                 except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
-                    self._end(b, d)
+                    self._end(b, d, policy)
                     last_error = f"backend {b.url} unreachable: {type(e).__name__}: {e}"
                     b.mark_down(last_error)
                     self._on_health_change(b)
                     self.metrics.retries.labels(b.name).inc()
                     continue
                 except httpx.HTTPError as e:
-                    self._end(b, d)
+                    self._end(b, d, policy)
                     self.metrics.errors.labels("upstream").inc()
                     return _error(502, f"backend {b.url} failed: {type(e).__name__}: {e}")
                 self.metrics.requests.labels(b.name).inc()
@@ -306,7 +308,7 @@ class Router:
                 if d.unit:
                     self.metrics.cache_queries.labels(d.unit).inc(d.total)
                     self.metrics.cache_hits.labels(d.unit).inc(d.matched)
-                relay = _Relay(self, resp, b, d, watcher)
+                relay = _Relay(self, resp, b, d, watcher, policy)
                 watcher = None  # owned by the relay now
                 return relay
             self.metrics.errors.labels("no_backend").inc()
@@ -357,8 +359,9 @@ class _Relay(Response):
     """Relays an upstream response as it arrives; closes it when the client goes away."""
 
     def __init__(self, router: Router, resp: httpx.Response, backend: Backend, decision: RouteDecision,
-                 watcher: asyncio.Task) -> None:
+                 watcher: asyncio.Task, policy: Policy) -> None:
         super().__init__(status_code=resp.status_code)
+        self.policy = policy
         self.router = router
         self.resp = resp
         self.backend = backend
@@ -398,7 +401,7 @@ class _Relay(Response):
         finally:
             self.watcher.cancel()
             await self.resp.aclose()
-            self.router._end(self.backend, self.decision)
+            self.router._end(self.backend, self.decision, self.policy)
 
 
 def build_app(router: Router) -> FastAPI:

@@ -63,6 +63,7 @@ class RouteDecision:
     new_prefill_blocks: int = 0
     request_blocks: int = 0
     costs: dict[int, float] = field(default_factory=dict)
+    block_hashes: list[bytes] | None = None
 
 
 class Policy:
@@ -81,6 +82,9 @@ class Policy:
 
     def on_backend_down(self, backend: Backend) -> None:
         """A backend left the rotation (it may come back empty)."""
+
+    def on_finish(self, decision: RouteDecision) -> None:
+        """The request routed by ``decision`` ended (answered, failed or abandoned)."""
 
 
 def _check(candidates: Sequence[Backend]) -> None:
@@ -198,6 +202,13 @@ class KVAware(Policy):
       would hold, i.e. the decode step's memory traffic);
     * ``cost(w) = overlap_weight * prefill_blocks(w) + decode_blocks(w)``.
 
+    ``overlap(w)`` is the longer of two matches: the blocks ``w``'s KV events
+    say it holds, and the blocks of requests this router sent to ``w`` that
+    are still in flight (their prefill is writing those blocks right now; the
+    events follow within a step). Without the second, a burst of requests
+    sharing a new prefix would be scattered before the first one's events
+    arrive.
+
     With ``temperature == 0`` the cheapest backend wins (ties in turn);
     otherwise costs are normalised to [0, 1] and a backend is drawn with
     probability ``softmax(-cost / temperature)`` (Dynamo's ``--router-temperature``),
@@ -228,6 +239,8 @@ class KVAware(Policy):
         self.default_block_size = block_size
         self._rng = random.Random(seed)
         self._next = 0
+        # blocks of in-flight requests per backend: hash -> number of requests
+        self.pending: dict[int, dict[bytes, int]] = {}
 
     @property
     def block_size(self) -> int:
@@ -242,6 +255,14 @@ class KVAware(Policy):
         hashes = req.block_hashes or []
         have_events = any(self.index.has_events(b.index) for b in candidates)
         overlaps = self.index.match(hashes, [b.index for b in candidates]) if have_events else {}
+        for b in candidates:
+            pend = self.pending.get(b.index)
+            if pend:
+                k = 0
+                while k < len(hashes) and hashes[k] in pend:
+                    k += 1
+                if k > overlaps.get(b.index, 0):
+                    overlaps[b.index] = k
         # the engine always computes a prompt's last token, so at most (ntok - 1) // bs blocks hit
         max_hit = max(0, (ntok - 1) // bs)
         costs: dict[int, float] = {}
@@ -252,14 +273,29 @@ class KVAware(Policy):
             costs[b.index] = self.overlap_weight * prefill + decode
         chosen = self._pick(candidates, costs)
         ov = min(overlaps.get(chosen.index, 0), max_hit)
-        if not have_events:
-            reason = "load_fallback"
-        elif ov > 0:
+        if ov > 0:
             reason = "kv_overlap"
+        elif not have_events:
+            reason = "load_fallback"
         else:
             reason = "kv_load"
+        pend = self.pending.setdefault(chosen.index, {})
+        for h in hashes:
+            pend[h] = pend.get(h, 0) + 1
         return RouteDecision(chosen, reason, matched=ov * bs, total=ntok, unit="tokens",
-                             new_prefill_blocks=n - ov, request_blocks=n, costs=costs)
+                             new_prefill_blocks=n - ov, request_blocks=n, costs=costs, block_hashes=list(hashes))
+
+    def on_finish(self, decision: RouteDecision) -> None:
+        pend = self.pending.get(decision.backend.index)
+        if pend is None or not decision.block_hashes:
+            return
+        for h in decision.block_hashes:
+            c = pend.get(h, 0) - 1
+            if c > 0:
+                pend[h] = c
+            else:
+                pend.pop(h, None)
+        decision.block_hashes = None
 
     def _pick(self, candidates: Sequence[Backend], costs: dict[int, float]) -> Backend:
         lo = min(costs.values())
@@ -275,7 +311,7 @@ class KVAware(Policy):
 
     def on_backend_down(self, backend: Backend) -> None:
         # its events resume (or restart at seq 0) when it returns; keep the index until then
-        pass
+        self.pending.pop(backend.index, None)
 
 
 POLICIES = ("round_robin", "least_load", "prefix_aware", "kv_aware")

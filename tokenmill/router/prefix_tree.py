@@ -92,14 +92,14 @@ class PrefixTree:
                 pos = len(text)
                 break
             k = _common_prefix_len(child.key, text, pos)
-            child.last_access = now
-            if k < len(child.key):  # split the edge at k
+            if k < len(child.key):  # split the edge at k; the unmatched tail keeps its age
                 mid = _Node(child.key[:k], node, now)
                 node.children[text[pos]] = mid
                 child.key = child.key[k:]
                 child.parent = mid
                 mid.children[child.key[0]] = child
                 child = mid
+            child.last_access = now
             pos += k
             node = child
         self.size += added

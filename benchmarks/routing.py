@@ -1,0 +1,236 @@
+"""Cache-aware routing, side by side: round_robin, least_load, prefix_aware and kv_aware
+over the same replicas and the same seeded shared-prefix workload, in one run.
+
+A miniature of the playbook's routing experiment (issue 14): ``--replicas``
+``tokenmill serve`` processes with small KV pools (``--num-kv-blocks``), each
+pinned to its own CPU (``os.sched_setaffinity``, like ``taskset -c``), publish
+KV events; a ``tokenmill router`` process per policy sits in front of them.
+
+Workload: ``--groups`` groups, each a long shared system prompt of about
+``--prefix-tokens`` tokens, and ``--requests-per-group`` short questions per
+group, shuffled (seeded); ``--output-len`` tokens each with ``ignore_eos``,
+sent by ``tokenmill bench``'s load generator with ``--max-concurrency``
+requests in flight. Total prefix demand (groups × prefix blocks) is printed
+as a multiple of one replica's pool. Every policy run sends the same token
+sequences with its own ``cache_salt``, so no run can hit blocks a previous
+run left behind (the salt changes every block hash; the router hashes with it
+too).
+
+Printed per policy: output tok/s, TTFT p50/p90/p99, the replicas' prefix-cache
+hit rate over the run (tokens hit / tokens queried, from their /metrics),
+the router's routing reasons, and the ratio of output tok/s to round_robin's.
+
+    .venv/bin/python benchmarks/routing.py                 # 2 replicas, ~4-6 min on 2 cores
+    .venv/bin/python benchmarks/routing.py --replicas 4 --num-kv-blocks 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tokenmill.bench.client import EndpointConfig  # noqa: E402
+from tokenmill.bench.datasets import SampleRequest  # noqa: E402
+from tokenmill.bench.loadgen import LoadConfig, run_benchmark  # noqa: E402
+from tokenmill.router.local import LocalReplica, free_ports  # noqa: E402
+
+POLICIES = ["round_robin", "least_load", "prefix_aware", "kv_aware"]
+WORDS = ("harbour ship tide berth cargo crane pilot anchor hull deck mast sail rope knot chart compass "
+         "lighthouse buoy quay dock storm wave current reef channel manifest customs ledger clerk watch "
+         "mountain snow glacier valley river forest meadow stone bridge tower castle village market").split()
+
+
+def build_workload(tokenizer, groups: int, prefix_tokens: int, per_group: int, question_words: int,
+                   output_len: int, seed: int) -> tuple[list[SampleRequest], list[int]]:
+    """Shared-prefix prompts: ``groups`` system prompts of ~``prefix_tokens`` tokens, short questions, shuffled."""
+    rng = random.Random(seed)
+    samples, prefix_lens = [], []
+    for g in range(groups):
+        words = [f"Instructions for desk {g}:"]
+        text = ""
+        while True:
+            words.append(rng.choice(WORDS))
+            text = " ".join(words) + "."
+            if len(tokenizer.encode(text, add_special_tokens=True)) >= prefix_tokens:
+                break
+        prefix_lens.append(len(tokenizer.encode(text, add_special_tokens=True)))
+        for q in range(per_group):
+            question = " Question %d: %s?" % (q, " ".join(rng.choice(WORDS) for _ in range(question_words)))
+            prompt = text + question
+            samples.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=True)), output_len))
+    rng.shuffle(samples)
+    return samples, prefix_lens
+
+
+def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    """Sum of each named metric's samples (all label sets) at ``url``/metrics."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {n: 0.0 for n in names}
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        for n in names:
+            if line.startswith(n + "{") or line.startswith(n + " "):
+                out[n] += float(line.rsplit(" ", 1)[-1])
+    return out
+
+
+def routed_reasons(url: str) -> dict[str, int]:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("tokenmill:router_routed_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = int(float(line.rsplit(" ", 1)[-1]))
+    return out
+
+
+def start_router(policy: str, replicas: list[LocalReplica], log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
+    (port,) = free_ports(1)
+    cmd = [sys.executable, "-m", "tokenmill.cli", "router", "--port", str(port), "--policy", policy,
+           "--health-check-interval", "1", *extra]
+    for r in replicas:
+        s = r.spec
+        cmd += ["--backend", f"{s.url},kv_events={s.kv_events},replay={s.replay}"]
+    fh = open(log, "wb")
+    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"router exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("router did not get healthy")
+        time.sleep(0.2)
+    # wait until every backend is in the rotation
+    while True:
+        with urllib.request.urlopen(url + "/backends", timeout=2) as r:
+            if all(b["healthy"] for b in json.loads(r.read())["backends"]):
+                return proc, url
+        time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--num-kv-blocks", type=int, default=64, help="KV pool per replica, blocks of 16 tokens.")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--prefix-tokens", type=int, default=384)
+    ap.add_argument("--requests-per-group", type=int, default=10)
+    ap.add_argument("--question-words", type=int, default=8)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--max-concurrency", type=int, default=8)
+    ap.add_argument("--max-num-seqs", type=int, default=8)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--router-args", default="", help="Extra router flags, e.g. '--cache-threshold 0.5'.")
+    ap.add_argument("--no-pin", action="store_true", help="Do not pin replicas to CPUs.")
+    ap.add_argument("--json", default=None, help="Write the results here.")
+    args = ap.parse_args()
+
+    from tokenmill.router.prompt import PromptTokenizer
+
+    tok = PromptTokenizer.load(None).tokenizer
+    samples, prefix_lens = build_workload(tok, args.groups, args.prefix_tokens, args.requests_per_group,
+                                          args.question_words, args.output_len, args.seed)
+    bs = 16
+    demand_blocks = sum(n // bs for n in prefix_lens)
+    ncpu = len(os.sched_getaffinity(0))
+    print(f"workload: {len(samples)} requests, {args.groups} groups x ~{sum(prefix_lens) // len(prefix_lens)}-token "
+          f"prefixes, output {args.output_len}; prefix demand {demand_blocks} blocks = "
+          f"{demand_blocks / args.num_kv_blocks:.1f}x one replica's pool ({args.num_kv_blocks} blocks), "
+          f"{demand_blocks / (args.num_kv_blocks * args.replicas):.2f}x all {args.replicas}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
+    reps = [LocalReplica(["--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", "2048",
+                          "--max-num-seqs", str(args.max_num_seqs)],
+                         cpus=None if args.no_pin else [i % ncpu], log_path=str(tmp / f"replica{i}.log"))
+            for i in range(args.replicas)]
+    results = []
+    names = ("tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total")
+    try:
+        t0 = time.monotonic()
+        for r in reps:
+            r.start()
+        for r in reps:
+            r.wait_healthy(600)
+        print(f"{args.replicas} replicas up in {time.monotonic() - t0:.0f} s (logs in {tmp})", flush=True)
+        model = json.loads(urllib.request.urlopen(reps[0].url + "/v1/models").read())["data"][0]["id"]
+        # warm up each replica directly (kernels, allocator), with a salt no run uses
+        warm = EndpointConfig(base_url=reps[0].url, endpoint="completions", model=model, ignore_eos=True,
+                              temperature=0.0, extra_body={"cache_salt": "warmup"})
+        for r in reps:
+            warm.base_url = r.url
+            asyncio.run(run_benchmark(samples[:2], warm, LoadConfig(max_concurrency=2, disable_tqdm=True)))
+        for policy in args.policies.split(","):
+            router, url = start_router(policy, reps, tmp / f"router-{policy}.log", args.router_args.split())
+            try:
+                before = [scrape(r.url, names) for r in reps]
+                ep = EndpointConfig(base_url=url, endpoint="completions", model=model, ignore_eos=True,
+                                    temperature=0.0, extra_body={"cache_salt": f"routing-{policy}-{args.seed}"})
+                res = asyncio.run(run_benchmark(samples, ep, LoadConfig(max_concurrency=args.max_concurrency,
+                                                                       disable_tqdm=True, seed=args.seed,
+                                                                       percentiles=[50, 90, 99])))
+                after = [scrape(r.url, names) for r in reps]
+                reasons = routed_reasons(url)
+            finally:
+                stop(router)
+            q = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
+            h = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
+            d = res.metrics.to_dict()
+            row = {"policy": policy, "output_tok_s": d["output_throughput"], "completed": d["completed"],
+                   "failed": d["failed"], "ttft_p50_ms": d["p50_ttft_ms"], "ttft_p90_ms": d["p90_ttft_ms"],
+                   "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "reasons": reasons,
+                   "duration_s": d["duration"]}
+            results.append(row)
+            print(f"  {policy:13s} {row['output_tok_s']:7.1f} tok/s  TTFT p50/p90/p99 "
+                  f"{row['ttft_p50_ms']:6.0f}/{row['ttft_p90_ms']:6.0f}/{row['ttft_p99_ms']:6.0f} ms  "
+                  f"hit {row['hit_rate']:5.1%}  failed {row['failed']}  {reasons}", flush=True)
+    finally:
+        for r in reps:
+            r.stop()
+    base = next((r for r in results if r["policy"] == "round_robin"), results[0] if results else None)
+    print(f"\nload average {os.getloadavg()[0]:.1f}; {args.replicas} replicas x {args.num_kv_blocks} blocks, "
+          f"{'pinned' if not args.no_pin else 'unpinned'} on {ncpu} CPUs")
+    print("| policy | output tok/s | vs round_robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefix hit rate |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results:
+        ratio = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else 0.0
+        print(f"| {r['policy']} | {r['output_tok_s']:.1f} | {ratio:.2f}x | {r['ttft_p50_ms']:.0f} | "
+              f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['hit_rate']:.1%} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
