@@ -141,6 +141,11 @@ class ServerConfig:
     api_key: str | None = _f(None, "If set, requests must send 'Authorization: Bearer KEY' (else HTTP 401).")
     log_stats_interval: float = _f(10.0, "Seconds between periodic stats log lines (0 disables).")
     max_request_body_bytes: int = _f(16 * 2**20, "Largest accepted HTTP request body in bytes; larger ones are refused with HTTP 413 before parsing (0: no limit).")
+    data_parallel_size: int = _f(1, "Engine core processes behind this API process, each with its own model copy, KV pool and pinned share of the CPUs; requests go to the core with the least 4 x waiting + running (vLLM's rule).")
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
 @dataclass(frozen=True)

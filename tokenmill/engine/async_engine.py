@@ -68,6 +68,8 @@ class AsyncEngine:
             process instead of loading the model (tests).
         stat_loggers: receive engine and iteration stats after each batch.
         start_timeout: seconds to wait for the core to load the model.
+        data_parallel_rank: the core's rank under ``--data-parallel-size`` (None: single core).
+        cpus: CPUs the core process pins itself to (None: inherit this process's).
 
     Call :meth:`start` (blocking; or :meth:`launch` then :meth:`wait_ready`)
     before serving, and :meth:`shutdown` at exit.
@@ -75,8 +77,11 @@ class AsyncEngine:
 
     def __init__(self, config: EngineConfig, tokenizer: Any = None, *,
                  executor_factory: Callable[[Any], Any] | None = None,
-                 stat_loggers: list[StatLogger] | None = None, start_timeout: float = 900.0) -> None:
+                 stat_loggers: list[StatLogger] | None = None, start_timeout: float = 900.0,
+                 data_parallel_rank: int | None = None, cpus: list[int] | None = None) -> None:
         self.config = config
+        self.data_parallel_rank = data_parallel_rank
+        self.cpus = cpus
         self.tokenizer = tokenizer
         self.processor: OutputProcessor = OutputProcessor(tokenizer) if tokenizer is not None else None  # type: ignore[assignment]
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
@@ -139,7 +144,8 @@ class AsyncEngine:
         self._proc = mp.Process(
             target=run_engine_core, name="tokenmill-engine-core", daemon=True,
             args=(self.config, in_addr, out_addr, os.getpid(), self.executor_factory,
-                  logging.getLogger().getEffectiveLevel()))
+                  logging.getLogger().getEffectiveLevel()),
+            kwargs={"data_parallel_rank": self.data_parallel_rank, "cpu_affinity": self.cpus})
         self._proc.start()
         logger.info("started engine core process pid %d", self._proc.pid)
 

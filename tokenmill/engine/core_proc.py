@@ -94,7 +94,8 @@ def torch_num_threads() -> int:
 
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
                     executor_factory: Callable[[Any], Any] | None = None,
-                    log_level: int = logging.INFO) -> None:
+                    log_level: int = logging.INFO, data_parallel_rank: int | None = None,
+                    cpu_affinity: list[int] | None = None) -> None:
     """Entry point of the engine core process.
 
     Args:
@@ -106,11 +107,21 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             fake one; must be picklable, i.e. a module-level function). None:
             the real model runner.
         log_level: logging level for this process.
+        data_parallel_rank: this core's rank under ``--data-parallel-size`` (None: the only core);
+            shifts its KV event ports and stamps its event batches.
+        cpu_affinity: CPUs to pin this process to before torch starts (its intra-op threads
+            then default to that many); None: inherit.
 
     Exits with status 0 after a ``shutdown`` message or when the parent died,
     1 after an exception (reported on the output socket first).
     """
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [core] %(name)s: %(message)s")
+    tag = "core" if data_parallel_rank is None else f"core{data_parallel_rank}"
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
+    if cpu_affinity:
+        try:
+            os.sched_setaffinity(0, cpu_affinity)
+        except (AttributeError, OSError) as e:  # not Linux, or CPUs not allowed
+            logger.warning("could not pin the engine core to CPUs %s: %s", cpu_affinity, e)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context(1)
@@ -138,7 +149,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         logger.info("engine core ready in %.1fs: pid %d, torch threads %d, %d KV blocks of %d tokens, "
                     "max_model_len %d", info.load_time, info.pid, num_threads, info.num_kv_blocks,
                     info.block_size, info.max_model_len)
-        on_step = _kv_event_hook(core, config)
+        on_step = _kv_event_hook(core, config, data_parallel_rank)
         out_sock.send(dumps(("ready", info)))
         _core_loop(core, in_sock, out_sock, parent_pid, on_step)
     except SystemExit:

@@ -1,6 +1,7 @@
 """Prometheus exporter: vLLM's metric names with the ``tokenmill:`` prefix.
 
-Every metric carries the label ``model_name``. Names, meanings and histogram
+Every metric carries the label ``model_name`` and, except ``request_refused_total``,
+``engine`` (the engine core's index; one per core under ``--data-parallel-size``). Names, meanings and histogram
 bucket boundaries follow vLLM's v1 Prometheus logger so that dashboards and
 alerts written for vLLM work after replacing the ``vllm:`` prefix:
 
@@ -59,8 +60,35 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
         exp += 1
 
 
+class _EngineSeries:
+    """The labelled children of one engine (label values ``model_name``, ``engine``) and its counter baselines."""
+
+    def __init__(self, fams: dict, model_name: str, engine: str) -> None:
+        lv = (model_name, engine)
+        for name, fam in fams.items():
+            if name not in ("success",):
+                setattr(self, name, fam.labels(*lv))
+        self.success = {r: fams["success"].labels(*lv, r) for r in ("stop", "length", "abort", "error")}
+        self._success_fam, self._lv = fams["success"], lv
+        self.last_preemptions = 0
+        self.last_queries = 0
+        self.last_hits = 0
+        self.last_steps = 0
+
+    def finished(self, reason: str):
+        c = self.success.get(reason)
+        if c is None:
+            c = self.success[reason] = self._success_fam.labels(*self._lv, reason)
+        return c
+
+
 class PrometheusStatLogger:
     """Keeps the ``tokenmill:`` metrics up to date from engine and iteration stats.
+
+    Every engine-side series carries the labels ``model_name`` and ``engine``
+    (the engine core's index, ``"0"`` for a single core; one per core under
+    ``--data-parallel-size``), as vLLM labels them; ``request_refused_total``
+    is the API process's and has no ``engine`` label.
 
     Args:
         model_name: value of the ``model_name`` label.
@@ -72,100 +100,106 @@ class PrometheusStatLogger:
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        r, ln, lv = self.registry, ["model_name"], [model_name]
+        r, ln = self.registry, ["model_name", "engine"]
 
         def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ln, registry=r).labels(*lv)
+            return Gauge(PREFIX + name, doc, ln, registry=r)
 
         def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ln, registry=r).labels(*lv)
+            return Counter(PREFIX + name, doc, ln, registry=r)
 
         def hist(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(PREFIX + name, doc, ln, buckets=buckets, registry=r).labels(*lv)
+            return Histogram(PREFIX + name, doc, ln, buckets=buckets, registry=r)
 
-        self.num_running = gauge("num_requests_running", "Number of requests in the running batch.")
-        self.num_waiting = gauge("num_requests_waiting", "Number of requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1).")
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
-        self.prefix_queries = counter("prefix_cache_queries",
-                                      "Prefix cache queries, in prompt tokens looked up.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached.")
-        self._success = Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
-                                ["model_name", "finished_reason"], registry=r)
-        for reason in ("stop", "length", "abort", "error"):
-            self._success.labels(model_name, reason)  # export zeros from the start
+        token_buckets = build_1_2_5_buckets(max(1, max_model_len))
+        self._fams = {
+            "num_running": gauge("num_requests_running", "Number of requests in the running batch."),
+            "num_waiting": gauge("num_requests_waiting", "Number of requests waiting to be scheduled."),
+            "kv_usage": gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)."),
+            "num_preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
+            "prompt_tokens": counter("prompt_tokens", "Number of prefill tokens processed."),
+            "generation_tokens": counter("generation_tokens", "Number of generation tokens processed."),
+            "prefix_queries": counter("prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."),
+            "prefix_hits": counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."),
+            "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
+                               ["model_name", "engine", "finished_reason"], registry=r),
+            "ttft": hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                         TTFT_BUCKETS),
+            "itl": hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+            "e2e": hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                        REQUEST_LATENCY_BUCKETS),
+            "queue": hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                          REQUEST_LATENCY_BUCKETS),
+            "prefill": hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                            REQUEST_LATENCY_BUCKETS),
+            "decode": hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                           REQUEST_LATENCY_BUCKETS),
+            "inference": hist("request_inference_time_seconds",
+                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
+            "req_prompt_tokens": hist("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets),
+            "req_gen_tokens": hist("request_generation_tokens", "Number of generation tokens processed.",
+                                   token_buckets),
+            "req_max_tokens": hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+                                   token_buckets),
+            "sched_time": hist("scheduler_time_seconds",
+                               "Histogram of per-step scheduling time (schedule + update) in seconds.",
+                               SCHEDULER_TIME_BUCKETS),
+        }
         self._refused = Counter(PREFIX + "request_refused",
                                 "Requests refused by admission control (HTTP 429), by the limit that refused them.",
                                 ["model_name", "reason"], registry=r)
         for reason in ("waiting_requests", "waiting_tokens"):
             self._refused.labels(model_name, reason)
-        self.ttft = hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS)
-        self.itl = hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                        ITL_BUCKETS)
-        self.e2e = hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS)
-        self.queue = hist("request_queue_time_seconds",
-                          "Histogram of time spent in WAITING phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.prefill = hist("request_prefill_time_seconds",
-                            "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.decode = hist("request_decode_time_seconds",
-                           "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
-        self.inference = hist("request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS)
-        token_buckets = build_1_2_5_buckets(max(1, max_model_len))
-        self.req_prompt_tokens = hist("request_prompt_tokens", "Number of prefill tokens processed.",
-                                      token_buckets)
-        self.req_gen_tokens = hist("request_generation_tokens", "Number of generation tokens processed.",
-                                   token_buckets)
-        self.req_max_tokens = hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                                   token_buckets)
-        self.sched_time = hist("scheduler_time_seconds",
-                               "Histogram of per-step scheduling time (schedule + update) in seconds.",
-                               SCHEDULER_TIME_BUCKETS)
-        # Last cumulative core counters seen, to turn them into increments.
-        self._last_preemptions = 0
-        self._last_queries = 0
-        self._last_hits = 0
-        self._last_steps = 0
+        self._engines: dict[int, _EngineSeries] = {}
+        self.engine(0)  # export engine 0's zeros from the start
+
+    def engine(self, index: int) -> _EngineSeries:
+        """The series of engine core ``index`` (created on first use)."""
+        e = self._engines.get(index)
+        if e is None:
+            e = self._engines[index] = _EngineSeries(self._fams, self.model_name, str(index))
+        return e
 
     def record_refusal(self, reason: str) -> None:
         """Count one request refused by admission control (``reason``: the limit that refused it)."""
         self._refused.labels(self.model_name, reason).inc()
 
     def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
-        """Update gauges from the core snapshot and counters/histograms from the iteration."""
+        """Update engine 0's gauges from the core snapshot and counters/histograms from the iteration."""
+        self.record_engine(0, engine_stats, iteration)
+
+    def record_engine(self, index: int, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
+        """Like :meth:`record`, for engine core ``index`` (``--data-parallel-size``)."""
+        e = self.engine(index)
         if engine_stats is not None:
             s = engine_stats
-            self.num_running.set(s.num_running)
-            self.num_waiting.set(s.num_waiting)
-            self.kv_usage.set(min(1.0, max(0.0, s.kv_cache_usage)))
-            self._last_preemptions = _inc(self.num_preemptions, s.num_preemptions_total, self._last_preemptions)
-            self._last_queries = _inc(self.prefix_queries, s.prefix_cache_queries, self._last_queries)
-            self._last_hits = _inc(self.prefix_hits, s.prefix_cache_hits, self._last_hits)
-            if s.num_steps > self._last_steps:
-                self._last_steps = s.num_steps
-                self.sched_time.observe(s.last_schedule_time)
+            e.num_running.set(s.num_running)
+            e.num_waiting.set(s.num_waiting)
+            e.kv_usage.set(min(1.0, max(0.0, s.kv_cache_usage)))
+            e.last_preemptions = _inc(e.num_preemptions, s.num_preemptions_total, e.last_preemptions)
+            e.last_queries = _inc(e.prefix_queries, s.prefix_cache_queries, e.last_queries)
+            e.last_hits = _inc(e.prefix_hits, s.prefix_cache_hits, e.last_hits)
+            if s.num_steps > e.last_steps:
+                e.last_steps = s.num_steps
+                e.sched_time.observe(s.last_schedule_time)
         if iteration is not None:
-            self.prompt_tokens.inc(iteration.num_prompt_tokens)
-            self.generation_tokens.inc(iteration.num_generation_tokens)
+            e.prompt_tokens.inc(iteration.num_prompt_tokens)
+            e.generation_tokens.inc(iteration.num_generation_tokens)
             for v in iteration.time_to_first_tokens:
-                self.ttft.observe(v)
+                e.ttft.observe(v)
             for v in iteration.inter_token_latencies:
-                self.itl.observe(v)
+                e.itl.observe(v)
             for f in iteration.finished:
-                self._success.labels(self.model_name, f.finish_reason).inc()
-                self.e2e.observe(f.e2e_latency)
-                self.queue.observe(f.queued_time)
-                self.prefill.observe(f.prefill_time)
-                self.decode.observe(f.decode_time)
-                self.inference.observe(f.prefill_time + f.decode_time)
-                self.req_prompt_tokens.observe(f.num_prompt_tokens)
-                self.req_gen_tokens.observe(f.num_generation_tokens)
+                e.finished(f.finish_reason).inc()
+                e.e2e.observe(f.e2e_latency)
+                e.queue.observe(f.queued_time)
+                e.prefill.observe(f.prefill_time)
+                e.decode.observe(f.decode_time)
+                e.inference.observe(f.prefill_time + f.decode_time)
+                e.req_prompt_tokens.observe(f.num_prompt_tokens)
+                e.req_gen_tokens.observe(f.num_generation_tokens)
                 if f.max_tokens_param is not None:
-                    self.req_max_tokens.observe(f.max_tokens_param)
+                    e.req_max_tokens.observe(f.max_tokens_param)
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

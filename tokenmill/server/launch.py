@@ -69,7 +69,9 @@ def run_server(config: EngineConfig) -> None:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = resolve_model_path(config)
     tok_path = config.model.tokenizer or model_path
-    engine = AsyncEngine(config)
+    from tokenmill.engine.dp_engine import make_async_engine
+
+    engine = make_async_engine(config)  # N engine cores with --data-parallel-size N
     engine.launch()
     try:
         t0 = time.perf_counter()

@@ -1,0 +1,253 @@
+"""Data-parallel serving: N engine core processes behind one API process (``--data-parallel-size N``).
+
+Each core is an ordinary :class:`~tokenmill.engine.async_engine.AsyncEngine`
+child with its own model copy, scheduler and KV pool, pinned to its share of
+the CPUs this process may use (``len(cpus) // N`` each, contiguous; with
+fewer CPUs than cores they share CPUs round-robin), so its torch intra-op
+threads default to that share. A new request goes to the core with the
+lowest ``4 × waiting + running`` (vLLM's internal data-parallel load
+balancing rule), where ``waiting`` includes requests sent but not yet seen by
+the core; ties go to the lowest rank. All choices of one request (n > 1) run
+on the same core.
+
+Stats: stat loggers that implement ``record_engine(engine_index, stats,
+iteration)`` (the Prometheus exporter: every series labelled
+``engine="i"``) get each core's own stats; the others (log line, admission
+control) get the sum over the cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, AsyncIterator, Callable
+
+from tokenmill.config import EngineConfig
+from tokenmill.metrics.stats import EngineStats
+from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+from tokenmill.engine.core_proc import CoreInfo
+from tokenmill.metrics.stats import IterationStats, StatLogger
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+def cpu_shares(cpus: list[int], n: int) -> list[list[int]]:
+    """Split ``cpus`` into ``n`` pinning sets: contiguous equal shares, or one CPU each (shared) when too few.
+
+    Raises:
+        ValueError: ``n < 1`` or no CPUs.
+    """
+    if n < 1 or not cpus:
+        raise ValueError(f"need n >= 1 and at least one CPU, got n={n}, cpus={cpus}")
+    k = len(cpus) // n
+    if k == 0:
+        return [[cpus[i % len(cpus)]] for i in range(n)]
+    return [cpus[i * k:(i + 1) * k] for i in range(n)]
+
+
+class _EngineRelay:
+    """The stat logger a child engine reports to; forwards to the DP engine's loggers."""
+
+    def __init__(self, owner: "DPAsyncEngine", index: int) -> None:
+        self.owner = owner
+        self.index = index
+
+    def record(self, stats: EngineStats | None, iteration: IterationStats | None) -> None:
+        self.owner._record(self.index, stats, iteration)
+
+
+class DPAsyncEngine:
+    """``AsyncEngine``'s interface over ``config.server.data_parallel_size`` engine cores.
+
+    Args:
+        config: the engine configuration (every core gets the same one; KV event
+            ports are shifted by rank).
+        tokenizer, executor_factory, start_timeout: as for :class:`AsyncEngine`.
+        stat_loggers: see the module docstring.
+        cpus: CPUs to share out (default: this process's affinity).
+        num_engines: overrides ``config.server.data_parallel_size``.
+
+    Raises:
+        ValueError: fewer than 1 engine.
+    """
+
+    def __init__(self, config: EngineConfig, tokenizer: Any = None, *,
+                 executor_factory: Callable[[Any], Any] | None = None,
+                 stat_loggers: list[StatLogger] | None = None, start_timeout: float = 900.0,
+                 cpus: list[int] | None = None, num_engines: int | None = None) -> None:
+        n = num_engines or getattr(config.server, "data_parallel_size", 1)
+        if n < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {n}")
+        if cpus is None:
+            try:
+                cpus = sorted(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                cpus = list(range(os.cpu_count() or 1))
+        self.config = config
+        self.tokenizer = tokenizer
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.shares = cpu_shares(cpus, n)
+        self.engines = [AsyncEngine(config, tokenizer, executor_factory=executor_factory,
+                                    stat_loggers=[_EngineRelay(self, i)], start_timeout=start_timeout,
+                                    data_parallel_rank=i, cpus=self.shares[i]) for i in range(n)]
+        self._stats = [EngineStats() for _ in range(n)]
+        self._owner: dict[str, int] = {}
+        self.info: CoreInfo | None = None
+        self.num_routed = [0] * n
+
+    # -- life cycle --------------------------------------------------------------
+    def set_tokenizer(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        for e in self.engines:
+            e.set_tokenizer(tokenizer)
+
+    def launch(self) -> None:
+        """Spawn every core (they load the model in parallel)."""
+        for i, e in enumerate(self.engines):
+            e.launch()
+            logger.info("data-parallel engine %d pinned to CPUs %s", i, self.shares[i])
+
+    def wait_ready(self) -> CoreInfo:
+        """Wait for every core; the combined info has the smallest max_model_len and the summed KV pool.
+
+        Raises:
+            RuntimeError: a core failed to start (the others are shut down).
+        """
+        try:
+            infos = [e.wait_ready() for e in self.engines]
+        except BaseException:
+            self.shutdown()
+            raise
+        self.info = CoreInfo(max_model_len=min(i.max_model_len for i in infos),
+                             num_kv_blocks=sum(i.num_kv_blocks for i in infos), block_size=infos[0].block_size,
+                             eos_token_ids=list(infos[0].eos_token_ids), pid=infos[0].pid,
+                             num_threads=sum(i.num_threads for i in infos), load_time=max(i.load_time for i in infos))
+        self._stats = [EngineStats(num_kv_blocks=i.num_kv_blocks, block_size=i.block_size) for i in infos]
+        return self.info
+
+    def start(self) -> CoreInfo:
+        self.launch()
+        return self.wait_ready()
+
+    async def start_background(self) -> None:
+        for e in self.engines:
+            await e.start_background()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for e in self.engines:
+            e.shutdown(timeout)
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None:
+        return self.engines[0]._loop
+
+    # -- state ---------------------------------------------------------------------
+    @property
+    def is_healthy(self) -> bool:
+        """True while every core is alive (a dead core would fail the requests sent to it)."""
+        return all(e.is_healthy for e in self.engines)
+
+    @property
+    def errored(self) -> bool:
+        return not self.is_healthy
+
+    @property
+    def dead_reason(self) -> str | None:
+        for i, e in enumerate(self.engines):
+            if not e.is_healthy:
+                return f"data-parallel engine {i}: {e.dead_reason}"
+        return None
+
+    @property
+    def max_model_len(self) -> int:
+        assert self.info is not None, "engine not started"
+        return self.info.max_model_len
+
+    @property
+    def num_live_requests(self) -> int:
+        return sum(e.num_live_requests for e in self.engines)
+
+    def get_stats(self) -> EngineStats:
+        """The sum over the cores (KV usage: over the summed pool)."""
+        ss = self._stats
+        blocks = sum(s.num_kv_blocks for s in ss)
+        return EngineStats(
+            num_running=sum(s.num_running for s in ss), num_waiting=sum(s.num_waiting for s in ss),
+            num_waiting_tokens=sum(s.num_waiting_tokens for s in ss),
+            kv_cache_usage=(sum(s.kv_cache_usage * s.num_kv_blocks for s in ss) / blocks) if blocks else 0.0,
+            num_preemptions_total=sum(s.num_preemptions_total for s in ss),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in ss),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in ss), num_steps=sum(s.num_steps for s in ss),
+            last_step_time=max(s.last_step_time for s in ss), last_schedule_time=max(s.last_schedule_time for s in ss),
+            num_kv_blocks=blocks, block_size=ss[0].block_size)
+
+    def waiting_load(self) -> tuple[int, int]:
+        reqs = toks = 0
+        for e in self.engines:
+            r, t = e.waiting_load()
+            reqs += r
+            toks += t
+        return reqs, toks
+
+    def load_scores(self) -> list[int]:
+        """``4 × waiting + running`` per core (waiting includes adds the core has not seen yet)."""
+        out = []
+        for e in self.engines:
+            waiting, _ = e.waiting_load()
+            out.append(4 * waiting + e.get_stats().num_running)
+        return out
+
+    def _record(self, index: int, stats: EngineStats | None, iteration: IterationStats | None) -> None:
+        if stats is not None:
+            self._stats[index] = stats
+        total = self.get_stats() if stats is not None else None
+        for sl in self.stat_loggers:
+            try:
+                rec = getattr(sl, "record_engine", None)
+                if rec is not None:
+                    rec(index, stats, iteration)
+                else:
+                    sl.record(total, iteration)
+            except Exception:  # noqa: BLE001 - metrics must never break serving
+                logger.exception("stat logger %r failed", sl)
+
+    # -- requests ------------------------------------------------------------------
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
+                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+        """Run the request on the least loaded core (see :meth:`AsyncEngine.generate`).
+
+        Raises:
+            EngineDeadError: a core is gone.
+        """
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        scores = self.load_scores()
+        i = min(range(len(scores)), key=lambda k: (scores[k], k))
+        self._owner[request_id] = i
+        self.num_routed[i] += 1
+        try:
+            async for out in self.engines[i].generate(request_id, prompt, prompt_token_ids, params, priority,
+                                                      cache_salt, arrival_time):
+                yield out
+        finally:
+            self._owner.pop(request_id, None)
+
+    def abort_nowait(self, request_id: str) -> None:
+        i = self._owner.get(request_id)
+        if i is not None:
+            self.engines[i].abort_nowait(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.abort_nowait(request_id)
+
+
+def make_async_engine(config: EngineConfig, tokenizer: Any = None, **kw: Any) -> AsyncEngine | DPAsyncEngine:
+    """An :class:`AsyncEngine`, or a :class:`DPAsyncEngine` when ``--data-parallel-size`` > 1."""
+    n = getattr(config.server, "data_parallel_size", 1)
+    if n > 1:
+        return DPAsyncEngine(config, tokenizer, **kw)
+    return AsyncEngine(config, tokenizer, **kw)
