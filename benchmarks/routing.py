@@ -53,9 +53,21 @@ WORDS = ("harbour ship tide berth cargo crane pilot anchor hull deck mast sail r
 
 
 def build_workload(tokenizer, groups: int, prefix_tokens: int, per_group: int, question_words: int,
-                   output_len: int, seed: int) -> tuple[list[SampleRequest], list[int]]:
-    """Shared-prefix prompts: ``groups`` system prompts of ~``prefix_tokens`` tokens, short questions, shuffled."""
+                   output_len: int, seed: int, zipf_s: float = 0.0) -> tuple[list[SampleRequest], list[int]]:
+    """Shared-prefix prompts: ``groups`` system prompts of ~``prefix_tokens`` tokens, short questions, shuffled.
+
+    ``zipf_s == 0``: ``per_group`` questions per group. Otherwise the same total, each question's group
+    drawn with probability proportional to ``1 / rank ** zipf_s`` (a few hot system prompts).
+    """
     rng = random.Random(seed)
+    total = groups * per_group
+    if zipf_s > 0:
+        weights = [1.0 / (g + 1) ** zipf_s for g in range(groups)]
+        counts = [0] * groups
+        for g in rng.choices(range(groups), weights=weights, k=total):
+            counts[g] += 1
+    else:
+        counts = [per_group] * groups
     samples, prefix_lens = [], []
     for g in range(groups):
         words = [f"Instructions for desk {g}:"]
@@ -66,7 +78,7 @@ def build_workload(tokenizer, groups: int, prefix_tokens: int, per_group: int, q
             if len(tokenizer.encode(text, add_special_tokens=True)) >= prefix_tokens:
                 break
         prefix_lens.append(len(tokenizer.encode(text, add_special_tokens=True)))
-        for q in range(per_group):
+        for q in range(counts[g]):
             question = " Question %d: %s?" % (q, " ".join(rng.choice(WORDS) for _ in range(question_words)))
             prompt = text + question
             samples.append(SampleRequest(prompt, len(tokenizer.encode(prompt, add_special_tokens=True)), output_len))
@@ -153,6 +165,9 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workloads", default="uniform,zipf:1.2",
+                    help="Comma list: 'uniform' (equal questions per group) and/or 'zipf:S' (group popularity "
+                         "~ 1/rank^S, a few hot prompts).")
     ap.add_argument("--router-args", default="", help="Extra router flags, e.g. '--cache-threshold 0.5'.")
     ap.add_argument("--no-pin", action="store_true", help="Do not pin replicas to CPUs.")
     ap.add_argument("--json", default=None, help="Write the results here.")
@@ -161,15 +176,20 @@ def main() -> int:
     from tokenmill.router.prompt import PromptTokenizer
 
     tok = PromptTokenizer.load(None).tokenizer
-    samples, prefix_lens = build_workload(tok, args.groups, args.prefix_tokens, args.requests_per_group,
-                                          args.question_words, args.output_len, args.seed)
+    workloads = {}
+    for w in args.workloads.split(","):
+        zipf_s = float(w.split(":", 1)[1]) if w.startswith("zipf") else 0.0
+        workloads[w] = build_workload(tok, args.groups, args.prefix_tokens, args.requests_per_group,
+                                      args.question_words, args.output_len, args.seed, zipf_s)
     bs = 16
+    samples, prefix_lens = next(iter(workloads.values()))
     demand_blocks = sum(n // bs for n in prefix_lens)
     ncpu = len(os.sched_getaffinity(0))
-    print(f"workload: {len(samples)} requests, {args.groups} groups x ~{sum(prefix_lens) // len(prefix_lens)}-token "
-          f"prefixes, output {args.output_len}; prefix demand {demand_blocks} blocks = "
-          f"{demand_blocks / args.num_kv_blocks:.1f}x one replica's pool ({args.num_kv_blocks} blocks), "
-          f"{demand_blocks / (args.num_kv_blocks * args.replicas):.2f}x all {args.replicas}", flush=True)
+    print(f"workloads {list(workloads)}: {len(samples)} requests, {args.groups} groups x "
+          f"~{sum(prefix_lens) // len(prefix_lens)}-token prefixes, output {args.output_len}; prefix demand "
+          f"{demand_blocks} blocks = {demand_blocks / args.num_kv_blocks:.1f}x one replica's pool "
+          f"({args.num_kv_blocks} blocks), {demand_blocks / (args.num_kv_blocks * args.replicas):.2f}x all "
+          f"{args.replicas}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     reps = [LocalReplica(["--num-kv-blocks", str(args.num_kv_blocks), "--max-model-len", "2048",
                           "--max-num-seqs", str(args.max_num_seqs)],
@@ -191,12 +211,12 @@ def main() -> int:
         for r in reps:
             warm.base_url = r.url
             asyncio.run(run_benchmark(samples[:2], warm, LoadConfig(max_concurrency=2, disable_tqdm=True)))
-        for policy in args.policies.split(","):
+        for (wname, (samples, _)), policy in [(w, p) for w in workloads.items() for p in args.policies.split(",")]:
             router, url = start_router(policy, reps, tmp / f"router-{policy}.log", args.router_args.split())
             try:
                 before = [scrape(r.url, names) for r in reps]
                 ep = EndpointConfig(base_url=url, endpoint="completions", model=model, ignore_eos=True,
-                                    temperature=0.0, extra_body={"cache_salt": f"routing-{policy}-{args.seed}"})
+                                    temperature=0.0, extra_body={"cache_salt": f"routing-{wname}-{policy}-{args.seed}"})
                 res = asyncio.run(run_benchmark(samples, ep, LoadConfig(max_concurrency=args.max_concurrency,
                                                                        disable_tqdm=True, seed=args.seed,
                                                                        percentiles=[50, 90, 99])))
@@ -207,25 +227,25 @@ def main() -> int:
             q = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
             h = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
             d = res.metrics.to_dict()
-            row = {"policy": policy, "output_tok_s": d["output_throughput"], "completed": d["completed"],
+            row = {"workload": wname, "policy": policy, "output_tok_s": d["output_throughput"], "completed": d["completed"],
                    "failed": d["failed"], "ttft_p50_ms": d["p50_ttft_ms"], "ttft_p90_ms": d["p90_ttft_ms"],
                    "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "reasons": reasons,
                    "duration_s": d["duration"]}
             results.append(row)
-            print(f"  {policy:13s} {row['output_tok_s']:7.1f} tok/s  TTFT p50/p90/p99 "
+            print(f"  {wname:8s} {policy:13s} {row['output_tok_s']:7.1f} tok/s  TTFT p50/p90/p99 "
                   f"{row['ttft_p50_ms']:6.0f}/{row['ttft_p90_ms']:6.0f}/{row['ttft_p99_ms']:6.0f} ms  "
                   f"hit {row['hit_rate']:5.1%}  failed {row['failed']}  {reasons}", flush=True)
     finally:
         for r in reps:
             r.stop()
-    base = next((r for r in results if r["policy"] == "round_robin"), results[0] if results else None)
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.replicas} replicas x {args.num_kv_blocks} blocks, "
           f"{'pinned' if not args.no_pin else 'unpinned'} on {ncpu} CPUs")
-    print("| policy | output tok/s | vs round_robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefix hit rate |")
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | policy | output tok/s | vs round_robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefix hit rate |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in results:
+        base = next((x for x in results if x["policy"] == "round_robin" and x["workload"] == r["workload"]), None)
         ratio = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else 0.0
-        print(f"| {r['policy']} | {r['output_tok_s']:.1f} | {ratio:.2f}x | {r['ttft_p50_ms']:.0f} | "
+        print(f"| {r['workload']} | {r['policy']} | {r['output_tok_s']:.1f} | {ratio:.2f}x | {r['ttft_p50_ms']:.0f} | "
               f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['hit_rate']:.1%} |")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))

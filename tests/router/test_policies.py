@@ -176,7 +176,7 @@ def test_kv_aware_load_outweighs_a_small_overlap():
     idx = KVIndex()
     chain = block_hash_chain(list(range(64)), 4)
     idx.apply(0, KVEventBatch(ts=0.0, events=[stored(chain[:2])]))
-    bs[0].active_blocks, bs[0].prefill_blocks = 40, 10
+    bs[0].in_flight, bs[0].prefill_blocks = 20, 10   # cost 0: (10 + 14) + (20 + 16) = 60 > 32
     d = _kv_policy(idx).select(bs, RouteInput(block_hashes=chain, num_prompt_tokens=64))
     assert d.backend.index == 1 and d.reason == "kv_load"
 
@@ -192,7 +192,7 @@ def test_kv_aware_last_token_is_never_a_hit():
 
 def test_kv_aware_falls_back_to_load_without_events():
     bs = backends(2)
-    bs[0].active_blocks = 30
+    bs[0].in_flight = 3
     p = _kv_policy(KVIndex())
     d = p.select(bs, RouteInput(block_hashes=block_hash_chain(list(range(32)), 4), num_prompt_tokens=32))
     assert d.backend.index == 1 and d.reason == "load_fallback"

@@ -198,8 +198,12 @@ class KVAware(Policy):
 
     * ``prefill_blocks(w) = w.prefill_blocks + n - overlap(w)`` (blocks it
       would still have to prefill, its queued prefills included);
-    * ``decode_blocks(w) = w.active_blocks + n`` (blocks its running requests
-      would hold, i.e. the decode step's memory traffic);
+    * ``decode_blocks(w) = distinct(w) + w.in_flight + new(w)``: the distinct
+      full blocks its in-flight requests hold (requests sharing a prefix
+      share its blocks, as Dynamo's active-sequence tracking counts them),
+      one partial tail block per in-flight request, and the request's
+      blocks ``w`` does not already hold for an in-flight request; i.e. the
+      KV memory its decode steps would read;
     * ``cost(w) = overlap_weight * prefill_blocks(w) + decode_blocks(w)``.
 
     ``overlap(w)`` is the longer of two matches: the blocks ``w``'s KV events
@@ -269,7 +273,9 @@ class KVAware(Policy):
         for b in candidates:
             ov = min(overlaps.get(b.index, 0), max_hit)
             prefill = b.prefill_blocks + (n - ov)
-            decode = b.active_blocks + n
+            pend = self.pending.get(b.index) or {}
+            shared = sum(1 for h in hashes if h in pend)
+            decode = len(pend) + b.in_flight + (n - shared)
             costs[b.index] = self.overlap_weight * prefill + decode
         chosen = self._pick(candidates, costs)
         ov = min(overlaps.get(chosen.index, 0), max_hit)
