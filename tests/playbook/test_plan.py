@@ -140,6 +140,15 @@ def test_real_gguf_matches_engine_sizing_and_exact_tensor_count():
     p = plan(shape, PlanOptions(dtype="bfloat16"))
     assert p.kv_cache_bytes_per_token == kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 23040
     assert p.num_kv_blocks == (1 << 30) // (23040 * 16)       # the runner's default-pool formula
+    import gguf
+
+    from tokenmill.playbook.plan import read_gguf_header
+
+    reader = gguf.GGUFReader(path, "r")                      # the format's reference reader agrees
+    _, tensors = read_gguf_header(path)
+    assert {n: (list(d), t) for n, d, t in tensors} == \
+        {t.name: ([int(x) for x in t.shape], int(t.tensor_type)) for t in reader.tensors}
+    assert shape.tensor_bytes == {t.name: int(t.n_bytes) for t in reader.tensors}
     g = plan(shape, PlanOptions(quantization="gguf"))
     assert g.weight_bytes == shape.checkpoint_bytes < p.weight_bytes
 

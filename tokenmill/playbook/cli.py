@@ -37,3 +37,12 @@ def add_playbook_subparsers(sub: Any) -> None:
                                    "batching and write one result line per request, in input order.")
     run_batch.add_run_batch_args(b)
     b.set_defaults(func=run_batch.run_batch_cli)
+
+    from tokenmill.playbook import tune
+
+    u = sub.add_parser("tune", help="Pull the playbook's levers one run at a time, measured as goodput.",
+                       description="Measure run-to-run noise, then try the playbook's levers in order, one change "
+                                   "per run on fresh servers, keeping a change only when goodput rises beyond the "
+                                   "noise; writes a Markdown/JSON/PNG report and the final serve command.")
+    tune.add_tune_args(u)
+    u.set_defaults(func=tune.run_tune_cli)

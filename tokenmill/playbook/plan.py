@@ -270,22 +270,106 @@ def _safetensors_stats(folder: str) -> tuple[int, int] | None:
     return params, nbytes
 
 
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+
+
+def read_gguf_header(path: str, max_array_len: int = 1024) -> tuple[dict[str, Any], list[tuple[str, list[int], int]]]:
+    """The metadata and tensor table of a GGUF file (format v2/v3), without reading tensor data.
+
+    Arrays longer than ``max_array_len`` (the vocabulary, merges) are skipped, not decoded, which makes
+    this ~100× faster than :class:`gguf.GGUFReader` on a tokenizer-carrying file.
+
+    Returns:
+        (metadata key → value, [(tensor name, shape as stored (GGUF ``ne`` order), ggml type id)]).
+
+    Raises:
+        ValueError: not a GGUF file, or a truncated / unknown-typed header.
+    """
+    import mmap
+
+    with open(path, "rb") as f:
+        try:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # empty file
+            raise ValueError(f"{path}: not a GGUF file") from None
+    try:
+        return _parse_gguf_header(path, data, max_array_len)
+    finally:
+        data.close()
+
+
+def _parse_gguf_header(path: str, data, max_array_len: int):
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        size = struct.calcsize(fmt)
+        if pos + size > len(data):
+            raise ValueError(f"{path}: truncated GGUF header")
+        v = struct.unpack_from(fmt, data, pos)[0]
+        pos += size
+        return v
+
+    def string() -> str:
+        nonlocal pos
+        n = take("<Q")
+        v = data[pos:pos + n].decode("utf-8", errors="replace")
+        pos += n
+        return v
+
+    def value(vtype: int):
+        nonlocal pos
+        if vtype in _GGUF_SCALARS:
+            return take(_GGUF_SCALARS[vtype])
+        if vtype == 8:
+            return string()
+        if vtype == 9:
+            etype, count = take("<I"), take("<Q")
+            if count > max_array_len:
+                if etype in _GGUF_SCALARS:
+                    pos += count * struct.calcsize(_GGUF_SCALARS[etype])
+                else:
+                    for _ in range(count):
+                        value(etype)
+                return None
+            return [value(etype) for _ in range(count)]
+        raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+
+    if data[:4] != b"GGUF":
+        raise ValueError(f"{path}: not a GGUF file")
+    pos = 4
+    version = take("<I")
+    if version < 2:
+        raise ValueError(f"{path}: GGUF version {version} is not supported (2 or 3 expected)")
+    n_tensors, n_kv = take("<Q"), take("<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = string()
+        v = value(take("<I"))
+        if v is not None:
+            meta[key] = v
+    tensors = []
+    for _ in range(n_tensors):
+        name = string()
+        dims = [take("<Q") for _ in range(take("<I"))]
+        ttype = take("<I")
+        take("<Q")  # offset
+        tensors.append((name, dims, ttype))
+    return meta, tensors
+
+
 def shape_from_gguf(path: str) -> ModelShape:
     """A :class:`ModelShape` from a GGUF file's metadata and tensor table (no tensor data is read).
 
     Raises:
         ValueError: not a GGUF file, or metadata lacks the layer/width/head counts.
     """
-    import gguf
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as e:
-        raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+    meta, tensor_list = read_gguf_header(path)
 
     def get(key: str, default: Any = None) -> Any:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
+        return meta.get(key, default)
 
     arch = get("general.architecture")
     if arch is None:
@@ -299,12 +383,13 @@ def shape_from_gguf(path: str) -> ModelShape:
 
     if key("block_count") is None or key("embedding_length") is None or key("attention.head_count") is None:
         raise ValueError(f"{path}: GGUF metadata lacks {arch}.block_count / embedding_length / attention.head_count")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = {name: (dims, ttype) for name, dims, ttype in tensor_list}
     hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
     n_layers = int(key("block_count"))
     emb = tensors.get("token_embd.weight")
-    vocab = key("vocab_size") or (int(emb.shape[-1]) if emb is not None
-                                  else len(reader.fields["tokenizer.ggml.tokens"].data))
+    if key("vocab_size") is None and emb is None:
+        raise ValueError(f"{path}: GGUF file has neither {arch}.vocab_size nor token_embd.weight")
+    vocab = key("vocab_size") or int(emb[0][-1])
     window = key("attention.sliding_window")
     windows: list[int | None] = [None] * n_layers
     if window:
@@ -317,7 +402,12 @@ def shape_from_gguf(path: str) -> ModelShape:
     kv_lora = key("attention.kv_lora_rank")
     rope_dim = int(key("rope.dimension_count") or 0)
     key_len = int(key("attention.key_length") or hidden // heads)
-    tensor_bytes = {t.name: int(t.n_bytes) for t in reader.tensors}
+    tensor_bytes, n_params = {}, 0
+    for name, (dims, ttype) in tensors.items():
+        n = math.prod(dims)
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+        tensor_bytes[name] = n // block * size
+        n_params += n
     return ModelShape(
         source=path, architecture=str(arch), num_layers=n_layers, hidden_size=hidden,
         intermediate_size=int(key("feed_forward_length") or 4 * hidden), num_heads=heads,
@@ -333,7 +423,7 @@ def shape_from_gguf(path: str) -> ModelShape:
         moe_intermediate_size=int(key("expert_feed_forward_length") or 0),
         num_shared_experts=int(key("expert_shared_count") or 0),
         first_k_dense=int(key("leading_dense_block_count") or 0),
-        param_count=sum(int(t.n_elements) for t in reader.tensors),
+        param_count=n_params,
         checkpoint_bytes=sum(tensor_bytes.values()), tensor_bytes=tensor_bytes,
     )
 

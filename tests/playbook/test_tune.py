@@ -1,0 +1,148 @@
+"""tokenmill tune: the lever search (synthetic measurements) and an end-to-end run on real servers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenmill.playbook.tune import (LEVER_ORDER, Measurement, TuneSettings, flags_to_argv, serve_options, tune,
+                                     write_report)
+
+GOODPUT = {  # synthetic goodput (req/s) per configuration
+    "{}": [2.0, 2.1],
+    '{"max_num_seqs": 256}': 3.0,
+    '{"max_num_seqs": 512}': 3.1,
+    '{"max_num_batched_tokens": 4096, "max_num_seqs": 256}': 3.2,
+    '{"max_num_batched_tokens": 1024, "max_num_seqs": 256}': 2.5,
+    '{"long_prefill_token_threshold": 512, "max_num_seqs": 256}': 3.0,
+}
+
+
+class FakeMeasure:
+    def __init__(self, duration_s: float = 1.0) -> None:
+        self.calls: list[dict] = []
+        self.duration_s = duration_s
+
+    def __call__(self, flags: dict, initial_rate: float) -> Measurement:
+        key = json.dumps(flags, sort_keys=True)
+        self.calls.append(flags)
+        g = GOODPUT.get(key, 1.0)
+        if isinstance(g, list):
+            g = g[sum(1 for c in self.calls if c == flags) - 1]
+        return Measurement(goodput=g, p99_ttft_ms=1500.0, p99_tpot_ms=50.0, slo_attainment=0.95,
+                           preemptions=0, curve=[], duration_s=self.duration_s)
+
+
+def _settings(**kw) -> TuneSettings:
+    base = dict(model=None, base_serve_args=[], serve_command=["unused"], workload={"dataset": "random"},
+                slos={"ttft": 2000.0, "tpot": 100.0}, noise_runs=2,
+                levers=["max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "prefix_caching",
+                        "kv_cache_dtype", "speculative"])
+    base.update(kw)
+    return TuneSettings(**base)
+
+
+def _cap(flags):
+    return {"max_num_seqs_without_preemption": 1000, "kv_cache_memory": 1 << 30}
+
+
+def test_noise_then_levers_in_order_keep_only_beyond_noise(tmp_path):
+    m = FakeMeasure()
+    r = tune(_settings(), tmp_path, measure=m, capacity=_cap)
+    assert m.calls[:2] == [{}, {}]                       # noise first, on the starting configuration
+    assert abs(r.noise - 0.1 / 2.05) < 1e-9 and r.threshold == 0.1   # precision dominates a 4.9% spread
+    rows = [(t.lever, t.change, t.verdict) for t in r.trials[2:]]
+    assert rows[0] == ("max_num_seqs", {"max_num_seqs": 256}, "kept")          # 3.0 > 2.05 × 1.1
+    assert rows[1] == ("max_num_seqs", {"max_num_seqs": 512}, "rejected")      # 3.1 ≤ 3.0 × 1.1
+    # TTFT is the binding SLO (1500/2000 > 50/100): a larger budget first, then the opposite direction.
+    assert rows[2] == ("max_num_batched_tokens", {"max_num_batched_tokens": 4096}, "rejected")
+    assert rows[3] == ("max_num_batched_tokens", {"max_num_batched_tokens": 1024}, "rejected")
+    assert rows[4][0] == "long_prefill_token_threshold" and rows[4][2] == "rejected"
+    assert r.best_flags == {"max_num_seqs": 256} and r.best_goodput == 3.0
+    assert r.skipped["prefix_caching"] == "already on"
+    opts = serve_options()
+    for lever, flag in (("kv_cache_dtype", "--kv-cache-dtype"), ("speculative", "--speculative-config")):
+        assert (lever in r.skipped) == (flag not in opts)   # pulled exactly when main has the flag
+    assert "--max-num-seqs 256" in r.serve_command
+    order = [t.lever for t in r.trials if t.lever]
+    assert order == sorted(order, key=LEVER_ORDER.index)
+
+
+def test_resume_replays_saved_measurements(tmp_path):
+    first = tune(_settings(), tmp_path, measure=FakeMeasure(), capacity=_cap)
+
+    def must_not_run(flags, rate):
+        raise AssertionError(f"re-measured {flags}")
+
+    again = tune(_settings(), tmp_path, measure=must_not_run, capacity=_cap)
+    assert [(t.change, t.verdict) for t in again.trials] == [(t.change, t.verdict) for t in first.trials]
+    assert all(t.resumed for t in again.trials) and again.serve_command == first.serve_command
+    with pytest.raises(ValueError, match="other settings"):
+        tune(_settings(slos={"ttft": 1000.0}), tmp_path, measure=must_not_run, capacity=_cap)
+
+
+def test_budget_stops_and_a_later_run_continues(tmp_path):
+    m = FakeMeasure(duration_s=40.0)
+    r = tune(_settings(budget_minutes=1.5), tmp_path, measure=m, capacity=_cap)
+    assert len(m.calls) == 2 and r.stopped_by_budget     # 80 s measured + a 40 s trial would pass 90 s
+    assert r.skipped["max_num_seqs"].startswith("not tried")
+    more = FakeMeasure(duration_s=40.0)
+    r2 = tune(_settings(budget_minutes=3.0), tmp_path, measure=more, capacity=_cap)
+    assert [t.resumed for t in r2.trials][:2] == [True, True] and len(more.calls) == 2
+
+
+def test_report_files(tmp_path):
+    r = tune(_settings(), tmp_path, measure=FakeMeasure(), capacity=_cap)
+    paths = write_report(r, tmp_path)
+    md = paths["md"].read_text()
+    assert r.serve_command in md and "| 3 | max_num_seqs | `--max-num-seqs 256` | 3 |" in md
+    assert "kept" in md and "rejected" in md and "Levers not pulled" in md
+    doc = json.loads(paths["json"].read_text())
+    assert doc["best_flags"] == {"max_num_seqs": 256} and len(doc["trials"]) == len(r.trials)
+    assert paths["png"].stat().st_size > 5000
+
+
+def test_flags_to_argv():
+    assert flags_to_argv({"max_num_seqs": 8, "enable_prefix_caching": False, "kv_cache_memory": "2GiB",
+                          "speculative_config": {"method": "ngram"}}) == \
+        ["--max-num-seqs", "8", "--no-enable-prefix-caching", "--kv-cache-memory", "2GiB",
+         "--speculative-config", '{"method": "ngram"}']
+
+
+@pytest.mark.slow
+def test_end_to_end_short_mode_on_real_servers(tmp_path):
+    """Two levers, tiny budget: fresh tokenmill servers (real HTTP server, engine core and scheduler; model-free
+    executor whose step time grows with its tokens), real goodput searches; then a resume that measures nothing."""
+    repo = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable, "-m", "tokenmill.cli", "tune", "--serve-command",
+           f"{sys.executable} -m tests.playbook.fake_serve", "--serve-args", "--max-num-seqs 4",
+           "--dataset", "random", "--input-len", "32", "--output-len", "16", "--num-prompts", "8",
+           "--goodput", "ttft:400", "tpot:40", "--initial-rate", "8", "--max-probes", "3", "--noise-runs", "2",
+           "--levers", "max_num_seqs,max_num_batched_tokens", "--budget-minutes", "0.4",
+           "--output-dir", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=repo)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "tune_report.json").read_text())
+    trials = doc["trials"]
+    assert [t["kind"] for t in trials[:2]] == ["noise", "noise"] and len(trials) >= 3
+    assert all(t["measurement"]["error"] is None for t in trials), [t["measurement"]["error"] for t in trials]
+    assert all(t["measurement"]["goodput"] > 0 and t["measurement"]["curve"] for t in trials)
+    assert {t["lever"] for t in trials[2:]} <= {"max_num_seqs", "max_num_batched_tokens"}
+    kept = [t for t in trials if t["verdict"] == "kept"]
+    for t in kept:
+        assert " ".join(flags_to_argv(t["change"])) in doc["serve_command"]
+    assert doc["serve_command"].startswith("tokenmill serve --max-num-seqs 4")
+    assert (tmp_path / "tune_report.md").read_text().count("| noise |") == 2
+    assert (tmp_path / "tune_report.png").exists()
+    servers = sorted(tmp_path.glob("server_*.log"))
+    assert len(servers) == len(trials)                    # one fresh server per trial
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=repo)
+    assert again.returncode == 0, again.stderr[-3000:]
+    doc2 = json.loads((tmp_path / "tune_report.json").read_text())
+    assert all(t["resumed"] for t in doc2["trials"][: len(trials)])
+    assert sorted(tmp_path.glob("server_*.log")) == servers  # nothing measured again
+    assert doc2["serve_command"] == doc["serve_command"]
