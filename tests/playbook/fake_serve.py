@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
 
     from tests.server.fakes import CharTokenizer
     from tokenmill.engine.async_engine import AsyncEngine
-    from tokenmill.server.api import build_app, create_server_state
+    from tokenmill.server.app import build_app
+    from tokenmill.server.launch import create_server_state
     from tokenmill.server.cli_args import build_parser, config_from_args
 
     args = build_parser().parse_args(argv)

@@ -128,7 +128,7 @@ def test_budget_from_device_memory_and_too_long_workload():
 
 
 def test_real_gguf_matches_engine_sizing_and_exact_tensor_count():
-    from tokenmill.model.runner import kv_bytes_per_token
+    from tokenmill.model.kv_cache import kv_bytes_per_token
     from tokenmill.playbook.plan import default_model_path
     import torch
 
