@@ -78,6 +78,7 @@ class ModelConfig:
     served_model_name: str | None = _f(None, "Model name reported by /v1/models and accepted in requests (default: the model file's stem).")
     enforce_eager: bool = _f(True, "Run the model eagerly (no torch.compile of the step). On by default: on the 2-core CPU the compiled dense step was no faster than eager (decode B=32 bf16: 251 vs 236 ms; benchmarks/roofline.py --compile) and costs ~45-60 s of start-up.")
     compile_sizes: str | None = _f(None, "Padded token counts captured for the compiled step when --enforce-eager is off, comma-separated (default: 1,2,4,...,512 up to --max-num-batched-tokens).")
+    logprobs_mode: str = _f("raw_logprobs", "What logprobs report (vLLM's --logprobs-mode): raw_logprobs (log-softmax of the model's logits, before penalties, temperature and top-k/top-p/min-p), raw_logits, processed_logprobs (after them; truncated tokens are -inf, sent as -9999), processed_logits. Prompt logprobs are always raw log-probabilities.", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
 
 
 @dataclass(frozen=True)

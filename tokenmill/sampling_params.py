@@ -44,6 +44,9 @@ class SamplingParams:
             (ValueError otherwise; the server's ``echo`` with ``max_tokens:
             0`` samples one token and drops it).
         skip_special_tokens: drop special tokens from the text.
+        logit_bias: token id -> value in [-100, 100] added to that token's
+            logit before sampling (OpenAI's ``logit_bias``; the raw logprobs
+            modes report the distribution before it).
     Raises:
         ValueError: from :meth:`validate` (called on construction) naming the
             offending field.
@@ -67,6 +70,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -119,6 +123,12 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise ValueError("stop_token_ids must be non-negative integers")
+        if self.logit_bias:
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or t < 0:
+                    raise ValueError(f"logit_bias keys must be non-negative token ids, got {t!r}")
+                if not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                    raise ValueError(f"logit_bias values must be in [-100, 100], got {b!r}")
 
     @property
     def greedy(self) -> bool:

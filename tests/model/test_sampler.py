@@ -174,8 +174,8 @@ def test_logprobs_values_and_ranks():
     assert len(g.top_token_ids) == 5 and g.top_logprobs == sorted(g.top_logprobs, reverse=True)
     torch.testing.assert_close(torch.tensor(g.top_logprobs), raw.topk(5).values)
     assert math.isclose(raw.exp().sum().item(), 1.0, rel_tol=1e-5)
-    # Sampled row: temperature-scaled distribution, rank consistent with top list.
-    lp1 = torch.log_softmax(logits[1] / 0.7, -1)
+    # Sampled row: by default (raw_logprobs) the model's own distribution, rank consistent with top list.
+    lp1 = torch.log_softmax(logits[1], -1)
     t = lps[1]
     assert math.isclose(t.logprob, lp1[ids[1]].item(), rel_tol=1e-5, abs_tol=1e-6)
     assert t.rank == int((lp1 > lp1[ids[1]]).sum()) + 1
@@ -260,3 +260,49 @@ def test_inverse_cdf_edges_never_pick_zero_probability():
     hi = Sampler._inverse_cdf(probs, torch.tensor([1 - 2**-53, 1 - 2**-53], dtype=torch.float64))
     mid = Sampler._inverse_cdf(probs, torch.tensor([0.29, 0.5], dtype=torch.float64))
     assert lo.tolist() == [1, 2] and hi.tolist() == [3, 2] and mid.tolist() == [1, 2]
+
+
+def test_raw_logprobs_do_not_depend_on_sampling_parameters():
+    """vLLM's default: top_logprobs are the model's distribution whatever temperature, penalties or top-k say."""
+    logits = rand_logits(1, seed=21).repeat(4, 1)
+    reqs = [req(0, temperature=0.0, logprobs=5), req(1, temperature=0.2, logprobs=5),
+            req(2, temperature=1.5, top_k=3, logprobs=5),
+            req(3, temperature=0.7, repetition_penalty=1.5, output=[int(logits[0].argmax())], logprobs=5)]
+    _, lps = Sampler(seed=0)(logits, reqs)
+    raw = torch.log_softmax(logits[0], -1)
+    for lp in lps:
+        assert lp.top_token_ids == raw.topk(5).indices.tolist()
+        torch.testing.assert_close(torch.tensor(lp.top_logprobs), raw.topk(5).values)
+
+
+def test_logprobs_modes():
+    logits = rand_logits(1, seed=22)
+    r = req(0, temperature=0.5, top_k=4, logprobs=6)
+    raw = logits[0]
+    ids, lps = Sampler(seed=0, logprobs_mode="raw_logits")(logits, [r])
+    torch.testing.assert_close(torch.tensor(lps[0].top_logprobs), raw.topk(6).values)
+    assert math.isclose(lps[0].logprob, raw[ids[0]].item(), rel_tol=1e-6)
+    # processed: temperature 0.5 then top-k 4; the two entries past k are -inf
+    ids, lps = Sampler(seed=0, logprobs_mode="processed_logprobs")(logits, [r])
+    proc = torch.log_softmax(raw / 0.5, -1)
+    kept = (raw / 0.5).topk(4).values
+    expected = torch.log_softmax(kept, -1)
+    torch.testing.assert_close(torch.tensor(lps[0].top_logprobs[:4]), expected)
+    assert lps[0].top_logprobs[4:] == [float("-inf")] * 2
+    assert lps[0].logprob > proc[ids[0]].item()  # renormalised over the 4 kept tokens
+    ids, lps = Sampler(seed=0, logprobs_mode="processed_logits")(logits, [r])
+    torch.testing.assert_close(torch.tensor(lps[0].top_logprobs[:4]), kept)
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler(logprobs_mode="bogus")
+
+
+def test_logit_bias_steers_sampling_but_not_raw_logprobs():
+    logits = rand_logits(2, seed=23)
+    worst = int(logits[0].argmin())
+    reqs = [req(0, temperature=0.0, logit_bias={worst: 100.0}, logprobs=1), req(1, temperature=0.0)]
+    ids, lps = Sampler(seed=0)(logits, reqs)
+    assert ids[0] == worst and ids[1] == int(logits[1].argmax())
+    raw = torch.log_softmax(logits[0], -1)
+    assert math.isclose(lps[0].logprob, raw[worst].item(), rel_tol=1e-5)   # raw: before the bias
+    _, lps = Sampler(seed=0, logprobs_mode="processed_logits")(logits, reqs)
+    assert math.isclose(lps[0].logprob, logits[0, worst].item() + 100.0, rel_tol=1e-5)

@@ -362,3 +362,56 @@ async def test_oversized_body_is_413_and_the_server_keeps_serving():
     finally:
         await client.aclose()
         engine.shutdown()
+
+
+async def test_every_token_id_field_is_validated_with_id_and_range(server):
+    """One check for prompt ids, stop_token_ids, logit_bias keys and /detokenize: 400 naming id and range."""
+    _, state, client = server
+    v = state.vocab_size
+    ok = {"model": MODEL, "prompt": "abc", "max_tokens": 2}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    cases = [("/v1/completions", {**ok, "prompt": [3, v]}, "prompt"),
+             ("/v1/completions", {**ok, "prompt": [[3], [4, v + 5]]}, "prompt"),
+             ("/v1/completions", {**ok, "stop_token_ids": [v], "min_tokens": 1}, "stop_token_ids"),
+             ("/v1/completions", {**ok, "logit_bias": {str(v): 5}}, "logit_bias"),
+             ("/v1/chat/completions", {**chat, "stop_token_ids": [v]}, "stop_token_ids"),
+             ("/v1/chat/completions", {**chat, "logit_bias": {str(v + 1): -5}}, "logit_bias"),
+             ("/detokenize", {"tokens": [3, v]}, "tokens")]
+    for path, body, param in cases:
+        err = _error(await client.post(path, json=body), 400)
+        assert err["param"] == param, (body, err)
+        assert f"[0, {v})" in err["message"] and str(v) in err["message"], err
+    for path, body, param in [("/v1/completions", {**ok, "stop_token_ids": [-1]}, "stop_token_ids"),
+                              ("/detokenize", {"tokens": [-2]}, "tokens")]:
+        assert _error(await client.post(path, json=body), 400)["param"].startswith(param)
+    # in range: accepted
+    r = await client.post("/v1/completions", json={**ok, "stop_token_ids": [v - 1], "logit_bias": {"5": 1.0}})
+    assert r.status_code == 200
+
+
+async def test_openapi_schema_states_what_is_enforced(server):
+    _, state, client = server
+    schema = (await client.get("/openapi.json")).json()
+    comps = schema["components"]["schemas"]
+    cmpl = comps["CompletionRequest"]
+    assert "prompt" in cmpl["required"]
+    props = cmpl["properties"]
+
+    def branch(p: dict, key: str) -> dict:
+        return next(b for b in p.get("anyOf", [p]) if key in b)
+
+    assert branch(props["n"], "minimum")["minimum"] == 1 and branch(props["n"], "maximum")["maximum"] == 128
+    assert branch(props["temperature"], "minimum")["minimum"] == 0
+    assert branch(props["top_p"], "exclusiveMinimum")["exclusiveMinimum"] == 0
+    assert branch(props["logprobs"], "maximum")["maximum"] == 20
+    ids = branch(props["stop_token_ids"], "items")["items"]
+    assert ids["minimum"] == 0 and ids["maximum"] == state.vocab_size - 1
+    chat = comps["ChatCompletionRequest"]
+    assert "messages" in chat["required"] and chat["properties"]["messages"]["minItems"] == 1
+    assert comps["ContentPart"]["properties"]["type"]["const"] == "text" or \
+        comps["ContentPart"]["properties"]["type"].get("enum") == ["text"]
+    post = schema["paths"]["/v1/completions"]["post"]["responses"]
+    assert {"200", "400", "401", "404", "429", "503"} <= set(post) and "422" not in post
+    assert post["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
+    detok = comps["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert detok["maximum"] == state.vocab_size - 1

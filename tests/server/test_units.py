@@ -34,21 +34,29 @@ def test_completion_request_maps_vllm_extras():
 @pytest.mark.parametrize("field,value", [("temperature", -0.5), ("top_p", 1.5), ("min_p", 2.0),
                                          ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("top_k", -5)])
 def test_out_of_range_values_name_the_field(field, value):
-    r = CompletionRequest(prompt="x", **{field: value})
-    with pytest.raises(APIError) as e:
-        r.sampling_params(4, None)
-    assert e.value.status == 400 and e.value.param == field
+    """Ranges are pydantic constraints (so the OpenAPI schema states them); the error names the field."""
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(prompt="x", **{field: value})
+    assert error_param_from_loc(e.value.errors()[0]["loc"]) == field
 
 
 def test_completion_checks():
-    for kw, param in [({"suffix": "s"}, "suffix"), ({"best_of": 3}, "best_of"), ({"logprobs": 21}, "logprobs"),
-                      ({"logit_bias": {"1": 2.0}}, "logit_bias"), ({"n": 0}, "n"), ({"prompt": []}, "prompt"),
-                      ({"stream_options": {"include_usage": True}}, "stream_options"),
-                      ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -1, "echo": True}, "max_tokens")]:
+    for kw, param in [({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+                      ({"max_tokens": 0}, "max_tokens")]:   # cross-field rules: checked after parsing
         body = {"prompt": "x", **kw}
         with pytest.raises(APIError) as e:
             CompletionRequest(**body).check()
         assert e.value.param == param, kw
+    for kw, param in [({"suffix": "s"}, "suffix"), ({"logprobs": 21}, "logprobs"), ({"n": 0}, "n"),
+                      ({"prompt": []}, "prompt"), ({"max_tokens": -1, "echo": True}, "max_tokens"),
+                      ({"logit_bias": {"x": 1.0}}, "logit_bias"), ({"logit_bias": {"1": 101.0}}, "logit_bias"),
+                      ({"stop_token_ids": [-1]}, "stop_token_ids")]:   # in the schema
+        with pytest.raises(ValidationError) as e:
+            CompletionRequest(**{"prompt": "x", **kw})
+        assert error_param_from_loc(e.value.errors()[0]["loc"]).startswith(param), kw
+    r = CompletionRequest(prompt=[[1, 2], [3]], stop_token_ids=[5], logit_bias={"7": 1.5})
+    assert r.token_id_fields() == [("stop_token_ids", [5]), ("logit_bias", [7]), ("prompt", [1, 2]), ("prompt", [3])]
+    assert r.sampling_params(4, None).logit_bias == {7: 1.5}
     with pytest.raises(ValidationError):
         CompletionRequest(prompt=3)
     CompletionRequest(prompt="x", max_tokens=0, echo=True).check()     # the prompt back, nothing generated
@@ -62,18 +70,21 @@ def test_chat_checks_and_max_tokens():
     assert ChatCompletionRequest(messages=msgs).num_logprobs is None
     bad = [({"top_logprobs": 2}, "top_logprobs"),
            ({"add_generation_prompt": True, "continue_final_message": True}, "continue_final_message"),
-           ({"add_generation_prompt": False, "continue_final_message": True}, "continue_final_message"),
-           ({"tools": [{"type": "function"}]}, "tools"),
-           ({"max_completion_tokens": 0}, "max_completion_tokens")]
+           ({"add_generation_prompt": False, "continue_final_message": True}, "continue_final_message")]
     for kw, param in bad:
         with pytest.raises(APIError) as e:
             ChatCompletionRequest(messages=msgs, **kw).check()
         assert e.value.param == param, kw
+    for kw, param in [({"tools": [{"type": "function"}]}, "tools"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
+                      ({"response_format": {"type": "json_object"}}, "response_format")]:
+        with pytest.raises(ValidationError) as e:
+            ChatCompletionRequest(messages=msgs, **kw)
+        assert error_param_from_loc(e.value.errors()[0]["loc"]).startswith(param), kw
     parts = ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                          {"type": "text", "text": "b"}]}])
     assert parts.messages[0].text() == "a\nb"
-    with pytest.raises(APIError):
-        ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}]).messages[0].text()
+    with pytest.raises(ValidationError):   # only text parts, stated in the schema
+        ChatCompletionRequest(messages=[{"role": "user", "content": [{"type": "image_url"}]}])
 
 
 def test_error_shape_and_param_from_loc():

@@ -164,7 +164,7 @@ class ModelRunner:
         self.scratch_block = self.num_kv_blocks
         self.kv_caches = allocate_kv_caches(self.kv_layout, device)
         blocks_per_seq = self.kv_layout.blocks_per_seq
-        self.sampler = Sampler(seed=config.model.seed, device=device)
+        self.sampler = Sampler(seed=config.model.seed, device=device, logprobs_mode=config.model.logprobs_mode)
         self.compile_buckets: list[int] = []
         self.last_timings: dict[str, float] = {}
         sched = config.scheduler

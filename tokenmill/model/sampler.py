@@ -82,18 +82,27 @@ class Sampler:
     Python ints, and per request a :class:`TokenLogprobs` when
     ``sampling_params.logprobs`` is not None, else None.
 
-    Log-probabilities are ``log_softmax`` of the logits after the penalties
-    and, for non-greedy rows, after division by the temperature, but before
-    top-k/top-p/min-p truncation (so every token has a finite log-probability
-    and a meaningful rank). For a greedy row without penalties this is the raw
-    model distribution.
+    What the logprobs report follows ``logprobs_mode`` (vLLM's
+    ``--logprobs-mode``): ``raw_logprobs`` (default) is ``log_softmax`` of the
+    model's logits before penalties, temperature and top-k/top-p/min-p, so
+    the values do not depend on the sampling parameters; ``raw_logits`` the
+    logits themselves; ``processed_logprobs`` / ``processed_logits`` the
+    distribution actually sampled from (penalties, then temperature and
+    truncation for non-greedy rows; truncated tokens are ``-inf``). The rank
+    is the sampled token's 1-based rank in the reported values.
 
     Raises:
         ValueError: when ``logits`` is not 2-D or its row count differs from
             ``len(reqs)``.
     """
 
-    def __init__(self, seed: int | None = None, device: torch.device | str | None = None) -> None:
+    LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+    def __init__(self, seed: int | None = None, device: torch.device | str | None = None,
+                 logprobs_mode: str = "raw_logprobs") -> None:
+        if logprobs_mode not in self.LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(self.LOGPROBS_MODES)}, got {logprobs_mode!r}")
+        self.logprobs_mode = logprobs_mode
         self._seed = seed
         self._generator: torch.Generator | None = None
         self.device = None if device is None else torch.device(device)
@@ -134,7 +143,13 @@ class Sampler:
             return [], []
         params = [r.sampling_params for r in reqs]
         logits = logits.float()
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        raw_mode = self.logprobs_mode.startswith("raw")
+        # raw modes report the model's own distribution, before any sampling parameter touches it
+        lp_logits = torch.nan_to_num(logits[want_lp], nan=-1e30, posinf=1e30, neginf=-1e30) \
+            if want_lp and raw_mode else None
         logits = self._apply_penalties(logits, reqs)
+        logits = self._apply_logit_bias(logits, params)
         # Extreme penalties or a numerically broken model can give inf/NaN logits: keep every row a valid
         # distribution so a bad request can never produce an out-of-vocabulary id.
         # (1e30 stays finite after division by any allowed temperature, >= 1e-5.)
@@ -144,15 +159,8 @@ class Sampler:
         greedy = [p.greedy for p in params]
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
 
-        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
-        # Distribution reported in logprobs: penalised logits / temperature (1 for greedy).
-        lp_logits = None
-        if want_lp:
-            temps = torch.tensor(
-                [1.0 if greedy[i] else params[i].temperature for i in want_lp],
-                dtype=logits.dtype,
-            ).to(device, non_blocking=True)
-            lp_logits = logits[want_lp] / temps.unsqueeze(1)
+        # processed modes: the rows actually sampled from (greedy rows: the penalised logits)
+        processed = logits.clone() if want_lp and not raw_mode else None
 
         if not sampled_rows:
             token_ids = logits.argmax(dim=-1)
@@ -166,6 +174,8 @@ class Sampler:
                 temps = torch.tensor([p.temperature for p in sub_params], dtype=sub.dtype)
                 sub = sub / temps.to(device, non_blocking=True).unsqueeze(1)
             sub = self._truncate(sub, sub_params)
+            if processed is not None:
+                processed[idx] = sub
             choice = self._inverse_cdf(torch.softmax(sub, dim=-1), self._uniforms(sub_reqs))
             if all_sampled:
                 token_ids = choice
@@ -176,8 +186,12 @@ class Sampler:
         ids = token_ids.clamp_(0, logits.shape[1] - 1).tolist()
         out_lp: list[TokenLogprobs | None] = [None] * len(reqs)
         if want_lp:
+            if processed is not None:
+                lp_logits = processed[want_lp]
             assert lp_logits is not None
-            for i, tlp in zip(want_lp, self._logprobs(lp_logits, token_ids[want_lp], [params[i].logprobs for i in want_lp])):
+            normalize = self.logprobs_mode.endswith("logprobs")
+            nums = [params[i].logprobs for i in want_lp]
+            for i, tlp in zip(want_lp, self._logprobs(lp_logits, token_ids[want_lp], nums, normalize)):
                 out_lp[i] = tlp
         return ids, out_lp
 
@@ -226,6 +240,31 @@ class Sampler:
             freq = freq.to(device, non_blocking=True).unsqueeze(1)
             pres = pres.to(device, non_blocking=True).unsqueeze(1)
             logits = logits - counts * freq - (counts > 0).to(logits.dtype) * pres
+        return logits
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, params: list) -> torch.Tensor:
+        """Add each request's ``logit_bias`` (token id -> bias) to its row; ``[B, V]`` -> new ``[B, V]``.
+
+        Ids at or beyond the vocabulary are ignored here (the server refuses them with 400).
+        """
+        rows = [(i, p.logit_bias) for i, p in enumerate(params) if p.logit_bias]
+        if not rows:
+            return logits
+        vocab = logits.shape[1]
+        r_idx, t_idx, vals = [], [], []
+        for i, bias in rows:
+            for t, b in bias.items():
+                if 0 <= t < vocab:
+                    r_idx.append(i)
+                    t_idx.append(t)
+                    vals.append(float(b))
+        if not vals:
+            return logits
+        logits = logits.clone()
+        device = logits.device
+        logits.index_put_((torch.tensor(r_idx, device=device), torch.tensor(t_idx, device=device)),
+                          torch.tensor(vals, dtype=logits.dtype, device=device), accumulate=True)
         return logits
 
     # Top-p first looks for the nucleus among this many best tokens and falls
@@ -355,18 +394,20 @@ class Sampler:
         return cls._logprobs(logits, tokens, [num_top] * int(tokens.shape[0])) if tokens.numel() else []
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, nums: list[int]) -> list[TokenLogprobs]:
-        """Log-probabilities for rows that asked.
+    def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, nums: list[int],
+                  normalize: bool = True) -> list[TokenLogprobs]:
+        """Log-probabilities (or logits) for rows that asked.
 
         Args:
-            logits: ``[R, V]`` the distribution to report (pre-truncation).
+            logits: ``[R, V]`` the distribution to report.
             chosen: ``[R]`` sampled ids.
             nums: per row, how many top entries to return (0..20).
+            normalize: report ``log_softmax(logits)``; False reports the logits as they are.
         Returns:
             ``R`` :class:`TokenLogprobs`; ``rank`` is 1 + the number of tokens
-            with a strictly larger log-probability.
+            with a strictly larger value.
         """
-        lp = torch.log_softmax(logits, dim=-1)
+        lp = torch.log_softmax(logits, dim=-1) if normalize else logits
         chosen_lp = lp.gather(1, chosen.unsqueeze(1))  # [R, 1]
         ranks = (lp > chosen_lp).sum(dim=-1) + 1
         n_max = max(nums)

@@ -33,7 +33,7 @@ import tokenmill
 from tokenmill.metrics.prometheus import CONTENT_TYPE_LATEST
 from tokenmill.server.body_limit import BodySizeLimitMiddleware
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       TokenizeRequest, error_param_from_loc)
+                                       ErrorResponse, TokenizeRequest, error_param_from_loc)
 from tokenmill.server.serving import OpenAIServing, ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
@@ -78,6 +78,53 @@ def add_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error")
         return JSONResponse(APIError(f"internal error: {type(exc).__name__}: {exc}", 500).to_dict(),
                             status_code=500)
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    descriptions = {400: "Invalid request (the message names the field and the limit)",
+                    401: "Missing or wrong API key", 404: "Unknown model", 413: "Request body too large",
+                    429: "Server busy (admission control); see Retry-After", 500: "Internal error",
+                    503: "Engine core not running"}
+    return {c: {"model": ErrorResponse, "description": descriptions[c]} for c in codes}
+
+
+V1_ERRORS = _errors(400, 401, 404, 413, 429, 500, 503)
+OPEN_ERRORS = _errors(400, 404, 413, 500, 503)
+
+
+def openapi_with_vocab(app: FastAPI, vocab_size: int) -> dict[str, Any]:
+    """The app's OpenAPI schema with what the server enforces at run time filled in.
+
+    Every token-id field (marked ``x-token-id`` in :mod:`~tokenmill.server.protocol`) gets
+    ``maximum: vocab_size - 1``; FastAPI's 422 responses are removed (validation errors are
+    400 here, documented per route). Cached on the app.
+    """
+    from fastapi.openapi.utils import get_openapi
+
+    if app.openapi_schema:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                         description="OpenAI-compatible API with vLLM's extras. Out-of-range values are "
+                                     "400 errors naming the field.")
+
+    def walk(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("x-token-id"):
+                node["maximum"] = vocab_size - 1
+            responses = node.get("responses")
+            if isinstance(responses, dict):
+                responses.pop("422", None)
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, list):
+            for v in node:
+                walk(v)
+
+    walk(schema)
+    for name in ("HTTPValidationError", "ValidationError"):
+        schema.get("components", {}).get("schemas", {}).pop(name, None)
+    app.openapi_schema = schema
+    return schema
 
 
 def api_key_dependency(state: ServerState):
@@ -132,23 +179,26 @@ def build_app(state: ServerState) -> FastAPI:
 
     v1 = APIRouter(dependencies=[Depends(api_key_dependency(state))])
 
-    @v1.get("/v1/models")
+
+    app.openapi = lambda: openapi_with_vocab(app, state.vocab_size)  # type: ignore[method-assign]
+
+    @v1.get("/v1/models", responses=_errors(401, 500))
     async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len, "permission": []}]}
 
-    @v1.post("/v1/completions")
+    @v1.post("/v1/completions", responses=V1_ERRORS)
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await with_disconnect(raw, completions.create_completion(body))
 
-    @v1.post("/v1/chat/completions")
+    @v1.post("/v1/chat/completions", responses=V1_ERRORS)
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         return await with_disconnect(raw, chat.create_chat_completion(body))
 
     app.include_router(v1)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=OPEN_ERRORS)
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         body.check()
         base.check_model(body.model)
@@ -162,13 +212,13 @@ def build_app(state: ServerState) -> FastAPI:
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": [ts.get(t)[0] for t in ids] if body.return_token_strs else None}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=OPEN_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         base.check_model(body.model)
         base.check_token_ids(body.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"description": "Engine core running"}, **_errors(503)})
     async def health() -> Response:
         if not state.engine.is_healthy:
             raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)

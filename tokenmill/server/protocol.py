@@ -8,7 +8,7 @@ models on the streaming path); their shapes follow OpenAI's reference.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -55,6 +55,28 @@ class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# A token id: ``x-token-id`` marks it so the served OpenAPI schema gets ``maximum: vocab_size - 1``
+# (tokenmill.server.app.openapi_with_vocab); the server checks the bound for every such field.
+TokenId = Annotated[int, Field(ge=0, json_schema_extra={"x-token-id": True})]
+StopString = Annotated[str, Field(min_length=1)]
+LOGIT_BIAS_KEY = r"^[0-9]+$"
+
+
+class ErrorBody(BaseModel):
+    """The ``error`` object of every error response."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI-shaped error response (every 4xx/5xx)."""
+
+    error: ErrorBody
+
+
 class StreamOptions(_Base):
     """``stream_options``: ``include_usage`` adds a final usage chunk; ``continuous_usage_stats``
     (vLLM) adds the running usage to every chunk."""
@@ -66,36 +88,49 @@ class StreamOptions(_Base):
 class _SamplingFields(_Base):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
-    model: str | None = None
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
+    model: str | None = Field(None, description="The served model name (optional; another name is a 404).")
+    n: int = Field(1, ge=1, le=128, description="Choices per prompt.")
+    temperature: float | None = Field(None, ge=0, description="0 is greedy; default 1.")
+    top_p: float | None = Field(None, gt=0, le=1)
+    presence_penalty: float | None = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float | None = Field(0.0, ge=-2, le=2)
+    stop: StopString | list[StopString] | None = Field(
+        None, description=f"At most {MAX_STOP_STRINGS} strings of {MAX_STOP_CHARS} characters in all.")
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool | None = False
-    stream_options: StreamOptions | None = None
+    stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Annotated[str, Field(pattern=LOGIT_BIAS_KEY)], Annotated[float, Field(ge=-100, le=100)]] | None = Field(
+        None, description="Token id (a decimal string, < vocab size) -> bias added to its logit.")
     # vLLM extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, description="0 or -1 disables.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100)
     ignore_eos: bool = False
-    min_tokens: int = 0
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, description="Must not exceed max_tokens.")
+    stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    priority: int = 0
-    cache_salt: str | None = None
+    priority: int = Field(0, description="Non-zero only with --scheduling-policy priority (lower runs sooner).")
+    cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Not with stream: true.")
+
+    def token_id_fields(self) -> list[tuple[str, list[int]]]:
+        """Every field of the request that carries token ids, as ``(param, ids)``."""
+        out: list[tuple[str, list[int]]] = []
+        if self.stop_token_ids:
+            out.append(("stop_token_ids", list(self.stop_token_ids)))
+        if self.logit_bias:
+            out.append(("logit_bias", [int(k) for k in self.logit_bias]))
+        return out
 
     def _check_common(self) -> None:
         if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+            for k in self.logit_bias:
+                if not k.isdigit():
+                    raise APIError(f"logit_bias keys must be token ids, got {k!r}", param="logit_bias")
         if self.n < 1:
             raise APIError(f"n must be >= 1, got {self.n}", param="n")
         if self.n > 128:
@@ -143,6 +178,7 @@ class _SamplingFields(_Base):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
+                logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
             )
         except ValueError as e:
             msg = str(e)
@@ -157,13 +193,23 @@ class CompletionRequest(_SamplingFields):
     ``prompt_index * n + i``).
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
+        | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)] = Field(
+            description="Text, texts, token ids or lists of token ids (each yields n choices).")
+    max_tokens: int | None = Field(16, ge=0, description="0 only with echo: true; prompt + max_tokens <= max_model_len.")
     echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: None = Field(None, description="Not supported (only null).")
+    best_of: int | None = Field(None, ge=1, le=128, description="Must equal n.")
     add_special_tokens: bool = True
+
+    def token_id_fields(self) -> list[tuple[str, list[int]]]:
+        out = super().token_id_fields()
+        p = self.prompt
+        if isinstance(p, list) and p and not isinstance(p[0], str):
+            for item in (p if isinstance(p[0], list) else [p]):
+                out.append(("prompt", list(item)))  # type: ignore[arg-type]
+        return out
 
     def check(self) -> None:
         """Validate fields that pydantic cannot (raises :class:`APIError`)."""
@@ -201,7 +247,7 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(_Base):
     """A part of a multi-part message; only ``{"type": "text", "text": ...}`` is supported."""
 
-    type: str
+    type: Literal["text"]
     text: str | None = None
 
 
@@ -232,30 +278,34 @@ class ChatMessage(_Base):
         return "\n".join(out)
 
 
+class ResponseFormat(_Base):
+    """``response_format``: only plain text is supported."""
+
+    type: Literal["text"] = "text"
+
+
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(None, ge=1, description="Default: the rest of the context.")
+    max_completion_tokens: int | None = Field(None, ge=1, description="Takes precedence over max_tokens.")
     logprobs: bool | None = False
-    top_logprobs: int | None = None
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Above 0 only with logprobs: true.")
+    add_generation_prompt: bool = Field(True, description="Not together with continue_final_message.")
+    continue_final_message: bool = Field(False, description="Needs the last message from the assistant.")
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(None, description="Not supported (empty or null).")
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
     def check(self) -> None:
         """Validate fields that pydantic cannot (raises :class:`APIError`)."""
         self._check_common()
         if self.tools:
             raise APIError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError("response_format other than 'text' is not supported", param="response_format")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
@@ -304,7 +354,7 @@ class DetokenizeRequest(_Base):
     """``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 _TYPE_BRANCHES = {"str", "int", "float", "bool", "dict", "list", "none", "tuple"}
@@ -327,5 +377,5 @@ def error_param_from_loc(loc: tuple | list) -> str | None:
     return out or None
 
 
-__all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart",
+__all__ = ["APIError", "ErrorResponse", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart",
            "DetokenizeRequest", "StreamOptions", "TokenizeRequest", "MAX_LOGPROBS", "error_param_from_loc"]

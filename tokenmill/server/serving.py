@@ -118,6 +118,16 @@ class OpenAIServing:
             if t < 0 or t >= v:
                 raise APIError(f"token id {t} in {param} is out of range [0, {v})", param=param)
 
+    def check_request_token_ids(self, body: Any) -> None:
+        """One validation for every field of a request that carries token ids
+        (``body.token_id_fields()``: prompt ids, ``stop_token_ids``, ``logit_bias`` keys).
+
+        Raises:
+            APIError: 400 naming the field, the id and the range ``[0, vocab_size)``.
+        """
+        for param, ids in body.token_id_fields():
+            self.check_token_ids(ids, param)
+
     def check_priority(self, priority: int) -> None:
         """Raises: APIError 400 for a non-zero priority without ``--scheduling-policy priority``."""
         policy = self.state.config.scheduler.scheduling_policy

@@ -42,6 +42,7 @@ class OpenAIServingChat(OpenAIServing):
         arrival = time.time()
         body.check()
         self.check_model(body.model)
+        self.check_request_token_ids(body)
         self.check_priority(body.priority)
         prompt = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
                                   body.chat_template, body.chat_template_kwargs)

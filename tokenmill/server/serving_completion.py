@@ -57,6 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
         arrival = time.time()
         body.check()
         self.check_model(body.model)
+        self.check_request_token_ids(body)
         self.check_priority(body.priority)
         p = body.prompt
         if isinstance(p, str):
@@ -70,7 +71,6 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(it, str):
                 prompts.append((it, await self.encode(it, body.add_special_tokens)))
             else:
-                self.check_token_ids(it)
                 prompts.append((None, list(it)))
         if any(len(ids) == 0 for _, ids in prompts):
             raise APIError("prompt must contain at least one token", param="prompt")
