@@ -53,6 +53,9 @@ class Request:
             with different salts never share cached blocks.
         max_tokens: resolved cap on new tokens (sampling_params.max_tokens or
             what the context length leaves).
+        batch: a batch-lane request (``service_tier: "batch"``): it is
+            scheduled only with the capacity interactive requests leave and
+            is preempted before any of them.
     """
 
     def __init__(
@@ -65,6 +68,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         max_tokens: int | None = None,
+        batch: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -74,6 +78,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        self.batch = batch
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -45,6 +45,7 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from tokenmill.config import CacheConfig, SchedulerConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
@@ -127,6 +128,100 @@ class _PriorityQueue:
         return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
 
 
+class _LanedQueue:
+    """Two waiting queues, interactive before batch (the batch lane), with per-priority token counts.
+
+    ``peek``/``pop`` serve the interactive queue while it holds a request, the
+    batch queue only when it is empty, so a batch-lane request is admitted
+    only with the budget, seats and blocks interactive requests leave. Both
+    lanes follow the scheduling policy inside. The counts (requests and
+    prompt tokens still to prefill, by lane and priority) are kept on every
+    change, so :meth:`Scheduler.queue_state` costs nothing per waiting request.
+    """
+
+    def __init__(self, make_queue) -> None:  # noqa: ANN001 - a queue class factory
+        self.interactive = make_queue()
+        self.batch = make_queue()
+        # (batch lane?, priority) -> [requests, tokens]
+        self.counts: dict[tuple[bool, int], list[int]] = {}
+        self._counted: dict[str, int] = {}
+
+    def _lane(self, req: Request):
+        return self.batch if req.batch else self.interactive
+
+    def _count(self, req: Request, sign: int) -> None:
+        if sign > 0:
+            tokens = self._counted[req.request_id] = req.num_tokens
+        else:
+            tokens = self._counted.pop(req.request_id, 0)
+        c = self.counts.setdefault((req.batch, req.priority), [0, 0])
+        c[0] += sign
+        c[1] += sign * tokens
+        if c[0] == 0:
+            del self.counts[(req.batch, req.priority)]
+
+    def add(self, req: Request) -> None:
+        self._lane(req).add(req)
+        self._count(req, +1)
+
+    def add_front(self, req: Request) -> None:
+        self._lane(req).add_front(req)
+        self._count(req, +1)
+
+    def peek(self) -> Request:
+        return self.interactive.peek() if len(self.interactive) else self.batch.peek()
+
+    def pop(self) -> Request:
+        req = self.interactive.pop() if len(self.interactive) else self.batch.pop()
+        self._count(req, -1)
+        return req
+
+    def remove(self, req: Request) -> None:
+        self._lane(req).remove(req)
+        self._count(req, -1)
+
+    def __len__(self) -> int:
+        return len(self.interactive) + len(self.batch)
+
+    def __iter__(self) -> Iterator[Request]:
+        return itertools.chain(self.interactive, self.batch)
+
+
+# Most remaining-output-token counts of running requests reported in a QueueState.
+MAX_REMAINING_REPORTED = 256
+
+
+@dataclass
+class QueueState:
+    """The scheduler's queues in tokens still to compute, for admission control (plain data).
+
+    Attributes:
+        waiting_by_priority: interactive waiting requests, ``{priority: (requests, tokens)}``;
+            tokens are those still to prefill (the prompt, plus generated
+            tokens for a preempted request; prefix-cache hits not deducted).
+        batch_waiting: batch-lane waiting requests and their tokens, ``(requests, tokens)``.
+        running_prefill: running interactive requests still in prefill: ``(requests, tokens left)``.
+        batch_running_prefill: the same for running batch-lane requests.
+        num_decoding: running requests past their prompt (one token per step each).
+        num_batch_running: running batch-lane requests (decoding or not).
+        remaining_output_tokens: tokens each running request may still generate
+            (``max_tokens`` minus generated; EOS may end it sooner), ascending,
+            at most :data:`MAX_REMAINING_REPORTED` entries.
+        max_num_seqs: the running-set cap.
+        max_num_batched_tokens: the per-step token budget.
+    """
+
+    waiting_by_priority: dict[int, tuple[int, int]] = field(default_factory=dict)
+    batch_waiting: tuple[int, int] = (0, 0)
+    running_prefill: tuple[int, int] = (0, 0)
+    batch_running_prefill: tuple[int, int] = (0, 0)
+    num_decoding: int = 0
+    num_batch_running: int = 0
+    remaining_output_tokens: list[int] = field(default_factory=list)
+    max_num_seqs: int = 0
+    max_num_batched_tokens: int = 0
+
+
 class Scheduler:
     """Decides, each step, which tokens of which requests the model computes.
 
@@ -165,8 +260,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         self._seq_of: dict[str, int] = {}
-        self.waiting: _FCFSQueue | _PriorityQueue = (
-            _PriorityQueue(self._seq_of) if self.policy == "priority" else _FCFSQueue())
+        self.waiting = _LanedQueue(
+            (lambda: _PriorityQueue(self._seq_of)) if self.policy == "priority" else _FCFSQueue)
         self.running: list[Request] = []
         self._num_waiting_tokens = 0
         # Finished or aborted since the last schedule(): reported to the runner.
@@ -174,6 +269,8 @@ class Scheduler:
         # Outputs of requests that finished without running (max_tokens == 0).
         self._pending_outputs: list[EngineCoreOutput] = []
         self._num_preemptions_total = 0
+        # requests scheduled in the step being built (schedule() resets it)
+        self._step_scheduled: dict[str, ScheduledRequest] = {}
 
     # -- accessors -----------------------------------------------------------
     @property
@@ -203,6 +300,38 @@ class Scheduler:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Cumulative prefix-cache queries and hits, in tokens."""
         return self.kv_cache_manager.prefix_cache_stats
+
+    def queue_state(self) -> QueueState:
+        """The queues in tokens still to compute, for admission control (O(running requests))."""
+        by_prio: dict[int, tuple[int, int]] = {}
+        batch_waiting = [0, 0]
+        for (is_batch, prio), (n, tokens) in self.waiting.counts.items():
+            if is_batch:
+                batch_waiting[0] += n
+                batch_waiting[1] += tokens
+            else:
+                by_prio[prio] = (n, tokens)
+        pf = [0, 0]
+        bpf = [0, 0]
+        decoding = num_batch = 0
+        remaining: list[int] = []
+        for r in self.running:
+            left = r.num_tokens - r.num_computed_tokens
+            if left > 1:
+                acc = bpf if r.batch else pf
+                acc[0] += 1
+                acc[1] += left
+            else:
+                decoding += 1
+            num_batch += r.batch
+            if r.max_tokens is not None:
+                remaining.append(max(0, r.max_tokens - r.num_output_tokens))
+        remaining.sort()
+        return QueueState(waiting_by_priority=by_prio, batch_waiting=(batch_waiting[0], batch_waiting[1]),
+                          running_prefill=(pf[0], pf[1]), batch_running_prefill=(bpf[0], bpf[1]),
+                          num_decoding=decoding, num_batch_running=num_batch,
+                          remaining_output_tokens=remaining[:MAX_REMAINING_REPORTED],
+                          max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run, or outputs of finished ones are still to be returned."""
@@ -306,30 +435,45 @@ class Scheduler:
         """
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
-        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        self._step_scheduled = {}
+        # batch lane: while interactive requests wait, running batch prefills only get what is left
+        defer = len(self.waiting.interactive) > 0
+        budget = self._schedule_running(out, self.max_num_batched_tokens, defer_batch_prefill=defer)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
+        if defer:
+            budget = self._schedule_running(out, budget, defer_batch_prefill=False)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: int, defer_batch_prefill: bool = False) -> int:
         """Give each running request its next token or prompt chunk; preempt when the pool is full.
+
+        Requests already scheduled in this step are skipped. With
+        ``defer_batch_prefill``, batch-lane requests with more than one token
+        to compute (a prompt chunk or a recompute) are skipped too; the
+        second pass in :meth:`schedule` gives them the budget interactive
+        admissions left.
 
         Returns:
             the budget left.
         """
-        scheduled: dict[str, ScheduledRequest] = {}
+        scheduled = self._step_scheduled
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._capped(min(req.num_tokens - req.num_computed_tokens, budget))
+            left = req.num_tokens - req.num_computed_tokens
+            if req.request_id in scheduled or (defer_batch_prefill and req.batch and left > 1):
+                i += 1
+                continue
+            n = self._capped(min(left, budget))
             if n <= 0:
                 i += 1
                 continue
             while self.kv_cache_manager.allocate_slots(req, n) is None:
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
-                    i -= 1  # an already scheduled request: the list shifts left
+                    i -= 1  # an earlier request: the list shifts left
                 budget += self._preempt(victim, out, scheduled)
                 if victim is req:
                     break
@@ -346,11 +490,22 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in policy order while budget, seats and blocks last.
 
+        Interactive requests come first (:class:`_LanedQueue`); when one finds
+        no seat or no blocks, running batch-lane requests are preempted for it
+        (latest first), so batch work only holds capacity interactive traffic
+        does not need.
+
         Returns:
             the budget left.
         """
-        while len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+        while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
+            if len(self.running) >= self.max_num_seqs:
+                refund = None if req.batch else self._preempt_batch(out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             # cached positions have no logits: a request that still needs prompt logprobs computes its prompt
             hit_blocks, num_hit = ([], 0) if req.needs_prompt_logprobs else self.kv_cache_manager.get_computed_blocks(req)
             n = self._capped(req.num_tokens - num_hit)
@@ -361,7 +516,11 @@ class Scheduler:
                     break
                 n = budget
             if self.kv_cache_manager.allocate_slots(req, n, hit_blocks, num_hit) is None:
-                break
+                refund = None if req.batch else self._preempt_batch(out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             self.waiting.pop()
             self._num_waiting_tokens -= req.num_prompt_tokens
             self.running.append(req)
@@ -371,9 +530,20 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             req.num_computed_tokens = num_hit
-            out.scheduled.append(self._scheduled(req, n, new=True))
+            sr = self._scheduled(req, n, new=True)
+            self._step_scheduled[req.request_id] = sr
+            out.scheduled.append(sr)
             budget -= n
         return budget
+
+    def _preempt_batch(self, out: SchedulerOutput) -> int | None:
+        """Preempt the lowest-priority, latest running batch-lane request; the budget it frees, None if none runs."""
+        victims = [r for r in self.running if r.batch]
+        if not victims:
+            return None
+        victim = max(victims, key=lambda r: (r.priority if self.policy == "priority" else 0,
+                                             *self._sort_key_arrival(r)))
+        return self._preempt(victim, out, self._step_scheduled)
 
     def _capped(self, n: int) -> int:
         """``n`` new tokens limited to ``long_prefill_token_threshold`` (when set, with chunked prefill)."""
@@ -398,10 +568,10 @@ class Scheduler:
         return sr
 
     def _pick_victim(self) -> Request:
-        """Lowest priority (largest value; priority policy only), then latest arrival."""
+        """Batch lane first, then lowest priority (largest value; priority policy only), then latest arrival."""
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, *self._sort_key_arrival(r)))
-        return max(self.running, key=self._sort_key_arrival)
+            return max(self.running, key=lambda r: (r.batch, r.priority, *self._sort_key_arrival(r)))
+        return max(self.running, key=lambda r: (r.batch, *self._sort_key_arrival(r)))
 
     def _preempt(self, victim: Request, out: SchedulerOutput,
                  scheduled: dict[str, ScheduledRequest]) -> int:

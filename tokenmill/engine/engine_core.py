@@ -39,6 +39,7 @@ class EngineCoreRequest:
         arrival_time: ``time.time()`` seconds when the HTTP request arrived.
         priority: lower runs sooner under ``--scheduling-policy priority``.
         cache_salt: isolates this request's prefix-cache entries.
+        batch: a batch-lane request (scheduled after interactive ones, never refused).
     """
 
     request_id: str
@@ -47,6 +48,7 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.time)
     priority: int = 0
     cache_salt: str | None = None
+    batch: bool = False
 
 
 class EngineCore:
@@ -73,6 +75,11 @@ class EngineCore:
         self._num_steps = 0
         self._last_step_time = 0.0
         self._last_schedule_time = 0.0
+        from tokenmill.metrics.step_timing import StepTimeModel
+
+        self.step_time_model = StepTimeModel()
+        # (decode requests, prefill tokens, start, end) of the last step, timed when the next one starts
+        self._last_step: tuple[int, int, float, float] | None = None
 
     # -- requests ------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -86,6 +93,7 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=(eos[0] if len(eos) == 1 else list(eos)) if eos else None,
             arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
+            batch=req.batch,
         )
         try:
             self.scheduler.add_request(request)
@@ -111,6 +119,7 @@ class EngineCore:
         """Run one iteration; return outputs for requests that got a token or finished."""
         outputs, self._pending = self._pending, []
         t0 = time.perf_counter()
+        self._time_last_step(t0)
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
         if scheduler_output.is_empty:
@@ -127,7 +136,23 @@ class EngineCore:
         self._num_steps += 1
         self._last_step_time = t3 - t0
         self._last_schedule_time = (t1 - t0) + (t3 - t2)
+        self._last_step = (*_step_shape(scheduler_output), t0, t3)
         return outputs
+
+    def _time_last_step(self, now: float) -> None:
+        """Teach the step-time model the previous step's duration.
+
+        Back to back (the loop went straight on), the step lasted from its
+        start to this one's, including sending outputs and reading inputs —
+        what a queued request really waits per step. After an idle gap only
+        its own span counts.
+        """
+        last, self._last_step = self._last_step, None
+        if last is None:
+            return
+        num_decode, num_prefill, start, end = last
+        busy = now - end <= max(0.002, 0.25 * (end - start))
+        self.step_time_model.observe(num_decode, num_prefill, (now if busy else end) - start)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
         """Finish every request of a failed step with an error output; their blocks return to the pool."""
@@ -151,7 +176,26 @@ class EngineCore:
             num_steps=self._num_steps, last_step_time=self._last_step_time,
             last_schedule_time=self._last_schedule_time,
             num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
+            queue=s.queue_state(), step_timing=self.step_time_model.snapshot(),
         )
+
+
+def _step_shape(so: SchedulerOutput) -> tuple[int, int]:
+    """(decoding requests, prefill tokens) of a step: a request computing the tokens after its
+    prompt one step at a time decodes; prompt chunks and recomputes are prefill."""
+    num_decode = num_prefill = 0
+    for sr in so.scheduled:
+        n = sr.num_scheduled_tokens
+        if sr.num_computed_tokens >= len(sr.prompt_token_ids) and sr.sample and n <= 1 + _num_draft(sr):
+            num_decode += 1
+        else:
+            num_prefill += n
+    return num_decode, num_prefill
+
+
+def _num_draft(sr: Any) -> int:
+    """Speculative tokens verified with a decode (0 without speculative decoding)."""
+    return len(getattr(sr, "draft_token_ids", None) or ())
 
 
 def _stat(stats: Any, name: str) -> int:

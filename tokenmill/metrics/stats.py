@@ -13,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tokenmill.core.scheduler import QueueState
+from tokenmill.metrics.step_timing import StepTimingSnapshot
+
 
 @dataclass
 class EngineStats:
@@ -30,6 +33,10 @@ class EngineStats:
         last_step_time: seconds of the most recent step (schedule + execute + update).
         last_schedule_time: seconds spent in schedule() + update in that step.
         num_kv_blocks, block_size: pool geometry.
+        queue: the scheduler's queues in tokens still to compute, by lane and
+            priority, for admission control (None from an engine that does not report it).
+        step_timing: the smoothed step-time model: decode step time vs batch
+            size and the prefill rate (None likewise).
     """
 
     num_running: int = 0
@@ -44,6 +51,8 @@ class EngineStats:
     last_schedule_time: float = 0.0
     num_kv_blocks: int = 0
     block_size: int = 0
+    queue: QueueState | None = None
+    step_timing: StepTimingSnapshot | None = None
 
 
 @dataclass

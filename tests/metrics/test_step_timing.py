@@ -1,0 +1,85 @@
+"""The engine's smoothed step-time model: learns decode step time vs batch size and the prefill rate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tokenmill.metrics.step_timing import StepTimeModel, StepTimingSnapshot, batch_bucket
+
+
+def true_step(b: int, p: int) -> float:
+    return 0.010 + 0.0008 * b + 0.00012 * p          # 10 ms fixed, 0.8 ms / decode, 8333 prompt tok/s
+
+
+def test_batch_bucket():
+    assert [batch_bucket(b) for b in (1, 2, 3, 5, 6, 11, 12, 128)] == [0, 1, 2, 2, 3, 3, 4, 7]
+    with pytest.raises(ValueError):
+        batch_bucket(0)
+
+
+def test_learns_both_terms_from_mixed_steps_with_noise():
+    rng = random.Random(0)
+    m = StepTimeModel()
+    for _ in range(3000):
+        b = rng.randint(0, 64)
+        p = rng.choice([0, 0, 0, rng.randint(1, 32), rng.randint(200, 2048)])
+        if b == 0 and p == 0:
+            continue
+        m.observe(b, p, true_step(b, p) * rng.uniform(0.95, 1.05))
+    s = m.snapshot()
+    assert s.ready
+    assert s.prefill_tokens_per_second == pytest.approx(1 / 0.00012, rel=0.15)
+    for b in (1, 4, 16, 32, 64):
+        assert s.decode_step_time(b) == pytest.approx(true_step(b, 0), rel=0.1)
+    # a step at a point seen in the data is predicted within a few percent
+    assert s.step_time(30, 1500) == pytest.approx(true_step(30, 1500), rel=0.08)
+
+
+def test_sustained_mixed_load_keeps_the_sum_right():
+    """Every step decodes ~24 requests and prefills a ~1800-token chunk (overload with chunked prefill)."""
+    rng = random.Random(1)
+    m = StepTimeModel()
+    for _ in range(30):                                  # warm-up: some pure decode steps first
+        m.observe(8, 0, true_step(8, 0))
+    for _ in range(500):
+        b, p = rng.randint(20, 28), rng.randint(1700, 1900)
+        m.observe(b, p, true_step(b, p) * rng.uniform(0.97, 1.03))
+    s = m.snapshot()
+    assert s.step_time(24, 1800) == pytest.approx(true_step(24, 1800), rel=0.05)
+    assert s.prefill_seconds_per_step == pytest.approx(1800 * 0.00012, rel=0.2)
+
+
+def test_adapts_when_the_machine_slows_down():
+    m = StepTimeModel(alpha=0.1)
+    for _ in range(100):
+        m.observe(4, 0, 0.02)
+    for _ in range(60):                                 # a noisy neighbour doubles step times
+        m.observe(4, 0, 0.04)
+    assert m.snapshot().decode_step_time(4) == pytest.approx(0.04, rel=0.01)
+
+
+def test_snapshot_interpolates_and_extrapolates_monotonically():
+    s = StepTimingSnapshot(decode_points=[(1.0, 0.010), (8.0, 0.017), (32.0, 0.041)], prefill_seconds_per_token=1e-4)
+    assert s.decode_step_time(0) == pytest.approx(0.010)
+    assert s.decode_step_time(4.5) == pytest.approx(0.0135)
+    assert s.decode_step_time(64) == pytest.approx(0.041 + 0.001 * 32)
+    one = StepTimingSnapshot(decode_points=[(10.0, 0.02)])
+    assert one.decode_step_time(20) == pytest.approx(0.03) and one.step_time(20, 5) is None
+    assert StepTimingSnapshot().decode_step_time(3) is None and not StepTimingSnapshot().ready
+    m = StepTimeModel()
+    m.observe(2, 0, 0.02)
+    m.observe(16, 0, 0.015)                             # noise: a bigger batch measured cheaper
+    pts = m.snapshot().decode_points
+    assert pts[1][1] >= pts[0][1]
+
+
+def test_ignores_empty_and_bad_steps():
+    m = StepTimeModel()
+    m.observe(0, 0, 0.01)
+    m.observe(3, 0, 0.0)
+    m.observe(3, 0, -1.0)
+    assert m.snapshot().num_steps_observed == 0
+    with pytest.raises(ValueError):
+        StepTimeModel(alpha=0)

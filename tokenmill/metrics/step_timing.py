@@ -1,0 +1,202 @@
+"""Smoothed step-time measurements of the engine core, for SLO-aware admission control.
+
+The engine core times every step and splits it into a decode part and a
+prefill part with a two-term model::
+
+    step_seconds ≈ decode_step_time(num_decode_reqs) + num_prefill_tokens × prefill_seconds_per_token
+
+* ``decode_step_time(B)``: seconds of a step that decodes ``B`` requests (one
+  token each). Learned per batch-size bucket (powers of two) as an
+  exponentially weighted moving average (EWMA); the step's fixed cost (launch,
+  scheduling, sampling) is part of it. Between measured buckets it is
+  interpolated linearly, beyond them extrapolated.
+* ``prefill_seconds_per_token``: the marginal cost of one prompt token (the
+  prefill rate is its inverse, tokens/s), an EWMA ratio of seconds over tokens.
+
+Pure-decode steps teach ``decode_step_time``; steps with prompt tokens are
+split with the current estimates: when the prefill part dominates the step
+(≥ half of it by the current estimate) the remainder after the decode part
+teaches the prefill rate, otherwise the remainder after the prefill part
+teaches the decode bucket. Under sustained load, where nearly every step mixes
+a prefill chunk with decodes, both terms keep learning; at a single operating
+point the split may be off but their sum — what a prediction at that point
+uses — stays right. This is the iteration-time model of the latency
+predictors in the serving literature (e.g. DistServe, Zhong et al., OSDI'24,
+§3: prefill time linear in prompt tokens, decode time linear in batch size),
+fitted online instead of profiled offline.
+
+The core sends a :class:`StepTimingSnapshot` (plain data) to the API process
+with every output batch; :mod:`tokenmill.server.admission` predicts TTFT and
+TPOT from it. This module imports nothing from the engine (pure Python).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+# Smoothing factor of the EWMAs (weight of the newest step): ~20 steps of memory.
+DEFAULT_ALPHA = 0.1
+# Steps with fewer prompt tokens than this are too noisy to teach the prefill rate.
+MIN_PREFILL_TOKENS = 16
+# A prefill part of at least this share of the step teaches the prefill rate; below, the decode part.
+PREFILL_DOMINANT_SHARE = 0.5
+
+
+def batch_bucket(batch_size: int) -> int:
+    """The bucket of a decode batch size: 0 for 1, 1 for 2, 2 for 3-5, 3 for 6-11, ... (nearest power of two).
+
+    Raises:
+        ValueError: ``batch_size < 1``.
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return int(round(math.log2(batch_size)))
+
+
+@dataclass
+class StepTimingSnapshot:
+    """The core's smoothed step-time model at one moment (sent to the API process).
+
+    Attributes:
+        decode_points: ``[(mean batch size, seconds)]`` per measured bucket, sorted by
+            batch size: EWMA of the mean decode batch size and of the step time in it.
+        prefill_seconds_per_token: marginal seconds per prompt token (None: not measured yet).
+        prefill_seconds_per_step: EWMA over all steps of the prefill part of the step,
+            seconds (how much prompt work rides along with each decode step now).
+        num_steps_observed: steps that updated the model.
+    """
+
+    decode_points: list[tuple[float, float]] = field(default_factory=list)
+    prefill_seconds_per_token: float | None = None
+    prefill_seconds_per_step: float = 0.0
+    num_steps_observed: int = 0
+
+    @property
+    def ready(self) -> bool:
+        """True when both terms were measured (predictions are meaningful)."""
+        return bool(self.decode_points) and self.prefill_seconds_per_token is not None
+
+    @property
+    def prefill_tokens_per_second(self) -> float | None:
+        """The prefill rate, tokens/s (None: not measured yet)."""
+        t = self.prefill_seconds_per_token
+        return 1.0 / t if t else None
+
+    def decode_step_time(self, batch_size: float) -> float | None:
+        """Seconds of a step decoding ``batch_size`` requests (None: nothing measured yet).
+
+        Linear interpolation between measured points; below the smallest the
+        smallest point's time (the fixed cost dominates there); above the
+        largest, the slope of the last two points (or, with one point, half of
+        its per-request time: a step never gets cheaper per request than that
+        on the machines measured, and never costlier than proportional).
+        """
+        pts = self.decode_points
+        if not pts:
+            return None
+        b = max(1.0, float(batch_size))
+        if b <= pts[0][0]:
+            return pts[0][1]
+        for (b0, t0), (b1, t1) in zip(pts, pts[1:]):
+            if b <= b1:
+                return t0 + (t1 - t0) * (b - b0) / max(b1 - b0, 1e-9)
+        bl, tl = pts[-1]
+        if len(pts) >= 2:
+            b0, t0 = pts[-2]
+            slope = max(0.0, (tl - t0) / max(bl - b0, 1e-9))
+        else:
+            slope = 0.5 * tl / bl
+        return tl + slope * (b - bl)
+
+    def step_time(self, num_decode_reqs: int, num_prefill_tokens: int) -> float | None:
+        """Predicted seconds of one step with ``num_decode_reqs`` decodes and ``num_prefill_tokens`` prompt tokens."""
+        d = self.decode_step_time(max(1, num_decode_reqs))
+        if d is None or self.prefill_seconds_per_token is None:
+            return None
+        return d + num_prefill_tokens * self.prefill_seconds_per_token
+
+
+class StepTimeModel:
+    """Learns :class:`StepTimingSnapshot` from timed steps (lives in the engine core).
+
+    Args:
+        alpha: EWMA weight of the newest observation, in (0, 1].
+
+    Raises:
+        ValueError: ``alpha`` outside (0, 1].
+    """
+
+    def __init__(self, alpha: float = DEFAULT_ALPHA) -> None:
+        if not 0.0 < alpha <= 1.0:
+            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+        self.alpha = alpha
+        # bucket -> [EWMA batch size, EWMA seconds]
+        self._decode: dict[int, list[float]] = {}
+        self._pf_seconds: float | None = None   # EWMA of prefill seconds in prefill-dominated steps
+        self._pf_tokens: float | None = None    # EWMA of their prompt tokens
+        self._pf_per_step = 0.0
+        self._n = 0
+
+    # -- learning ------------------------------------------------------------
+    def observe(self, num_decode_reqs: int, num_prefill_tokens: int, seconds: float) -> None:
+        """Learn from one step: ``num_decode_reqs`` decoded requests, ``num_prefill_tokens`` prompt
+        (or recompute) tokens, ``seconds`` of wall time (schedule + execute + update + transport).
+
+        Steps with nothing scheduled or a non-positive duration are ignored.
+        """
+        if seconds <= 0 or (num_decode_reqs <= 0 and num_prefill_tokens <= 0):
+            return
+        self._n += 1
+        snap = self.snapshot()
+        if num_prefill_tokens <= 0:
+            self._update_decode(num_decode_reqs, seconds)
+            self._pf_per_step += self.alpha * (0.0 - self._pf_per_step)
+            return
+        d = snap.decode_step_time(max(1, num_decode_reqs))
+        tp = snap.prefill_seconds_per_token
+        if tp is None or d is None:
+            # Bootstrap: the whole step is charged to its prompt tokens (an over-estimate of the
+            # per-token cost by the fixed cost, corrected once decode steps are measured).
+            if num_prefill_tokens >= MIN_PREFILL_TOKENS or tp is None:
+                self._update_prefill(num_prefill_tokens, seconds)
+            self._pf_per_step += self.alpha * (seconds - self._pf_per_step)
+            return
+        prefill_part = num_prefill_tokens * tp
+        if num_prefill_tokens >= MIN_PREFILL_TOKENS and prefill_part >= PREFILL_DOMINANT_SHARE * seconds:
+            # at least a tenth of the step is left for prefill, so one noisy step cannot zero the rate
+            self._update_prefill(num_prefill_tokens, max(seconds - d, 0.1 * seconds))
+            prefill_part = num_prefill_tokens * (self.snapshot().prefill_seconds_per_token or tp)
+        elif num_decode_reqs > 0:
+            self._update_decode(num_decode_reqs, max(seconds - prefill_part, 0.1 * seconds))
+        self._pf_per_step += self.alpha * (min(prefill_part, seconds) - self._pf_per_step)
+
+    def _update_decode(self, batch: int, seconds: float) -> None:
+        k = batch_bucket(max(1, batch))
+        cur = self._decode.get(k)
+        if cur is None:
+            self._decode[k] = [float(batch), seconds]
+            return
+        cur[0] += self.alpha * (batch - cur[0])
+        cur[1] += self.alpha * (seconds - cur[1])
+
+    def _update_prefill(self, tokens: int, seconds: float) -> None:
+        if self._pf_seconds is None or self._pf_tokens is None:
+            self._pf_seconds, self._pf_tokens = seconds, float(tokens)
+            return
+        self._pf_seconds += self.alpha * (seconds - self._pf_seconds)
+        self._pf_tokens += self.alpha * (tokens - self._pf_tokens)
+
+    # -- reading -------------------------------------------------------------
+    def snapshot(self) -> StepTimingSnapshot:
+        """The current estimates as plain data (cheap: a few buckets)."""
+        pts = sorted((b, t) for b, t in self._decode.values())
+        # keep the curve monotone in batch size (a noisy bucket must not make bigger batches cheaper)
+        mono: list[tuple[float, float]] = []
+        for b, t in pts:
+            mono.append((b, max(t, mono[-1][1]) if mono else t))
+        tp = None
+        if self._pf_seconds is not None and self._pf_tokens:
+            tp = self._pf_seconds / self._pf_tokens
+        return StepTimingSnapshot(decode_points=mono, prefill_seconds_per_token=tp,
+                                  prefill_seconds_per_step=self._pf_per_step, num_steps_observed=self._n)
