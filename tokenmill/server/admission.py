@@ -14,9 +14,13 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats import IterationStats
+
+if TYPE_CHECKING:
+    from tokenmill.server.slo_predictor import SLO, InflightWork, Prediction
 
 # Bounds of the Retry-After estimate (seconds).
 MIN_RETRY_AFTER = 1
@@ -159,3 +163,150 @@ def retry_after_seconds(excess: float, rate: float | None) -> int:
     if not rate or rate <= 0:
         return MIN_RETRY_AFTER
     return int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(excess / rate))))
+
+
+# -- SLO-aware admission (--slo) ------------------------------------------------
+@dataclass
+class PendingRequest:
+    """An admitted interactive request that has not produced its first token (what may be displaced).
+
+    Attributes:
+        request_id: the engine request id (its choices are ``{id}-{i}`` in the core).
+        priority: its priority (lower first under ``--scheduling-policy priority``).
+        arrival: ``time.time()`` when it arrived.
+        prompt_tokens: prompt tokens it prefills (× n).
+        predicted_ttft: predicted seconds from arrival to first token, updated
+            when higher-priority requests are admitted ahead of it.
+        predicted_start: ``time.time()`` when its prefill is predicted to start.
+        limit: the TTFT it is held to, seconds (the SLO, or 1.5 × its idle TTFT if larger).
+    """
+
+    request_id: str
+    priority: int
+    arrival: float
+    prompt_tokens: int
+    predicted_ttft: float
+    predicted_start: float
+    limit: float
+
+
+class SLOAdmission:
+    """``--slo``: refuse (429) requests predicted to miss the TTFT/TPOT target, before any work is spent.
+
+    The prediction (:func:`tokenmill.server.slo_predictor.predict`) uses the
+    engine's queue state and step-time model from the latest
+    :class:`EngineStats` plus the requests this process sent that the core
+    has not seen. Under ``--scheduling-policy priority`` a new request is
+    predicted only behind work of its own or higher priority, so it is
+    admitted where a lower-priority one would be refused; admitting it delays
+    the queued lower-priority requests, and those now predicted to miss are
+    *displaced*: :meth:`displaced_by` names them, the server aborts them in
+    the engine and answers 429 on their pending responses (they have sent
+    nothing yet).
+
+    Implements ``StatLogger``: on each first token it observes the prediction
+    error and forgets the request.
+
+    Args:
+        slo: the targets.
+        policy: the scheduling policy (``fcfs`` or ``priority``).
+        metrics: optional sink with ``observe_ttft_prediction(predicted_s)`` and
+            ``observe_ttft_prediction_error(measured_s - predicted_s)``.
+    """
+
+    def __init__(self, slo: "SLO", policy: str = "fcfs", metrics: object | None = None) -> None:
+        self.slo = slo
+        self.policy = policy
+        self.metrics = metrics
+        self.pending: dict[str, PendingRequest] = {}
+
+    def check(self, engine_stats: EngineStats, inflight: "InflightWork | None", prompt_tokens: int,
+              priority: int, arrival: float, now: float | None = None) -> tuple["Prediction | None", Refusal | None]:
+        """Predict a new interactive request and judge it against the SLO.
+
+        Args:
+            engine_stats: the core's latest snapshot (``queue`` and ``step_timing`` set).
+            inflight: requests sent to the core that it has not reported yet.
+            prompt_tokens: the new request's prompt tokens (× n).
+            priority: its priority.
+            arrival: ``time.time()`` when it arrived (time since then counts).
+            now: ``time.time()`` (tests).
+
+        Returns:
+            ``(prediction, refusal)``: the prediction (None before the engine
+            measured its step times: then the request is admitted) and a
+            :class:`Refusal` with ``reason="slo"`` when it is predicted to miss.
+        """
+        from tokenmill.server.slo_predictor import judge, predict
+
+        now = time.time() if now is None else now
+        q, t = engine_stats.queue, engine_stats.step_timing
+        pred = predict(q, t, prompt_tokens, priority, self.policy, inflight)
+        elapsed = max(0.0, now - arrival)
+        if pred is not None and self.metrics is not None:
+            self.metrics.observe_ttft_prediction(elapsed + pred.ttft)
+        verdict = judge(self.slo, pred, elapsed, q, t)
+        if verdict.admit:
+            return pred, None
+        return pred, Refusal(verdict.message, verdict.retry_after, "slo")
+
+    def track(self, request_id: str, pred: "Prediction | None", priority: int, arrival: float,
+              prompt_tokens: int, now: float | None = None) -> PendingRequest | None:
+        """Remember an admitted request until its first token (for the error metric and displacement)."""
+        if pred is None:
+            return None
+        now = time.time() if now is None else now
+        elapsed = max(0.0, now - arrival)
+        limit = max(self.slo.ttft, 1.5 * pred.ttft_idle) if self.slo.ttft is not None else math.inf
+        own = pred.ttft_idle
+        p = PendingRequest(request_id, priority, arrival, prompt_tokens, elapsed + pred.ttft,
+                           now + max(0.0, pred.ttft - own), limit)
+        self.pending[request_id] = p
+        return p
+
+    def displaced_by(self, new: PendingRequest, pred: "Prediction", now: float | None = None
+                     ) -> list[tuple[str, Refusal]]:
+        """Queued lower-priority requests that the admitted ``new`` request pushes past their TTFT limit.
+
+        Only under the priority policy (under fcfs a new request queues behind
+        everyone). A pending request whose prefill is predicted to have started
+        is left alone (running requests are served before waiting ones). The
+        others' predictions move back by ``new``'s own prefill time; those past
+        their limit are returned (and forgotten) with a 429 :class:`Refusal`
+        whose Retry-After is the predicted excess.
+        """
+        if self.policy != "priority" or self.slo.ttft is None:
+            return []
+        now = time.time() if now is None else now
+        delay = pred.ttft_idle
+        out: list[tuple[str, Refusal]] = []
+        for rid, p in list(self.pending.items()):
+            if rid == new.request_id or p.priority <= new.priority or p.predicted_start <= now:
+                continue
+            p.predicted_ttft += delay
+            p.predicted_start += delay
+            if p.predicted_ttft > p.limit:
+                del self.pending[rid]
+                excess = p.predicted_ttft - p.limit
+                out.append((rid, Refusal(
+                    f"server is busy: displaced by higher-priority requests; predicted time to first token "
+                    f"{p.predicted_ttft * 1000:.0f} ms exceeds the SLO of {self.slo.ttft * 1000:.0f} ms (--slo); "
+                    "retry later", int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(excess)))), "slo")))
+        return out
+
+    def forget(self, request_id: str) -> None:
+        """Stop tracking a request (finished, aborted or refused)."""
+        self.pending.pop(request_id, None)
+
+    def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
+        """Observe the prediction error of requests that got their first token; forget finished ones."""
+        if iteration is None:
+            return
+        for rid, ttft in getattr(iteration, "first_tokens", ()):
+            p = self.pending.pop(rid, None)
+            if p is not None and self.metrics is not None:
+                self.metrics.observe_ttft_prediction_error(ttft - p.predicted_ttft)
+        for f in iteration.finished:
+            rid = getattr(f, "request_id", "")
+            if rid:
+                self.pending.pop(rid, None)

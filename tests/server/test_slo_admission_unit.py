@@ -1,0 +1,102 @@
+"""SLOAdmission: refusal with reason slo, tracking, displacement under the priority policy, error metric."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from tokenmill.core.engine_core import EngineStats
+from tokenmill.core.scheduler import QueueState
+from tokenmill.metrics.stats import IterationStats
+from tokenmill.metrics.step_timing import StepTimingSnapshot
+from tokenmill.server.admission import SLOAdmission
+from tokenmill.server.slo_predictor import SLO, InflightWork
+
+TP = 1e-4
+
+
+def stats(**q):
+    base = dict(max_num_seqs=16, max_num_batched_tokens=1000)
+    base.update(q)
+    t = StepTimingSnapshot(decode_points=[(1.0, 0.010), (17.0, 0.026)], prefill_seconds_per_token=TP,
+                           num_steps_observed=50)
+    return EngineStats(queue=QueueState(**base), step_timing=t)
+
+
+@dataclass
+class Sink:
+    predicted: list = field(default_factory=list)
+    errors: list = field(default_factory=list)
+
+    def observe_ttft_prediction(self, v):
+        self.predicted.append(v)
+
+    def observe_ttft_prediction_error(self, v):
+        self.errors.append(v)
+
+
+def test_refuses_predicted_ttft_miss_with_reason_slo():
+    sink = Sink()
+    adm = SLOAdmission(SLO(ttft=0.5), metrics=sink)
+    pred, ref = adm.check(stats(waiting_by_priority={0: (10, 9000)}), None, 500, 0, arrival=100.0, now=100.0)
+    assert ref is not None and ref.reason == "slo" and ref.retry_after >= 1
+    assert sink.predicted == [pytest.approx(pred.ttft)]
+    pred, ref = adm.check(stats(), None, 500, 0, arrival=100.0, now=100.0)
+    assert ref is None
+
+
+def test_engine_without_measurements_admits():
+    adm = SLOAdmission(SLO(ttft=0.001, tpot=0.001))
+    pred, ref = adm.check(EngineStats(queue=QueueState(), step_timing=StepTimingSnapshot()), None, 10, 0, 0.0, 0.0)
+    assert pred is None and ref is None
+
+
+def test_inflight_requests_count_ahead():
+    adm = SLOAdmission(SLO(ttft=0.5))
+    _, ref = adm.check(stats(), InflightWork({0: (8, 8000)}), 100, 0, 0.0, 0.0)
+    assert ref is not None
+
+
+def test_first_token_records_error_and_forgets():
+    sink = Sink()
+    adm = SLOAdmission(SLO(ttft=1.0), metrics=sink)
+    pred, _ = adm.check(stats(), None, 500, 0, arrival=10.0, now=10.0)
+    adm.track("r1", pred, 0, 10.0, 500, now=10.0)
+    it = IterationStats()
+    it.first_tokens = [("r1", pred.ttft + 0.02), ("unknown", 1.0)]
+    adm.record(None, it)
+    assert sink.errors == [pytest.approx(0.02)] and "r1" not in adm.pending
+
+
+def test_priority_displaces_queued_lower_priority_requests_that_would_now_miss():
+    adm = SLOAdmission(SLO(ttft=0.5), policy="priority")
+    now = 50.0
+    # two low-priority requests admitted with some margin, predicted to start later
+    st = stats(num_decoding=2, waiting_by_priority={5: (2, 2000)})
+    pl, ref = adm.check(st, None, 1000, 5, arrival=now, now=now)
+    assert ref is None and pl.ttft < 0.5
+    low = adm.track("low", pl, 5, now, 1000, now=now)
+    assert low.predicted_start > now
+    # a high-priority request jumps ahead: not refused (lower-priority work is not ahead of it)
+    st2 = stats(num_decoding=2, waiting_by_priority={5: (3, 3000)})
+    ph, ref = adm.check(st2, None, 2000, 0, arrival=now, now=now)
+    assert ref is None and ph.tokens_ahead == 0
+    high = adm.track("high", ph, 0, now, 2000, now=now)
+    displaced = adm.displaced_by(high, ph, now=now)
+    assert [rid for rid, _ in displaced] == ["low"]
+    rid, refusal = displaced[0]
+    assert refusal.reason == "slo" and "displaced" in refusal.message and refusal.retry_after >= 1
+    assert "low" not in adm.pending and "high" in adm.pending
+
+
+def test_no_displacement_under_fcfs_or_of_started_or_higher_priority_requests():
+    for policy in ("fcfs", "priority"):
+        adm = SLOAdmission(SLO(ttft=0.5), policy=policy)
+        p, _ = adm.check(stats(waiting_by_priority={0: (2, 2000)}), None, 1000, 0, 0.0, 0.0)
+        adm.track("same", p, 0, 0.0, 1000, now=0.0)
+        started = adm.track("started", p, 9, 0.0, 1000, now=0.0)
+        started.predicted_start = -1.0
+        ph, _ = adm.check(stats(), None, 4000, 0, 0.0, 0.0)
+        new = adm.track("new", ph, 0, 0.0, 4000, now=0.0)
+        assert adm.displaced_by(new, ph, now=0.0) == []
