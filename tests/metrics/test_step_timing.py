@@ -83,3 +83,17 @@ def test_ignores_empty_and_bad_steps():
     assert m.snapshot().num_steps_observed == 0
     with pytest.raises(ValueError):
         StepTimeModel(alpha=0)
+
+
+def test_learns_without_any_pure_decode_step():
+    """Overload from the start: every step mixes a prompt chunk with decodes."""
+    rng = random.Random(2)
+    m = StepTimeModel()
+    for _ in range(400):
+        b = rng.randint(1, 40)
+        p = rng.choice([rng.randint(100, 500), rng.randint(900, 2000)])
+        m.observe(b, p, true_step(b, p) * rng.uniform(0.97, 1.03))
+    s = m.snapshot()
+    assert s.ready
+    for b, p in ((5, 300), (20, 1500), (38, 1000)):
+        assert s.step_time(b, p) == pytest.approx(true_step(b, p), rel=0.15)

@@ -156,9 +156,14 @@ class StepTimeModel:
         d = snap.decode_step_time(max(1, num_decode_reqs))
         tp = snap.prefill_seconds_per_token
         if tp is None or d is None:
-            # Bootstrap: the whole step is charged to its prompt tokens (an over-estimate of the
-            # per-token cost by the fixed cost, corrected once decode steps are measured).
-            if num_prefill_tokens >= MIN_PREFILL_TOKENS or tp is None:
+            # Bootstrap one term from the other; with neither known the whole step is charged to
+            # the prompt tokens (an over-estimate by the fixed cost, corrected as decodes are measured).
+            # At least a tenth of the step is left to the term learned, so one noisy step cannot zero it.
+            if tp is None:
+                self._update_prefill(num_prefill_tokens, max(seconds - (d or 0.0), 0.1 * seconds))
+            elif num_decode_reqs > 0:
+                self._update_decode(num_decode_reqs, max(seconds - num_prefill_tokens * tp, 0.1 * seconds))
+            else:
                 self._update_prefill(num_prefill_tokens, seconds)
             self._pf_per_step += self.alpha * (seconds - self._pf_per_step)
             return
