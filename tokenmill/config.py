@@ -121,6 +121,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = _f(0, "With chunked prefill: the most prompt tokens one request gets in a step (0: no cap), so a long prompt shares each step with the requests queued behind it and their time to first token drops.")
     max_num_waiting_requests: int | None = _f(None, "Admission control: requests waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
     max_num_waiting_tokens: int | None = _f(None, "Admission control: prompt tokens waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
+    slo: str | None = _f(None, "SLO-aware admission control: latency targets in ms, the syntax of bench --goodput, e.g. --slo ttft:500 tpot:50 (either part optional). A request predicted (from the queued work and the engine's measured step times) to miss them is refused with HTTP 429 and a Retry-After; batch-lane requests (service_tier 'batch') are never refused. Default: off.", server_only=True, nargs="+", metavar="KEY:MS")
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):

@@ -1,6 +1,6 @@
 """Prometheus exporter: vLLM's metric names with the ``tokenmill:`` prefix.
 
-Every metric carries the label ``model_name`` and, except ``request_refused_total``,
+Every metric carries the label ``model_name`` and, except the API process's own (``request_refused_total``, the ``--slo`` prediction histograms),
 ``engine`` (the engine core's index; one per core under ``--data-parallel-size``). Names, meanings and histogram
 bucket boundaries follow vLLM's v1 Prometheus logger so that dashboards and
 alerts written for vLLM work after replacing the ``vllm:`` prefix:
@@ -12,7 +12,10 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   ``prefix_cache_hits_total`` (tokens), ``request_success_total{finished_reason}``;
 * counter ``request_refused_total{reason}`` (tokenmill-specific: requests
   refused with HTTP 429 by admission control, ``reason`` =
-  ``waiting_requests`` or ``waiting_tokens``; vLLM has no admission control);
+  ``waiting_requests``, ``waiting_tokens`` or ``slo``; vLLM has no admission control);
+* histograms ``predicted_ttft_seconds``, ``ttft_prediction_error_seconds``
+  (measured − predicted, signed) and ``ttft_prediction_abs_error_seconds``
+  (tokenmill-specific: SLO admission control, ``--slo``);
 * histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
   ``request_prefill_time_seconds``, ``request_decode_time_seconds``,
@@ -42,6 +45,9 @@ ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                20.0, 40.0, 80.0]
 REQUEST_LATENCY_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                            60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+# Signed TTFT prediction error (measured - predicted), seconds.
+PREDICTION_ERROR_BUCKETS = [-10.0, -5.0, -2.5, -1.0, -0.5, -0.25, -0.1, -0.05, -0.025, -0.01, 0.0,
+                            0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 # Scheduling is sub-millisecond to milliseconds.
 SCHEDULER_TIME_BUCKETS = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
                           0.5, 1.0]
@@ -148,8 +154,22 @@ class PrometheusStatLogger:
         self._refused = Counter(PREFIX + "request_refused",
                                 "Requests refused by admission control (HTTP 429), by the limit that refused them.",
                                 ["model_name", "reason"], registry=r)
-        for reason in ("waiting_requests", "waiting_tokens"):
+        for reason in ("waiting_requests", "waiting_tokens", "slo"):
             self._refused.labels(model_name, reason)
+        # --slo admission (the API process's; no engine label): TTFT predictions and their error
+        def api_hist(name: str, doc: str, buckets: list) -> Histogram:
+            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
+
+        self.predicted_ttft = api_hist("predicted_ttft_seconds",
+                                       "Histogram of the TTFT predicted by SLO admission control (--slo) for "
+                                       "each request it judged, in seconds.", TTFT_BUCKETS)
+        self.ttft_pred_error = api_hist("ttft_prediction_error_seconds",
+                                        "Histogram of measured minus predicted TTFT of admitted requests (--slo), "
+                                        "in seconds (negative: the prediction was pessimistic).",
+                                        PREDICTION_ERROR_BUCKETS)
+        self.ttft_pred_abs_error = api_hist("ttft_prediction_abs_error_seconds",
+                                            "Histogram of |measured - predicted| TTFT of admitted requests "
+                                            "(--slo), in seconds.", TTFT_BUCKETS)
         self._engines: dict[int, _EngineSeries] = {}
         self.engine(0)  # export engine 0's zeros from the start
 
@@ -159,6 +179,15 @@ class PrometheusStatLogger:
         if e is None:
             e = self._engines[index] = _EngineSeries(self._fams, self.model_name, str(index))
         return e
+
+    def observe_ttft_prediction(self, seconds: float) -> None:
+        """One TTFT prediction of SLO admission control (admitted or refused request), seconds."""
+        self.predicted_ttft.observe(max(0.0, seconds))
+
+    def observe_ttft_prediction_error(self, seconds: float) -> None:
+        """Measured minus predicted TTFT of one admitted request, seconds."""
+        self.ttft_pred_error.observe(seconds)
+        self.ttft_pred_abs_error.observe(abs(seconds))
 
     def record_refusal(self, reason: str) -> None:
         """Count one request refused by admission control (``reason``: the limit that refused it)."""

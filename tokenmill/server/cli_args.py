@@ -70,7 +70,10 @@ def add_serve_args(parser: argparse.ArgumentParser, include_server: bool = True)
             if choices:
                 kw["choices"] = choices
             if not choices:
-                kw["metavar"] = _METAVARS.get(f.name) or ("N" if typ is int else f.name.upper())
+                kw["metavar"] = (f.metadata.get("metavar") or _METAVARS.get(f.name)
+                                 or ("N" if typ is int else f.name.upper()))
+            if f.metadata.get("nargs"):
+                kw["nargs"] = f.metadata["nargs"]      # several words, joined into one string value
             group.add_argument(flag, type=typ if typ in (int, float, str) else str, **kw)
     return parser
 
@@ -86,12 +89,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     for _, cls in SECTIONS:
         for f in dataclasses.fields(cls):
             if hasattr(args, f.name):
-                values[f.name] = getattr(args, f.name)
+                value = getattr(args, f.name)
+                values[f.name] = " ".join(map(str, value)) if isinstance(value, list) else value
     tag = getattr(args, _POSITIONAL_DEST, None)
     if tag is not None:
         if values.get("model") not in (None, tag):
             raise ValueError(f"model given twice: positional {tag!r} and --model {values['model']!r}")
         values["model"] = tag
+    if values.get("slo"):
+        from tokenmill.server.slo_predictor import SLO
+
+        SLO.parse(values["slo"])        # ValueError with the bad item
     return EngineConfig.from_kwargs(**values)
 
 
