@@ -85,6 +85,11 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool | None = False
 
 
+# OpenAI's service_tier values, plus "batch": the batch lane (also selected by OpenAI's "flex").
+SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "batch")
+BATCH_SERVICE_TIERS = ("batch", "flex")
+
+
 class _SamplingFields(_Base):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
@@ -116,6 +121,14 @@ class _SamplingFields(_Base):
     cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Not with stream: true.")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority", "batch"] | None = Field(
+        None, description="OpenAI's processing tier. 'batch' (tokenmill) or 'flex' (OpenAI's slower tier): the "
+                          "batch lane, never refused with 429, served with the capacity interactive requests leave.")
+
+    @property
+    def is_batch(self) -> bool:
+        """True for the batch lane (``service_tier`` ``"batch"`` or ``"flex"``)."""
+        return self.service_tier in BATCH_SERVICE_TIERS
 
     def token_id_fields(self) -> list[tuple[str, list[int]]]:
         """Every field of the request that carries token ids, as ``(param, ids)``."""
@@ -137,6 +150,9 @@ class _SamplingFields(_Base):
             raise APIError(f"n must be <= 128, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
+        if self.service_tier is not None and self.service_tier not in SERVICE_TIERS:
+            raise APIError(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {self.service_tier!r}",
+                           param="service_tier")
         if self.cache_salt is not None and self.cache_salt == "":
             raise APIError("cache_salt must be a non-empty string", param="cache_salt")
         if isinstance(self.stop, list):
