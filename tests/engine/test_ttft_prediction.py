@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tokenmill.core.engine_core import EngineCoreRequest
+from tokenmill.engine.engine_core import EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.slo_predictor import predict
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from tokenmill.core.engine_core import EngineStats
+from tokenmill.metrics.stats import EngineStats
 from tokenmill.core.scheduler import QueueState
 from tokenmill.metrics.stats import IterationStats
 from tokenmill.metrics.step_timing import StepTimingSnapshot

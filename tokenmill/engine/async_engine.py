@@ -104,7 +104,8 @@ class AsyncEngine:
         # Admission bookkeeping: adds sent but not yet seen by the core.
         self._num_adds_sent = 0
         self._num_adds_seen = 0
-        self._inflight: deque[tuple[int, int]] = deque()  # (add sequence number, prompt tokens)
+        # (add sequence number, prompt tokens, priority, batch lane)
+        self._inflight: deque[tuple[int, int, int, bool]] = deque()
 
     # -- life cycle ----------------------------------------------------------
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -276,9 +277,25 @@ class AsyncEngine:
         return self._stats
 
     def waiting_load(self) -> tuple[int, int]:
-        """(requests, prompt tokens) waiting: the core's queue plus adds not yet received by it."""
-        tokens = sum(t for _, t in self._inflight)
-        return self._stats.num_waiting + len(self._inflight), self._stats.num_waiting_tokens + tokens
+        """(requests, prompt tokens) of interactive requests waiting: the core's queue plus adds not
+        yet received by it. Batch-lane requests are left out: they wait behind interactive ones."""
+        inflight = [(t, b) for _, t, _, b in self._inflight]
+        n = sum(1 for _, b in inflight if not b)
+        tokens = sum(t for t, b in inflight if not b)
+        q = self._stats.queue
+        if q is None:
+            return self._stats.num_waiting + n, self._stats.num_waiting_tokens + tokens
+        return (sum(k for k, _ in q.waiting_by_priority.values()) + n,
+                sum(t for _, t in q.waiting_by_priority.values()) + tokens)
+
+    def inflight_by_priority(self) -> dict[int, tuple[int, int]]:
+        """Interactive requests sent to the core that it has not reported yet: ``{priority: (requests, tokens)}``."""
+        out: dict[int, tuple[int, int]] = {}
+        for _, tokens, prio, batch in self._inflight:
+            if not batch:
+                k, t = out.get(prio, (0, 0))
+                out[prio] = (k + 1, t + tokens)
+        return out
 
     @property
     def num_live_requests(self) -> int:
@@ -287,8 +304,11 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, batch: bool = False) -> AsyncIterator[RequestOutput]:
         """Run one request; yield a :class:`RequestOutput` *delta* per batch of new tokens.
+
+        ``batch`` puts it in the batch lane (scheduled with the capacity
+        interactive requests leave, preempted first).
 
         Each delta's choices carry only new text/token ids/logprobs; the last
         one has ``finished=True`` (and ``error`` set if the core rejected the
@@ -311,9 +331,9 @@ class AsyncEngine:
         try:
             for i, cid in enumerate(child_ids):
                 self._send(("add", EngineCoreRequest(cid, list(prompt_token_ids), child_params(params, i),
-                                                     arrival_time, priority, cache_salt)))
+                                                     arrival_time, priority, cache_salt, batch)))
                 self._num_adds_sent += 1
-                self._inflight.append((self._num_adds_sent, len(prompt_token_ids)))
+                self._inflight.append((self._num_adds_sent, len(prompt_token_ids), priority, batch))
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):
@@ -330,8 +350,13 @@ class AsyncEngine:
                 self.abort_nowait(request_id)
             self._tracks.pop(request_id, None)
 
-    def abort_nowait(self, request_id: str) -> None:
-        """Abort a request (all its choices) without awaiting; no-op when unknown or finished."""
+    def abort_nowait(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort a request (all its choices) without awaiting; no-op when unknown or finished.
+
+        With ``error``, the request's consumer (:meth:`generate`) raises it
+        (e.g. admission control answering 429 on a displaced request's pending
+        response); without, it is cancelled.
+        """
         ids = self.processor.child_ids(request_id)
         if not ids:
             return
@@ -344,11 +369,11 @@ class AsyncEngine:
         tr = self._tracks.pop(request_id, None)
         q = self._queues.pop(request_id, None)
         if q is not None:
-            q.put_nowait(asyncio.CancelledError())
+            q.put_nowait(error if error is not None else asyncio.CancelledError())
         if tr is not None:
             now = time.time()
             self._emit(None, IterationStats(timestamp=now, finished=[FinishedRequestStats(
-                "abort", e2e_latency=now - tr.arrival_time, num_prompt_tokens=tr.num_prompt_tokens,
+                "abort", request_id=request_id, e2e_latency=now - tr.arrival_time, num_prompt_tokens=tr.num_prompt_tokens,
                 num_generation_tokens=tr.num_generation_tokens, max_tokens_param=tr.max_tokens)]))
 
     async def abort(self, request_id: str) -> None:
@@ -415,6 +440,7 @@ class AsyncEngine:
                 if tr.first_token_time is None:
                     tr.first_token_time = now
                     it.time_to_first_tokens.append(now - tr.arrival_time)
+                    it.first_tokens.append((d.request_id, now - tr.arrival_time))
             else:
                 it.inter_token_latencies.append(now - last)
             tr.last_token_time[c.index] = now
@@ -425,7 +451,7 @@ class AsyncEngine:
             sched = m.first_scheduled_time
             first = tr.first_token_time
             it.finished.append(FinishedRequestStats(
-                reason, e2e_latency=now - tr.arrival_time,
+                reason, request_id=d.request_id, e2e_latency=now - tr.arrival_time,
                 queued_time=max(0.0, (sched - tr.arrival_time)) if sched else 0.0,
                 prefill_time=max(0.0, first - sched) if (first and sched) else 0.0,
                 decode_time=max(0.0, now - first) if first else 0.0,

@@ -68,6 +68,7 @@ class FinishedRequestStats:
         num_prompt_tokens: prompt length in tokens.
         num_generation_tokens: tokens generated over all choices.
         max_tokens_param: the request's max_tokens (None: unbounded).
+        request_id: the front end's request id ("" when unknown).
     """
 
     finish_reason: str
@@ -78,6 +79,7 @@ class FinishedRequestStats:
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     max_tokens_param: int | None = None
+    request_id: str = ""
 
 
 @dataclass
@@ -91,6 +93,9 @@ class IterationStats:
         inter_token_latencies: seconds between consecutive token batches of a request.
         finished: requests that finished.
         timestamp: ``time.time()`` when the batch was processed.
+        first_tokens: ``(request id, seconds arrival → first token)`` of the
+            requests that produced their first token (same values as
+            ``time_to_first_tokens``, with ids, e.g. to score TTFT predictions).
     """
 
     num_prompt_tokens: int = 0
@@ -99,6 +104,7 @@ class IterationStats:
     inter_token_latencies: list[float] = field(default_factory=list)
     finished: list[FinishedRequestStats] = field(default_factory=list)
     timestamp: float = 0.0
+    first_tokens: list[tuple[str, float]] = field(default_factory=list)
 
 
 class StatLogger(Protocol):

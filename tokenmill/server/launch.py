@@ -12,9 +12,10 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.async_engine import AsyncEngine
 from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
-from tokenmill.server.admission import AdmissionController
+from tokenmill.server.admission import AdmissionController, SLOAdmission
 from tokenmill.server.app import build_app
 from tokenmill.server.serving import ServerState
+from tokenmill.server.slo_predictor import SLO
 from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger("tokenmill.server")
@@ -46,11 +47,16 @@ def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: An
     admission = AdmissionController(config.scheduler.max_num_waiting_requests,
                                     config.scheduler.max_num_waiting_tokens)
     engine.stat_loggers.extend([prom, log_stats, admission])
+    slo = None
+    if config.scheduler.slo:
+        slo = SLOAdmission(SLO.parse(config.scheduler.slo), config.scheduler.scheduling_policy, metrics=prom)
+        engine.stat_loggers.append(slo)
+        logger.info("SLO-aware admission control: %s (requests predicted to miss it get 429)", slo.slo)
     template = getattr(tokenizer, "chat_template", None)
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
                        chat_template=template if isinstance(template, str) else None, model_name=name,
                        model_path=model_path, max_model_len=engine.info.max_model_len, admission=admission,
-                       prometheus=prom, log_stats=log_stats)
+                       prometheus=prom, log_stats=log_stats, slo=slo)
 
 
 def run_server(config: EngineConfig) -> None:

@@ -23,8 +23,9 @@ from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.outputs import RequestOutput, TokenLogprobs
-from tokenmill.server.admission import AdmissionController
+from tokenmill.server.admission import AdmissionController, SLOAdmission
 from tokenmill.server.protocol import APIError, ChatMessage
+from tokenmill.server.slo_predictor import InflightWork, Prediction
 from tokenmill.tokenizer import TokenStrings
 
 # JSON cannot carry -inf; vLLM clamps log-probabilities the same way.
@@ -33,6 +34,26 @@ MIN_LOGPROB = -9999.0
 # Texts longer than this are tokenized in a worker thread so the event loop keeps serving
 # other requests (health checks, streams) while a huge prompt is encoded.
 INLINE_ENCODE_CHARS = 4096
+
+
+@dataclass
+class Admission:
+    """An admitted request, between :meth:`OpenAIServing.admit` and :meth:`OpenAIServing.admitted`.
+
+    Attributes:
+        priority: its priority.
+        batch: batch lane.
+        arrival: ``time.time()`` of arrival.
+        prompt_tokens: prompt tokens it adds (prompts × n).
+        prediction: the SLO predictor's TTFT/TPOT prediction (None without ``--slo`` or before
+            the engine measured its step times).
+    """
+
+    priority: int
+    batch: bool
+    arrival: float
+    prompt_tokens: int
+    prediction: Prediction | None = None
 
 
 @dataclass
@@ -51,6 +72,7 @@ class ServerState:
         prometheus: the ``/metrics`` exporter.
         log_stats: the periodic log line.
         token_strings: text/bytes of single tokens for logprobs (built from the tokenizer).
+        slo: SLO-aware admission control (``--slo``), None when off.
     """
 
     config: EngineConfig
@@ -65,6 +87,7 @@ class ServerState:
     log_stats: LoggingStatLogger
     created: int = field(default_factory=lambda: int(time.time()))
     token_strings: TokenStrings | None = None
+    slo: SLOAdmission | None = None
 
     def __post_init__(self) -> None:
         if self.token_strings is None:
@@ -156,27 +179,65 @@ class OpenAIServing:
                 f"Please reduce the length of the prompt or {param}.", param=param)
         return requested
 
-    def admit(self, new_requests: int, new_tokens: int) -> None:
-        """Admission: the engine must be alive, the request within the caps, the queue not full.
+    def admit(self, new_requests: int, new_tokens: int, priority: int = 0, batch: bool = False,
+              arrival: float | None = None) -> Admission:
+        """Admission: the engine must be alive, the request within the caps, the queue not full, the
+        SLO (``--slo``) predicted to be met. Batch-lane requests are never refused: they wait.
+
+        Args:
+            new_requests: engine requests it adds (prompts × ``n``).
+            new_tokens: prompt tokens it adds.
+            priority: its priority; batch: batch lane; arrival: ``time.time()`` of arrival.
+
+        Returns:
+            the :class:`Admission` to pass to :meth:`admitted` once the engine requests exist.
 
         Raises:
             APIError: 503 (engine dead), 400 (over a cap even with an empty
-                queue), 429 with ``Retry-After`` (queue full).
+                queue), 429 with ``Retry-After`` (queue full, or the SLO
+                predicted to be missed).
         """
         state = self.state
         if not state.engine.is_healthy:
             raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
+        ticket = Admission(priority, batch, time.time() if arrival is None else arrival, new_tokens)
+        if batch:
+            return ticket
         adm = state.admission
-        if not adm.enabled:
+        if adm.enabled:
+            too_large = adm.check_size(new_requests, new_tokens)
+            if too_large is not None:
+                raise APIError(too_large, param="n")
+            waiting, waiting_tokens = state.engine.waiting_load()
+            refusal = adm.check(waiting, waiting_tokens, new_requests, new_tokens)
+            if refusal is not None:
+                state.prometheus.record_refusal(refusal.reason)
+                raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
+        if state.slo is not None:
+            ticket.prediction, refusal = state.slo.check(
+                state.engine.get_stats(), InflightWork(state.engine.inflight_by_priority()), new_tokens,
+                priority, ticket.arrival)
+            if refusal is not None:
+                state.prometheus.record_refusal(refusal.reason)
+                raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
+        return ticket
+
+    def admitted(self, ticket: Admission, request_ids: list[str]) -> None:
+        """Track an admitted request's engine requests until their first token (``--slo``); under the
+        priority policy, answer 429 on the pending responses of queued lower-priority requests it pushes
+        past their TTFT target (they are aborted in the engine)."""
+        slo = self.state.slo
+        if slo is None or ticket.batch or ticket.prediction is None:
             return
-        too_large = adm.check_size(new_requests, new_tokens)
-        if too_large is not None:
-            raise APIError(too_large, param="n")
-        waiting, waiting_tokens = state.engine.waiting_load()
-        refusal = adm.check(waiting, waiting_tokens, new_requests, new_tokens)
-        if refusal is not None:
-            state.prometheus.record_refusal(refusal.reason)
-            raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
+        share = ticket.prompt_tokens // max(1, len(request_ids))
+        for rid in request_ids:
+            pending = slo.track(rid, ticket.prediction, ticket.priority, ticket.arrival, share)
+            if pending is None:
+                continue
+            for victim, refusal in slo.displaced_by(pending, ticket.prediction):
+                self.state.prometheus.record_refusal(refusal.reason)
+                self.state.engine.abort_nowait(victim, APIError(
+                    refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)}))
 
     # -- prompts -------------------------------------------------------------
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:

@@ -51,11 +51,12 @@ class OpenAIServingChat(OpenAIServing):
         mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
         params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs)
         n = body.n
-        self.admit(n, n * len(ids))
+        ticket = self.admit(n, n * len(ids), body.priority, body.is_batch, arrival)
         rid = request_id("chatcmpl", body.request_id)
         created = int(time.time())
         merged = merge_streams([state.engine.generate(rid, prompt, ids, params, body.priority, body.cache_salt,
-                                                      arrival)])
+                                                      arrival, batch=body.is_batch)])
+        self.admitted(ticket, [rid])
         usage = Usage([len(ids)])
         top_n = body.top_logprobs or 0
 

@@ -83,12 +83,15 @@ class OpenAIServingCompletion(OpenAIServing):
             mt = 1 if echo_only else self.resolve_max_tokens(len(ids), body.max_tokens)
             params_list.append(body.sampling_params(mt, body.logprobs, plp))
         n = body.n
-        self.admit(n * len(prompts), n * sum(len(ids) for _, ids in prompts))
+        ticket = self.admit(n * len(prompts), n * sum(len(ids) for _, ids in prompts), body.priority,
+                            body.is_batch, arrival)
         rid = request_id("cmpl", body.request_id)
         created = int(time.time())
-        gens = [state.engine.generate(rid if len(prompts) == 1 else f"{rid}-p{i}", text, ids, params_list[i],
-                                      body.priority, body.cache_salt, arrival)
+        engine_ids = [rid if len(prompts) == 1 else f"{rid}-p{i}" for i in range(len(prompts))]
+        gens = [state.engine.generate(engine_ids[i], text, ids, params_list[i],
+                                      body.priority, body.cache_salt, arrival, batch=body.is_batch)
                 for i, (text, ids) in enumerate(prompts)]
+        self.admitted(ticket, engine_ids)
         usage = Usage([len(ids) for _, ids in prompts], count_completion=not echo_only)
 
         def echo_text(i: int) -> str:

@@ -1,0 +1,168 @@
+"""--slo and the batch lane end to end: HTTP → AsyncEngine → engine core process with a costed fake model.
+
+The fake step costs 4 ms + 0.4 ms per prompt token + 0.5 ms per decode, so
+queued prompt work really delays first tokens and the engine's step-time model
+has something to learn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.fakes import CharTokenizer, FakeExecutor
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import AsyncEngine
+from tokenmill.server.app import build_app
+from tokenmill.server.launch import create_server_state
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "fake"
+PROMPT = "abcdefghij" * 6          # 60 tokens with the char tokenizer (24 ms of prefill)
+
+
+class CostedFakeExecutor(FakeExecutor):
+    def execute_model(self, so):
+        prefill = sum(len(r.token_ids) for r in so.scheduled if len(r.token_ids) > 1)
+        decode = sum(1 for r in so.scheduled if len(r.token_ids) == 1)
+        self.step_time = 0.004 + 0.0004 * prefill + 0.0005 * decode
+        return super().execute_model(so)
+
+
+def make_costed_executor(config) -> CostedFakeExecutor:
+    return CostedFakeExecutor(num_kv_blocks=config.cache.num_kv_blocks or 256,
+                              max_model_len=config.model.max_model_len or 512)
+
+
+async def _start(**kw):
+    base = dict(served_model_name=MODEL, num_kv_blocks=512, max_model_len=512, max_num_seqs=16,
+                max_num_batched_tokens=64, log_stats_interval=0.0)
+    base.update(kw)
+    config = EngineConfig.from_kwargs(**base)
+    tok = CharTokenizer()
+    engine = AsyncEngine(config, tok, executor_factory=make_costed_executor, start_timeout=60)
+    await asyncio.to_thread(engine.start)
+    state = create_server_state(config, engine, tok, "/models/fake")
+    await engine.start_background()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(state)), base_url="http://test",
+                               timeout=60)
+    return engine, state, client
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def slo_server():
+    engine, state, client = await _start(slo="ttft:250", max_num_waiting_requests=1000)
+    try:
+        yield engine, state, client
+    finally:
+        await client.aclose()
+        engine.shutdown()
+
+
+async def _stream(client, prompt=PROMPT, max_tokens=4, **extra):
+    """(status, TTFT seconds or None, headers, body text) of one streamed completion."""
+    t0 = time.perf_counter()
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, **extra}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        ttft = None
+        text = ""
+        async for chunk in r.aiter_text():
+            if ttft is None and r.status_code == 200 and '"text"' in chunk:
+                ttft = time.perf_counter() - t0
+            text += chunk
+        return r.status_code, ttft, r.headers, text
+
+
+def _metric(text: str, name: str, **labels) -> float:
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+async def _warm_up(client, n=6):
+    for _ in range(n):
+        status, _, _, _ = await _stream(client)
+        assert status == 200
+
+
+async def test_overload_is_refused_with_429_and_retry_after_and_admitted_meet_the_slo(slo_server):
+    engine, state, client = slo_server
+    await _warm_up(client)
+    assert engine.get_stats().step_timing.ready
+    results = await asyncio.gather(*[_stream(client) for _ in range(40)])   # ~1 s of prefill at once
+    refused = [r for r in results if r[0] == 429]
+    admitted = [r for r in results if r[0] == 200]
+    assert refused and admitted, [r[0] for r in results]
+    for status, _, headers, text in refused:
+        assert int(headers["retry-after"]) >= 1
+        assert "time to first token" in text and "--slo" in text
+    ttfts = sorted(r[1] for r in admitted)
+    # the target is 250 ms; allow the test machine's noise
+    assert ttfts[int(0.9 * (len(ttfts) - 1))] <= 0.5, ttfts
+    m = (await client.get("/metrics")).text
+    assert _metric(m, "tokenmill:request_refused_total", reason="slo") == len(refused)
+    assert _metric(m, "tokenmill:predicted_ttft_seconds_count") >= 40
+    assert _metric(m, "tokenmill:ttft_prediction_error_seconds_count") >= len(admitted)
+    assert not state.slo.pending                                  # every admitted one got its first token
+
+
+async def test_batch_lane_is_never_refused_and_interactive_goes_first(slo_server):
+    engine, state, client = slo_server
+    await _warm_up(client, 2)
+    batch = [asyncio.create_task(_stream(client, max_tokens=6, service_tier="batch")) for _ in range(30)]
+    await asyncio.sleep(0.1)
+    interactive = await asyncio.gather(*[_stream(client) for _ in range(3)])
+    batch_results = await asyncio.gather(*batch)
+    assert all(r[0] == 200 for r in batch_results)                # 30 × 24 ms of prefill: they wait
+    assert all(r[0] == 200 for r in interactive)
+    # the interactive requests did not wait behind the batch backlog (~0.7 s of prefill)
+    assert max(r[1] for r in interactive) < 0.3, [r[1] for r in interactive]
+    assert max(r[1] for r in batch_results) > max(r[1] for r in interactive)
+
+
+async def test_service_tier_is_validated(slo_server):
+    _, _, client = slo_server
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "ab", "service_tier": "gold"})
+    assert r.status_code == 400 and "service_tier" in r.text
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "service_tier": "flex",
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200
+
+
+async def test_batch_requests_bypass_the_fixed_caps():
+    engine, state, client = await _start(max_num_waiting_requests=1)
+    try:
+        results = await asyncio.gather(*[_stream(client, service_tier="batch") for _ in range(12)])
+        assert all(r[0] == 200 for r in results)
+        inter = await asyncio.gather(*[_stream(client) for _ in range(12)])
+        assert any(r[0] == 429 for r in inter)                    # the cap still applies to interactive
+    finally:
+        await client.aclose()
+        engine.shutdown()
+
+
+async def test_priority_displaces_queued_lower_priority_requests():
+    engine, state, client = await _start(slo="ttft:300", scheduling_policy="priority")
+    try:
+        await _warm_up(client)
+        low = [asyncio.create_task(_stream(client, priority=5)) for _ in range(10)]
+        await asyncio.sleep(0.02)
+        high = await asyncio.gather(*[_stream(client, priority=0) for _ in range(5)])
+        lows = await asyncio.gather(*low)
+        displaced = [r for r in lows if r[0] == 429 and "displaced" in r[3]]
+        assert displaced, [(r[0], r[3][:80]) for r in lows]
+        assert all(int(r[2]["retry-after"]) >= 1 for r in displaced)
+        assert sum(r[0] == 200 for r in high) >= 4, [r[0] for r in high]
+        await asyncio.sleep(0.2)
+        assert engine.get_stats().num_running == 0 and engine.get_stats().num_waiting == 0
+    finally:
+        await client.aclose()
+        engine.shutdown()
