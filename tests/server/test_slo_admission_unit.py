@@ -100,3 +100,10 @@ def test_no_displacement_under_fcfs_or_of_started_or_higher_priority_requests():
         ph, _ = adm.check(stats(), None, 4000, 0, 0.0, 0.0)
         new = adm.track("new", ph, 0, 0.0, 4000, now=0.0)
         assert adm.displaced_by(new, ph, now=0.0) == []
+
+
+def test_prefix_hit_rate_follows_the_cores_counters():
+    adm = SLOAdmission(SLO(ttft=1.0))
+    for k in range(1, 20):
+        adm.record(EngineStats(prefix_cache_queries=4096 * k, prefix_cache_hits=2048 * k), None)
+    assert adm.prefix_hit_rate == pytest.approx(0.5, abs=0.01)

@@ -118,3 +118,11 @@ def test_judge_tpot_refusal_and_retry_after_from_finishing_requests():
     assert v.retry_after == int(-(-(30 * p.step_time) // 1))
     # an unattainable TPOT target (a batch of one misses it) is not enforced
     assert judge(SLO(tpot=0.005), p, 0.0, q, t).admit
+
+
+def test_prefix_hit_rate_discounts_prompts_not_yet_scheduled():
+    q = queue(waiting_by_priority={0: (4, 4000)}, running_prefill=(1, 300))
+    cold = predict(q, timing(), 1000, 0, "fcfs")
+    warm = predict(q, timing(), 1000, 0, "fcfs", prefix_hit_rate=0.5)
+    assert cold.tokens_ahead == 4300 and warm.tokens_ahead == 300 + 2000
+    assert warm.ttft < cold.ttft

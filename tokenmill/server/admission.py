@@ -219,6 +219,10 @@ class SLOAdmission:
         self.policy = policy
         self.metrics = metrics
         self.pending: dict[str, PendingRequest] = {}
+        # recent prefix-cache hit rate (EWMA over the core's cumulative counters' increments)
+        self.prefix_hit_rate = 0.0
+        self._last_queries = 0
+        self._last_hits = 0
 
     def check(self, engine_stats: EngineStats, inflight: "InflightWork | None", prompt_tokens: int,
               priority: int, arrival: float, now: float | None = None) -> tuple["Prediction | None", Refusal | None]:
@@ -241,7 +245,7 @@ class SLOAdmission:
 
         now = time.time() if now is None else now
         q, t = engine_stats.queue, engine_stats.step_timing
-        pred = predict(q, t, prompt_tokens, priority, self.policy, inflight)
+        pred = predict(q, t, prompt_tokens, priority, self.policy, inflight, self.prefix_hit_rate)
         elapsed = max(0.0, now - arrival)
         if pred is not None and self.metrics is not None:
             self.metrics.observe_ttft_prediction(elapsed + pred.ttft)
@@ -299,7 +303,16 @@ class SLOAdmission:
         self.pending.pop(request_id, None)
 
     def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
-        """Observe the prediction error of requests that got their first token; forget finished ones."""
+        """Observe the prediction error of requests that got their first token; forget finished ones;
+        follow the prefix-cache hit rate."""
+        if engine_stats is not None:
+            dq = engine_stats.prefix_cache_queries - self._last_queries
+            dh = engine_stats.prefix_cache_hits - self._last_hits
+            if dq > 0 and 0 <= dh <= dq:
+                w = min(1.0, dq / 4096)        # weight by the tokens looked up (~4k-token memory)
+                self.prefix_hit_rate += w * (dh / dq - self.prefix_hit_rate)
+            self._last_queries = engine_stats.prefix_cache_queries
+            self._last_hits = engine_stats.prefix_cache_hits
         if iteration is None:
             return
         for rid, ttft in getattr(iteration, "first_tokens", ()):

@@ -145,7 +145,7 @@ class Prediction:
 
 
 def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: str,
-            inflight: InflightWork | None = None) -> Prediction | None:
+            inflight: InflightWork | None = None, prefix_hit_rate: float = 0.0) -> Prediction | None:
     """Predict TTFT and TPOT of a new interactive request (see the module docstring for the model).
 
     Args:
@@ -155,6 +155,9 @@ def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: 
         priority: the request's priority (lower first under ``policy == "priority"``).
         policy: ``fcfs`` or ``priority``.
         inflight: requests sent to the core but not yet in ``queue``.
+        prefix_hit_rate: recent share of prompt tokens found in the prefix cache, in [0, 1):
+            prompts not yet scheduled (waiting, in flight, this one) are discounted by it
+            (running prefills are already net of their hits).
 
     Returns:
         the :class:`Prediction`, or None while the step-time model has not
@@ -171,6 +174,10 @@ def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: 
             wait_tokens += tok
     inf_reqs, inf_tokens = (inflight.ahead_of(p_limit) if inflight is not None else (0, 0))
     run_pf_reqs, run_pf_tokens = queue.running_prefill
+    keep = 1.0 - min(max(prefix_hit_rate, 0.0), 0.95)
+    wait_tokens = int(wait_tokens * keep)
+    inf_tokens = int(inf_tokens * keep)
+    prompt_tokens = max(1, int(prompt_tokens * keep))
     tokens_ahead = run_pf_tokens + wait_tokens + inf_tokens
     requests_ahead = run_pf_reqs + wait_reqs + inf_reqs
     budget = max(1, queue.max_num_batched_tokens)
