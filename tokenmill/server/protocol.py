@@ -150,9 +150,6 @@ class _SamplingFields(_Base):
             raise APIError(f"n must be <= 128, got {self.n}", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true", param="stream_options")
-        if self.service_tier is not None and self.service_tier not in SERVICE_TIERS:
-            raise APIError(f"service_tier must be one of {', '.join(SERVICE_TIERS)}, got {self.service_tier!r}",
-                           param="service_tier")
         if self.cache_salt is not None and self.cache_salt == "":
             raise APIError("cache_salt must be a non-empty string", param="cache_salt")
         if isinstance(self.stop, list):
