@@ -184,3 +184,26 @@ def test_cli_json_and_errors(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "tokenmill.cli", "plan", str(tmp_path / "nope.json")],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+def test_speculative_slots_draft_model_and_replicas(tmp_path):
+    # n-gram drafts: 5 KV slots per running request beyond its own tokens (1248 -> 1253 tokens = 79 blocks).
+    base = dict(dtype="float16", kv_cache_memory=20 * GiB, prompt_len=1000, output_len=248)
+    assert _plan(LLAMA2_13B, **base).max_num_seqs_without_preemption == 1638 // 78 == 21
+    ngram = _plan(LLAMA2_13B, **base, speculative_config={"method": "ngram", "num_speculative_tokens": 5})
+    assert ngram.max_num_seqs_without_preemption == 1638 // 79 == 20 and ngram.draft_weight_bytes == 0
+    # A draft model: its weights and its own KV bytes per token join the target's.
+    draft = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 768,
+             "intermediate_size": 3072, "num_attention_heads": 12, "num_key_value_heads": 12,
+             "num_hidden_layers": 2, "vocab_size": 32000, "torch_dtype": "float16"}
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    p = _plan(LLAMA2_13B, dtype="float16", kv_cache_memory=20 * GiB,
+              speculative_config={"method": "draft_model", "model": str(tmp_path / "draft.json"),
+                                  "num_speculative_tokens": 4})
+    assert p.draft_kv_cache_bytes_per_token == 2 * 2 * 12 * 64 * 2 == 6144
+    assert p.kv_cache_bytes_per_token == 819200 + 6144
+    assert p.num_kv_blocks == 20 * GiB // (16 * (819200 + 6144)) == 1626
+    assert p.draft_weight_bytes == 2 * 68_030_208
+    assert p.weight_bytes == 2 * 13_015_864_320 + 2 * 68_030_208
+    dp = _plan(LLAMA2_13B, **base, data_parallel_size=2)
+    assert dp.devices == 2 and dp.max_concurrent_requests == 42 and dp.max_num_seqs_without_preemption == 21

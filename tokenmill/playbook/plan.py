@@ -477,6 +477,11 @@ class PlanOptions:
         max_model_len: context limit, tokens (default: the model's).
         context_lengths: contexts at which to count fitting requests, tokens.
         prompt_len, output_len: the workload for max_num_seqs_without_preemption, tokens.
+        speculative_config: vLLM's ``--speculative-config`` keys: ``num_speculative_tokens`` extra KV slots per
+            running request (drafts to verify); ``method: draft_model`` with ``model`` (a path) adds the draft's
+            weights and its own KV bytes per token (its cache holds the same tokens), sharded like the target.
+        data_parallel_size: engine replicas, each with tp × pp devices and its own pool (figures are per replica;
+            ``max_concurrent_requests`` sums them).
     """
 
     dtype: str = "auto"
@@ -492,6 +497,8 @@ class PlanOptions:
     context_lengths: list[int] = field(default_factory=lambda: [1024, 4096])
     prompt_len: int = 1024
     output_len: int = 256
+    speculative_config: dict[str, Any] | None = None
+    data_parallel_size: int = 1
 
 
 def _resolve_dtype(shape: ModelShape, dtype: str) -> str:
@@ -610,6 +617,13 @@ class Plan:
     prompt_len: int
     output_len: int
     max_num_seqs_without_preemption: int
+    data_parallel_size: int = 1
+    devices: int = 1
+    max_concurrent_requests: int = 0
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 0
+    draft_weight_bytes: int = 0
+    draft_kv_cache_bytes_per_token: int = 0
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -644,6 +658,29 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     total_w, per_stage_w, params = weight_bytes(shape, opts)
     stages = _split_layers(shape.num_layers, pp)
     warnings: list[str] = []
+    dp = int(opts.data_parallel_size)
+    if dp < 1:
+        raise ValueError("--data-parallel-size must be >= 1")
+    spec = dict(opts.speculative_config or {})
+    k = int(spec.get("num_speculative_tokens") or 0)
+    draft_w = draft_w_dev = draft_kv = draft_kv_dev = 0
+    if spec.get("method") == "draft_model" or spec.get("model"):
+        if not spec.get("model"):
+            raise ValueError("--speculative-config: method draft_model needs 'model' (a path)")
+        draft = load_shape(str(spec["model"]))
+        if draft.vocab_size != shape.vocab_size:
+            warnings.append(f"draft vocabulary {draft.vocab_size} != target {shape.vocab_size}")
+        draft_opts = PlanOptions(dtype=opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
+                                 tensor_parallel_size=tp)
+        draft_w, draft_stages, _ = weight_bytes(draft, draft_opts)
+        draft_w_dev = max(draft_stages)
+        dkvb = KV_DTYPE_BYTES[_resolve_dtype(draft, opts.dtype) if opts.kv_cache_dtype == "auto"
+                              else opts.kv_cache_dtype]
+        draft_kv = draft.num_layers * draft.kv_elements_per_token_per_layer(1) * dkvb
+        draft_kv_dev = draft.num_layers * draft.kv_elements_per_token_per_layer(tp) * dkvb
+    # The draft lives with the busiest stage (conservative for -pp > 1).
+    dev_stage = max(range(pp), key=lambda st: (per_stage_w[st], len(stages[st])))
+    per_stage_w = [w + (draft_w_dev if st == dev_stage else 0) for st, w in enumerate(per_stage_w)]
 
     # Per layer, per token, whole model and busiest device.
     elem_full = shape.kv_elements_per_token_per_layer(1)
@@ -660,7 +697,7 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     # The busiest device: most weight bytes + the layers whose KV it holds.
     dev = max(range(pp), key=lambda s: (per_stage_w[s], len(stages[s])))
     dev_windows = [shape.layer_windows[i] for i in stages[dev]]
-    kv_per_token_dev = len(dev_windows) * elem_dev * kvb
+    kv_per_token_dev = len(dev_windows) * elem_dev * kvb + draft_kv_dev
     if opts.kv_cache_memory is not None:
         budget, source = int(opts.kv_cache_memory), "--kv-cache-memory"
     elif opts.device_memory is not None:
@@ -677,10 +714,11 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
 
     def request_bytes(tokens: int) -> int:
         need = _blocks(tokens, bs)
-        return sum(min(need, window_blocks[w]) if w else need for w in dev_windows) * block_bytes_layer
+        return (sum(min(need, window_blocks[w]) if w else need for w in dev_windows) * block_bytes_layer
+                + need * bs * draft_kv_dev)
 
-    # Pool in blocks of every layer (what a uniform, full-attention pool holds).
-    num_blocks = budget // (block_bytes_layer * len(dev_windows))
+    # Pool in blocks of every layer (what a uniform, full-attention pool holds; a draft's cache beside it).
+    num_blocks = budget // (block_bytes_layer * len(dev_windows) + bs * draft_kv_dev)
     tokens_in_pool = num_blocks * bs
 
     def fits(tokens: int) -> int:
@@ -692,6 +730,10 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
         warnings.append(f"contexts {skipped} exceed max_model_len {max_len}: not counted")
     at_ctx = {c: fits(c) for c in ctxs}
     seq_len = opts.prompt_len + opts.output_len
+    if seq_len + k > max_len >= seq_len:
+        seq_len = max_len        # drafts are cut at max_model_len
+    elif seq_len <= max_len:
+        seq_len += k             # drafts to verify hold KV slots beyond the request's own tokens
     if seq_len > max_len:
         warnings.append(f"prompt {opts.prompt_len} + output {opts.output_len} tokens exceed max_model_len "
                         f"{max_len}: such requests are rejected")
@@ -705,13 +747,16 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     return Plan(
         model=shape.source, architecture=shape.architecture, dtype=dtype, kv_cache_dtype=kv_dtype,
         quantization=opts.quantization, tensor_parallel_size=tp, pipeline_parallel_size=pp, parameters=params,
-        weight_bytes=total_w, weight_bytes_per_device=max(per_stage_w), checkpoint_bytes=shape.checkpoint_bytes,
-        kv_cache_bytes_per_token=kv_per_token, kv_cache_bytes_per_token_per_device=kv_per_token_dev,
+        weight_bytes=total_w + int(draft_w), weight_bytes_per_device=max(per_stage_w), checkpoint_bytes=shape.checkpoint_bytes,
+        kv_cache_bytes_per_token=kv_per_token + draft_kv, kv_cache_bytes_per_token_per_device=kv_per_token_dev,
         attention="mla" if shape.is_mla else ("mha" if shape.num_kv_heads == shape.num_heads else "gqa"),
         sliding_window_layers=n_sliding, kv_cache_memory=budget, kv_cache_memory_source=source, block_size=bs,
         num_kv_blocks=int(num_blocks), tokens_in_pool=int(tokens_in_pool), max_model_len=max_len,
         requests_at_max_model_len=at_max, requests_at_context=at_ctx, prompt_len=opts.prompt_len,
-        output_len=opts.output_len, max_num_seqs_without_preemption=max_seqs, warnings=warnings,
+        output_len=opts.output_len, max_num_seqs_without_preemption=max_seqs, data_parallel_size=dp,
+        devices=dp * tp * pp, max_concurrent_requests=dp * max_seqs,
+        speculative_method=spec.get("method") if spec else None, num_speculative_tokens=k,
+        draft_weight_bytes=int(draft_w), draft_kv_cache_bytes_per_token=int(draft_kv), warnings=warnings,
     )
 
 
@@ -740,6 +785,13 @@ def format_plan(p: Plan) -> str:
         f"max_num_seqs {p.max_num_seqs_without_preemption} without preemption at prompt {p.prompt_len} + output "
         f"{p.output_len} tokens (every running request at its peak, no prefix sharing)",
     ]
+    if p.speculative_method:
+        lines.insert(-1, f"speculative  {p.speculative_method}, {p.num_speculative_tokens} draft tokens per step"
+                     + (f"; draft weights {_size(p.draft_weight_bytes)}, draft KV {p.draft_kv_cache_bytes_per_token} "
+                        f"B per token (included above)" if p.draft_weight_bytes else ""))
+    if p.data_parallel_size > 1:
+        lines.append(f"replicas     {p.data_parallel_size} × (-tp × -pp) = {p.devices} devices: "
+                     f"{p.max_concurrent_requests} requests at their peak without preemption in all")
     lines += [f"warning      {w}" for w in p.warnings]
     return "\n".join(lines)
 
@@ -769,6 +821,10 @@ def add_plan_args(p) -> None:
                    help="Comma-separated contexts at which to count fitting requests [default: 1024,4096,32768].")
     p.add_argument("--prompt-len", type=int, default=1024, help="Workload prompt tokens [default: 1024].")
     p.add_argument("--output-len", type=int, default=256, help="Workload output tokens [default: 256].")
+    p.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help="vLLM's speculative config, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
+                        "'{\"method\": \"draft_model\", \"model\": \"PATH\", \"num_speculative_tokens\": 4}'.")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="Engine replicas [default: 1].")
     p.add_argument("--json", action="store_true", help="Print one JSON object instead of the summary.")
 
 
@@ -784,6 +840,18 @@ def default_model_path() -> str | None:
             if name.endswith(".gguf"):
                 return os.path.join(folder, name)
     return None
+
+
+def _json_arg(text: str | None, flag: str) -> dict | None:
+    if text is None:
+        return None
+    try:
+        v = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag}: not JSON ({e.msg})") from None
+    if not isinstance(v, dict):
+        raise ValueError(f"{flag}: expected a JSON object")
+    return v
 
 
 def run_plan(args) -> int:
@@ -802,7 +870,9 @@ def run_plan(args) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization, block_size=args.block_size,
             max_model_len=args.max_model_len,
             context_lengths=[int(x) for x in str(args.context_lengths).split(",") if x.strip()],
-            prompt_len=args.prompt_len, output_len=args.output_len)
+            prompt_len=args.prompt_len, output_len=args.output_len,
+            speculative_config=_json_arg(args.speculative_config, "--speculative-config"),
+            data_parallel_size=args.data_parallel_size)
         result = plan(shape, opts)
     except (ValueError, FileNotFoundError) as e:
         print(f"tokenmill plan: error: {e}", file=sys.stderr)
