@@ -146,3 +146,31 @@ def test_end_to_end_short_mode_on_real_servers(tmp_path):
     assert all(t["resumed"] for t in doc2["trials"][: len(trials)])
     assert sorted(tmp_path.glob("server_*.log")) == servers  # nothing measured again
     assert doc2["serve_command"] == doc["serve_command"]
+
+
+def test_quantization_and_kv_dtype_follow_the_accuracy_report(tmp_path):
+    import argparse
+
+    from tokenmill.playbook.tune import LeverContext, lever_kv_cache_dtype, lever_quantization
+
+    def act(choices):
+        return argparse.Action(["--x"], "x", choices=choices)
+
+    opts = {"--quantization": act(["int8", "w8a8", "int4"]), "--kv-cache-dtype": act(["auto", "fp8", "int8"])}
+    report = {"int8": {"format": "int8", "lossless": True, "top1": 0.995, "kl": 0.001},
+              "int4": {"format": "int4", "lossless": False, "top1": 0.93, "kl": 0.05},
+              "kv-fp8": {"format": "kv-fp8", "lossless": False}, "kv-int8": {"format": "kv-int8", "lossless": True}}
+    ctx = LeverContext(best_flags={}, defaults={"quantization": None, "kv_cache_dtype": "auto"},
+                       best=Measurement(), slos={"ttft": 1.0}, options=opts, capacity=_cap, accuracy=report)
+    q = lever_quantization(ctx)
+    assert [c.flags["quantization"] for c in q] == ["int8", "w8a8"]      # int4 is not lossless: not tried
+    assert "lossless (top1 0.995" in q[0].why and "not in the accuracy report" in q[1].why
+    kv = lever_kv_cache_dtype(ctx)
+    assert [c.flags for c in kv] == [{"kv_cache_dtype": "int8"}]            # fp8 refused by the report
+    ctx.accuracy = {}
+    assert "accuracy not checked" in lever_quantization(ctx)[0].why
+    path = tmp_path / "acc.json"
+    path.write_text(json.dumps(list(report.values())))
+    from tokenmill.playbook.tune import load_accuracy_report
+
+    assert load_accuracy_report(str(path))["int4"]["lossless"] is False

@@ -219,6 +219,8 @@ class TuneSettings:
         levers: levers to try, in the playbook's order.
         budget_minutes: measuring time allowed (None: unbounded).
         startup_timeout_s: seconds a server may take to start.
+        accuracy_report: JSON of ``benchmarks/quant_accuracy.py --json``; formats it finds not lossless are
+            not tried (None: formats are tried and their accuracy reported as not checked).
     """
 
     model: str | None
@@ -236,11 +238,12 @@ class TuneSettings:
     levers: list[str] = field(default_factory=lambda: list(LEVER_ORDER))
     budget_minutes: float | None = None
     startup_timeout_s: float = 300.0
+    accuracy_report: str | None = None
 
     def fingerprint(self) -> str:
         """Hash of what determines measurements (budget and lever list excluded: they may change on resume)."""
         d = asdict(self)
-        for k in ("budget_minutes", "levers", "startup_timeout_s"):
+        for k in ("budget_minutes", "levers", "startup_timeout_s", "accuracy_report"):
             d.pop(k)
         return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -349,6 +352,16 @@ class LeverContext:
     slos: dict[str, float]
     options: dict[str, argparse.Action]
     capacity: Callable[[dict[str, Any]], dict[str, Any] | None]
+    accuracy: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def verdict(self, fmt: str) -> tuple[bool | None, str]:
+        """(lossless?, text) for a weight format or ``kv-<dtype>`` from the accuracy report (None: not in it)."""
+        r = self.accuracy.get(fmt)
+        if r is None or "lossless" not in r:
+            return None, ("accuracy not checked (pass --accuracy-report from benchmarks/quant_accuracy.py --json)"
+                          if not self.accuracy else f"{fmt} not in the accuracy report")
+        figs = ", ".join(f"{k} {r[k]:.4g}" for k in ("top1", "kl", "ppl_ratio", "greedy") if k in r)
+        return bool(r["lossless"]), f"accuracy report: {'lossless' if r['lossless'] else 'NOT lossless'} ({figs})"
 
     def value(self, name: str) -> Any:
         return self.best_flags.get(name, self.defaults.get(name))
@@ -440,11 +453,17 @@ def lever_prefix_caching(ctx: LeverContext) -> list[Change] | str:
 def lever_kv_cache_dtype(ctx: LeverContext) -> list[Change] | str:
     if not ctx.has("--kv-cache-dtype"):
         return "the engine has no --kv-cache-dtype (not on main yet)"
-    want = [c for c in ("fp8", "fp8_e4m3", "int8") if c in ctx.choices("--kv-cache-dtype")] or ["fp8"]
+    want = [c for c in ("fp8", "fp8_e4m3", "fp8_e5m2", "int8") if c in ctx.choices("--kv-cache-dtype")] or ["fp8"]
     if ctx.value("kv_cache_dtype") in want:
         return "already a 1-byte KV cache"
-    return [Change({"kv_cache_dtype": want[0]}, "1-byte KV cache: twice the tokens in the pool (accuracy not "
-                                                "checked by tune)")]
+    out, refused = [], []
+    for d in want:
+        ok, text = ctx.verdict(f"kv-{d}")
+        if ok is False:
+            refused.append(f"{d}: {text}")
+        else:
+            out.append(Change({"kv_cache_dtype": d}, f"1-byte KV cache ({d}): twice the tokens in the pool; {text}"))
+    return out[:1] or "; ".join(refused)
 
 
 def lever_quantization(ctx: LeverContext) -> list[Change] | str:
@@ -453,8 +472,14 @@ def lever_quantization(ctx: LeverContext) -> list[Change] | str:
     choices = [c for c in ("int8", "w8a8", "int4") if c in ctx.choices("--quantization")] or ["int8"]
     if ctx.value("quantization") in choices:
         return "already quantized"
-    return [Change({"quantization": q}, f"{q} weights: fewer bytes read per decode step (accuracy verdict: run "
-                                        f"benchmarks/quant_accuracy.py; tune measures speed only)") for q in choices]
+    out, refused = [], []
+    for q in choices:
+        ok, text = ctx.verdict(q)
+        if ok is False:
+            refused.append(f"{q}: {text}")
+        else:
+            out.append(Change({"quantization": q}, f"{q} weights: fewer bytes read per decode step; {text}"))
+    return out or "; ".join(refused)
 
 
 def lever_speculative(ctx: LeverContext) -> list[Change] | str:
@@ -583,6 +608,7 @@ def tune(settings: TuneSettings, output_dir: Path, state_path: Path | None = Non
         cap_fn = lambda flags: plan_capacity(settings, flags, mp, mo)  # noqa: E731
     options = serve_options()
     defaults = _serve_defaults(settings.base_serve_args)
+    accuracy = load_accuracy_report(settings.accuracy_report)
     budget_s = settings.budget_minutes * 60 if settings.budget_minutes else math.inf
     t_start = time.monotonic()
     trials: list[Trial] = []
@@ -643,7 +669,7 @@ def tune(settings: TuneSettings, output_dir: Path, state_path: Path | None = Non
         steps = 0
         while steps < MAX_STEPS_PER_LEVER:
             ctx = LeverContext(best_flags=dict(best_flags), defaults=defaults, best=best, slos=settings.slos,
-                               options=options, capacity=cap_fn)
+                               options=options, capacity=cap_fn, accuracy=accuracy)
             proposal = LEVERS[lever](ctx)
             if isinstance(proposal, str):
                 if steps == 0:
@@ -692,6 +718,20 @@ def tune(settings: TuneSettings, output_dir: Path, state_path: Path | None = Non
     return TuneResult(settings=settings, trials=trials, noise=noise, threshold=threshold, baseline_goodput=baseline,
                       best_flags=best_flags, best_goodput=best_goodput, skipped=skipped, serve_command=serve_cmd,
                       stopped_by_budget=stopped, elapsed_s=time.monotonic() - t_start)
+
+
+def load_accuracy_report(path: str | None) -> dict[str, dict[str, Any]]:
+    """``benchmarks/quant_accuracy.py --json`` output (a list of per-format dicts) keyed by format label.
+
+    Raises:
+        ValueError: the file is not such a list.
+    """
+    if not path:
+        return {}
+    rows = json.loads(Path(path).read_text())
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and "format" in r for r in rows):
+        raise ValueError(f"{path}: expected the JSON list written by benchmarks/quant_accuracy.py --json")
+    return {str(r["format"]): r for r in rows}
 
 
 def plan_capacity(settings: TuneSettings, flags: dict[str, Any], prompt_len: float | None,
@@ -891,6 +931,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
                    help="Levers to try (always in the playbook's order) [default: all: "
                         + ",".join(LEVER_ORDER) + "].")
     s.add_argument("--budget-minutes", type=float, default=None, help="Measuring time allowed (default: none).")
+    s.add_argument("--accuracy-report", default=None, metavar="JSON",
+                   help="benchmarks/quant_accuracy.py --json output: weight formats / KV dtypes it finds not "
+                        "lossless are not tried, the others carry its verdict.")
     s.add_argument("--startup-timeout", type=float, default=300.0, help="Seconds a server may take to start.")
     o = p.add_argument_group("output")
     o.add_argument("--output-dir", default="tune-results", help="Report, logs and state [default: tune-results].")
@@ -924,7 +967,8 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
                         slos=slos, attainment=args.attainment, initial_rate=args.initial_rate,
                         precision=args.precision, min_rate=args.min_rate, max_rate=args.max_rate,
                         max_probes=args.max_probes, noise_runs=args.noise_runs, levers=levers,
-                        budget_minutes=args.budget_minutes, startup_timeout_s=args.startup_timeout)
+                        budget_minutes=args.budget_minutes, startup_timeout_s=args.startup_timeout,
+                        accuracy_report=args.accuracy_report)
 
 
 def run_tune_cli(args: argparse.Namespace) -> int:
