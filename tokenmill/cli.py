@@ -60,7 +60,7 @@ def _flat(config) -> dict:
     import dataclasses
 
     flat = {}
-    for section in ("model", "cache", "scheduler"):
+    for section in ("model", "cache", "scheduler", "parallel"):
         obj = getattr(config, section)
         for f in dataclasses.fields(obj):
             flat[f.name] = getattr(obj, f.name)

@@ -135,6 +135,36 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor and pipeline parallelism (Megatron-LM, arXiv 1909.08053 §3; GPipe, arXiv 1811.06965 §2)."""
+
+    tensor_parallel_size: int = _f(1, "Tensor-parallel ranks: every layer's heads and FFN columns split across this many workers (all-reduce after o_proj and down_proj). Must divide the query heads.", aliases=["-tp"])
+    pipeline_parallel_size: int = _f(1, "Pipeline stages: each owns a contiguous run of layers and passes hidden states to the next.", aliases=["-pp"])
+    distributed_executor_backend: str | None = _f(None, "Where the workers run: mp (processes on this machine, each pinned to its own cores), ray (actors on a Ray cluster; RAY_ADDRESS or a local one), uniproc (in the engine process; only for one rank). Default: uniproc for one rank, else mp.", choices=["mp", "ray", "uniproc"])
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size <= 0 or self.pipeline_parallel_size <= 0:
+            raise ValueError(f"tensor_parallel_size and pipeline_parallel_size must be > 0, got "
+                             f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}")
+        if self.distributed_executor_backend not in (None, "mp", "ray", "uniproc"):
+            raise ValueError(f"distributed_executor_backend must be mp, ray or uniproc, got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uniproc" and self.world_size > 1:
+            raise ValueError(f"the uniproc executor runs one rank; tensor_parallel_size x pipeline_parallel_size = "
+                             f"{self.world_size}: use --distributed-executor-backend mp or ray")
+
+    @property
+    def world_size(self) -> int:
+        """Worker ranks: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend in effect: the configured one, else uniproc for one rank and mp for more."""
+        return self.distributed_executor_backend or ("uniproc" if self.world_size == 1 else "mp")
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """HTTP front end."""
 
@@ -158,6 +188,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -166,21 +197,24 @@ class EngineConfig:
         Raises:
             TypeError: an argument names no field of any section.
         """
-        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "server": {}}
+        sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "server": {},
+                                               "parallel": {}}
         owners = {f.name: s for s, c in (("model", ModelConfig), ("cache", CacheConfig),
-                                         ("scheduler", SchedulerConfig), ("server", ServerConfig))
+                                         ("scheduler", SchedulerConfig), ("server", ServerConfig),
+                                         ("parallel", ParallelConfig))
                   for f in dataclasses.fields(c)}
         for k, v in kwargs.items():
             if k not in owners:
                 raise TypeError(f"unknown engine argument {k!r}")
             sections[owners[k]][k] = v
         return cls(model=ModelConfig(**sections["model"]), cache=CacheConfig(**sections["cache"]),
-                   scheduler=SchedulerConfig(**sections["scheduler"]), server=ServerConfig(**sections["server"]))
+                   scheduler=SchedulerConfig(**sections["scheduler"]), server=ServerConfig(**sections["server"]),
+                   parallel=ParallelConfig(**sections["parallel"]))
 
     def replace(self, **kwargs: Any) -> "EngineConfig":
         """Copy with flat keyword overrides (same names as :meth:`from_kwargs`)."""
         flat = {f.name: getattr(getattr(self, s), f.name)
-                for s in ("model", "cache", "scheduler", "server")
+                for s in ("model", "cache", "scheduler", "server", "parallel")
                 for f in dataclasses.fields(getattr(self, s))}
         flat.update(kwargs)
         return EngineConfig.from_kwargs(**flat)

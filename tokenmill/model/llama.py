@@ -180,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self._pre_attention, self._post_attention = pre_attention, post_attention
         self._logits_head: nn.Module | None = None
+        # Pipeline parallelism: a tokenmill.distributed.layers.PipelineStage, None for a single stage.
+        self.pp_stage = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -192,7 +194,10 @@ class LlamaForCausalLM(nn.Module):
             attn_metadata: where the tokens' K/V go and what each attends to.
 
         Returns:
-            ``[num_tokens, hidden_size]`` final-norm hidden states in the model dtype.
+            ``[num_tokens, hidden_size]`` final-norm hidden states in the model dtype;
+            None on a pipeline stage that is not the last (``pp_stage``: it
+            received its input from the previous stage instead of embedding
+            ``input_ids``, and sent its output to the next).
 
         Raises:
             ValueError: ``kv_caches`` has the wrong number of layers.
@@ -200,14 +205,20 @@ class LlamaForCausalLM(nn.Module):
         layers = self.model.layers
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV cache tensors, got {len(kv_caches)}")
-        x = self.model.embed_tokens(input_ids)
+        stage = self.pp_stage
+        if stage is None or stage.is_first:
+            x, residual = self.model.embed_tokens(input_ids), None
+        else:   # a later pipeline stage continues the previous stage's residual stream
+            x, residual = stage.recv(input_ids.shape[0], self.model.norm.weight.dtype)
         cos, sin = self.rotary_emb.cos_sin(positions, x.dtype)
-        residual = None
         pre, post = self._pre_attention, self._post_attention
         for layer, kv_cache in zip(layers, kv_caches):
             q, k, v, residual = pre(layer, x, residual, cos, sin)
             o = layer.self_attn.backend.forward(q, k, v, kv_cache, attn_metadata, layer.self_attn.scale)
             x, residual = post(layer, o, residual)
+        if stage is not None and not stage.is_last:
+            stage.send(x, residual)
+            return None
         x, _ = self.model.norm(x, residual)
         return x
 

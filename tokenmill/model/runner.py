@@ -361,6 +361,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, md)
         t2 = time.perf_counter()
+        if hidden is None:      # a pipeline stage before the last one: its output went to the next stage
+            self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
+            return ModelRunnerOutput()
         sampling = [r for r in so.scheduled if r.sample]
         out = ModelRunnerOutput()
         if sampling:

@@ -14,10 +14,11 @@ import dataclasses
 import typing
 from typing import Any
 
-from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, ServerConfig
+from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig
 
 SECTIONS: list[tuple[str, type]] = [
     ("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig), ("server", ServerConfig),
+    ("parallel", ParallelConfig),
 ]
 # Fields with a closed set of values (unless the field's metadata gives "choices").
 _CHOICES: dict[str, list[str]] = {
@@ -74,7 +75,8 @@ def add_serve_args(parser: argparse.ArgumentParser, include_server: bool = True)
                                  or ("N" if typ is int else f.name.upper()))
             if f.metadata.get("nargs"):
                 kw["nargs"] = f.metadata["nargs"]      # several words, joined into one string value
-            group.add_argument(flag, type=typ if typ in (int, float, str) else str, **kw)
+            group.add_argument(flag, *f.metadata.get("aliases", ()), type=typ if typ in (int, float, str) else str,
+                               **kw)
     return parser
 
 

@@ -1,10 +1,16 @@
 """Executors: what runs the model for the engine core.
 
-:class:`Executor` is the interface the core's step loop needs; today one
-implementation exists, the in-process model runner
-(:class:`tokenmill.model.runner.ModelRunner`, created by
-:func:`create_executor`). Multi-process and Ray executors plug in here behind
-the same interface.
+:class:`Executor` is the interface the core's step loop needs. Three implementations:
+
+* ``uniproc`` (:mod:`.uniproc`): the model runner inside the engine process
+  (:class:`tokenmill.model.runner.ModelRunner`; one rank).
+* ``mp`` (:mod:`.mp`): one worker process per rank on this machine, each pinned to its own CPUs.
+* ``ray`` (:mod:`.ray`): one Ray actor per rank, so a model can span machines.
+
+:func:`create_executor` picks one from ``--distributed-executor-backend`` and
+the parallel sizes. The scheduler runs once, in the engine core; distributed
+executors send every worker a diff-shaped step description (:mod:`.step_codec`)
+and take the sampled tokens from the output rank.
 """
 
 from __future__ import annotations
@@ -13,6 +19,9 @@ from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.engine.executor.base import WorkerDiedError
+
+__all__ = ["Executor", "WorkerDiedError", "create_executor"]
 
 
 class Executor(Protocol):
@@ -22,6 +31,10 @@ class Executor(Protocol):
         num_kv_blocks: blocks the scheduler may hand out.
         max_model_len: context limit in tokens.
         eos_token_ids: ids that end generation.
+
+    A distributed executor also has ``shutdown()`` (stop its workers) and may
+    raise an exception with ``fatal = True`` (:class:`WorkerDiedError`) from
+    ``execute_model``: the core then stops instead of failing one batch.
     """
 
     num_kv_blocks: int
@@ -32,14 +45,27 @@ class Executor(Protocol):
 
 
 def create_executor(config: EngineConfig, **kwargs: Any) -> Executor:
-    """Load the checkpoint named by ``config.model`` and build the in-process model runner.
+    """Build the executor ``config.parallel`` asks for (loading the model).
 
-    ``kwargs`` go to :meth:`ModelRunner.from_config` (e.g. ``with_tokenizer``).
+    ``kwargs`` go to the executor (e.g. ``with_tokenizer``: ``"eos"`` loads
+    the tokenizer only as the EOS fallback, as the server's engine core does).
     torch is imported here, not when this module is imported.
 
     Raises:
-        FileNotFoundError, ValueError: from model loading (bad path, unsupported architecture).
+        FileNotFoundError, ValueError: from model loading (bad path,
+            unsupported architecture) or a layout the model cannot be split into.
+        ImportError: ``ray`` asked for but not installed (``pip install tokenmill[ray]``).
+        WorkerDiedError: a worker failed to start.
     """
-    from tokenmill.model.runner import ModelRunner  # torch stays out of processes that never run a model
+    backend = config.parallel.executor_backend
+    if backend == "uniproc":
+        from tokenmill.model.runner import ModelRunner  # torch stays out of processes that never run a model
 
-    return ModelRunner.from_config(config, **kwargs)
+        return ModelRunner.from_config(config, **kwargs)
+    if backend == "mp":
+        from tokenmill.engine.executor.mp import MultiprocExecutor
+
+        return MultiprocExecutor(config, **kwargs)
+    from tokenmill.engine.executor.ray import RayExecutor
+
+    return RayExecutor(config, **kwargs)

@@ -1,0 +1,131 @@
+"""Rank layout and process groups.
+
+Global rank ``r`` of a ``tp x pp`` world is ``pp_rank * tp + tp_rank`` (the
+ranks of one pipeline stage are consecutive, as in vLLM and Megatron-LM), so a
+tensor-parallel group is one stage, and a pipeline hand-over goes from rank
+``r`` to rank ``r + tp``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.distributed.communicator import Communicator
+
+logger = logging.getLogger(__name__)
+
+# How long one collective may wait for its peers before it raises (s). A peer that died usually closes its
+# sockets at once (gloo raises "connection closed"); this bounds the rest (a peer stuck in another collective).
+DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENMILL_DIST_TIMEOUT", "120"))
+
+
+@dataclass
+class ParallelContext:
+    """One rank's place in the ``tp x pp`` layout, with its communicators.
+
+    Attributes:
+        rank: global rank in ``[0, world_size)``.
+        tp_size, pp_size: tensor-parallel ranks per stage, pipeline stages.
+        device: where this rank's weights, KV cache and activations live.
+        tp: communicator of this rank's tensor-parallel group (the stage).
+        pp: communicator of the whole world, used for stage-to-stage send/recv.
+    """
+
+    rank: int = 0
+    tp_size: int = 1
+    pp_size: int = 1
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    tp: Communicator = field(default_factory=Communicator)
+    pp: Communicator = field(default_factory=Communicator)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def prev_rank(self) -> int:
+        """Global rank of the same tensor-parallel slot in the previous stage."""
+        return self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int:
+        """Global rank of the same tensor-parallel slot in the next stage."""
+        return self.rank + self.tp_size
+
+    def comm_seconds(self) -> float:
+        """Seconds this rank spent in collectives and point-to-point transfers since start."""
+        return self.tp.seconds + (self.pp.seconds if self.pp is not self.tp else 0.0)
+
+
+def collective_backend(device: torch.device) -> str:
+    """``nccl`` for CUDA devices, ``gloo`` otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
+                     device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
+    """Join the process group and build this rank's communicators.
+
+    Every rank of the ``tp_size * pp_size`` world calls this with the same
+    ``init_method`` (``tcp://host:port`` or ``file://path``). With one rank no
+    process group is created and every collective is a no-op.
+
+    Args:
+        rank: this process's global rank.
+        device: ``cpu`` (gloo) or ``cuda[:N]`` (NCCL; the rank's GPU).
+        timeout_s: per-collective timeout in seconds.
+
+    Raises:
+        ValueError: a rank outside the world.
+        RuntimeError: from ``torch.distributed`` (rendezvous failed or timed out).
+    """
+    world = tp_size * pp_size
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} outside a world of {world} ({tp_size} x {pp_size})")
+    device = torch.device(device)
+    if world == 1:
+        return ParallelContext(rank=0, tp_size=1, pp_size=1, device=device)
+    backend = collective_backend(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    tp_group = None
+    for stage in range(pp_size):       # every rank must create every group, in the same order
+        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+        g = dist.new_group(ranks, backend=backend) if tp_size > 1 else None
+        if rank in ranks:
+            tp_group = g
+    tp = Communicator(tp_group, tp_size, rank % tp_size, device) if tp_size > 1 else Communicator(device=device)
+    pp = Communicator(dist.group.WORLD, world, rank, device)
+    logger.info("rank %d/%d joined (%s): tensor-parallel rank %d/%d, pipeline stage %d/%d",
+                rank, world, backend, rank % tp_size, tp_size, rank // tp_size, pp_size)
+    return ParallelContext(rank=rank, tp_size=tp_size, pp_size=pp_size, device=device, tp=tp, pp=pp)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (no-op when none was created)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

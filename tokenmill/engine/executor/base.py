@@ -1,0 +1,141 @@
+"""What the distributed executors share: planning the KV pool, front-end info, the step protocol."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process or actor is gone: the engine cannot run another step.
+
+    ``fatal`` tells :class:`EngineCore` not to treat it as one failed batch:
+    the engine core exits, the front end fails every request with 503 and
+    ``/health`` reports 503.
+    """
+
+    fatal = True
+
+
+@dataclass
+class FrontendInfo:
+    """What the offline ``LLM`` and the engine core need from the checkpoint besides the weights.
+
+    Attributes mirror :class:`tokenmill.model.loader.LoadedModel`.
+    """
+
+    tokenizer: Any
+    chat_template: str | None
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+    name: str
+    path: str
+
+
+def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[Any, FrontendInfo]:
+    """``(arch, FrontendInfo)`` of a checkpoint without loading its weights.
+
+    Raises:
+        FileNotFoundError, ValueError: from the loader.
+    """
+    from tokenmill.model.loader import _resolve_checkpoint, load_arch_config, load_tokenizer
+
+    kind, full = _resolve_checkpoint(path)
+    arch = load_arch_config(full)
+    template = None
+    if kind == "gguf":
+        from tokenmill.model.gguf_loader import chat_template, open_gguf
+
+        template = chat_template(open_gguf(full))
+        name = os.path.splitext(os.path.basename(full))[0]
+    else:
+        name = os.path.basename(os.path.normpath(full))
+    tokenizer = None
+    if with_tokenizer is True or (with_tokenizer == "eos" and not arch.eos_token_ids):
+        tokenizer = load_tokenizer(full)
+        if template is None:
+            t = getattr(tokenizer, "chat_template", None)
+            template = t if isinstance(t, str) else None
+    eos = arch.eos_token_ids
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [int(tokenizer.eos_token_id)]
+    return arch, FrontendInfo(tokenizer=tokenizer, chat_template=template, eos_token_ids=list(eos),
+                              bos_token_id=arch.bos_token_id, name=name, path=full)
+
+
+def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
+    """One KV pool size (blocks) for every rank: the smallest any rank's budget allows.
+
+    ``--kv-cache-memory`` is each rank's budget (as vLLM's memory fraction is
+    per GPU); a rank's bytes per token count only its layers and K/V heads,
+    so tensor parallelism multiplies the pool (when the K/V heads split) and
+    pipeline parallelism divides the layers each rank stores.
+
+    Returns:
+        ``(num_kv_blocks, bytes_per_token per rank)``.
+
+    Raises:
+        ValueError: from :func:`~tokenmill.distributed.layout.check_parallel_arch`.
+    """
+    import torch
+
+    from tokenmill.distributed.layout import rank_layout
+    from tokenmill.model.loader import resolve_dtype
+    from tokenmill.model.runner import kv_bytes_per_token, resolve_device
+
+    par = config.parallel
+    dtype = resolve_dtype(config.model.dtype, resolve_device(config.model.device))
+    per_rank = []
+    for rank in range(par.world_size):
+        lay = rank_layout(arch, par.tensor_parallel_size, par.pipeline_parallel_size, rank)
+        per_rank.append(kv_bytes_per_token(lay.num_layers, lay.kv_heads[1] - lay.kv_heads[0], arch.head_dim, dtype))
+    if config.cache.num_kv_blocks is not None:
+        return int(config.cache.num_kv_blocks), per_rank
+    bs = config.cache.block_size
+    return max(1, min(config.cache.kv_cache_memory_bytes // (b * bs) for b in per_rank)), per_rank
+
+
+def plan_cpus(world_size: int, cpus: list[int] | None = None) -> list[list[int] | None]:
+    """Disjoint CPU sets for ``world_size`` workers on this machine.
+
+    The CPUs this process may use are dealt out in contiguous runs, the
+    first ranks getting one more when they do not divide evenly. With fewer
+    CPUs than workers every worker gets one CPU, shared round-robin (the
+    caller logs it: workers then compete for cores). ``TOKENMILL_WORKER_CPUS=0``
+    turns pinning off (None for every rank).
+    """
+    if os.environ.get("TOKENMILL_WORKER_CPUS", "1") == "0":
+        return [None] * world_size
+    if cpus is None:
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            return [None] * world_size
+    if len(cpus) < world_size:
+        return [[cpus[r % len(cpus)]] for r in range(world_size)]
+    base, extra = divmod(len(cpus), world_size)
+    out, i = [], 0
+    for r in range(world_size):
+        n = base + (1 if r < extra else 0)
+        out.append(cpus[i:i + n])
+        i += n
+    return out
+
+
+def log_layout(infos: list[Any], backend: str) -> None:
+    """The start-up summary: one line per rank (layout, weight bytes, KV blocks, CPUs)."""
+    for i in infos:
+        logger.info("[%s] %s; weights %.1f MiB; KV %d blocks x %d bytes/token; %d threads on CPUs %s; "
+                    "pid %d; loaded in %.1f s", backend, i.layout, i.weight_bytes / 2**20, i.num_kv_blocks,
+                    i.kv_bytes_per_token, i.num_threads, i.cpus or "any", i.pid, i.load_seconds)
+
+
+def resolve_max_model_len(config: EngineConfig, arch: Any) -> int:
+    """The context limit the runner would use (``--max-model-len`` or the model's)."""
+    return int(config.model.max_model_len or arch.max_position_embeddings)

@@ -1,0 +1,293 @@
+"""The multi-process executor: one worker process per rank on this machine.
+
+The engine process (rank 0's scheduler) starts ``tensor_parallel_size x
+pipeline_parallel_size`` workers with :class:`subprocess.Popen` (the engine
+core may itself be a daemon process, which ``multiprocessing`` forbids to have
+children), each pinned to its own CPUs (:func:`~.base.plan_cpus`) with one
+torch thread per CPU. Workers connect back over a Unix socket
+(:mod:`multiprocessing.connection`, authenticated with a random key passed in
+the environment), join the ``torch.distributed`` group (gloo on CPU, NCCL on
+CUDA) and load their shards.
+
+Every step the executor sends all workers the same pickled step description
+(:mod:`.step_codec`) and waits for every reply; the output rank's reply holds
+the sampled tokens. While waiting it watches the sockets: a worker that dies
+closes its socket at once, and the executor raises :class:`WorkerDiedError`
+(fatal for the engine: requests fail with 503, ``/health`` turns 503) after
+killing the other workers; it never waits on a dead worker. Workers die with
+the engine process too (``PR_SET_PDEATHSIG`` and the socket's end of file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Client, Connection, Listener, wait
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.engine.executor.base import (WorkerDiedError, load_frontend, log_layout, plan_cpus, plan_kv_blocks,
+                                            resolve_max_model_len)
+from tokenmill.engine.executor.step_codec import StepEncoder
+
+logger = logging.getLogger(__name__)
+
+_AUTHKEY_ENV = "TOKENMILL_WORKER_AUTHKEY"
+# Seconds a worker may take to connect, join the group and load its shard.
+START_TIMEOUT_S = float(os.environ.get("TOKENMILL_WORKER_START_TIMEOUT", "600"))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (for the ``torch.distributed`` rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class MultiprocExecutor:
+    """Runs the model on worker processes, one per rank (see the module docstring).
+
+    Args:
+        config: the engine config (``config.parallel`` gives the layout).
+        with_tokenizer: as for :func:`~.base.load_frontend`.
+
+    Attributes:
+        num_kv_blocks: blocks of every rank's KV pool (the scheduler's pool).
+        max_model_len, eos_token_ids: as the model runner's.
+        loaded: :class:`~.base.FrontendInfo` (tokenizer, chat template).
+        worker_infos: each rank's :class:`~.worker.WorkerInfo`.
+        last_step_stats: each rank's :class:`~.worker.StepStats` of the last step.
+        pids: the worker process ids.
+
+    Raises:
+        ValueError: a layout the model cannot be split into (before any
+            process starts), or a worker's start-up error.
+        WorkerDiedError: a worker died or timed out during start-up.
+    """
+
+    backend = "mp"
+
+    def __init__(self, config: EngineConfig, with_tokenizer: bool | str = True) -> None:
+        from tokenmill.distributed.layout import check_parallel_arch
+
+        par = config.parallel
+        arch, self.loaded = load_frontend(config.model.model, with_tokenizer)
+        self.arch = arch
+        check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size)
+        self.world_size = par.world_size
+        self.num_kv_blocks, _ = plan_kv_blocks(config, arch)
+        self.max_model_len = resolve_max_model_len(config, arch)
+        self.eos_token_ids = list(self.loaded.eos_token_ids)
+        self.config = config.replace(num_kv_blocks=self.num_kv_blocks)
+        self.encoder = StepEncoder()
+        self.last_step_stats: list[Any] = []
+        self.worker_infos: list[Any] = []
+        self._dead: str | None = None
+        self._procs: list[subprocess.Popen] = []
+        self._conns: list[Connection] = []
+        self._tmpdir = tempfile.mkdtemp(prefix="tokenmill-workers-")
+        self._finalizer = weakref.finalize(self, _cleanup, self._procs, self._conns, self._tmpdir)
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- start-up ----------------------------------------------------------------
+    def _start(self) -> None:
+        cpus = plan_cpus(self.world_size)
+        if cpus[0] is not None and len({c for cs in cpus for c in cs}) < self.world_size:
+            logger.warning("%d workers on %d CPUs: workers share cores", self.world_size,
+                           len({c for cs in cpus for c in cs}))
+        authkey = secrets.token_bytes(32)
+        address = os.path.join(self._tmpdir, "workers.sock")
+        listener = Listener(address, family="AF_UNIX", authkey=authkey)
+        env = dict(os.environ, **{_AUTHKEY_ENV: authkey.hex()})
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        try:
+            for rank in range(self.world_size):
+                self._procs.append(subprocess.Popen(
+                    [sys.executable, "-m", "tokenmill.engine.executor.mp", address, str(rank),
+                     str(logging.getLogger().getEffectiveLevel())], env=env))
+            by_rank: dict[int, Connection] = {}
+            deadline = time.monotonic() + START_TIMEOUT_S
+            listener._listener._socket.settimeout(1.0)   # accept() wakes up to check the processes
+            while len(by_rank) < self.world_size:
+                self._check_procs("starting")
+                if time.monotonic() > deadline:
+                    raise WorkerDiedError(f"workers did not connect within {START_TIMEOUT_S:.0f} s")
+                try:
+                    conn = listener.accept()
+                except (socket.timeout, TimeoutError):
+                    continue
+                kind, rank = conn.recv()
+                by_rank[rank] = conn
+        finally:
+            listener.close()
+        self._conns.extend(by_rank[r] for r in range(self.world_size))
+        for rank, conn in enumerate(self._conns):
+            conn.send(("init", self.config, init_method, cpus[rank]))
+        replies = self._collect(timeout=START_TIMEOUT_S, what="loading")
+        errors = [m for m in replies if m[0] == "error"]
+        if errors:
+            raise ValueError(f"worker start-up failed: {errors[0][1]}")
+        self.worker_infos = [m[1] for m in replies]
+        log_layout(self.worker_infos, self.backend)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # -- steps -----------------------------------------------------------------------
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the output rank's sampled tokens.
+
+        Raises:
+            WorkerDiedError: a worker is (or was already) gone.
+            RuntimeError: a worker raised in this step (the step fails, the engine goes on).
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        if so.is_empty:
+            return ModelRunnerOutput()
+        payload = pickle.dumps(("step", self.encoder.encode(so)), protocol=5)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError as e:
+            self._die(f"sending to a worker failed: {e}")
+        replies = self._collect(timeout=None, what="running a step")
+        errors = [m[1] for m in replies if m[0] == "error"]
+        if errors:
+            raise RuntimeError(f"worker step failed: {errors[0]}")
+        self.last_step_stats = [m[2] for m in replies]
+        for m in replies:
+            if m[1] is not None:
+                return m[1]
+        raise RuntimeError("no worker returned the step's output")
+
+    def _collect(self, timeout: float | None, what: str) -> list[tuple]:
+        """One reply from every worker, in rank order; raises :class:`WorkerDiedError` when one dies."""
+        replies: dict[int, tuple] = {}
+        index = {id(c): r for r, c in enumerate(self._conns)}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(replies) < self.world_size:
+            pending = [c for r, c in enumerate(self._conns) if r not in replies]
+            for conn in wait(pending, timeout=1.0):
+                rank = index[id(conn)]
+                try:
+                    replies[rank] = conn.recv()
+                except (EOFError, OSError):
+                    code = self._procs[rank].poll()
+                    self._die(f"worker rank {rank} (pid {self._procs[rank].pid}) died while {what}"
+                              + (f" (exit code {code})" if code is not None else ""))
+            self._check_procs(what)
+            if deadline is not None and time.monotonic() > deadline:
+                self._die(f"workers did not answer within {timeout:.0f} s while {what}")
+        return [replies[r] for r in range(self.world_size)]
+
+    def _check_procs(self, what: str) -> None:
+        for rank, p in enumerate(self._procs):
+            code = p.poll()
+            if code is not None:
+                self._die(f"worker rank {rank} (pid {p.pid}) died while {what} (exit code {code})")
+
+    def _die(self, reason: str) -> None:
+        logger.error("%s; stopping the other workers", reason)
+        self._dead = reason
+        self.shutdown()
+        raise WorkerDiedError(reason)
+
+    # -- shutdown ----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every worker (a polite message, then SIGKILL after 5 s); idempotent."""
+        self._finalizer()
+
+    def __del__(self) -> None:  # the finalizer runs anyway; this only makes the order deterministic
+        pass
+
+
+def _cleanup(procs: list[subprocess.Popen], conns: list[Connection], tmpdir: str) -> None:
+    for conn in conns:
+        try:
+            conn.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    for conn in conns:
+        try:
+            conn.close()
+        except OSError:
+            pass
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# -- the worker process -------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent exits (no-op elsewhere)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
+def worker_main(address: str, rank: int, log_level: int = logging.INFO) -> int:
+    """Body of a worker process: connect, build the shard, run steps until told to stop or the engine is gone."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
+    conn.send(("hello", rank))
+    worker = None
+    try:
+        _, config, init_method, cpus = conn.recv()
+        from tokenmill.engine.executor.worker import Worker
+
+        try:
+            worker = Worker(config, rank, init_method, cpus)
+        except Exception as e:  # noqa: BLE001 - reported to the engine, which stops everyone
+            conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+            logger.error("start-up failed:\n%s", traceback.format_exc())
+            return 1
+        conn.send(("ready", worker.info))
+        while True:
+            msg = pickle.loads(conn.recv_bytes())
+            if msg[0] == "shutdown":
+                return 0
+            try:
+                out, stats = worker.execute(msg[1])
+                conn.send(("ok", out, stats))
+            except Exception as e:  # noqa: BLE001 - one failed step is reported, the worker goes on
+                logger.error("step failed:\n%s", traceback.format_exc())
+                conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
+    except (EOFError, OSError):
+        return 0            # the engine went away
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else logging.INFO))

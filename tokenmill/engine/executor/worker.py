@@ -1,0 +1,147 @@
+"""One rank of a tensor/pipeline-parallel model: its shard, its share of the KV cache, its runner.
+
+Used by both distributed executors: :mod:`~tokenmill.engine.executor.mp`
+runs :func:`worker_main` in a child process; :mod:`~tokenmill.engine.executor.ray`
+wraps :class:`Worker` in a Ray actor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker reports once its shard is loaded (the start-up log line).
+
+    Attributes:
+        rank: global rank.
+        pid: its process id.
+        layout: its :meth:`RankLayout.describe` line (layers, heads, vocabulary rows).
+        weight_bytes: bytes of its weights.
+        num_kv_blocks: blocks in its KV pool (every rank has the same count).
+        kv_bytes_per_token: KV bytes one token takes on this rank.
+        num_threads: its torch intra-op threads.
+        cpus: the CPUs it is pinned to (empty: not pinned).
+        load_seconds: shard build time.
+    """
+
+    rank: int
+    pid: int
+    layout: str
+    weight_bytes: int
+    num_kv_blocks: int
+    kv_bytes_per_token: int
+    num_threads: int
+    cpus: list[int]
+    load_seconds: float
+
+
+@dataclass
+class StepStats:
+    """One worker's timings for one step, in seconds."""
+
+    forward: float = 0.0
+    comm: float = 0.0
+
+
+def pin_process(cpus: list[int] | None) -> int:
+    """Pin this process to ``cpus`` and give torch one intra-op thread per CPU; returns the thread count.
+
+    ``TOKENMILL_NUM_THREADS`` overrides the count. Without ``cpus`` the
+    process keeps its affinity and gets one thread per CPU of it.
+    """
+    if cpus:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError) as e:          # not Linux, or CPUs not available
+            logger.warning("could not pin to CPUs %s: %s", cpus, e)
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = os.cpu_count() or 1
+    n = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or usable
+    torch.set_num_threads(n)
+    return n
+
+
+def rank_device(device: str, rank: int, tp_size: int, pp_size: int) -> torch.device:
+    """The device of ``rank``: CPU, or GPU ``rank mod visible GPUs`` for ``cuda``/``auto`` with GPUs."""
+    from tokenmill.model.runner import resolve_device
+
+    d = resolve_device(device)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", rank % max(1, torch.cuda.device_count()))
+    return d
+
+
+class Worker:
+    """Builds rank ``rank``'s shard and runs steps on it.
+
+    Args:
+        config: the engine config; ``cache.num_kv_blocks`` must be set (the
+            executor plans one pool size for all ranks).
+        rank: global rank.
+        init_method: ``torch.distributed`` rendezvous (``tcp://host:port``).
+        cpus: CPUs to pin to (None: keep the affinity).
+
+    Raises:
+        ValueError: from the layout check or the checkpoint.
+        RuntimeError: rendezvous failed.
+    """
+
+    def __init__(self, config: EngineConfig, rank: int, init_method: str, cpus: list[int] | None = None) -> None:
+        from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, \
+            model_weight_bytes
+        from tokenmill.distributed.parallel_state import init_distributed
+        from tokenmill.engine.executor.step_codec import StepDecoder
+        from tokenmill.model.loader import load_arch_config, resolve_dtype
+        from tokenmill.model.runner import ModelRunner, configure_allocator
+
+        t0 = time.perf_counter()
+        par = config.parallel
+        self.rank = rank
+        self.num_threads = pin_process(cpus)
+        device = rank_device(config.model.device, rank, par.tensor_parallel_size, par.pipeline_parallel_size)
+        configure_allocator(device)
+        self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device)
+        arch = load_arch_config(config.model.model)
+        dtype = resolve_dtype(config.model.dtype, device)
+        model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch))
+        wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
+        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids)
+        self.decoder = StepDecoder()
+        self.is_output_rank = self.layout.is_last_stage and self.layout.tp_rank == 0
+        self.info = WorkerInfo(rank=rank, pid=os.getpid(), layout=self.layout.describe(), weight_bytes=wb,
+                               num_kv_blocks=self.runner.num_kv_blocks,
+                               kv_bytes_per_token=self.runner.bytes_per_token, num_threads=self.num_threads,
+                               cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
+                               load_seconds=time.perf_counter() - t0)
+        logger.info("%s", describe_shard(self.layout, wb, self.runner.num_kv_blocks, self.runner.bytes_per_token))
+
+    def execute(self, desc):
+        """Run one step (a :class:`~tokenmill.engine.executor.step_codec.StepDescription`).
+
+        Returns:
+            ``(ModelRunnerOutput or None, StepStats)``: the output only on the
+            output rank (last stage, tensor-parallel rank 0).
+        """
+        so = self.decoder.decode(desc)
+        c0, t0 = self.ctx.comm_seconds(), time.perf_counter()
+        out = self.runner.execute_model(so)
+        stats = StepStats(forward=time.perf_counter() - t0, comm=self.ctx.comm_seconds() - c0)
+        return (out if self.is_output_rank else None), stats
+
+    def close(self) -> None:
+        from tokenmill.distributed.parallel_state import destroy_distributed
+
+        destroy_distributed()
