@@ -133,6 +133,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     out_sock.setsockopt(zmq.SNDHWM, 0)
     out_sock.connect(output_addr)
     code = 0
+    executor = None
     try:
         t0 = time.perf_counter()
         if executor_factory is not None:
@@ -163,6 +164,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         except zmq.ZMQError:
             pass
     finally:
+        _stop_executor(executor)
         in_sock.close()
         out_sock.close()
         ctx.term()
@@ -187,6 +189,16 @@ def _kv_event_hook(core: Any, config: Any, data_parallel_rank: int | None = None
         publisher.publish(pool.take_kv_events())
 
     return flush
+
+
+def _stop_executor(executor: Any) -> None:
+    """Stop a distributed executor's workers (no stray processes after the core exits)."""
+    stop = getattr(executor, "shutdown", None)
+    if stop is not None:
+        try:
+            stop()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            logger.exception("stopping the workers failed")
 
 
 def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int,

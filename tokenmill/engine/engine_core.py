@@ -128,6 +128,8 @@ class EngineCore:
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the engine down
+            if getattr(e, "fatal", False):   # e.g. a dead worker (WorkerDiedError): no later step can run
+                raise
             logger.exception("model step failed; failing the %d requests of this step", len(scheduler_output.scheduled))
             return outputs + self._fail_step(scheduler_output, e)
         t2 = time.perf_counter()
@@ -164,6 +166,12 @@ class EngineCore:
                                  arrival_time=r.arrival_time if r else None, finished_time=now,
                                  num_prompt_tokens=r.num_prompt_tokens if r else 0)
                 for i, r in zip(ids, reqs)]
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers, if it has any (idempotent)."""
+        stop = getattr(self.executor, "shutdown", None)
+        if stop is not None:
+            stop()
 
     def get_stats(self) -> EngineStats:
         """Snapshot for /metrics, logging and admission control."""

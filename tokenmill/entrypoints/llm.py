@@ -44,6 +44,19 @@ class LLM:
         self.processor = OutputProcessor(self.tokenizer)
         self._counter = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor/pipeline parallel executors); idempotent.
+
+        They also stop when the ``LLM`` is garbage-collected or the interpreter exits.
+        """
+        self.engine_core.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
     def get_tokenizer(self):
         """The checkpoint's Hugging Face tokenizer."""
         return self.tokenizer

@@ -290,4 +290,10 @@ def worker_main(address: str, rank: int, log_level: int = logging.INFO) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else logging.INFO))
+    status = worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else logging.INFO)
+    # Leave at once: the interpreter's own teardown (torch / gloo threads) took ~5 s after the group was
+    # destroyed, and a worker holds nothing that needs it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
