@@ -221,6 +221,7 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                 if not parent_alive():
                     logger.warning("API process %d is gone; engine core exits", parent_pid)
                     return
+                core.check_health()     # a dead worker ends the core now, not at the next request
         elif time.monotonic() - last_parent_check > _PARENT_CHECK_MS / 1000:
             last_parent_check = time.monotonic()
             if not parent_alive():

@@ -130,6 +130,8 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the engine down
             if getattr(e, "fatal", False):   # e.g. a dead worker (WorkerDiedError): no later step can run
                 raise
+            if getattr(e, "fatal", False):   # e.g. a dead worker (WorkerDiedError): no later step can run
+                raise
             logger.exception("model step failed; failing the %d requests of this step", len(scheduler_output.scheduled))
             return outputs + self._fail_step(scheduler_output, e)
         t2 = time.perf_counter()
@@ -166,6 +168,12 @@ class EngineCore:
                                  arrival_time=r.arrival_time if r else None, finished_time=now,
                                  num_prompt_tokens=r.num_prompt_tokens if r else 0)
                 for i, r in zip(ids, reqs)]
+
+    def check_health(self) -> None:
+        """Raise the executor's fatal error (e.g. :class:`WorkerDiedError`) if a worker died; no-op otherwise."""
+        check = getattr(self.executor, "check_health", None)
+        if check is not None:
+            check()
 
     def shutdown(self) -> None:
         """Stop the executor's workers, if it has any (idempotent)."""

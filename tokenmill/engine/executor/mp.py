@@ -178,6 +178,12 @@ class MultiprocExecutor:
                 return m[1]
         raise RuntimeError("no worker returned the step's output")
 
+    def check_health(self) -> None:
+        """Raise :class:`WorkerDiedError` if a worker is gone (the idle engine core calls this about once a second)."""
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        self._check_procs("idle")
+
     def _collect(self, timeout: float | None, what: str) -> list[tuple]:
         """One reply from every worker, in rank order; raises :class:`WorkerDiedError` when one dies."""
         replies: dict[int, tuple] = {}

@@ -1,0 +1,174 @@
+"""The Ray executor: one Ray actor per rank, so a model can span machines.
+
+Start a cluster with ``ray start --head`` (and ``ray start --address HEAD:6379``
+on the other machines), then run ``tokenmill serve ... -tp N
+--distributed-executor-backend ray``: the engine connects to the cluster named
+by ``RAY_ADDRESS`` (or the one started on this machine; with none, Ray starts
+a local one), places one actor per rank (``TOKENMILL_RAY_WORKER_CPUS`` CPUs
+each, default 1), and rank 0's actor hosts the ``torch.distributed``
+rendezvous on its node's address. Every machine needs the same Python
+environment (tokenmill, torch) and the checkpoint at the same path.
+
+Steps go out as one Ray object (the pickled step description, put once) that
+every actor reads; the executor waits for all actors' replies. An actor that
+dies raises ``RayActorError`` on ``ray.get``, turned into
+:class:`~.base.WorkerDiedError` (the engine stops; requests fail with 503).
+Ray is an optional dependency: ``pip install tokenmill[ray]``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import time
+from typing import Any
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.engine.executor.base import (WorkerDiedError, load_frontend, log_layout, plan_kv_blocks,
+                                            resolve_max_model_len)
+from tokenmill.engine.executor.step_codec import StepEncoder
+
+logger = logging.getLogger(__name__)
+
+
+class _RankActor:
+    """The body of one rank's Ray actor (wrapped with ``ray.remote`` at run time)."""
+
+    def __init__(self) -> None:
+        self.worker = None
+
+    def rendezvous_address(self) -> str:
+        """``tcp://<this node's IP>:<free port>`` for ``torch.distributed`` (called on rank 0's actor)."""
+        import ray
+
+        from tokenmill.engine.executor.mp import free_port
+
+        ip = ray.util.get_node_ip_address()
+        return f"tcp://{ip}:{free_port('0.0.0.0')}"
+
+    def start(self, config: EngineConfig, rank: int, init_method: str, num_cpus: int) -> Any:
+        from tokenmill.engine.executor.worker import Worker
+
+        os.environ.setdefault("TOKENMILL_NUM_THREADS", str(num_cpus))
+        logging.basicConfig(level=logging.INFO,
+                            format=f"%(asctime)s %(levelname)s [ray rank {rank}] %(name)s: %(message)s")
+        self.worker = Worker(config, rank, init_method, cpus=None)
+        return self.worker.info
+
+    def execute(self, payload: bytes) -> tuple:
+        try:
+            out, stats = self.worker.execute(pickle.loads(payload))
+            return ("ok", out, stats)
+        except Exception as e:  # noqa: BLE001 - one failed step is reported, the actor goes on
+            logger.exception("step failed")
+            return ("error", f"rank {self.worker.rank}: {type(e).__name__}: {e}", None)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+class RayExecutor:
+    """Runs the model on Ray actors, one per rank (see the module docstring).
+
+    Attributes and errors as :class:`~.mp.MultiprocExecutor`; ``pids`` are
+    the actors' process ids (on their nodes).
+
+    Raises:
+        ImportError: ray is not installed (``pip install tokenmill[ray]``).
+    """
+
+    backend = "ray"
+
+    def __init__(self, config: EngineConfig, with_tokenizer: bool | str = True) -> None:
+        try:
+            import ray
+        except ImportError as e:
+            raise ImportError("--distributed-executor-backend ray needs Ray: pip install 'tokenmill[ray]'") from e
+        from tokenmill.distributed.layout import check_parallel_arch
+
+        par = config.parallel
+        arch, self.loaded = load_frontend(config.model.model, with_tokenizer)
+        check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size)
+        self.arch = arch
+        self.world_size = par.world_size
+        self.num_kv_blocks, _ = plan_kv_blocks(config, arch)
+        self.max_model_len = resolve_max_model_len(config, arch)
+        self.eos_token_ids = list(self.loaded.eos_token_ids)
+        self.config = config.replace(num_kv_blocks=self.num_kv_blocks)
+        self.encoder = StepEncoder()
+        self.last_step_stats: list[Any] = []
+        self._dead: str | None = None
+        self._ray = ray
+        self._owns_ray = False
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
+                     configure_logging=False)
+            self._owns_ray = True
+        num_cpus = float(os.environ.get("TOKENMILL_RAY_WORKER_CPUS", "1"))
+        actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_RankActor)
+        self._actors = [actor_cls.remote() for _ in range(self.world_size)]
+        try:
+            init_method = ray.get(self._actors[0].rendezvous_address.remote())
+            infos = self._get([a.start.remote(self.config, r, init_method, max(1, int(num_cpus)))
+                               for r, a in enumerate(self._actors)], "loading")
+            self.pids = ray.get([a.pid.remote() for a in self._actors])
+        except BaseException:
+            self.shutdown()
+            raise
+        self.worker_infos = infos
+        log_layout(infos, self.backend)
+
+    def _get(self, refs: list, what: str) -> list:
+        ray = self._ray
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            self._dead = f"a Ray worker actor died while {what}: {e}"
+        except ray.exceptions.RayTaskError as e:      # an exception inside an actor (start-up)
+            cause = e.cause if getattr(e, "cause", None) is not None else e
+            raise ValueError(f"worker start-up failed: {type(cause).__name__}: {cause}") from None
+        logger.error("%s; stopping the other actors", self._dead)
+        self.shutdown()
+        raise WorkerDiedError(self._dead)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every actor; the output rank's sampled tokens.
+
+        Raises:
+            WorkerDiedError: an actor is (or was already) gone.
+            RuntimeError: an actor raised in this step.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        if so.is_empty:
+            return ModelRunnerOutput()
+        payload = self._ray.put(pickle.dumps(self.encoder.encode(so), protocol=5))
+        replies = self._get([a.execute.remote(payload) for a in self._actors], "running a step")
+        errors = [m[1] for m in replies if m[0] == "error"]
+        if errors:
+            raise RuntimeError(f"worker step failed: {errors[0]}")
+        self.last_step_stats = [m[2] for m in replies]
+        for m in replies:
+            if m[1] is not None:
+                return m[1]
+        raise RuntimeError("no worker returned the step's output")
+
+    def check_health(self) -> None:
+        """Raise :class:`WorkerDiedError` if an actor is gone (a cheap ping of every actor)."""
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        self._get([a.pid.remote() for a in self._actors], "idle")
+
+    def shutdown(self) -> None:
+        """Kill the actors (and disconnect from Ray if this executor connected); idempotent."""
+        for a in getattr(self, "_actors", []):
+            try:
+                self._ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self._actors = []
+        if self._owns_ray and self._ray.is_initialized():
+            self._ray.shutdown()
+            self._owns_ray = False
