@@ -63,6 +63,8 @@ def test_layouts_match_one_process(tiny_llama, reference, tp, pp):
             assert got == pytest.approx(want, abs=1e-4)
         # each worker's step stats are reported; all TP ranks exchanged something
         assert len(ex.last_step_stats) == tp * pp and all(s.comm > 0 for s in ex.last_step_stats)
+        if (tp, pp) == (2, 1):      # (one start-up less than a separate test) a dead worker fails fast
+            _check_dead_worker_fails_fast(llm, pids)
     finally:
         llm.shutdown()
     deadline = time.monotonic() + 10
@@ -71,21 +73,15 @@ def test_layouts_match_one_process(tiny_llama, reference, tp, pp):
     assert not _alive(pids), "worker processes left behind after shutdown"
 
 
-def test_dead_worker_fails_fast_and_leaves_no_process(tiny_llama):
-    llm = LLM(tiny_llama, tensor_parallel_size=2, **ENGINE)
-    pids = llm.engine_core.executor.pids
-    try:
-        assert llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
-        os.kill(pids[1], signal.SIGKILL)
-        t0 = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="worker rank 1"):
-            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
-        assert time.monotonic() - t0 < 10
-        with pytest.raises(WorkerDiedError):        # and it stays dead
-            llm.generate([[9]], SamplingParams(max_tokens=1))
-        assert not _alive(pids)                     # the executor stopped the survivor too
-    finally:
-        llm.shutdown()
+def _check_dead_worker_fails_fast(llm: LLM, pids: list[int]) -> None:
+    os.kill(pids[1], signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1"):
+        llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4))
+    assert time.monotonic() - t0 < 10
+    with pytest.raises(WorkerDiedError):        # and it stays dead
+        llm.generate([[9]], SamplingParams(max_tokens=1))
+    assert not _alive(pids)                     # the executor stopped the survivor too
 
 
 def test_tp_that_does_not_divide_heads_is_refused_before_start(tiny_llama):

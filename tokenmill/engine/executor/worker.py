@@ -109,6 +109,10 @@ class Worker:
 
         t0 = time.perf_counter()
         par = config.parallel
+        if not config.model.enforce_eager and par.world_size > 1:
+            # the compiled dense step would trace the all-reduce inside o_proj/down_proj; not supported yet
+            logger.warning("--no-enforce-eager is not supported with tensor/pipeline parallelism; running eagerly")
+            config = config.replace(enforce_eager=True)
         self.rank = rank
         self.num_threads = pin_process(cpus)
         device = rank_device(config.model.device, rank, par.tensor_parallel_size, par.pipeline_parallel_size)

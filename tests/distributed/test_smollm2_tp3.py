@@ -1,0 +1,27 @@
+"""SmolLM2-135M (9 query / 3 KV heads) with TP 3: greedy float32 output identical to one process."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_equals_tp1():
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=1)
+    engine = dict(dtype="float32", num_kv_blocks=256, max_model_len=512)
+    with LLM(**engine) as llm:
+        want = llm.generate(PROMPTS, params)
+    with LLM(tensor_parallel_size=3, **engine) as llm:
+        infos = llm.engine_core.executor.worker_infos
+        assert [i.layout.split(";")[0].split(": ")[1] for i in infos] == [
+            f"layers 0-29, q heads {3 * r}-{3 * r + 2}, kv heads {r}-{r}, ffn cols {512 * r}-{512 * r + 511}, "
+            f"vocab rows {16384 * r}-{16384 * r + 16383}" for r in range(3)]
+        got = llm.generate(PROMPTS, params)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, (g.outputs[0].text, w.outputs[0].text)
+        assert [x.logprob for x in g.outputs[0].logprobs] == pytest.approx(
+            [x.logprob for x in w.outputs[0].logprobs], abs=1e-3)
