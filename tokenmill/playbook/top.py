@@ -154,7 +154,7 @@ def render(view: dict[str, Any], url: str, models: set[str] | None = None) -> st
         f"KV cache  [{bar}] {100 * kv:5.1f}%   preemptions {_f(view['preemptions_per_s'], '.2f')}/s "
         f"({view['preemptions_total']:.0f} total)",
         f"tokens    prompt {_f(view['prompt_tok_per_s'])} tok/s   generated {_f(view['generation_tok_per_s'])} tok/s",
-        f"prefix    hit rate {_f(100 * view['prefix_hit_rate'] if not math.isnan(view['prefix_hit_rate']) else math.nan)}%"
+        f"prefix    hit rate {_f(100 * view['prefix_hit_rate'])}%"
         f"   refused (429) {_f(view['refused_per_s'], '.2f')}/s ({view['refused_total']:.0f} total)",
         "",
         f"latency ({window})        p50 ms      p99 ms   samples",

@@ -292,9 +292,10 @@ class GoodputMeasurer:
         try:
             m.startup_s = srv.start(self.s.startup_timeout_s)
             w = self.s.workload
-            model_id = asyncio.run(fetch_models(srv.url, None))[0]
+            api_key = _serve_defaults(self.s.base_serve_args).get("api_key")  # a server behind --api-key
+            model_id = asyncio.run(fetch_models(srv.url, api_key))[0]
             cfg = EndpointConfig(base_url=srv.url, endpoint=normalize_endpoint(w.get("endpoint", "completions")),
-                                 model=model_id, ignore_eos=bool(w.get("ignore_eos", False)),
+                                 model=model_id, api_key=api_key, ignore_eos=bool(w.get("ignore_eos", False)),
                                  temperature=w.get("temperature"), timeout_s=600.0)
             before = _scrape_preemptions(srv.url)
 
