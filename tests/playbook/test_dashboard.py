@@ -18,10 +18,19 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "dashboards" / "tokenmill.json"
 
 
+_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
+
+
 def _exported(text: str) -> tuple[set[str], dict[str, set[str]], dict[str, set[str]]]:
-    """(sample names, label names per sample name, le values per histogram bucket series)."""
+    """(series names, label names per series, le values per histogram bucket series).
+
+    A family declared with no sample yet (labelled children appear on first use, e.g. spec-decode counters
+    before the first draft) counts by its declared type's series names."""
     names, labels, les = set(), {}, {}
     for fam in text_string_to_metric_families(text):
+        for suffix in _SUFFIXES.get(fam.type, ()):
+            names.add(fam.name + suffix)
+            labels.setdefault(fam.name + suffix, {"model_name"})
         for s in fam.samples:
             names.add(s.name)
             labels.setdefault(s.name, set()).update(s.labels)
