@@ -55,6 +55,11 @@ class LoggingStatLogger:
         line = (f"prompt {self._prompt_tokens / dt:.1f} tok/s, generation {self._gen_tokens / dt:.1f} tok/s | "
                 f"running {s.num_running}, waiting {s.num_waiting} | KV cache {100 * s.kv_cache_usage:.1f}% | "
                 f"prefix cache hit rate {100 * hit_rate:.1f}% | preemptions {s.num_preemptions_total}")
+        t = s.step_timing
+        if t is not None and t.ready and t.prefill_tokens_per_second:
+            b = max(1, s.queue.num_decoding if s.queue is not None else 1)
+            line += (f" | measured: prefill {t.prefill_tokens_per_second:.0f} tok/s, decode step "
+                     f"{1000 * (t.decode_step_time(b) or 0.0):.1f} ms at batch {b}")
         self._last_time = now
         self._prompt_tokens = self._gen_tokens = 0
         self._base_queries, self._base_hits = s.prefix_cache_queries, s.prefix_cache_hits

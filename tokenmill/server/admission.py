@@ -166,6 +166,10 @@ def retry_after_seconds(excess: float, rate: float | None) -> int:
 
 
 # -- SLO-aware admission (--slo) ------------------------------------------------
+# Pending requests older than this (seconds) are forgotten (their streams never started).
+PENDING_MAX_AGE_S = 600.0
+
+
 @dataclass
 class PendingRequest:
     """An admitted interactive request that has not produced its first token (what may be displaced).
@@ -266,6 +270,10 @@ class SLOAdmission:
         p = PendingRequest(request_id, priority, arrival, prompt_tokens, elapsed + pred.ttft,
                            now + max(0.0, pred.ttft - own), limit)
         self.pending[request_id] = p
+        if len(self.pending) > 64 and len(self.pending) % 64 == 0:
+            # a request whose stream never started leaves no first token nor finish: forget stale ones
+            for rid in [r for r, q in self.pending.items() if now - q.arrival > PENDING_MAX_AGE_S]:
+                del self.pending[rid]
         return p
 
     def displaced_by(self, new: PendingRequest, pred: "Prediction", now: float | None = None
