@@ -293,8 +293,8 @@ def main() -> None:
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(cfg)
     print(f"runner ready in {time.perf_counter() - t0:.1f} s"
-          + (f"; block linears read int4 weights in steps of <= {runner.int4_max_tokens} tokens (bound uses "
-             f"their bytes)" if runner.int4_max_tokens else ""))
+          + (f"; block linears read int4 weights in steps of <= {runner.lowbit_max_tokens} tokens (bound uses "
+             f"their bytes)" if runner.lowbit_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
 
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
@@ -318,7 +318,7 @@ def main() -> None:
           f"{'eager ms':>10}{'ratio':>9}{'GFLOP/s':>9}" + (f"{'compiled':>10}{'ratio':>9}" if compiled else ""))
     for k, (name, ql, ctx) in enumerate(cases):
         nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql),
-                                  int4_linear=sum(ql) <= runner.int4_max_tokens)
+                                  int4_linear=sum(ql) <= runner.lowbit_max_tokens)
         t_mem, t_cmp = nbytes / (bw * 1e9), flops / (gemm * 1e9)
         bound = max(t_mem, t_cmp)
         actual = eager[k]
@@ -337,7 +337,7 @@ def main() -> None:
         for k, (name, ql, ctx) in enumerate(cases):
             br = step_breakdown(runner, steps[k], args.reps)
             parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql),
-                                    int4_linear=sum(ql) <= runner.int4_max_tokens)
+                                    int4_linear=sum(ql) <= runner.lowbit_max_tokens)
             step_bound = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
                              sum(f for _, f in parts.values()) / (gemm * 1e9))
             for part in ("linear", "attention", "sampling", "prepare", "other"):

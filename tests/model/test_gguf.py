@@ -324,49 +324,73 @@ def test_default_model_path_found_or_clear_error(monkeypatch):
         load_model(None)
 
 
-def test_int4_codes_rebuild_the_dequantized_q4_weights_exactly(tiny_gguf):
-    """Q4_0/Q4_1 tensors come back as codes + scale/zero that give the dense weights bit for bit
-    (q/k un-permuted like the dense path); other types are skipped."""
+def test_lowbit_codes_rebuild_the_dequantized_weights_exactly(tiny_gguf):
+    """Every low-bit tensor (Q4_0/Q4_1/Q8_0 here) comes back as codes that give the dense weights bit for bit,
+    q/k un-permuted like the dense path and q/k/v, gate/up fused even across formats; a fused layer with a
+    float shard (v in BF16) is left out."""
+    from tokenmill.model.llama import LlamaForCausalLM
+    from tokenmill.quantization.gguf import gguf_lowbit_weights
+
     path, _ = tiny_gguf
     reader = gguf_loader.open_gguf(str(path))
     arch = gguf_loader.read_arch_config(reader)
     dense = dict(gguf_loader.iter_gguf_weights(reader, arch))
-    int4 = dict(gguf_loader.iter_gguf_int4(reader, arch))
-    q4 = {gguf_loader.gguf_to_hf_name(t.name) for t in reader.tensors if Q(t.tensor_type) in (Q.Q4_0, Q.Q4_1)}
-    assert set(int4) == q4 and any("q_proj" in n for n in q4) and any("k_proj" in n for n in q4)
-    g = gguf_loader.INT4_GROUP_SIZE
-    for name, (codes, scale, zero) in int4.items():
-        assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
-        assert scale.shape == zero.shape == (codes.shape[0], codes.shape[1] // g)
-        w = ((codes.float() - 8).view(codes.shape[0], -1, g) * scale[..., None] + zero[..., None]).view(codes.shape)
-        assert torch.equal(w, dense[name]), name
+    low = gguf_lowbit_weights(reader, arch, LlamaForCausalLM._STACKED)
+    want = {"model.embed_tokens"} | {f"model.layers.{i}.mlp.{n}" for i in range(LAYERS)
+                                     for n in ("gate_up_proj", "down_proj")}
+    assert set(low) == want
+    assert low["model.layers.0.mlp.gate_up_proj"].fmt == "Q8_0+Q4_1" and low["model.layers.0.mlp.gate_up_proj"].bits == 8
+    for name, w in low.items():
+        if name.endswith("gate_up_proj"):
+            ref = torch.cat([dense[name.replace("gate_up_proj", p) + ".weight"] for p in ("gate_proj", "up_proj")])
+        else:
+            ref = dense[name + ".weight"]
+        assert torch.equal(w.dequantize(), ref), name
 
 
-def test_runner_uses_int4_weights_for_small_bf16_steps(tmp_path, monkeypatch):
-    """A bfloat16 runner over the GGUF attaches int4 copies to every fully-Q4 fused linear (here only
-    down_proj: q/k/v and gate/up mix in other types) and its small steps stay close to the plain path."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_uses_lowbit_weights_for_small_steps(tmp_path, monkeypatch, dtype):
+    """A runner over the GGUF attaches the codes to every all-low-bit layer (q/k/v stays dense: v is BF16) and
+    the logits head; the model's logits for a small step stay within tolerance of the dequantised (dense)
+    path, and steps above the limit run the dense path bit for bit."""
     from tokenmill.config import EngineConfig
     from tokenmill.model.layers.linear import PackedLinear, packed_linear_available
     from tokenmill.model.runner import ModelRunner
+    from tokenmill.quantization.lowbit import kernel_available
 
-    if not packed_linear_available("cpu", torch.bfloat16):
-        pytest.skip("no oneDNN bfloat16 on this CPU")
+    dt = getattr(torch, dtype)
+    if not packed_linear_available("cpu", dt) or not kernel_available():
+        pytest.skip("no oneDNN for this dtype or no low-bit kernel on this machine")
     path = tmp_path / "tiny-tok.gguf"
     write_tiny_gguf(path, with_tokenizer=True)
 
     def runner(limit: str):
         monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", limit)
-        cfg = EngineConfig.from_kwargs(model=str(path), dtype="bfloat16", num_kv_blocks=16, block_size=4,
+        cfg = EngineConfig.from_kwargs(model=str(path), dtype=dtype, num_kv_blocks=16, block_size=4,
                                        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
         return ModelRunner.from_config(cfg)
 
     on, off = runner("8"), runner("0")
-    assert on.int4_max_tokens == 8 and off.int4_max_tokens == 0
-    with_int4 = sorted(n for n, m in on.model.named_modules() if isinstance(m, PackedLinear) and m.int4_max_rows)
-    assert with_int4 == [f"model.layers.{i}.mlp.down_proj" for i in range(LAYERS)]
-    x = torch.randn(3, FFN).bfloat16()
+    assert on.lowbit_max_tokens == 8 and off.lowbit_max_tokens == 0
+    with_low = sorted(n for n, m in on.model.named_modules() if isinstance(m, PackedLinear) and m.lowbit_max_rows)
+    assert with_low == sorted([f"model.layers.{i}.mlp.{n}" for i in range(LAYERS) for n in ("down_proj", "gate_up_proj")])
+    x = torch.randn(3, FFN).to(dt)
     a, b = on.model.model.layers[0].mlp.down_proj, off.model.model.layers[0].mlp.down_proj
-    torch.testing.assert_close(a(x).float(), b(x).float(), rtol=3e-2, atol=3e-2)
-    assert not torch.equal(a(x), b(x))                     # the int4 kernel did run
-    big = torch.randn(9, FFN).bfloat16()                   # above the limit: the oneDNN path, bit-equal
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    torch.testing.assert_close(a(x).float(), b(x).float(), rtol=tol, atol=tol)
+    big = torch.randn(9, FFN).to(dt)                       # above the limit: the oneDNN path, bit-equal
     assert torch.equal(a(big), b(big))
+    ids = torch.tensor([5, 17, 33]); pos = torch.arange(3)
+    logits = {}
+    for name, r in (("on", on), ("off", off)):
+        from tokenmill.model.layers.attention import AttentionMetadata
+        md = AttentionMetadata(slot_mapping=torch.arange(3), query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+                               seq_lens=torch.tensor([3], dtype=torch.int32),
+                               block_tables=torch.tensor([[0]], dtype=torch.int32), query_lens=[3], seq_lens_list=[3],
+                               max_query_len=3, max_seq_len=3, block_size=4)
+        with torch.inference_mode():
+            logits[name] = r.model.compute_logits(r.model(ids, pos, r.kv_caches, md))
+    # Logit tolerance of the low-bit path against the dequantised reference: 1e-3 (float32), 5e-2 (bfloat16)
+    # of the logits' range.
+    rng = logits["off"].abs().max().item()
+    assert (logits["on"] - logits["off"]).abs().max().item() <= (1e-3 if dtype == "float32" else 5e-2) * rng

@@ -87,60 +87,57 @@ def test_runner_packs_eager_model_and_only_the_head_when_compiled():
 
 
 def q4_weight(n: int, k: int, seed: int = 0):
+    from tokenmill.quantization.lowbit import LowBitWeight
+
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     scale = torch.rand(n, k // 32, generator=g) * 0.02
     zero = (torch.rand(n, k // 32, generator=g) - 0.5) * 0.1
-    dense = ((codes.float() - 8).view(n, -1, 32) * scale[..., None] + zero[..., None]).view(n, k)
-    return codes, scale, zero, dense
+    w = LowBitWeight.from_codes(codes, scale, zero, 4, fmt="Q4_1")
+    return w, w.dequantize()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [False, True])
-def test_int4_path_matches_the_dense_layer_up_to_its_row_limit(bias):
-    if not packed_linear_available("cpu", torch.bfloat16):
-        pytest.skip("no oneDNN bfloat16 on this CPU")
-    codes, scale, zero, dense = q4_weight(48, 64)
-    b = torch.randn(48).bfloat16() if bias else None
-    lin = PackedLinear(dense.bfloat16(), b)
-    plain = PackedLinear(dense.bfloat16(), b)
-    nbytes = lin.attach_int4(codes, scale, zero, 32, max_rows=4)
-    assert nbytes == 48 * 64 // 2 + 2 * 2 * 48 * 64 // 32 and "int4 rows<=4" in repr(lin)
+def test_lowbit_path_matches_the_dense_layer_up_to_its_row_limit(bias, dtype):
+    from tokenmill.quantization.lowbit import kernel_available
+
+    if not packed_linear_available("cpu", dtype) or not kernel_available():
+        pytest.skip("no oneDNN for this dtype or no low-bit kernel on this machine")
+    w, dense = q4_weight(48, 64)
+    b = torch.randn(48).to(dtype) if bias else None
+    lin = PackedLinear(dense.to(dtype), b)
+    plain = PackedLinear(dense.to(dtype), b)
+    assert lin.attach_lowbit(w, max_rows=4) == w.nbytes and "Q4_1 codes for rows<=4" in repr(lin)
     for rows in (1, 4):
-        x = torch.randn(rows, 64).bfloat16()
-        want = F.linear(x.float(), dense, None if b is None else b.float())
-        torch.testing.assert_close(lin(x).float(), want, rtol=3e-2, atol=3e-2)
-    x = torch.randn(5, 64).bfloat16()
+        x = torch.randn(rows, 64).to(dtype)
+        want = F.linear(x.float(), dense, None if b is None else b.float())   # the exact codes, float32 sums
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(lin(x).float(), want, rtol=tol, atol=tol)
+    x = torch.randn(5, 64).to(dtype)
     assert torch.equal(lin(x), plain(x))                  # above the limit: the dense oneDNN GEMM
 
 
-def test_int4_attach_rejects_float32_and_mismatched_codes(monkeypatch):
-    from tokenmill.model.layers.linear import int4_max_tokens
+def test_lowbit_attach_rejects_mismatched_shapes_and_bad_limits(monkeypatch):
+    from tokenmill.model.layers.linear import lowbit_max_tokens
 
-    codes, scale, zero, dense = q4_weight(16, 64)
-    with pytest.raises(ValueError, match="bfloat16"):
-        PackedLinear(dense).attach_int4(codes, scale, zero, 32, 8)
-    if packed_linear_available("cpu", torch.bfloat16):
-        with pytest.raises(ValueError, match="do not fit"):
-            PackedLinear(dense.bfloat16()).attach_int4(codes[:8], scale, zero, 32, 8)
-    assert int4_max_tokens("cpu", torch.float32) == 0
+    w, dense = q4_weight(16, 64)
+    with pytest.raises(ValueError, match="does not fit"):
+        PackedLinear(dense[:, :32].contiguous()).attach_lowbit(w, 8)
     monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "-1")
     with pytest.raises(ValueError, match="non-negative"):
-        int4_max_tokens("cpu", torch.bfloat16)
+        lowbit_max_tokens("cpu", torch.float32)
     monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "0")
-    assert int4_max_tokens("cpu", torch.bfloat16) == 0
+    assert lowbit_max_tokens("cpu", torch.float32) == 0
 
 
-def test_int4_is_skipped_for_output_sizes_the_packing_cannot_take():
-    """torch's int4 CPU packing needs out_features % 16 == 0 (an untied head over a 32001 vocabulary is not)."""
-    from tokenmill.model.layers.linear import attach_int4_weights
+def test_attach_lowbit_weights_serves_a_tied_head_and_counts_bytes_per_format():
+    from tokenmill.model.layers.linear import attach_lowbit_weights
 
-    if not packed_linear_available("cpu", torch.bfloat16):
-        pytest.skip("no oneDNN bfloat16 on this CPU")
     model = nn.Module()
-    _, _, _, dense_ok = q4_weight(48, 64)
-    codes, scale, zero, dense_odd = q4_weight(40, 64)
-    model.ok, model.odd = PackedLinear(dense_ok.bfloat16()), PackedLinear(dense_odd.bfloat16())
-    with pytest.raises(ValueError, match="divisible by 16"):
-        PackedLinear(dense_odd.bfloat16()).attach_int4(codes, scale, zero, 32, 8)
-    count, _ = attach_int4_weights(model, {"ok": q4_weight(48, 64)[:3], "odd": (codes, scale, zero)}, 32, 8)
-    assert count == 1 and model.ok.int4_max_rows == 8 and model.odd.int4_max_rows == 0
+    w, dense = q4_weight(48, 64)
+    head_w, head_dense = q4_weight(32, 64, seed=1)
+    model.proj, model._logits_head = PackedLinear(dense), PackedLinear(head_dense)
+    count, by_fmt = attach_lowbit_weights(model, {"proj": w, "model.embed_tokens": head_w, "absent": w}, 8)
+    assert count == 2 and by_fmt == {"Q4_1": w.nbytes + head_w.nbytes}
+    assert model._logits_head.lowbit is head_w and model.proj.lowbit_max_rows == 8

@@ -251,64 +251,6 @@ def iter_gguf_weights(reader, arch: ModelArchConfig) -> Iterator[tuple[str, torc
             yield pending.popleft().result()
 
 
-INT4_GROUP_SIZE = 32
-
-
-def int4_codes(t) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """The 4-bit codes of a Q4_0/Q4_1 tensor with per-group scale and zero point, or None for other types.
-
-    Both formats store blocks of 32 weights along a row: a float16 scale
-    ``d`` (Q4_1 also a float16 minimum ``m``) and 16 bytes of 4-bit codes
-    ``q`` (byte ``j`` holds element ``j`` in its low nibble and element
-    ``j + 16`` in its high one); the weight is ``d * q + m`` (Q4_1) or
-    ``d * (q - 8)`` (Q4_0). The result is rewritten for the
-    ``(q - 8) * scale + zero`` convention of torch's int4 CPU GEMM:
-    ``scale = d``, ``zero = m + 8 d`` (Q4_1) or ``0`` (Q4_0), exactly (float32).
-
-    Returns:
-        ``(codes, scale, zero)``: ``codes`` ``[out, in]`` uint8 in 0..15,
-        ``scale``/``zero`` ``[out, in / 32]`` float32 (numpy row-major shapes,
-        like :func:`dequantize_tensor`); None for any other tensor type or a
-        tensor that is not 2-D.
-    """
-    from gguf import GGMLQuantizationType as Q
-
-    qtype = Q(t.tensor_type)
-    if qtype not in (Q.Q4_0, Q.Q4_1) or len(t.shape) != 2:
-        return None
-    rows, cols = int(t.shape[1]), int(t.shape[0])
-    head = 2 if qtype == Q.Q4_0 else 4                       # bytes of float16 fields per block
-    blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, cols // 32, head + 16)
-    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-    packed = blocks[..., head:]
-    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, cols)
-    if qtype == Q.Q4_1:
-        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        zero = m + 8.0 * d
-    else:
-        zero = np.zeros_like(d)
-    return codes, d, zero
-
-
-def iter_gguf_int4(reader, arch: ModelArchConfig) -> Iterator[tuple[str, tuple[torch.Tensor, ...]]]:
-    """Yield ``(hf_name, (codes, scale, zero))`` for every Q4_0/Q4_1 weight (see :func:`int4_codes`).
-
-    q/k rows are un-permuted like :func:`iter_gguf_weights`, so the codes
-    line up with the dense weights row for row; other tensors are skipped.
-    """
-    permuted = get_field(reader, "general.architecture") in _PERMUTED_ARCHS
-    for t in reader.tensors:
-        name = gguf_to_hf_name(t.name)
-        got = None if name is None else int4_codes(t)
-        if got is None:
-            continue
-        parts = tuple(torch.from_numpy(np.ascontiguousarray(a)) for a in got)
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = arch.num_attention_heads if name.endswith("q_proj.weight") else arch.num_key_value_heads
-            parts = tuple(unpermute_qk(a, heads).contiguous() for a in parts)
-        yield name, parts
-
-
 def chat_template(reader) -> str | None:
     """The GGUF's ``tokenizer.chat_template`` (a Jinja string) or None."""
     return get_field(reader, "tokenizer.chat_template")

@@ -50,9 +50,10 @@ class LoadedModel:
         dtype: weight/activation dtype.
         device: where the weights live.
         load_seconds: wall time of :func:`load_model`.
-        int4_weights: with ``load_model(..., int4=True)`` and a GGUF whose
-            linear weights are Q4_0/Q4_1: module name -> ``(codes, scale,
-            zero)`` for :func:`tokenmill.model.layers.linear.attach_int4_weights`
+        lowbit_weights: with ``load_model(..., lowbit=True)`` and a GGUF whose
+            linear weights are in a low-bit type (:data:`tokenmill.quantization.gguf.SUPPORTED`):
+            module name -> :class:`~tokenmill.quantization.lowbit.LowBitWeight`
+            for :func:`tokenmill.model.layers.linear.attach_lowbit_weights`
             (the runner takes and clears it); otherwise None.
     """
 
@@ -67,7 +68,7 @@ class LoadedModel:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     load_seconds: float = 0.0
-    int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None
+    lowbit_weights: dict[str, Any] | None = None
 
 
 def default_model_path() -> str:
@@ -219,7 +220,7 @@ def load_arch_config(path: str | None) -> ModelArchConfig:
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                *, with_tokenizer: bool | str = True, attn_backend: AttentionBackend | None = None,
-               int4: bool = False) -> LoadedModel:
+               lowbit: bool = False) -> LoadedModel:
     """Load a checkpoint into a :class:`LoadedModel`.
 
     Args:
@@ -234,8 +235,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             names no end-of-sequence token (the tokenizer's is the fallback),
             as the engine core of the server does (the API process has its own).
         attn_backend: override the attention backend.
-        int4: also collect the 4-bit codes of Q4_0/Q4_1 GGUF linear weights
-            (:attr:`LoadedModel.int4_weights`).
+        lowbit: also collect the codes of the GGUF's low-bit linear weights
+            (:attr:`LoadedModel.lowbit_weights`).
 
     Raises:
         FileNotFoundError: the path (or the default package) is missing.
@@ -246,20 +247,21 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
     import time
 
     t0 = time.perf_counter()
-    int4_weights = None
+    lowbit_weights = None
     kind, path = _resolve_checkpoint(path)
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
     if kind == "gguf":
-        from tokenmill.model.gguf_loader import (chat_template, iter_gguf_int4, iter_gguf_weights, open_gguf,
-                                                 read_arch_config)
+        from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
 
         reader = open_gguf(path)
         arch = read_arch_config(reader)
         model = _instantiate(arch, dt, device, attn_backend)
         model.load_weights(iter_gguf_weights(reader, arch))
-        if int4 and hasattr(model, "stack_row_shards"):
-            int4_weights = model.stack_row_shards(iter_gguf_int4(reader, arch)) or None
+        if lowbit:
+            from tokenmill.quantization.gguf import gguf_lowbit_weights
+
+            lowbit_weights = gguf_lowbit_weights(reader, arch, getattr(model, "_STACKED", {})) or None
         template = chat_template(reader)
         name = os.path.splitext(os.path.basename(path))[0]
         del reader
@@ -282,4 +284,4 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         eos = [int(tokenizer.eos_token_id)]
     return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,
                        eos_token_ids=eos, bos_token_id=arch.bos_token_id, name=name, path=path,
-                       dtype=dt, device=device, load_seconds=time.perf_counter() - t0, int4_weights=int4_weights)
+                       dtype=dt, device=device, load_seconds=time.perf_counter() - t0, lowbit_weights=lowbit_weights)

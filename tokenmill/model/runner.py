@@ -39,8 +39,7 @@ import torch
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.gguf_loader import INT4_GROUP_SIZE
-from tokenmill.model.layers.linear import PackedLinear, attach_int4_weights, int4_max_tokens, pack_linear_weights
+from tokenmill.model.layers.linear import PackedLinear, attach_lowbit_weights, lowbit_max_tokens, pack_linear_weights
 from tokenmill.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, plan_kv_cache  # noqa: F401 - re-export
 from tokenmill.model.process_tuning import configure_allocator, configure_threads, rss_bytes
 from tokenmill.model.sampler import Sampler
@@ -138,15 +137,15 @@ class ModelRunner:
         scratch_block: id of the scratch block (``num_kv_blocks``).
         max_model_len: context limit in tokens.
         compile_buckets: padded token counts with a compiled step (empty when eager).
-        int4_max_tokens: steps of at most this many tokens run their block
-            linears on 4-bit weights (a GGUF with Q4_0/Q4_1 linears, bfloat16
-            on CPU, eager; see :meth:`PackedLinear.attach_int4`); 0 when off.
+        lowbit_max_tokens: steps of at most this many tokens run their
+            linears (and the logits head) on the GGUF's own low-bit codes
+            (CPU, eager; see :meth:`PackedLinear.attach_lowbit`); 0 when off.
         last_timings: seconds of the last step's parts (``prepare``, ``forward``, ``sample``).
     """
 
     def __init__(self, model: torch.nn.Module, arch, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: list[int],
-                 int4_weights: dict[str, tuple[torch.Tensor, ...]] | None = None) -> None:
+                 lowbit_weights: dict | None = None) -> None:
         self.model = model
         self.arch = arch
         self.config = config
@@ -171,11 +170,11 @@ class ModelRunner:
         self.buffers = InputBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                     sched.max_num_seqs, blocks_per_seq, device)
         self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager)
-        self.int4_max_tokens = 0
-        if int4_weights:
-            limit = int4_max_tokens(device, dtype)
-            if limit and attach_int4_weights(model, int4_weights, INT4_GROUP_SIZE, limit)[0]:
-                self.int4_max_tokens = limit
+        self.lowbit_max_tokens = 0
+        if lowbit_weights:
+            limit = lowbit_max_tokens(device, dtype)
+            if limit and attach_lowbit_weights(model, lowbit_weights, limit)[0]:
+                self.lowbit_max_tokens = limit
         if not config.model.enforce_eager:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
 
@@ -198,14 +197,14 @@ class ModelRunner:
         configure_allocator(device)
         t0 = time.perf_counter()
         dtype = resolve_dtype(config.model.dtype, device)
-        want_int4 = config.model.enforce_eager and int4_max_tokens(device, dtype) > 0
-        loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, int4=want_int4,
+        want_lowbit = config.model.enforce_eager and lowbit_max_tokens(device, dtype) > 0
+        loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, lowbit=want_lowbit,
                             with_tokenizer=with_tokenizer)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)
         runner = cls(loaded.model, loaded.arch, config, device, dtype, loaded.eos_token_ids,
-                     int4_weights=loaded.int4_weights)
-        loaded.int4_weights = None
+                     lowbit_weights=loaded.lowbit_weights)
+        loaded.lowbit_weights = None
         runner.loaded = loaded
         return runner
 

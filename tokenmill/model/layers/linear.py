@@ -29,6 +29,8 @@ import os
 import torch
 from torch import nn
 
+from tokenmill.quantization.lowbit import LowBitWeight, lowbit_linear
+
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "TOKENMILL_CPU_PACKED_LINEAR"
@@ -75,69 +77,44 @@ class PackedLinear(nn.Module):
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
 
-        self.int4_max_rows = 0
-        self.int4_group_size = 0
-        self.int4_weight: torch.Tensor | None = None
-        self.int4_scale_zero: torch.Tensor | None = None
+        self.lowbit_max_rows = 0
+        self.lowbit: LowBitWeight | None = None
 
-    def attach_int4(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-                    max_rows: int) -> int:
-        """Also keep the weight as 4-bit codes, used for inputs of at most ``max_rows`` rows.
+    def attach_lowbit(self, weight: LowBitWeight, max_rows: int) -> int:
+        """Also keep the weight as low-bit codes, used for inputs of at most ``max_rows`` rows.
 
         Small-batch decode steps are memory-bound: they read every weight
-        for a few rows of activations. torch's int4 CPU GEMM
-        (``aten._weight_int4pack_mm_for_cpu``, the kernel behind torchao's
-        int4 weight-only CPU layout) reads a quarter of the bfloat16 bytes;
-        measured on the 2-core machine over SmolLM2's 120 block GEMMs: 4x the
-        oneDNN bfloat16 GEMM at 1 row, 2x at 4, even at 6-8, slower above
-        (``benchmarks/roofline.py`` times the whole step). Weight
-        ``w = (codes - 8) * scale + zero`` per group of ``group_size`` input
-        columns; scale and zero are held in bfloat16 (the kernel's format),
-        so results match the bfloat16 GEMM to bfloat16 rounding, not bit for
-        bit.
+        for a few rows of activations. The low-bit kernel
+        (:func:`tokenmill.quantization.lowbit.lowbit_linear`) reads the
+        checkpoint's own codes (4.5-8.5 bits per weight instead of 16 or 32)
+        and computes in float32, so for a GGUF it gives the dequantised
+        weight's product up to summation order, in float32 and bfloat16 models
+        alike (measured: ``benchmarks/lowbit_gemm.py``).
 
         Args:
-            codes: ``[out_features, in_features]`` integers in 0..15.
-            scale, zero: ``[out_features, in_features / group_size]`` (float32).
-            group_size: input columns per scale (32 for GGUF Q4_0/Q4_1).
-            max_rows: use the int4 path for inputs of at most this many rows.
+            weight: ``[out_features, in_features]`` codes (:class:`LowBitWeight`).
+            max_rows: use it for inputs of at most this many rows.
 
         Returns:
-            bytes held by the int4 copy.
+            bytes held by the low-bit copy.
 
         Raises:
-            ValueError: not a bfloat16 layer (the kernel has no vectorised
-                float32 path), shapes that do not match, or an output size
-                that is not a multiple of :data:`INT4_N_MULTIPLE`.
+            ValueError: the shapes do not match.
         """
-        if self.dtype != torch.bfloat16:
-            raise ValueError(f"int4 weights need a bfloat16 layer, this one is {self.dtype}")
-        n, k = self.out_features, self.in_features
-        groups = k // group_size if group_size > 0 else 0
-        if (tuple(codes.shape) != (n, k) or k % max(group_size, 1) or tuple(scale.shape) != (n, groups)
-                or tuple(zero.shape) != (n, groups)):
-            raise ValueError(f"int4 codes {tuple(codes.shape)} / scales {tuple(scale.shape)} do not fit a "
-                             f"[{n}, {k}] weight with groups of {group_size}")
-        if n % INT4_N_MULTIPLE:
-            raise ValueError(f"int4 weights need out_features divisible by {INT4_N_MULTIPLE}, got {n}")
-        with torch.no_grad():
-            self.int4_weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                codes.to(torch.int32).contiguous(), 1)
-            self.int4_scale_zero = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
-        self.int4_group_size, self.int4_max_rows = group_size, max_rows
-        return self.int4_weight.numel() * self.int4_weight.element_size() + \
-            self.int4_scale_zero.numel() * self.int4_scale_zero.element_size()
+        if (weight.out_features, weight.in_features) != (self.out_features, self.in_features):
+            raise ValueError(f"low-bit weight [{weight.out_features}, {weight.in_features}] does not fit a "
+                             f"[{self.out_features}, {self.in_features}] layer")
+        self.lowbit, self.lowbit_max_rows = weight, max_rows
+        return weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` (weight dtype) -> ``[..., out_features]``."""
-        if self.int4_max_rows and x.dim() == 2 and x.shape[0] <= self.int4_max_rows:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.int4_weight, self.int4_group_size,
-                                                            self.int4_scale_zero)
-            return y if self.bias is None else y + self.bias
+        if self.lowbit_max_rows and x.dim() == 2 and x.shape[0] <= self.lowbit_max_rows:
+            return lowbit_linear(x, self.lowbit, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        extra = f", int4 rows<={self.int4_max_rows}" if self.int4_max_rows else ""
+        extra = f", {self.lowbit.fmt} codes for rows<={self.lowbit_max_rows}" if self.lowbit_max_rows else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
                 f"packed=oneDNN{extra}")
 
@@ -179,55 +156,50 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
     return count
 
 
-def int4_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
-    """Largest step (tokens) whose linears use 4-bit weights; 0 when the int4 path is off.
+def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
+    """Largest step (tokens) whose linears use the checkpoint's low-bit codes; 0 when that path is off.
 
-    On for bfloat16 CPU models with oneDNN packing; ``TOKENMILL_CPU_INT4_MAX_TOKENS``
-    sets the limit (default 8, ``0`` turns it off; see
+    On for float32 and bfloat16 CPU models with oneDNN packing and the
+    low-bit kernel available; ``TOKENMILL_CPU_INT4_MAX_TOKENS`` sets the limit
+    (default 8, ``0`` turns it off; see
     :func:`tokenmill.config.int4_max_tokens_from_env`).
 
     Raises:
         ValueError: the variable is not a non-negative integer.
     """
     from tokenmill.config import int4_max_tokens_from_env
+    from tokenmill.quantization.lowbit import kernel_available
 
     limit = int4_max_tokens_from_env()
-    if dtype != torch.bfloat16 or not packed_linear_available(device, dtype):
+    if not limit or not packed_linear_available(device, dtype) or not kernel_available():
         return 0
     return limit
 
 
-# torch's int4 CPU packing (aten._convert_weight_to_int4pack_for_cpu) needs the output size to be a multiple of this.
-INT4_N_MULTIPLE = 16
+def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int
+                          ) -> tuple[int, dict[str, int]]:
+    """Give every :class:`PackedLinear` of ``model`` named in ``weights`` its low-bit copy.
 
-
-def attach_int4_weights(model: nn.Module, int4: dict[str, tuple[torch.Tensor, ...]], group_size: int,
-                        max_rows: int) -> tuple[int, int]:
-    """Give every :class:`PackedLinear` of ``model`` named in ``int4`` its 4-bit copy (:meth:`PackedLinear.attach_int4`).
-
-    Layers whose output size is not a multiple of :data:`INT4_N_MULTIPLE`
-    (e.g. an untied LM head over a 32001-token vocabulary) keep only the
-    bfloat16 path.
+    ``model.embed_tokens`` codes serve a tied logits head (``_logits_head``).
+    Logs the layers and bytes per format.
 
     Args:
-        int4: module name -> ``(codes, scale, zero)`` (e.g. from
-            :func:`tokenmill.model.gguf_loader.iter_gguf_int4` through the
-            model's ``stack_row_shards``).
+        weights: module name -> :class:`LowBitWeight` (e.g. from
+            :func:`tokenmill.quantization.gguf.gguf_lowbit_weights`).
 
     Returns:
-        ``(layers, bytes)`` attached.
+        ``(layers, bytes per format)`` attached.
     """
-    count = nbytes = 0
+    weights = dict(weights)
+    if isinstance(getattr(model, "_logits_head", None), PackedLinear) and "model.embed_tokens" in weights:
+        weights.setdefault("_logits_head", weights["model.embed_tokens"])
+    count, by_fmt = 0, {}
     for name, mod in model.named_modules():
-        if name in int4 and isinstance(mod, PackedLinear) and mod.dtype == torch.bfloat16:
-            if mod.out_features % INT4_N_MULTIPLE:
-                logger.info("no int4 copy for %s: %d output features, not a multiple of %d (torch's int4 "
-                            "CPU packing)", name, mod.out_features, INT4_N_MULTIPLE)
-                continue
-            codes, scale, zero = int4[name]
-            nbytes += mod.attach_int4(codes, scale, zero, group_size, max_rows)
+        if name in weights and isinstance(mod, PackedLinear):
+            w = weights[name]
+            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows)
             count += 1
     if count:
-        logger.info("int4 weights for %d linear layers (steps of <= %d tokens): %.1f MiB extra",
-                    count, max_rows, nbytes / 2**20)
-    return count, nbytes
+        logger.info("low-bit weights for %d linear layers (steps of <= %d tokens): %s", count, max_rows,
+                    ", ".join(f"{f} {b / 2**20:.1f} MiB" for f, b in sorted(by_fmt.items())))
+    return count, by_fmt

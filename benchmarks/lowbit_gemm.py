@@ -1,0 +1,105 @@
+"""Per-token weight GEMMs of SmolLM2-135M with float32 weights, torch's low-bit CPU kernels and ours, side by side.
+
+Times every weight GEMM of one step (30 layers x fused q/k/v 576->960, o 576->576, fused gate/up 576->3072,
+down 1536->576, plus the 576->49152 LM head) at M = 1, 4, 8 rows:
+  fp32 packed   oneDNN-prepacked float32 (the runner's dense path)
+  bf16 packed   oneDNN-prepacked bfloat16 (where oneDNN has bf16)
+  torch int8    aten._weight_int8pack_mm (float32 activations; torchao's int8 weight-only CPU path)
+  torch int4    aten._weight_int4pack_mm_for_cpu (bfloat16 activations; torchao's Int4CPULayout)
+  ours q4/q8    tokenmill's low-bit kernel (best ISA variant, and every other variant the CPU runs),
+                Q4_1-like 4-bit blocks (group 32 + min) for the block linears, Q8_0 for the LM head.
+Times are medians of single calls (robust on a shared machine). Also prints the bytes each variant reads per step and the implied bandwidth.
+
+    python benchmarks/lowbit_gemm.py [--threads 2] [--rows 1,4,8] [--reps 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from tokenmill.model.layers.cpu_build import ISAS, isa_supported  # noqa: E402
+from tokenmill.quantization.lowbit import LowBitWeight, load_kernel, lowbit_linear  # noqa: E402
+
+SHAPES = [(576, 960, 30), (576, 576, 30), (576, 3072, 30), (1536, 576, 30), (576, 49152, 1)]  # (K, N, count)
+
+
+def bench(f, reps: int) -> float:
+    """Median seconds per call (robust to the other tenants of a shared machine preempting a call)."""
+    for _ in range(3):
+        f()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", default="1,4,8")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--skip-torch-int8", action="store_true", help="skip the (slow, scalar) int8pack kernel")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    isas = [i for i in ISAS if isa_supported(i)]
+    libs = {i: load_kernel(i) for i in isas}
+    print(f"threads {args.threads}, kernel variants this CPU runs: {', '.join(isas)}; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    layers = []
+    for k, n, count in SHAPES:
+        w = torch.randn(n, k) * 0.02
+        head = n == 49152
+        if head:
+            codes = torch.randint(-127, 128, (n, k)); lb = LowBitWeight.from_codes(codes, torch.rand(n, k // 32), None, 8)
+        else:
+            codes = torch.randint(0, 16, (n, k)); lb = LowBitWeight.from_codes(codes, torch.rand(n, k // 32),
+                                                                               torch.randn(n, k // 32), 4)
+        packed32 = torch.ops.mkldnn._reorder_linear_weight(w)
+        bf16_ok = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        packed16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16()) if bf16_ok else None
+        w8 = torch.randint(-128, 127, (n, k), dtype=torch.int8)
+        i4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32), 1)
+        sz = torch.rand(k // 32, n, 2).bfloat16()
+        layers.append(dict(k=k, n=n, count=count, lb=lb, p32=packed32, p16=packed16, w8=w8, s8=torch.rand(n),
+                           i4=i4, sz=sz))
+    for m in (int(r) for r in args.rows.split(",")):
+        x32 = {L["k"]: torch.randn(m, L["k"]) for L in layers}
+        tot: dict[str, float] = {}
+        nbytes: dict[str, float] = {}
+        def add(name, fn, L, bytes_per_weight):
+            reps = max(3, args.reps // (8 if L["n"] == 49152 else 1))
+            tot[name] = tot.get(name, 0.0) + bench(fn, reps) * L["count"]
+            nbytes[name] = nbytes.get(name, 0.0) + bytes_per_weight * L["n"] * L["k"] * L["count"]
+        for L in layers:
+            x = x32[L["k"]]; xb = x.bfloat16()
+            add("fp32 packed", lambda: torch.ops.mkldnn._linear_pointwise(x, L["p32"], None, "none", [], ""), L, 4)
+            if L["p16"] is not None:
+                add("bf16 packed", lambda: torch.ops.mkldnn._linear_pointwise(xb, L["p16"], None, "none", [], ""), L, 2)
+            if not args.skip_torch_int8:
+                add("torch int8 (fp32 act)", lambda: torch._weight_int8pack_mm(x, L["w8"], L["s8"]), L, 1)
+            add("torch int4 (bf16 act)",
+                lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, L["i4"], 32, L["sz"]), L, 0.5 + 4 / 32)
+            lb = L["lb"]
+            bpw = lb.nbytes / (L["n"] * L["k"])
+            for isa, lib in libs.items():
+                add(f"ours {isa} (fp32 act)", lambda: lowbit_linear(x, lb, lib=lib), L, bpw)
+                add(f"ours {isa} (bf16 act)", lambda: lowbit_linear(xb, lb, lib=lib), L, bpw)
+        base = tot["fp32 packed"]
+        print(f"\nM={m} rows: all weight GEMMs of one step")
+        print(f"{'kernel':<26} {'ms':>9} {'vs fp32':>8} {'MB read':>8} {'GB/s':>6}")
+        for name, t in tot.items():
+            print(f"{name:<26} {t * 1e3:9.2f} {base / t:7.2f}x {nbytes[name] / 1e6:8.1f} {nbytes[name] / t / 1e9:6.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,284 @@
+/* Low-bit weight GEMM/GEMV for small steps: y[M, N] = x[M, K] . W[N, K]^T (+ bias), W in 4- or 8-bit codes.
+ *
+ * Weights stay in their codes; each code is widened to float32 in registers and multiplied with float32
+ * activations (bfloat16 activations are widened once per call), so the result equals the dequantised weight's
+ * GEMM up to float32 summation order. Group-wise affine codes: w[n, k] = scale[n, g] * q[n, k] + min[n, g],
+ * g = k / group; summed per group as  scale * sum(x q) + min * sum(x)  (the second sum once per call).
+ *
+ * Packed layout (tokenmill/quantization/lowbit.py packs it), 16 output rows per tile:
+ *   4-bit: codes [N/16][K/2][16] uint8, byte j of pair p = q[16t+j][2p] | q[16t+j][2p+1] << 4   (q in 0..15)
+ *   8-bit: codes [N/16][K][16]   int8,  q in -128..127
+ *   scale, min: [N/16][K/group][16] float32 (min may be NULL = 0)
+ * The lanes of a vector are 16 output rows, so no horizontal sums are needed and each code is widened once
+ * for all M activation rows.
+ *
+ * One source, compiled per ISA variant by tokenmill/model/layers/cpu_build.py:
+ *   AVX-512F (+BW/VL/DQ) path: one 16-lane zmm per tile, up to 8 activation rows per pass;
+ *   AVX2+FMA path: two 8-lane halves per tile, up to 4 rows per pass;
+ *   portable C path otherwise.
+ */
+#include "common.h"
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define NT 16
+
+#if defined(__AVX512F__)
+#define MR_MAX 8
+#define ISA_NAME "avx512"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MR_MAX 4
+#define ISA_NAME "avx2"
+#else
+#define MR_MAX 4
+#define ISA_NAME "scalar"
+#endif
+
+const char *tm_lowbit_isa(void) { return ISA_NAME; }
+
+#define AI static inline __attribute__((always_inline))
+
+/* acc[r][0..15] += sum over groups of tile t, rows r0 .. r0+MR-1 of xf / xs. */
+/* NA independent accumulator chains per row (4 for 1-2 rows, else 2) hide the FMA latency at small M.
+ * Codes are consumed 4 k at a time, so groups must be multiples of 4. */
+#define NA(MR) ((MR) <= 2 ? 4 : 2)
+#if defined(__AVX512F__)
+#define VF __m512
+#define VZERO() _mm512_setzero_ps()
+#define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm512_add_ps(a, b)
+#define VBCAST(p) _mm512_set1_ps(*(p))
+#define VLOADF(p) _mm512_loadu_ps(p)
+#define VSTOREF(p, v) _mm512_storeu_ps(p, v)
+#define NH 1          /* passes over a 16-row tile */
+#define VL 16         /* lanes per vector */
+/* 4-bit: two consecutive k (low / high nibble) of VL rows from the 16 bytes at c. */
+#define DEC4(c, w0, w1) do { __m512i v_ = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c))); \
+        w0 = _mm512_cvtepi32_ps(_mm512_and_si512(v_, _mm512_set1_epi32(0xF))); \
+        w1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v_, 4)); } while (0)
+#define DEC8(c, w) w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c))))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VF __m256
+#define VZERO() _mm256_setzero_ps()
+#define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VADD(a, b) _mm256_add_ps(a, b)
+#define VBCAST(p) _mm256_broadcast_ss(p)
+#define VLOADF(p) _mm256_loadu_ps(p)
+#define VSTOREF(p, v) _mm256_storeu_ps(p, v)
+#define NH 2          /* two 8-row halves: bytes h*8 .. h*8+7 of every 16-byte tile row */
+#define VL 8
+#define DEC4(c, w0, w1) do { __m256i v_ = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c))); \
+        w0 = _mm256_cvtepi32_ps(_mm256_and_si256(v_, _mm256_set1_epi32(0xF))); \
+        w1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v_, 4)); } while (0)
+#define DEC8(c, w) w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c))))
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* out[r][0..15] = sum over groups, rows r = 0 .. MR-1 of xf (rows K apart) / xs (rows K/G apart). */
+AI void tile4(const uint8_t *codes, const float *sc, const float *mn, const float *xf, const float *xs,
+              int64_t K, int64_t G, int MR, float *out) {
+    const int64_t ng = K / G;
+    for (int h = 0; h < NH; h++) {
+        VF acc[MR_MAX];
+        for (int r = 0; r < MR; r++) acc[r] = VZERO();
+        for (int64_t g = 0; g < ng; g++) {
+            VF ga[4][MR_MAX];
+            for (int a = 0; a < NA(MR); a++)
+                for (int r = 0; r < MR; r++) ga[a][r] = VZERO();
+            const uint8_t *c = codes + g * (G / 2) * NT + h * VL;
+            const float *xg = xf + g * G;
+            for (int64_t p = 0; p < G / 2; p += 2) {
+                VF w0, w1, w2, w3;
+                DEC4(c + p * NT, w0, w1);
+                DEC4(c + (p + 1) * NT, w2, w3);
+                for (int r = 0; r < MR; r++) {
+                    const float *xr = xg + r * K + 2 * p;
+                    ga[0][r] = VFMA(w0, VBCAST(xr), ga[0][r]);
+                    ga[1][r] = VFMA(w1, VBCAST(xr + 1), ga[1][r]);
+                    ga[2 % NA(MR)][r] = VFMA(w2, VBCAST(xr + 2), ga[2 % NA(MR)][r]);
+                    ga[3 % NA(MR)][r] = VFMA(w3, VBCAST(xr + 3), ga[3 % NA(MR)][r]);
+                }
+            }
+            VF s = VLOADF(sc + g * NT + h * VL);
+            for (int r = 0; r < MR; r++) {
+                VF t = VADD(ga[0][r], ga[1][r]);
+                if (NA(MR) == 4) t = VADD(t, VADD(ga[2][r], ga[3][r]));
+                acc[r] = VFMA(t, s, acc[r]);
+            }
+            if (mn) {
+                VF m = VLOADF(mn + g * NT + h * VL);
+                for (int r = 0; r < MR; r++) acc[r] = VFMA(m, VBCAST(xs + r * ng + g), acc[r]);
+            }
+        }
+        for (int r = 0; r < MR; r++) VSTOREF(out + r * NT + h * VL, acc[r]);
+    }
+}
+
+AI void tile8(const int8_t *codes, const float *sc, const float *mn, const float *xf, const float *xs,
+              int64_t K, int64_t G, int MR, float *out) {
+    const int64_t ng = K / G;
+    for (int h = 0; h < NH; h++) {
+        VF acc[MR_MAX];
+        for (int r = 0; r < MR; r++) acc[r] = VZERO();
+        for (int64_t g = 0; g < ng; g++) {
+            VF ga[4][MR_MAX];
+            for (int a = 0; a < NA(MR); a++)
+                for (int r = 0; r < MR; r++) ga[a][r] = VZERO();
+            const int8_t *c = codes + g * G * NT + h * VL;
+            const float *xg = xf + g * G;
+            for (int64_t k = 0; k < G; k += 4) {
+                VF w0, w1, w2, w3;
+                DEC8(c + k * NT, w0);
+                DEC8(c + (k + 1) * NT, w1);
+                DEC8(c + (k + 2) * NT, w2);
+                DEC8(c + (k + 3) * NT, w3);
+                for (int r = 0; r < MR; r++) {
+                    const float *xr = xg + r * K + k;
+                    ga[0][r] = VFMA(w0, VBCAST(xr), ga[0][r]);
+                    ga[1][r] = VFMA(w1, VBCAST(xr + 1), ga[1][r]);
+                    ga[2 % NA(MR)][r] = VFMA(w2, VBCAST(xr + 2), ga[2 % NA(MR)][r]);
+                    ga[3 % NA(MR)][r] = VFMA(w3, VBCAST(xr + 3), ga[3 % NA(MR)][r]);
+                }
+            }
+            VF s = VLOADF(sc + g * NT + h * VL);
+            for (int r = 0; r < MR; r++) {
+                VF t = VADD(ga[0][r], ga[1][r]);
+                if (NA(MR) == 4) t = VADD(t, VADD(ga[2][r], ga[3][r]));
+                acc[r] = VFMA(t, s, acc[r]);
+            }
+            if (mn) {
+                VF m = VLOADF(mn + g * NT + h * VL);
+                for (int r = 0; r < MR; r++) acc[r] = VFMA(m, VBCAST(xs + r * ng + g), acc[r]);
+            }
+        }
+        for (int r = 0; r < MR; r++) VSTOREF(out + r * NT + h * VL, acc[r]);
+    }
+}
+
+#else
+AI void tile4(const uint8_t *codes, const float *sc, const float *mn, const float *xf, const float *xs,
+              int64_t K, int64_t G, int MR, float *out) {
+    const int64_t ng = K / G;
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NT; j++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < ng; g++) {
+                float ga = 0.f;
+                const uint8_t *c = codes + g * (G / 2) * NT + j;
+                const float *xg = xf + r * K + g * G;
+                for (int64_t p = 0; p < G / 2; p++) {
+                    uint8_t b = c[p * NT];
+                    ga += (float)(b & 0xF) * xg[2 * p] + (float)(b >> 4) * xg[2 * p + 1];
+                }
+                acc += ga * sc[g * NT + j];
+                if (mn) acc += mn[g * NT + j] * xs[r * ng + g];
+            }
+            out[r * NT + j] = acc;
+        }
+}
+
+AI void tile8(const int8_t *codes, const float *sc, const float *mn, const float *xf, const float *xs,
+              int64_t K, int64_t G, int MR, float *out) {
+    const int64_t ng = K / G;
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NT; j++) {
+            float acc = 0.f;
+            for (int64_t g = 0; g < ng; g++) {
+                float ga = 0.f;
+                const int8_t *c = codes + g * G * NT + j;
+                const float *xg = xf + r * K + g * G;
+                for (int64_t k = 0; k < G; k++) ga += (float)c[k * NT] * xg[k];
+                acc += ga * sc[g * NT + j];
+                if (mn) acc += mn[g * NT + j] * xs[r * ng + g];
+            }
+            out[r * NT + j] = acc;
+        }
+}
+#endif
+
+/* One tile for rows r0 .. r0+mr-1, dispatched to a constant row count so the accumulators stay in registers. */
+static void tile_rows(int bits, const void *codes, const float *sc, const float *mn, const float *xf,
+                      const float *xs, int64_t K, int64_t G, int mr, float *out) {
+#define CASE(R) case R: \
+        if (bits == 4) tile4((const uint8_t *)codes, sc, mn, xf, xs, K, G, R, out); \
+        else tile8((const int8_t *)codes, sc, mn, xf, xs, K, G, R, out); break;
+    switch (mr) {
+        CASE(1) CASE(2) CASE(3) CASE(4)
+#if MR_MAX > 4
+        CASE(5) CASE(6) CASE(7) CASE(8)
+#endif
+        default: break;
+    }
+#undef CASE
+}
+
+/* y[M, N] = x[M, K] . dequant(W)[N, K]^T + bias.
+ *   x: float32 (x_bf16 = 0) or bfloat16 (x_bf16 = 1), rows ldx elements apart;
+ *   codes/scale/min: packed as above for N_pad = ceil(N / 16) * 16 rows; min and bias may be NULL;
+ *   y: float32 or bfloat16 (y_bf16), rows ldy elements apart; only the first N columns are written.
+ * K must be a multiple of group, group a multiple of 4. */
+void tm_lowbit_gemm(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
+                    const void *codes, int64_t group, const float *scale, const float *min, const float *bias,
+                    void *y, int y_bf16, int64_t ldy) {
+    const int64_t ng = K / group, ntiles = (N + NT - 1) / NT;
+    const int64_t tile_bytes = bits == 4 ? K / 2 * NT : K * NT;
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K + M * ng));
+    float *xs = xf + M * K;
+    for (int64_t r = 0; r < M; r++) {
+        float *dst = xf + r * K;
+        if (x_bf16) {
+            const uint16_t *src = (const uint16_t *)x + r * ldx;
+            for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
+        } else {
+            memcpy(dst, (const float *)x + r * ldx, sizeof(float) * (size_t)K);
+        }
+        if (min)
+            for (int64_t g = 0; g < ng; g++) {
+                float s = 0.f;
+                for (int64_t k = 0; k < group; k++) s += dst[g * group + k];
+                xs[r * ng + g] = s;
+            }
+    }
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < ntiles; t++) {
+        float out[MR_MAX * NT];
+        const char *c = (const char *)codes + t * tile_bytes;
+        const float *sc = scale + t * ng * NT, *mn = min ? min + t * ng * NT : 0;
+        const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
+        for (int64_t r0 = 0; r0 < M; r0 += MR_MAX) {
+            const int mr = (int)(M - r0 < MR_MAX ? M - r0 : MR_MAX);
+            tile_rows(bits, c, sc, mn, xf + r0 * K, xs + r0 * ng, K, group, mr, out);
+            for (int r = 0; r < mr; r++)
+                for (int64_t j = 0; j < nn; j++) {
+                    float v = out[r * NT + j] + (bias ? bias[n0 + j] : 0.f);
+                    if (y_bf16) ((uint16_t *)y)[(r0 + r) * ldy + n0 + j] = f32_to_bf16(v);
+                    else ((float *)y)[(r0 + r) * ldy + n0 + j] = v;
+                }
+        }
+    }
+    free(xf);
+}
+
+/* Pack row-major codes q[N, K] (uint8 0..15 for bits 4, int8 for bits 8) into the tile layout above;
+ * rows N .. N_pad-1 are zero. out: ceil(N/16) * 16 * K / (bits == 4 ? 2 : 1) bytes. */
+void tm_lowbit_pack(const uint8_t *q, int64_t N, int64_t K, int bits, uint8_t *out) {
+    const int64_t ntiles = (N + NT - 1) / NT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < ntiles; t++) {
+        for (int j = 0; j < NT; j++) {
+            const int64_t n = t * NT + j;
+            const uint8_t *row = n < N ? q + n * K : 0;
+            if (bits == 4) {
+                uint8_t *o = out + t * (K / 2) * NT + j;
+                for (int64_t p = 0; p < K / 2; p++)
+                    o[p * NT] = row ? (uint8_t)((row[2 * p] & 0xF) | (row[2 * p + 1] << 4)) : 0;
+            } else {
+                uint8_t *o = out + t * K * NT + j;
+                for (int64_t k = 0; k < K; k++) o[k * NT] = row ? row[k] : 0;
+            }
+        }
+    }
+}

@@ -1,0 +1,226 @@
+"""Group-wise low-bit weights and our CPU GEMM/GEMV over them (``tokenmill/model/csrc/lowbit_gemm.c``).
+
+A :class:`LowBitWeight` holds a ``[out, in]`` weight as integer codes with a
+float32 scale and (optionally) minimum per group of ``group`` input columns:
+``w[n, k] = scale[n, k // group] * q[n, k] + min[n, k // group]``. Every
+format we run maps onto it without loss: GGUF's Q4_0/Q4_1/Q4_K (4-bit),
+Q8_0/Q6_K/Q5_* (8-bit container), and the ``--quantization`` int4/int8
+weights (:mod:`tokenmill.quantization.methods`).
+
+Why a kernel of ours: torch's CPU low-bit kernels (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``, which torchao's CPU layouts call) are scalar
+for float32 activations on AVX2 CPUs, 4-28x slower than float32 ``linear``
+(``shared/notes/cpu_lowbit_avx2.md``; ``benchmarks/lowbit_gemm.py`` measures
+them against ours side by side). Ours widens each code to float32 in
+registers with the output rows in the vector lanes, so one code is decoded
+once for all activation rows and no horizontal sums are needed; results equal
+the dequantised GEMM up to float32 summation order.
+
+One C source is compiled per ISA variant by
+:mod:`tokenmill.model.layers.cpu_build` (``avx512`` = x86-64-v4, ``avx2`` =
+x86-64-v3, ``scalar``); the process uses the best one the CPU runs
+(``TOKENMILL_CPU_ISA`` forces a lower one); ``TOKENMILL_CPU_LOWBIT_KERNEL=0``
+turns the kernel off (low-bit layers then dequantise per call with torch ops).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+TILE = 16  # output rows per packed tile (the C kernel's NT)
+
+ENV_SWITCH = "TOKENMILL_CPU_LOWBIT_KERNEL"
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int
+_L = ctypes.c_int64
+_FUNCTIONS = {"tm_lowbit_gemm": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P, _P, _I, _L),
+              "tm_lowbit_pack": (_P, _L, _L, _I, _P),
+              "tm_lowbit_dequant": (_P, _I, _L, _L, _L, _P, _P, _P, _I)}
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where unreadable)."""
+    from tokenmill.model.layers.cpu_build import _cpu_flags
+
+    return _cpu_flags()
+
+
+def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
+    """Build (once) and load the ``isa`` variant of the kernel (default: :func:`~tokenmill.model.layers.cpu_build.cpu_isa`).
+
+    Returns:
+        The library, or None (no compiler, a CPU that cannot run ``isa``,
+        or ``TOKENMILL_CPU_LOWBIT_KERNEL=0``).
+    """
+    from tokenmill.model.layers.cpu_build import load_library
+
+    lib = load_library("lowbit_gemm", ["lowbit_gemm.c"], _FUNCTIONS, ENV_SWITCH, isa)
+    if lib is not None:
+        lib.tm_lowbit_isa.restype = ctypes.c_char_p
+        lib.tm_lowbit_isa.argtypes = []
+    return lib
+
+
+@dataclass
+class LowBitWeight:
+    """A ``[out_features, in_features]`` weight in group-wise integer codes, packed for the C kernel.
+
+    Attributes:
+        out_features, in_features: the logical weight shape ``[N, K]``.
+        bits: 4 (two codes per byte, values 0..15) or 8 (int8, -128..127).
+        group: input columns per scale/min (divides ``K``; a multiple of 4).
+        codes: packed, ``[ceil(N/16), K/2, 16]`` uint8 (4-bit) or ``[ceil(N/16), K, 16]`` int8.
+        scale: ``[ceil(N/16), K/group, 16]`` float32.
+        min: like ``scale`` or None (all zero).
+        fmt: the source format's name (``Q4_1``, ``int8``...), for logs.
+    """
+
+    out_features: int
+    in_features: int
+    bits: int
+    group: int
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    fmt: str = ""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (codes + scales + mins), padding rows included."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min) if t is not None)
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, bits: int,
+                   fmt: str = "", check: bool = True) -> "LowBitWeight":
+        """Pack row-major codes.
+
+        Args:
+            codes: ``[N, K]`` integers (0..15 for ``bits=4``; -128..127 for ``bits=8``).
+            scale, min: ``[N, K / group]`` (min may be None); group is inferred.
+            bits: 4 or 8.
+            check: verify the codes' range (False for codes already known to be in range).
+
+        Raises:
+            ValueError: shapes that do not fit, codes out of range, or a group that is not a multiple of 4.
+        """
+        n, k = codes.shape
+        if scale.dim() != 2 or scale.shape[0] != n or k % scale.shape[1]:
+            raise ValueError(f"scales {tuple(scale.shape)} do not fit codes {tuple(codes.shape)}")
+        group = k // scale.shape[1]
+        if min is not None and tuple(min.shape) != tuple(scale.shape):
+            raise ValueError(f"mins {tuple(min.shape)} != scales {tuple(scale.shape)}")
+        lo, hi = (0, 15) if bits == 4 else (-128, 127) if bits == 8 else (None, None)
+        if lo is None:
+            raise ValueError(f"bits must be 4 or 8, got {bits}")
+        if group % 4:
+            raise ValueError(f"groups must be multiples of 4 input columns, got {group}")
+        c = codes.to(torch.uint8 if bits == 4 else torch.int8) if check or codes.dtype not in (
+            torch.uint8, torch.int8) else codes
+        if check and codes.numel() and (int(codes.min()) < lo or int(codes.max()) > hi):
+            raise ValueError(f"{bits}-bit codes out of range [{lo}, {hi}]")
+        tiles = -(-n // TILE)
+        pad = tiles * TILE - n
+        def tile_rows(t: torch.Tensor) -> torch.Tensor:  # [N, C] -> [tiles, C, 16]
+            t = t.float()
+            if pad:
+                t = torch.cat([t, t.new_zeros(pad, t.shape[1])])
+            return t.reshape(tiles, TILE, -1).transpose(1, 2).contiguous()
+        c = c.contiguous()
+        lib = _default_kernel()
+        if lib is not None:
+            packed = torch.empty((tiles, k // 2 if bits == 4 else k, TILE), dtype=c.dtype)
+            lib.tm_lowbit_pack(c.data_ptr(), n, k, bits, packed.data_ptr())
+        else:
+            if pad:
+                c = torch.cat([c, c.new_zeros(pad, k)])
+            c = c.reshape(tiles, TILE, k).transpose(1, 2)                      # [tiles, K, 16]
+            packed = (c[:, 0::2, :] | (c[:, 1::2, :] << 4)).contiguous() if bits == 4 else c.contiguous()
+        return cls(n, k, bits, group, packed, tile_rows(scale), None if min is None else tile_rows(min), fmt)
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """``[N, K]`` int16 codes (the inverse of the packing)."""
+        c = self.codes
+        if self.bits == 4:
+            c16 = c.to(torch.int16)
+            c = torch.stack([c16 & 0xF, c16 >> 4], dim=2).reshape(c.shape[0], -1, TILE)
+        c = c.to(torch.int16).transpose(1, 2).reshape(-1, self.in_features)
+        return c[: self.out_features]
+
+    def _rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.transpose(1, 2).reshape(-1, t.shape[1])[: self.out_features]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense ``[N, K]`` weight: ``scale * q + min`` per group (float32 arithmetic)."""
+        q = self.unpacked_codes().float().reshape(self.out_features, -1, self.group)
+        w = q * self._rows(self.scale).unsqueeze(-1)
+        if self.min is not None:
+            w = w + self._rows(self.min).unsqueeze(-1)
+        return w.reshape(self.out_features, self.in_features).to(dtype)
+
+    def to(self, device: torch.device | str) -> "LowBitWeight":
+        """A copy with every tensor on ``device``."""
+        mv = lambda t: None if t is None else t.to(device)
+        return LowBitWeight(self.out_features, self.in_features, self.bits, self.group, mv(self.codes),
+                            mv(self.scale), mv(self.min), self.fmt)
+
+
+def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = None,
+                  lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``y = x · dequant(w)ᵀ + bias`` on the C kernel (CPU), or by dequantising per call elsewhere.
+
+    Args:
+        x: ``[M, K]`` float32 or bfloat16 (any M; made contiguous in its last dimension).
+        w: the packed weight.
+        bias: ``[N]`` or None (float32 or the activation dtype).
+        lib: a kernel library from :func:`load_kernel` (default: the best variant).
+        out_dtype: result dtype (default ``x.dtype``).
+
+    Returns:
+        ``[M, N]`` in ``out_dtype``.
+
+    Raises:
+        ValueError: ``x`` has the wrong width or dtype.
+    """
+    out_dtype = out_dtype or x.dtype
+    if x.dim() != 2 or x.shape[1] != w.in_features:
+        raise ValueError(f"input {tuple(x.shape)} does not fit a [{w.out_features}, {w.in_features}] weight")
+    lib = lib if lib is not None else (_default_kernel() if x.device.type == "cpu" else None)
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or \
+            out_dtype not in (torch.float32, torch.bfloat16):
+        y = torch.nn.functional.linear(x, w.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+        return y.to(out_dtype)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    m = x.shape[0]
+    y = torch.empty(m, w.out_features, dtype=out_dtype)
+    b = None
+    if bias is not None:
+        b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
+    lib.tm_lowbit_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, w.in_features,
+                       w.out_features, w.bits, w.codes.data_ptr(), w.group, w.scale.data_ptr(),
+                       None if w.min is None else w.min.data_ptr(), None if b is None else b.data_ptr(),
+                       y.data_ptr(), int(out_dtype == torch.bfloat16), w.out_features)
+    return y
+
+
+@functools.lru_cache(maxsize=1)
+def _default_kernel() -> ctypes.CDLL | None:
+    lib = load_kernel()
+    if lib is not None:
+        logger.info("low-bit GEMM kernel: %s path", lib.tm_lowbit_isa().decode())
+    return lib
+
+
+def kernel_available() -> bool:
+    """True when the low-bit C kernel (best ISA variant) builds and loads on this machine."""
+    return _default_kernel() is not None
