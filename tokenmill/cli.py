@@ -110,7 +110,11 @@ def _config_or_exit(args: argparse.Namespace, command: str):
 
     try:
         int4_max_tokens_from_env()
-        return config_from_args(args)
+        config = config_from_args(args)
+        from tokenmill.quantization.methods import check_startup
+
+        check_startup(config.model.quantization, config.model.device)
+        return config
     except ValueError as e:
         print(f"tokenmill {command}: error: {e}", file=sys.stderr)
         return None

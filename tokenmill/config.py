@@ -79,6 +79,11 @@ class ModelConfig:
     enforce_eager: bool = _f(True, "Run the model eagerly (no torch.compile of the step). On by default: on the 2-core CPU the compiled dense step was no faster than eager (decode B=32 bf16: 251 vs 236 ms; benchmarks/roofline.py --compile) and costs ~45-60 s of start-up.")
     compile_sizes: str | None = _f(None, "Padded token counts captured for the compiled step when --enforce-eager is off, comma-separated (default: 1,2,4,...,512 up to --max-num-batched-tokens).")
     logprobs_mode: str = _f("raw_logprobs", "What logprobs report (vLLM's --logprobs-mode): raw_logprobs (log-softmax of the model's logits, before penalties, temperature and top-k/top-p/min-p), raw_logits, processed_logprobs (after them; truncated tokens are -inf, sent as -9999), processed_logits. Prompt logprobs are always raw log-probabilities.", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+    quantization: str | None = _f(None, "Weight quantisation applied at load time: int8 (weight-only, per channel), w8a8 (int8 weights and per-token int8 activations; needs VNNI on CPU), int4 (weight-only, groups of TOKENMILL_INT4_GROUP_SIZE=128); awq / gptq name a pre-quantised 4-bit checkpoint (detected from its quantization_config anyway). Default: none (a GGUF keeps its own low-bit codes for small steps).")
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None and self.quantization not in ("int8", "w8a8", "int4", "awq", "gptq"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; choose one of int8, w8a8, int4, awq, gptq")
 
 
 @dataclass(frozen=True)

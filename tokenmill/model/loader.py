@@ -55,6 +55,8 @@ class LoadedModel:
             module name -> :class:`~tokenmill.quantization.lowbit.LowBitWeight`
             for :func:`tokenmill.model.layers.linear.attach_lowbit_weights`
             (the runner takes and clears it); otherwise None.
+        quantization: the weight method applied (``int8``, ``w8a8``, ``int4``,
+            ``awq``, ``gptq``; see :mod:`tokenmill.quantization.methods`) or None.
     """
 
     model: nn.Module
@@ -69,6 +71,7 @@ class LoadedModel:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     load_seconds: float = 0.0
     lowbit_weights: dict[str, Any] | None = None
+    quantization: str | None = None
 
 
 def default_model_path() -> str:
@@ -220,7 +223,7 @@ def load_arch_config(path: str | None) -> ModelArchConfig:
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                *, with_tokenizer: bool | str = True, attn_backend: AttentionBackend | None = None,
-               lowbit: bool = False) -> LoadedModel:
+               lowbit: bool = False, quantization: str | None = None) -> LoadedModel:
     """Load a checkpoint into a :class:`LoadedModel`.
 
     Args:
@@ -236,7 +239,11 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             as the engine core of the server does (the API process has its own).
         attn_backend: override the attention backend.
         lowbit: also collect the codes of the GGUF's low-bit linear weights
-            (:attr:`LoadedModel.lowbit_weights`).
+            (:attr:`LoadedModel.lowbit_weights`); ignored with ``quantization``.
+        quantization: ``int8``, ``w8a8`` or ``int4`` quantise the linear
+            weights at load time; ``awq``/``gptq`` (or None) load a checkpoint
+            whose ``config.json`` has that ``quantization_config`` as 4-bit codes
+            (see :mod:`tokenmill.quantization`).
 
     Raises:
         FileNotFoundError: the path (or the default package) is missing.
@@ -247,10 +254,16 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
     import time
 
     t0 = time.perf_counter()
+    from tokenmill.quantization.methods import check_method, quantize_model
+
     lowbit_weights = None
     kind, path = _resolve_checkpoint(path)
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
+    check_method(quantization, device)
+    if kind == "gguf" and quantization in ("awq", "gptq"):
+        raise ValueError(f"--quantization {quantization} needs an {quantization} safetensors checkpoint, not a GGUF file")
+    applied = quantization
     if kind == "gguf":
         from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
 
@@ -258,7 +271,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         arch = read_arch_config(reader)
         model = _instantiate(arch, dt, device, attn_backend)
         model.load_weights(iter_gguf_weights(reader, arch))
-        if lowbit:
+        if lowbit and quantization is None:
             from tokenmill.quantization.gguf import gguf_lowbit_weights
 
             lowbit_weights = gguf_lowbit_weights(reader, arch, getattr(model, "_STACKED", {})) or None
@@ -269,10 +282,25 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         from tokenmill.model.hf_loader import iter_hf_weights, read_hf_config
 
         arch = read_hf_config(path)
+        from tokenmill.quantization.prequantized import check_quant_config, load_prequantized, read_quant_config
+
         model = _instantiate(arch, dt, device, attn_backend)
-        model.load_weights(iter_hf_weights(path))
+        qcfg = read_quant_config(path)
+        if qcfg is not None:
+            method = check_quant_config(qcfg)
+            if quantization not in (None, method):
+                raise ValueError(f"{path} is a {method} checkpoint; --quantization {quantization} cannot apply to it")
+            load_prequantized(model, iter_hf_weights(path), method, qcfg)
+            applied = method
+        else:
+            if quantization in ("awq", "gptq"):
+                raise ValueError(f"--quantization {quantization} needs a checkpoint with a {quantization} "
+                                 f"quantization_config; {path} has none")
+            model.load_weights(iter_hf_weights(path))
         template = None
         name = os.path.basename(os.path.normpath(path))
+    if applied in ("int8", "w8a8", "int4"):
+        quantize_model(model, applied)
     tokenizer = None
     if with_tokenizer is True or (with_tokenizer == "eos" and not arch.eos_token_ids):
         tokenizer = load_tokenizer(path)
@@ -284,4 +312,5 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         eos = [int(tokenizer.eos_token_id)]
     return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,
                        eos_token_ids=eos, bos_token_id=arch.bos_token_id, name=name, path=path,
-                       dtype=dt, device=device, load_seconds=time.perf_counter() - t0, lowbit_weights=lowbit_weights)
+                       dtype=dt, device=device, load_seconds=time.perf_counter() - t0, lowbit_weights=lowbit_weights,
+                       quantization=applied)

@@ -175,6 +175,11 @@ class ModelRunner:
             limit = lowbit_max_tokens(device, dtype)
             if limit and attach_lowbit_weights(model, lowbit_weights, limit)[0]:
                 self.lowbit_max_tokens = limit
+        from tokenmill.quantization.methods import format_bytes, weight_bytes_by_format
+
+        self.weight_bytes = weight_bytes_by_format(model)
+        logger.info("weights: %s (total %.1f MiB)", format_bytes(self.weight_bytes),
+                    sum(self.weight_bytes.values()) / 2**20)
         if not config.model.enforce_eager:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
 
@@ -197,8 +202,10 @@ class ModelRunner:
         configure_allocator(device)
         t0 = time.perf_counter()
         dtype = resolve_dtype(config.model.dtype, device)
-        want_lowbit = config.model.enforce_eager and lowbit_max_tokens(device, dtype) > 0
+        quant = config.model.quantization
+        want_lowbit = config.model.enforce_eager and quant is None and lowbit_max_tokens(device, dtype) > 0
         loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, lowbit=want_lowbit,
+                            quantization=quant,
                             with_tokenizer=with_tokenizer)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)

@@ -160,7 +160,14 @@ class LowBitWeight:
         return t.transpose(1, 2).reshape(-1, t.shape[1])[: self.out_features]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The dense ``[N, K]`` weight: ``scale * q + min`` per group (float32 arithmetic)."""
+        """The dense ``[N, K]`` weight: ``scale * q + min`` per group (float32 arithmetic, then ``dtype``)."""
+        lib = _default_kernel() if self.codes.device.type == "cpu" else None
+        if lib is not None and dtype in (torch.float32, torch.bfloat16):
+            out = torch.empty(self.out_features, self.in_features, dtype=dtype)
+            lib.tm_lowbit_dequant(self.codes.data_ptr(), self.bits, self.out_features, self.in_features, self.group,
+                                  self.scale.data_ptr(), None if self.min is None else self.min.data_ptr(),
+                                  out.data_ptr(), int(dtype == torch.bfloat16))
+            return out
         q = self.unpacked_codes().float().reshape(self.out_features, -1, self.group)
         w = q * self._rows(self.scale).unsqueeze(-1)
         if self.min is not None:

@@ -282,3 +282,30 @@ void tm_lowbit_pack(const uint8_t *q, int64_t N, int64_t K, int bits, uint8_t *o
         }
     }
 }
+
+/* Dense weight from packed codes: out[N, K] = scale * q + min, float32 (out_bf16 = 0) or bfloat16.
+ * For large steps, where one dense GEMM after this beats re-widening the codes for every 8 rows. */
+void tm_lowbit_dequant(const void *codes, int bits, int64_t N, int64_t K, int64_t group, const float *scale,
+                       const float *min, void *out, int out_bf16) {
+    const int64_t ng = K / group, ntiles = (N + NT - 1) / NT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < ntiles; t++) {
+        const int64_t nn = N - t * NT < NT ? N - t * NT : NT;
+        for (int j = 0; j < nn; j++) {
+            const int64_t n = t * NT + j;
+            for (int64_t k = 0; k < K; k++) {
+                const int64_t g = k / group;
+                float q;
+                if (bits == 4) {
+                    uint8_t b = ((const uint8_t *)codes)[t * (K / 2) * NT + (k / 2) * NT + j];
+                    q = (float)((k & 1) ? b >> 4 : b & 0xF);
+                } else {
+                    q = (float)((const int8_t *)codes)[t * K * NT + k * NT + j];
+                }
+                float v = scale[(t * ng + g) * NT + j] * q + (min ? min[(t * ng + g) * NT + j] : 0.f);
+                if (out_bf16) ((uint16_t *)out)[n * K + k] = f32_to_bf16(v);
+                else ((float *)out)[n * K + k] = v;
+            }
+        }
+    }
+}

@@ -149,7 +149,7 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
                 count += 1
     tied = getattr(model, "tied_logits_weight", None)
     head = tied() if tied is not None else None
-    if head is not None and hasattr(model, "set_logits_head"):
+    if head is not None and hasattr(model, "set_logits_head") and getattr(model, "_logits_head", None) is None:
         model.set_logits_head(PackedLinear(head))
         count += 1
     logger.info("packed %d linear layers for oneDNN (%s)", count, p0.dtype)
