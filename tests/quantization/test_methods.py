@@ -108,3 +108,16 @@ def test_cli_refuses_w8a8_without_vnni_in_one_line(monkeypatch, capsys):
     assert cli._config_or_exit(args, "generate") is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "w8a8 needs int8 dot-product instructions" in err[0]
+
+
+def test_int4_default_group_is_the_largest_that_divides(monkeypatch):
+    from tokenmill.quantization.methods import int4_group_for
+
+    monkeypatch.delenv("TOKENMILL_INT4_GROUP_SIZE", raising=False)
+    assert (int4_group_for(1536), int4_group_for(576), int4_group_for(96)) == (128, 64, 32)
+    with pytest.raises(ValueError, match="no int4 group size"):
+        int4_group_for(100)
+    monkeypatch.setenv("TOKENMILL_INT4_GROUP_SIZE", "64")
+    assert int4_group_for(1536) == 64
+    with pytest.raises(ValueError, match="does not divide"):
+        int4_group_for(96)

@@ -9,9 +9,9 @@ weights (:mod:`tokenmill.quantization.methods`).
 
 Why a kernel of ours: torch's CPU low-bit kernels (``_weight_int8pack_mm``,
 ``_weight_int4pack_mm_for_cpu``, which torchao's CPU layouts call) are scalar
-for float32 activations on AVX2 CPUs, 4-28x slower than float32 ``linear``
-(``shared/notes/cpu_lowbit_avx2.md``; ``benchmarks/lowbit_gemm.py`` measures
-them against ours side by side). Ours widens each code to float32 in
+for float32 activations on AVX2 CPUs: 4-28x slower than float32 ``linear`` on
+SmolLM2's shapes at 1-32 rows on a 2-core AVX2 EPYC (2026-11-30);
+``benchmarks/lowbit_gemm.py`` measures them against ours side by side). Ours widens each code to float32 in
 registers with the output rows in the vector lanes, so one code is decoded
 once for all activation rows and no horizontal sums are needed; results equal
 the dequantised GEMM up to float32 summation order.

@@ -7,7 +7,8 @@ int8       int8, one float32 scale per output channel (symmetric)  CPU: our low-
 w8a8       int8 per channel + int8 activations, one scale per      ``torch._int_mm`` (oneDNN VNNI on CPU,
            token computed each step (dynamic, symmetric)           cuBLASLt on CUDA), float rescale after
 int4       4-bit codes, float32 scale and minimum per group of     CPU: our low-bit kernel
-           ``TOKENMILL_INT4_GROUP_SIZE`` (default 128) inputs
+           ``TOKENMILL_INT4_GROUP_SIZE`` inputs (default: the
+           largest of 128/64/32 dividing the layer's inputs)
 awq, gptq  a checkpoint's own 4-bit AutoAWQ / GPTQ tensors         CPU: our low-bit kernel
            (``quantization_config`` in config.json), kept as codes
 =========  =====================================================  ==========================================
@@ -49,13 +50,16 @@ DENSE_ABOVE_ROWS = 64  # larger steps dequantise the layer once and run one dens
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
-def int4_group_size() -> int:
-    """``TOKENMILL_INT4_GROUP_SIZE`` (default 128): inputs per int4 scale, a multiple of 4 from 32 to 128.
+def int4_group_size() -> int | None:
+    """``TOKENMILL_INT4_GROUP_SIZE``: inputs per int4 scale, a multiple of 4 from 32 to 128; None when unset
+    (each layer then takes the largest of 128, 64, 32 that divides its inputs: :func:`int4_group_for`).
 
     Raises:
         ValueError: not an integer in 32..128 divisible by 4.
     """
-    raw = os.environ.get(GROUP_ENV, str(DEFAULT_INT4_GROUP)).strip()
+    raw = os.environ.get(GROUP_ENV, "").strip()
+    if not raw:
+        return None
     try:
         g = int(raw)
     except ValueError:
@@ -63,6 +67,23 @@ def int4_group_size() -> int:
     if not 32 <= g <= 128 or g % 4:
         raise ValueError(f"{GROUP_ENV} must be a multiple of 4 from 32 to 128, got {raw!r}")
     return g
+
+
+def int4_group_for(in_features: int) -> int:
+    """The int4 group size of a layer with ``in_features`` inputs (see :func:`int4_group_size`).
+
+    Raises:
+        ValueError: the configured group does not divide ``in_features``, or none of 128/64/32 does.
+    """
+    g = int4_group_size()
+    if g is not None:
+        if in_features % g:
+            raise ValueError(f"int4 group size {g} does not divide a layer's {in_features} inputs; set {GROUP_ENV}")
+        return g
+    for g in (DEFAULT_INT4_GROUP, 64, 32):
+        if in_features % g == 0:
+            return g
+    raise ValueError(f"no int4 group size of 128, 64 or 32 divides a layer's {in_features} inputs")
 
 
 def check_method(method: str | None, device: torch.device | str) -> None:
@@ -226,7 +247,7 @@ def _quantized_module(method: str, weight: torch.Tensor, bias: torch.Tensor | No
     if method == "w8a8" and not head:
         return Int8DynamicLinear(weight, bias)
     if method == "int4" and not head:
-        lw = quantize_int4(weight, int4_group_size())
+        lw = quantize_int4(weight, int4_group_for(weight.shape[1]))
     else:
         lw = quantize_int8(weight)
     qm = QuantizedLinear(lw, bias)
