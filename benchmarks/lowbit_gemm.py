@@ -11,6 +11,11 @@ down 1536->576, plus the 576->49152 LM head) at M = 1, 4, 8 rows:
 Times are medians of single calls (robust on a shared machine). Also prints the bytes each variant reads per step and the implied bandwidth.
 
     python benchmarks/lowbit_gemm.py [--threads 2] [--rows 1,4,8] [--reps 20]
+
+With ``--model-step`` it instead times whole decode steps (forward + logits, ``--context`` cached tokens per
+request) of the packaged model at batch 1 and 8, with the GGUF's low-bit codes on and off
+(``TOKENMILL_CPU_INT4_MAX_TOKENS`` 8 vs 0), the two runners interleaved in one process: the ablation of the
+small-step path.
 """
 
 from __future__ import annotations
@@ -42,13 +47,51 @@ def bench(f, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def model_step(args) -> None:
+    """Decode-step ablation: low-bit codes on vs off, interleaved, medians."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.model.layers.attention import build_attention_metadata
+    from tokenmill.model.runner import ModelRunner
+
+    runners = {}
+    for dtype in args.dtypes.split(","):
+        for limit in ("8", "0"):
+            os.environ["TOKENMILL_CPU_INT4_MAX_TOKENS"] = limit
+            cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=256, block_size=16, max_model_len=1024)
+            runners[(dtype, limit)] = ModelRunner.from_config(cfg, with_tokenizer=False)
+    torch.set_num_threads(args.threads)
+    print(f"decode step, context {args.context}, threads {args.threads}, load average {os.getloadavg()[0]:.1f}")
+    for b in (int(r) for r in args.rows.split(",")):
+        ctx = args.context
+        tables = [list(range(i * (ctx // 16 + 1), (i + 1) * (ctx // 16 + 1))) for i in range(b)]
+        md, pos = build_attention_metadata([ctx] * b, [1] * b, tables, 16)
+        ids = torch.randint(0, 49152, (b,))
+        times = {k: [] for k in runners}
+        with torch.inference_mode():
+            for _ in range(args.reps):
+                for k, r in runners.items():
+                    t = time.perf_counter()
+                    r.model.compute_logits(r.model(ids, pos, r.kv_caches, md))
+                    times[k].append(time.perf_counter() - t)
+        for dtype in args.dtypes.split(","):
+            on = sorted(times[(dtype, "8")])[args.reps // 2]
+            off = sorted(times[(dtype, "0")])[args.reps // 2]
+            print(f"B={b} {dtype}: low-bit codes {on * 1e3:.1f} ms, dense {off * 1e3:.1f} ms -> {off / on:.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-torch-int8", action="store_true", help="skip the (slow, scalar) int8pack kernel")
+    ap.add_argument("--model-step", action="store_true", help="time whole decode steps of the real model instead")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
+    if args.model_step:
+        model_step(args)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     isas = [i for i in ISAS if isa_supported(i)]
