@@ -1,8 +1,8 @@
 """Accuracy, memory and speed of each weight format (and KV cache dtype) against the float32 reference.
 
 For every format the model is loaded the way the server loads it (``ModelRunner.from_config``) and driven
-through its paged KV cache in steps of at most ``--chunk`` tokens (default 8, so a GGUF's own low-bit codes,
-used for small steps, are what runs):
+through its paged KV cache; decode steps carry ``--chunk`` (8) sequences and, for a GGUF's small-step low-bit
+path, prefill steps ``--chunk`` tokens too, so its own codes are what runs:
 
 * on the 80 MT-bench first turns (chat template applied; ``tokenmill/bench/data/mt_bench_questions.jsonl``):
   top-1 next-token agreement with the reference at every prompt position, mean KL(reference || format) of the
@@ -82,8 +82,9 @@ def load_questions(n: int) -> tuple[list[str], list[str]]:
 class Driver:
     """Feeds sequences through a runner's model and paged KV cache in steps of at most ``chunk`` tokens."""
 
-    def __init__(self, runner, chunk: int) -> None:
+    def __init__(self, runner, chunk: int, prefill_chunk: int | None = None) -> None:
         self.runner, self.chunk = runner, chunk
+        self.prefill_chunk = prefill_chunk or chunk
         self.bs = runner.block_size
 
     def _tables(self, lens: list[int]) -> list[list[int]]:
@@ -109,8 +110,9 @@ class Driver:
         """``[len(ids), vocab]`` float32 logits, computed ``chunk`` tokens per step."""
         tables = self._tables([len(ids)])
         out = []
-        for s in range(0, len(ids), self.chunk):
-            out.append(self.step([s], [ids[s:s + self.chunk]], tables))
+        c = self.prefill_chunk
+        for s in range(0, len(ids), c):
+            out.append(self.step([s], [ids[s:s + c]], tables))
         return torch.cat(out)
 
     def run(self, prompts: list[list[int]], n: int) -> tuple[list[torch.Tensor], list[list[int]]]:
@@ -124,7 +126,8 @@ class Driver:
             tables = self._tables([len(p) + n for p in group])
             last = []
             for i, p in enumerate(group):
-                rows = [self.step([s], [p[s:s + self.chunk]], [tables[i]]) for s in range(0, len(p), self.chunk)]
+                c = self.prefill_chunk
+                rows = [self.step([s], [p[s:s + c]], [tables[i]]) for s in range(0, len(p), c)]
                 logits_all.append(torch.cat(rows))
                 last.append(int(rows[-1][-1].argmax()))
             outs = [[t] for t in last]
@@ -146,8 +149,9 @@ def build_runner(kwargs: dict, environ: dict, kv_blocks: int, max_len: int):
         return ModelRunner.from_config(cfg, with_tokenizer=True)
 
 
-def evaluate(label: str, runner, prompts, held, greedy_n: int, chunk: int, ref: dict | None) -> dict:
-    drv = Driver(runner, chunk)
+def evaluate(label: str, runner, prompts, held, greedy_n: int, chunk: int, ref: dict | None,
+             prefill_chunk: int | None = None) -> dict:
+    drv = Driver(runner, chunk, prefill_chunk)
     t0 = time.perf_counter()
     logits, cont = drv.run(prompts, greedy_n)
     held_logits = drv.prompt_logits(held)
@@ -213,7 +217,9 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=80)
     ap.add_argument("--greedy-tokens", type=int, default=64)
     ap.add_argument("--held-tokens", type=int, default=512, help="tokens of the held text (perplexity)")
-    ap.add_argument("--chunk", type=int, default=8, help="tokens (and decoding sequences) per step")
+    ap.add_argument("--chunk", type=int, default=8, help="decoding sequences per step (and prefill tokens per "
+                    "step for formats whose low-bit path serves only small steps)")
+    ap.add_argument("--prefill-chunk", type=int, default=128, help="prefill tokens per step for the other formats")
     ap.add_argument("--context", type=int, default=2048, help="context for 'requests fitting in 1 GiB'")
     ap.add_argument("--serve", action="store_true", help="also measure output tok/s with tokenmill bench serve")
     ap.add_argument("--serve-prompts", default="1:8,64:128", help="concurrency:num_prompts pairs")
@@ -252,7 +258,9 @@ def main() -> None:
                                                           tokenize=False), add_special_tokens=False) for q in first]
             held = tok.encode("\n\n".join(second))[:args.held_tokens]
         with env(environ):
-            r = evaluate(label, runner, prompts, held, args.greedy_tokens, args.chunk, ref)
+            small = runner.lowbit_max_tokens > 0       # a GGUF's codes serve only small steps: prefill in them too
+            r = evaluate(label, runner, prompts, held, args.greedy_tokens, args.chunk, ref,
+                         None if small else args.prefill_chunk)
         if ref is None:
             ref = r
         wb = r["weight_bytes"]

@@ -40,6 +40,15 @@ def _gguf() -> tuple[str, str]:
     return folder, name
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _lowbit_off():
+    """Parity and equivalence run the float32 reference path: the GGUF low-bit small-step path off (its logits
+    are checked against the dequantised reference in tests/model/test_gguf.py)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "0")
+        yield
+
+
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=2048)
