@@ -96,7 +96,12 @@ class CacheConfig:
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes (block-hash prefix caching).")
     kv_events_config: str | None = _f(None, "KV cache events for a cache-aware router, as vLLM's JSON: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"buffer_steps\": 10000}' (wire format: tokenmill/core/kv_events.py). Default: off.", server_only=True)
 
+    kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, int8 (1 byte per element; per-layer K and V scales, from the checkpoint, --calculate-kv-scales, or 1.0; int8 always calculates them unless the checkpoint has them).")
+    calculate_kv_scales: bool = _f(False, "With an fp8/int8 KV cache: compute each layer's K/V scales from the first batch (fp8: amax/200 for K and amax/100 for V, as vLLM; int8: amax/100) instead of the checkpoint's or 1.0.")
+
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
+            raise ValueError(f"kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, int8, got {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         self.kv_events  # validates the JSON

@@ -1,4 +1,8 @@
-"""Fused CPU element-wise kernels against the torch reference path (same roundings)."""
+"""Fused CPU element-wise kernels, every ISA variant the CPU runs, against the torch reference path (same roundings).
+
+One C source serves every variant: the compiler vectorises its loops for the
+variant's ``-march`` (8-wide AVX2 / 16-wide AVX-512, expf from glibc's
+vector math library), so each variant is built and run here explicitly."""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers import fused_cpu
+from tokenmill.model.layers import cpu_build, fused_cpu
 from tokenmill.model.layers.mlp import SwiGLUMLP
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -14,6 +18,18 @@ from tokenmill.model.layers.rotary import RotaryEmbedding
 pytestmark = pytest.mark.skipif(fused_cpu.load() is None, reason="no C compiler for the fused CPU kernels")
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True, params=[
+    pytest.param(i, id=i, marks=pytest.mark.skipif(not cpu_build.isa_supported(i),
+                                                    reason=f"this CPU cannot run the {i} variant"))
+    for i in cpu_build.ISAS])
+def isa(request, monkeypatch):
+    """Run each test on one kernel variant (avx512: -march=x86-64-v4, avx2: -march=x86-64-v3, scalar)."""
+    orig = fused_cpu.load
+    monkeypatch.setattr(fused_cpu, "load", lambda isa=None: orig(request.param))
+    assert fused_cpu.load() is not None
+    return request.param
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:

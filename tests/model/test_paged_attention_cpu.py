@@ -1,4 +1,5 @@
-"""The fused CPU paged-attention decode kernel against the torch gather + matmul path."""
+"""The fused CPU paged-attention kernels (decode, prefill), every ISA variant the CPU runs and every KV
+dtype, against the torch gather + matmul / SDPA path."""
 
 from __future__ import annotations
 
@@ -7,10 +8,26 @@ import random
 import pytest
 import torch
 
-from tokenmill.model.layers import paged_attention_cpu
+from tokenmill.model.layers import cpu_build, paged_attention_cpu
 from tokenmill.model.layers.attention import TorchAttentionBackend, build_attention_metadata
+from tokenmill.model.layers.kv_quant import KVScales
 
 pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler for the CPU kernel")
+
+
+def _isa_param(isa):
+    why = f"this CPU cannot run the {isa} variant"
+    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(not cpu_build.isa_supported(isa), reason=why))
+
+
+#: every kernel variant, each built explicitly (avx512: -march=x86-64-v4, avx2: -march=x86-64-v3)
+ISAS = [_isa_param(i) for i in cpu_build.ISAS]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_each_variant_is_compiled_for_its_isa(isa):
+    assert paged_attention_cpu.compiled_isa(isa) == isa
+    assert paged_attention_cpu.prefill_preferred(isa) == (isa != "scalar")   # scalar prefill is slower than SDPA
 
 
 def decode_case(b: int, heads: int, kv_heads: int, d: int, block: int, dtype, seed: int = 0, max_len: int = 70):
@@ -34,12 +51,13 @@ def decode_case(b: int, heads: int, kv_heads: int, d: int, block: int, dtype, se
                                              (10, 2, 64), (12, 1, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch,block,max_len", [(7, 4, 70), (2, 16, 300), (1, 16, 5)])
-def test_kernel_matches_torch_decode(heads, kv_heads, d, dtype, batch, block, max_len):
+@pytest.mark.parametrize("isa", ISAS)
+def test_kernel_matches_torch_decode(heads, kv_heads, d, dtype, batch, block, max_len, isa):
     """Whole-request work items (batch 7), per-KV-head items (batch 1-2), GQA groups larger than the
     register tile (10/2, 12/1), the scalar head sizes (16, 24) and contexts shorter than one block."""
     q, k, v, cache, md, md2 = decode_case(batch, heads, kv_heads, d, block, dtype, max_len=max_len)
     cache2 = cache.clone()
-    fused = TorchAttentionBackend(use_cpu_kernel=True)
+    fused = TorchAttentionBackend(use_cpu_kernel=True, cpu_isa=isa)
     plain = TorchAttentionBackend(use_cpu_kernel=False)
     got = fused.forward(q, k, v, cache, md, d ** -0.5)
     want = plain.forward(q, k, v, cache2, md2, d ** -0.5)
@@ -89,12 +107,6 @@ def prefill_case(new: list[int], ctx: list[int], heads: int, kv_heads: int, d: i
     return q, k, v, cache, mds[0], mds[1]
 
 
-needs_prefill_kernel = pytest.mark.skipif(
-    not paged_attention_cpu.prefill_supports(torch.zeros(1, 2, 64), torch.zeros(2, 1, 1, 1, 64)),
-    reason="prefill kernel needs AVX-512")
-
-
-@needs_prefill_kernel
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (4, 2, 128), (8, 8, 64), (12, 1, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("new,ctx,block", [
@@ -102,10 +114,11 @@ needs_prefill_kernel = pytest.mark.skipif(
     ([37, 1, 5, 70], [100, 9, 5, 300], 4),  # chunks after cached prefixes, a decode and a tiny prompt mixed in
     ([33, 2], [33, 40], 16),                # a two-token chunk; more than one query tile
 ])
-def test_prefill_kernel_matches_torch(heads, kv_heads, d, dtype, new, ctx, block):
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_kernel_matches_torch(heads, kv_heads, d, dtype, new, ctx, block, isa):
     q, k, v, cache, md, md2 = prefill_case(new, ctx, heads, kv_heads, d, block, dtype)
     cache2 = cache.clone()
-    got = TorchAttentionBackend(use_cpu_kernel=True).forward(q, k, v, cache, md, d ** -0.5)
+    got = TorchAttentionBackend(True, cpu_isa=isa, prefill_kernel=True).forward(q, k, v, cache, md, d ** -0.5)
     want = TorchAttentionBackend(use_cpu_kernel=False).forward(q, k, v, cache2, md2, d ** -0.5)
     assert type(md.cache["torch_plan"][1]).__name__ == "_KernelPrefillPlan"
     tol = 2e-5 if dtype == torch.float32 else 2e-2
@@ -113,7 +126,6 @@ def test_prefill_kernel_matches_torch(heads, kv_heads, d, dtype, new, ctx, block
     assert torch.equal(cache, cache2)
 
 
-@needs_prefill_kernel
 def test_prefill_kernel_leaves_unlisted_rows_and_rejects_bad_calls():
     q, k, v, cache, md, _ = prefill_case([20, 7], [20, 30], 4, 2, 64, 4, torch.float32)
     TorchAttentionBackend(use_cpu_kernel=False).forward(q, k, v, cache, md, 0.125)   # writes the K/V
@@ -125,7 +137,51 @@ def test_prefill_kernel_leaves_unlisted_rows_and_rejects_bad_calls():
     with pytest.raises(RuntimeError):   # out of the wrong shape
         paged_attention_cpu.paged_prefill(q, cache, md.block_tables, torch.tensor([0, 20]), torch.tensor([20, 7]),
                                           md.seq_lens, 0.125, out[:5])
-    with pytest.raises(RuntimeError):   # head_dim 24: no vector kernel
+    with pytest.raises(RuntimeError):   # head_dim 24: no prefill kernel (the SDPA path serves it)
         paged_attention_cpu.paged_prefill(torch.zeros(3, 2, 24), torch.zeros(2, 4, 4, 1, 24), md.block_tables,
                                           torch.tensor([0]), torch.tensor([3]), torch.tensor([3]), 0.125,
                                           torch.zeros(3, 2, 24))
+
+
+QUANT_KV = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
+
+
+def _quant_cache(cache: torch.Tensor, kv_dtype: torch.dtype, scales: KVScales) -> torch.Tensor:
+    """A quantised copy of a float cache (what write_kv would have stored)."""
+    from tokenmill.model.layers.kv_quant import quantize
+    return torch.stack([quantize(cache[0], scales.k, kv_dtype), quantize(cache[1], scales.v, kv_dtype)])
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (6, 3, 24)])
+def test_decode_reads_quantized_cache(kv_dtype, dtype, isa, heads, kv_heads, d):
+    """The kernels widen int8 / fp8 on load with the layer's scales: same result as the torch path,
+    which dequantises the gathered rows (both see exactly the stored values)."""
+    q, k, v, cache, md, md2 = decode_case(7, heads, kv_heads, d, 4, dtype, max_len=70)
+    scales = KVScales(k=0.03, v=0.02)
+    qc = _quant_cache(cache.float() * 2, kv_dtype, scales)
+    qc2 = qc.clone()
+    got = TorchAttentionBackend(True, cpu_isa=isa).forward(q, k, v, qc, md, d ** -0.5, scales)
+    # reference in float32 on the same stored values (a bfloat16 torch path would round the dequantised K/V)
+    want = TorchAttentionBackend(False).forward(q.float(), k.float(), v.float(), qc2, md2, d ** -0.5, scales)
+    assert md.cache["torch_plan"][0].kernel
+    assert torch.equal(qc.view(torch.uint8), qc2.view(torch.uint8))      # both wrote the same quantised K/V
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", QUANT_KV, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", ISAS)
+def test_prefill_reads_quantized_cache(kv_dtype, dtype, isa):
+    q, k, v, cache, md, md2 = prefill_case([37, 1, 5, 70], [100, 9, 5, 300], 9, 3, 64, 4, dtype)
+    scales = KVScales(k=0.05, v=0.01)
+    qc = _quant_cache(cache.float(), kv_dtype, scales)
+    qc2 = qc.clone()
+    got = TorchAttentionBackend(True, cpu_isa=isa, prefill_kernel=True).forward(q, k, v, qc, md, 0.125, scales)
+    want = TorchAttentionBackend(False).forward(q.float(), k.float(), v.float(), qc2, md2, 0.125, scales)
+    assert type(md.cache["torch_plan"][1]).__name__ == "_KernelPrefillPlan"
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

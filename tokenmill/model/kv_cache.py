@@ -82,9 +82,9 @@ def plan_kv_cache(cache: CacheConfig, arch, dtype: torch.dtype, max_model_len: i
                            bytes_per_token=bpt, max_model_len=max_model_len)
     pool_tokens = num_blocks * cache.block_size
     logger.info(
-        "KV cache: %d bytes/token (2 x %d layers x %d KV heads x %d head dim x %d B), %d blocks x %d tokens = "
-        "%d tokens (%.1f MiB, + 1 scratch block); %.2f requests fit at max_model_len=%d",
-        bpt, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
+        "KV cache (%s): %d bytes/token (2 x %d layers x %d KV heads x %d head dim x %d B), %d blocks x %d "
+        "tokens = %d tokens (%.1f MiB, + 1 scratch block); %.2f requests fit at max_model_len=%d",
+        str(dtype).replace("torch.", ""), bpt, arch.num_hidden_layers, arch.num_key_value_heads, arch.head_dim,
         torch.empty((), dtype=dtype).element_size(), num_blocks, cache.block_size, pool_tokens,
         pool_tokens * bpt / 2**20, num_blocks / layout.blocks_per_seq, max_model_len)
     if num_blocks < layout.blocks_per_seq:

@@ -22,6 +22,7 @@ from torch import nn
 from tokenmill.model.arch_config import ModelArchConfig
 from tokenmill.model.layers import fused_cpu
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata, get_attention_backend
+from tokenmill.model.layers.kv_quant import KVScales
 from tokenmill.model.layers.mlp import SwiGLUMLP
 from tokenmill.model.layers.norm import RMSNorm
 from tokenmill.model.layers.rotary import RotaryEmbedding
@@ -50,12 +51,13 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.backend = backend
+        self.kv_scales = KVScales()   # K/V scales of a quantised cache (--kv-cache-dtype int8 / fp8)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``; writes this step's K/V to ``kv_cache``."""
         q, k, v = self.project_qkv(x, cos, sin)
-        o = self.backend.forward(q, k, v, kv_cache, md, self.scale)
+        o = self.backend.forward(q, k, v, kv_cache, md, self.scale, self.kv_scales)
         return self.o_proj(o.reshape(x.shape[0], self.q_size))
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -96,7 +98,7 @@ class LlamaDecoderLayer(nn.Module):
                 kv_cache: torch.Tensor, md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns ``(mlp_out, residual)``, each ``[num_tokens, hidden_size]``; their sum is the block output."""
         q, k, v, residual = pre_attention(self, x, residual, cos, sin)
-        o = self.self_attn.backend.forward(q, k, v, kv_cache, md, self.self_attn.scale)
+        o = self.self_attn.backend.forward(q, k, v, kv_cache, md, self.self_attn.scale, self.self_attn.kv_scales)
         return post_attention(self, o, residual)
 
 
@@ -214,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
         pre, post = self._pre_attention, self._post_attention
         for layer, kv_cache in zip(layers, kv_caches):
             q, k, v, residual = pre(layer, x, residual, cos, sin)
-            o = layer.self_attn.backend.forward(q, k, v, kv_cache, attn_metadata, layer.self_attn.scale)
+            o = layer.self_attn.backend.forward(q, k, v, kv_cache, attn_metadata, layer.self_attn.scale,
+                                                   layer.self_attn.kv_scales)
             x, residual = post(layer, o, residual)
         if stage is not None and not stage.is_last:
             stage.send(x, residual)
@@ -300,6 +303,28 @@ class LlamaForCausalLM(nn.Module):
                                     for j in range(len(parts[0])))
         return out
 
+    _KV_SCALE_NAMES = {"self_attn.k_scale": "k", "self_attn.v_scale": "v", "self_attn.kv_scale": "kv",
+                       "self_attn.k_proj.output_scale": "k", "self_attn.v_proj.output_scale": "v"}
+
+    def _load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Take a checkpoint's KV-cache scale (vLLM's ``model.layers.N.self_attn.k_scale`` / ``v_scale``,
+        the older single ``kv_scale``, or compressed-tensors' ``k_proj.output_scale``) into the layer's
+        :class:`KVScales`; True when ``name`` was one."""
+        if not name.startswith("model.layers."):
+            return False
+        idx, _, rest = name[len("model.layers."):].partition(".")
+        which = self._KV_SCALE_NAMES.get(rest)
+        if which is None or not idx.isdigit():
+            return False
+        sc = self.model.layers[int(idx)].self_attn.kv_scales
+        value = float(tensor.float().reshape(-1)[0])
+        if which in ("k", "kv"):
+            sc.k = value
+        if which in ("v", "kv"):
+            sc.v = value
+        sc.source = "checkpoint"
+        return True
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the model.
@@ -307,6 +332,8 @@ class LlamaForCausalLM(nn.Module):
         q/k/v and gate/up shards are copied into the fused projections;
         dtype and device are converted. ``lm_head.weight`` is ignored when the
         embeddings are tied, and rotary ``inv_freq`` buffers are ignored.
+        KV-cache scales (``self_attn.k_scale`` / ``v_scale``) go to each
+        layer's ``self_attn.kv_scales`` (used with a quantised cache).
 
         Raises:
             ValueError: an unknown tensor name, a shape mismatch, or a
@@ -316,6 +343,8 @@ class LlamaForCausalLM(nn.Module):
         loaded: dict[str, int] = {}
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if self._load_kv_scale(name, tensor):
                 continue
             target, rows = name, None
             for part, (fused, shard) in self._STACKED.items():

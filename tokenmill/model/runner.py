@@ -40,6 +40,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.layers.linear import PackedLinear, attach_lowbit_weights, lowbit_max_tokens, pack_linear_weights
+from tokenmill.model.layers.kv_quant import KVScales, is_quantized, resolve_kv_cache_dtype
 from tokenmill.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, plan_kv_cache  # noqa: F401 - re-export
 from tokenmill.model.process_tuning import configure_allocator, configure_threads, rss_bytes
 from tokenmill.model.sampler import Sampler
@@ -54,6 +55,32 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
+
+
+def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype,
+                      lowbit_max_tokens: int) -> None:
+    """Log, at start-up, which ISA path, dtype and weight format each part of the step uses."""
+    def name(dt: torch.dtype) -> str:
+        return str(dt).replace("torch.", "")
+    packed = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
+    plain = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
+    weights = f"weights {name(dtype)} ({packed} oneDNN-prepacked linears, {plain} plain)"
+    if lowbit_max_tokens:
+        weights += f", the GGUF's low-bit codes for steps <= {lowbit_max_tokens} tokens"
+    if device.type != "cpu":
+        logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, name(kv_dtype))
+        return
+    from tokenmill.model.layers import cpu_build, fused_cpu, paged_attention_cpu
+    try:
+        isa = cpu_build.cpu_isa()
+    except ValueError as e:
+        isa = f"invalid ({e})"
+    att = paged_attention_cpu.compiled_isa()
+    fused = fused_cpu.load() is not None
+    prefill = "kernel" if att and paged_attention_cpu.prefill_preferred() else "SDPA"
+    logger.info("compute paths: CPU ISA %s; %s; attention %s (decode kernel, prefill %s), KV cache %s; "
+                "fused norm/RoPE/SiLU %s", isa, weights, att or "torch (kernel unavailable)", prefill,
+                name(kv_dtype), isa if fused else "torch (kernel unavailable)")
 
 
 class InputBuffers:
@@ -157,7 +184,8 @@ class ModelRunner:
         self.max_model_len = int(config.model.max_model_len or model_len)
         if self.max_model_len > model_len:
             logger.warning("max_model_len %d exceeds the model's context length %d", self.max_model_len, model_len)
-        self.kv_layout = plan_kv_cache(config.cache, arch, dtype, self.max_model_len)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+        self.kv_layout = plan_kv_cache(config.cache, arch, self.kv_cache_dtype, self.max_model_len)
         self.bytes_per_token = self.kv_layout.bytes_per_token
         self.num_kv_blocks = self.kv_layout.num_blocks
         self.scratch_block = self.num_kv_blocks
@@ -182,6 +210,24 @@ class ModelRunner:
                     sum(self.weight_bytes.values()) / 2**20)
         if not config.model.enforce_eager:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
+        self._setup_kv_scales(config.cache.calculate_kv_scales)   # after capture: its warm-up steps are no batch
+        log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
+
+    def _setup_kv_scales(self, calculate: bool) -> None:
+        """Per-layer K/V scales of a quantised cache: checkpoint values, else computed from the first batch
+        (``--calculate-kv-scales``; always for int8, whose default 1.0 would round K/V to integers), else 1.0."""
+        if not is_quantized(self.kv_cache_dtype):
+            return
+        scales = [m.kv_scales for m in self.model.modules() if isinstance(getattr(m, "kv_scales", None), KVScales)]
+        from_ckpt = bool(scales) and all(sc.source == "checkpoint" for sc in scales)
+        auto = self.kv_cache_dtype == torch.int8 and not from_ckpt and not calculate
+        for sc in scales:
+            if calculate or (auto and sc.source != "checkpoint"):
+                sc.calculate = True
+        how = ("calculated from the first batch" + (" (int8 always is, unless the checkpoint has scales)"
+                                                    if auto else "")) if (calculate or auto) else \
+            ("from the checkpoint" if from_ckpt else "1.0 (no checkpoint scales; --calculate-kv-scales computes them)")
+        logger.info("KV cache scales (%d layers): %s", len(scales), how)
 
     @classmethod
     def from_config(cls, config: EngineConfig, with_tokenizer: bool | str = True) -> "ModelRunner":

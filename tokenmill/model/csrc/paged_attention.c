@@ -1,14 +1,16 @@
-#include "common.h"
+/* Paged attention on the CPU: decode (one query token per request) and prefill / chunked prefill,
+ * reading K/V straight from the block pool. One source for every instruction-set variant (see
+ * vec.h: AVX-512 16-wide, AVX2+FMA 8-wide, scalar), compiled once per variant by cpu_build.py.
+ *
+ * Cache layout (per layer): k, v each [num_slots, KVH, D], slot = block_table[pos / bs] * bs + pos % bs.
+ * Cache element types: float32, bfloat16, int8, fp8 e4m3fn, fp8 e5m2. Quantised caches hold
+ * round(x / k_scale) (resp. v_scale), one float scale per layer for K and one for V; kernels widen
+ * each element to float32 on load and fold the scales into the query scale (K) and the output (V):
+ *     s = scale * k_scale * (q . k_q),   out = v_scale * sum_l p_l v_q[l].
+ * Accumulation is float32 throughout. Query / output types: float32 or bfloat16. */
+#include "vec.h"
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
-static inline float ld_f32(const float* p) { return *p; }
-static inline float ld_bf16(const uint16_t* p) { return bf16_to_f32(*p); }
-static inline void st_f32(float* p, float x) { *p = x; }
-static inline void st_bf16(uint16_t* p, float x) { *p = f32_to_bf16(x); }
 
 #define PF_DIST 2   /* blocks ahead that a whole-request decode item prefetches (1-8 measured the same) */
 /* Ask for the rows of one KV head in one block: n rows of `bytes` bytes, `stride` bytes apart. */
@@ -18,192 +20,196 @@ static inline void prefetch_rows(const void* p, int64_t n, int64_t stride, int64
         for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
 }
 
-/* Scalar path (any head_dim; also the path without AVX-512). One work item = (request b, KV head h). */
-#define DEFINE_SCALAR_ITEM(NAME, T, LD, ST)                                                           \
-static void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* bt, int64_t L, int64_t b, \
-                 int64_t h, int64_t H, int64_t KVH, int64_t G, int64_t D, int64_t bs, float scale,  \
-                 float* s, float* work) {                                                           \
-    float* qf = work; float* acc = work + G * D;                                                    \
-    for (int64_t g = 0; g < G; g++)                                                                 \
-        for (int64_t d = 0; d < D; d++) qf[g * D + d] = LD(q + (b * H + h * G + g) * D + d) * scale; \
-    for (int64_t l = 0; l < L; l++) {                                                               \
-        const T* kp = k + (((int64_t)bt[l / bs] * bs + l % bs) * KVH + h) * D;                      \
-        for (int64_t g = 0; g < G; g++) {                                                           \
-            float dot = 0.f;                                                                        \
-            for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * LD(kp + d);                      \
-            s[g * L + l] = dot;                                                                     \
-        }                                                                                           \
-    }                                                                                               \
-    memset(acc, 0, sizeof(float) * G * D);                                                          \
-    for (int64_t g = 0; g < G; g++) {                                                               \
-        float mx = -INFINITY, sum = 0.f; float* sg = s + g * L;                                     \
-        for (int64_t l = 0; l < L; l++) mx = sg[l] > mx ? sg[l] : mx;                               \
-        for (int64_t l = 0; l < L; l++) { sg[l] = expf(sg[l] - mx); sum += sg[l]; }                 \
-        qf[g] = 1.f / sum;                                                                          \
-    }                                                                                               \
-    for (int64_t l = 0; l < L; l++) {                                                               \
-        const T* vp = v + (((int64_t)bt[l / bs] * bs + l % bs) * KVH + h) * D;                      \
-        for (int64_t g = 0; g < G; g++)                                                             \
-            for (int64_t d = 0; d < D; d++) acc[g * D + d] += s[g * L + l] * LD(vp + d);            \
-    }                                                                                               \
-    for (int64_t g = 0; g < G; g++)                                                                 \
+void paged_attention_isa(int* out) { *out = vec_isa_level(); }
+
+/* ================================================================ decode
+ * PagedAttention decode (Kwon et al., arXiv 2309.06180, §4.1), two passes per work item:
+ * s = q K^T over the request's blocks (and the running max), p = exp(s - max), out = p V / sum(p). */
+
+/* Any head_dim. One work item = (request b, KV head h). */
+#define DEFINE_SCALAR_ITEM(NAME, QT, QLD, KT, KLD, ST)                                               \
+static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* bt, int64_t L, int64_t b, \
+                 int64_t h, int64_t H, int64_t KVH, int64_t G, int64_t D, int64_t bs, float qscale,   \
+                 float vscale, float* s, float* work) {                                              \
+    float* qf = work; float* acc = work + G * D;                                                     \
+    for (int64_t g = 0; g < G; g++)                                                                  \
+        for (int64_t d = 0; d < D; d++) qf[g * D + d] = QLD(q + (b * H + h * G + g) * D + d) * qscale; \
+    for (int64_t l = 0; l < L; l++) {                                                                \
+        const KT* kp = k + (((int64_t)bt[l / bs] * bs + l % bs) * KVH + h) * D;                      \
+        for (int64_t g = 0; g < G; g++) {                                                            \
+            float dot = 0.f;                                                                         \
+            for (int64_t d = 0; d < D; d++) dot += qf[g * D + d] * KLD(kp + d);                      \
+            s[g * L + l] = dot;                                                                      \
+        }                                                                                            \
+    }                                                                                                \
+    memset(acc, 0, sizeof(float) * G * D);                                                           \
+    for (int64_t g = 0; g < G; g++) {                                                                \
+        float mx = -INFINITY, sum = 0.f; float* sg = s + g * L;                                      \
+        for (int64_t l = 0; l < L; l++) mx = sg[l] > mx ? sg[l] : mx;                                \
+        for (int64_t l = 0; l < L; l++) { sg[l] = expf(sg[l] - mx); sum += sg[l]; }                  \
+        qf[g] = vscale / sum;                                                                        \
+    }                                                                                                \
+    for (int64_t l = 0; l < L; l++) {                                                                \
+        const KT* vp = v + (((int64_t)bt[l / bs] * bs + l % bs) * KVH + h) * D;                      \
+        for (int64_t g = 0; g < G; g++)                                                              \
+            for (int64_t d = 0; d < D; d++) acc[g * D + d] += s[g * L + l] * KLD(vp + d);            \
+    }                                                                                                \
+    for (int64_t g = 0; g < G; g++)                                                                  \
         for (int64_t d = 0; d < D; d++) ST(out + (b * H + h * G + g) * D + d, acc[g * D + d] * qf[g]); \
 }
-DEFINE_SCALAR_ITEM(scalar_item_f32, float, ld_f32, st_f32)
-DEFINE_SCALAR_ITEM(scalar_item_bf16, uint16_t, ld_bf16, st_bf16)
 
-#if defined(__AVX512F__)
-static inline __m512 ld16_f32(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 ld16_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-
-/* AVX-512 path for head_dim = 16 * NC: the query rows of a tile of up to GT query heads (sharing
- * KV head h) and their output accumulators stay in registers; K/V rows are widened to float32 on
- * load. Pass 1 walks the request's blocks for QK^T, pass 2 for PV, each prefetching the next
- * block's rows of this head while it works on the current one. */
-#define DEFINE_VEC_ITEM(NAME, T, LD16, ST, NC, GT)                                                  \
-static void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* bt, int64_t L, int64_t b, \
-                 int64_t h0, int64_t NH, int64_t H, int64_t KVH, int64_t G, int64_t bs, float scale, float* s) { \
-    const int64_t D = 16 * NC, row = KVH * D, nblk = (L + bs - 1) / bs;                             \
-    const int64_t rb = row * (int64_t)sizeof(T), hb = NH * D * (int64_t)sizeof(T);                  \
-    for (int64_t j = 0; j < PF_DIST && j < nblk; j++) {                                             \
-        const int64_t n = L - j * bs < bs ? L - j * bs : bs;                                        \
-        prefetch_rows(k + (int64_t)bt[j] * bs * row + h0 * D, n, rb, hb);                           \
-        prefetch_rows(v + (int64_t)bt[j] * bs * row + h0 * D, n, rb, hb);                           \
-    }                                                                                               \
-    for (int64_t h = h0; h < h0 + NH; h++)                                                          \
-    for (int64_t g0 = 0; g0 < G; g0 += GT) {                                                        \
-        const int64_t gc = G - g0 < GT ? G - g0 : GT;                                               \
-        __m512 qv[GT][NC], av[GT][NC];                                                              \
-        float mx[GT];                                                                               \
-        for (int gi = 0; gi < GT; gi++) {                                                           \
-            mx[gi] = -INFINITY;                                                                     \
-            for (int c = 0; c < NC; c++) {                                                          \
-                qv[gi][c] = gi < gc ? _mm512_mul_ps(LD16(q + (b * H + h * G + g0 + gi) * D + 16 * c), \
-                                                    _mm512_set1_ps(scale)) : _mm512_setzero_ps();   \
-                av[gi][c] = _mm512_setzero_ps();                                                    \
-            }                                                                                       \
-        }                                                                                           \
-        for (int64_t j = 0; j < nblk; j++) {                                                        \
-            const int64_t l0 = j * bs, n = L - l0 < bs ? L - l0 : bs;                               \
-            const T* kb = k + (int64_t)bt[j] * bs * row + h * D;                                    \
-            const int pf = h == h0 && g0 == 0 && j + PF_DIST < nblk;                               \
-            const T* kpf = pf ? k + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;            \
-            const T* vpf = pf ? v + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;            \
-            for (int64_t o = 0; o < n; o++) {                                                       \
-                if (pf) { prefetch_rows(kpf + o * row, 1, rb, hb); prefetch_rows(vpf + o * row, 1, rb, hb); } \
-                __m512 kv[NC];                                                                      \
-                for (int c = 0; c < NC; c++) kv[c] = LD16(kb + o * row + 16 * c);                   \
-                for (int gi = 0; gi < GT; gi++) {                                                   \
-                    __m512 a = _mm512_mul_ps(qv[gi][0], kv[0]);                                     \
-                    for (int c = 1; c < NC; c++) a = _mm512_fmadd_ps(qv[gi][c], kv[c], a);          \
-                    const float dot = _mm512_reduce_add_ps(a);                                      \
-                    s[gi * L + l0 + o] = dot;                                                       \
-                    mx[gi] = dot > mx[gi] ? dot : mx[gi];                                           \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
-        float inv[GT];                                                                              \
-        for (int gi = 0; gi < GT; gi++) {                                                           \
-            float sum = 0.f; float* sg = s + gi * L; const float m = mx[gi];                        \
+/* head_dim = VW * NC: the query rows of a tile of up to GT query heads (sharing KV head h) stay in
+ * vector registers in pass 1 and their output accumulators in pass 2; K/V rows are widened on
+ * load. Pass 1 walks the request's blocks for QK^T, pass 2 for PV; the first head's pass 1
+ * prefetches the rows of heads h0..h0+NH-1 of the block PF_DIST ahead. */
+#define DEFINE_VEC_ITEM(NAME, QT, QLDV, KT, KLDV, ST, NC, GT)                                        \
+static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* bt, int64_t L, int64_t b, \
+                 int64_t h0, int64_t NH, int64_t H, int64_t KVH, int64_t G, int64_t bs, float qscale, \
+                 float vscale, float* s) {                                                           \
+    const int64_t D = VW * NC, row = KVH * D, nblk = (L + bs - 1) / bs;                              \
+    const int64_t rb = row * (int64_t)sizeof(KT), hb = NH * D * (int64_t)sizeof(KT);                 \
+    for (int64_t j = 0; j < PF_DIST && j < nblk; j++) {                                              \
+        const int64_t n = L - j * bs < bs ? L - j * bs : bs;                                         \
+        prefetch_rows(k + (int64_t)bt[j] * bs * row + h0 * D, n, rb, hb);                            \
+        prefetch_rows(v + (int64_t)bt[j] * bs * row + h0 * D, n, rb, hb);                            \
+    }                                                                                                \
+    for (int64_t h = h0; h < h0 + NH; h++)                                                           \
+    for (int64_t g0 = 0; g0 < G; g0 += GT) {                                                         \
+        const int64_t gc = G - g0 < GT ? G - g0 : GT;                                                \
+        float mx[GT], inv[GT];                                                                       \
+        {                                                                                            \
+            vf qv[GT][NC];                                                                           \
+            for (int gi = 0; gi < GT; gi++) {                                                        \
+                mx[gi] = -INFINITY;                                                                  \
+                for (int c = 0; c < NC; c++)                                                         \
+                    qv[gi][c] = gi < gc ? vmul(QLDV(q + (b * H + h * G + g0 + gi) * D + VW * c), vset1(qscale)) \
+                                        : vzero();                                                   \
+            }                                                                                        \
+            for (int64_t j = 0; j < nblk; j++) {                                                     \
+                const int64_t l0 = j * bs, n = L - l0 < bs ? L - l0 : bs;                            \
+                const KT* kb = k + (int64_t)bt[j] * bs * row + h * D;                                \
+                const int pf = h == h0 && g0 == 0 && j + PF_DIST < nblk;                             \
+                const KT* kpf = pf ? k + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;        \
+                const KT* vpf = pf ? v + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;        \
+                for (int64_t o = 0; o < n; o++) {                                                    \
+                    if (pf) { prefetch_rows(kpf + o * row, 1, rb, hb); prefetch_rows(vpf + o * row, 1, rb, hb); } \
+                    vf kv[NC];                                                                       \
+                    for (int c = 0; c < NC; c++) kv[c] = KLDV(kb + o * row + VW * c);                \
+                    for (int gi = 0; gi < GT; gi++) {                                                \
+                        vf a = vmul(qv[gi][0], kv[0]);                                               \
+                        for (int c = 1; c < NC; c++) a = vfma(qv[gi][c], kv[c], a);                  \
+                        const float dot = vhsum(a);                                                  \
+                        s[gi * L + l0 + o] = dot;                                                    \
+                        mx[gi] = dot > mx[gi] ? dot : mx[gi];                                        \
+                    }                                                                                \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int gi = 0; gi < GT; gi++) {                                                            \
+            float sum = 0.f; float* sg = s + gi * L; const float m = mx[gi];                         \
             for (int64_t l = 0; l < L; l++) { const float e = expf(sg[l] - m); sg[l] = e; sum += e; } \
-            inv[gi] = 1.f / sum;                                                                    \
-        }                                                                                           \
-        for (int64_t j = 0; j < nblk; j++) {                                                        \
-            const int64_t l0 = j * bs, n = L - l0 < bs ? L - l0 : bs;                               \
-            const T* vb = v + (int64_t)bt[j] * bs * row + h * D;                                    \
-            for (int64_t o = 0; o < n; o++) {                                                       \
-                __m512 vv[NC];                                                                      \
-                for (int c = 0; c < NC; c++) vv[c] = LD16(vb + o * row + 16 * c);                   \
-                for (int gi = 0; gi < GT; gi++) {                                                   \
-                    const __m512 p = _mm512_set1_ps(s[gi * L + l0 + o]);                            \
-                    for (int c = 0; c < NC; c++) av[gi][c] = _mm512_fmadd_ps(p, vv[c], av[gi][c]);  \
-                }                                                                                   \
-            }                                                                                       \
-        }                                                                                           \
-        for (int gi = 0; gi < gc; gi++) {                                                           \
-            float o16[16];                                                                          \
-            T* op = out + (b * H + h * G + g0 + gi) * D;                                            \
-            for (int c = 0; c < NC; c++) {                                                          \
-                _mm512_storeu_ps(o16, _mm512_mul_ps(av[gi][c], _mm512_set1_ps(inv[gi])));           \
-                for (int e = 0; e < 16; e++) ST(op + 16 * c + e, o16[e]);                           \
-            }                                                                                       \
-        }                                                                                           \
-    }                                                                                               \
+            inv[gi] = vscale / sum;                                                                  \
+        }                                                                                            \
+        vf av[GT][NC];                                                                               \
+        for (int gi = 0; gi < GT; gi++)                                                              \
+            for (int c = 0; c < NC; c++) av[gi][c] = vzero();                                        \
+        for (int64_t j = 0; j < nblk; j++) {                                                         \
+            const int64_t l0 = j * bs, n = L - l0 < bs ? L - l0 : bs;                                \
+            const KT* vb = v + (int64_t)bt[j] * bs * row + h * D;                                    \
+            for (int64_t o = 0; o < n; o++) {                                                        \
+                vf vv[NC];                                                                           \
+                for (int c = 0; c < NC; c++) vv[c] = KLDV(vb + o * row + VW * c);                    \
+                for (int gi = 0; gi < GT; gi++) {                                                    \
+                    const vf p = vset1(s[gi * L + l0 + o]);                                          \
+                    for (int c = 0; c < NC; c++) av[gi][c] = vfma(p, vv[c], av[gi][c]);              \
+                }                                                                                    \
+            }                                                                                        \
+        }                                                                                            \
+        for (int gi = 0; gi < gc; gi++) {                                                            \
+            float ob[VW];                                                                            \
+            QT* op = out + (b * H + h * G + g0 + gi) * D;                                            \
+            for (int c = 0; c < NC; c++) {                                                           \
+                vst(ob, vmul(av[gi][c], vset1(inv[gi])));                                            \
+                for (int e = 0; e < VW; e++) ST(op + VW * c + e, ob[e]);                             \
+            }                                                                                        \
+        }                                                                                            \
+    }                                                                                                \
 }
-DEFINE_VEC_ITEM(vec_item_f32_64, float, ld16_f32, st_f32, 4, 4)
-DEFINE_VEC_ITEM(vec_item_bf16_64, uint16_t, ld16_bf16, st_bf16, 4, 4)
-DEFINE_VEC_ITEM(vec_item_f32_128, float, ld16_f32, st_f32, 8, 2)
-DEFINE_VEC_ITEM(vec_item_bf16_128, uint16_t, ld16_bf16, st_bf16, 8, 2)
-#define VEC_DISPATCH(SFX)                                                                           \
-    if (D == 64) { vec_item_##SFX##_64(q, k, v, out, bt, L, b, h0, NH, H, KVH, G, bs, scale, s); continue; } \
-    if (D == 128) { vec_item_##SFX##_128(q, k, v, out, bt, L, b, h0, NH, H, KVH, G, bs, scale, s); continue; }
-#else
-#define VEC_DISPATCH(SFX)
-#endif
+
+/* Query-head tile per vector work item: enough rows to cover SmolLM/Llama-style groups of 3-4 at
+ * head_dim 64 in one walk over the blocks; 2 at head_dim 128 (register pressure). */
+#define GT64 4
+#define GT128 2
 
 /* q, out: [B, H, D]; k, v: [num_slots, KVH, D]; block_tables: [B, bt_stride] int32; seq_lens: [B] int32.
- * One work item per (request, KV head), scheduled dynamically over the threads. The score rows
- * s hold L floats for each of G (scalar) or up to G + 3 (a padded vector tile) query rows. */
-#define DEFINE_KERNEL(NAME, T, SFX)                                                                 \
-void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_tables, int64_t bt_stride, \
-          const int32_t* seq_lens, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,        \
-          float scale, int num_threads) {                                                           \
-    const int64_t G = H / KVH, hsplit = B >= 2 * num_threads ? 1 : KVH, NH = KVH / hsplit;         \
-    _Pragma("omp parallel num_threads(num_threads)")                                                \
-    {                                                                                               \
-        int64_t cap = 0; float* s = NULL;                                                           \
-        float* work = (float*)malloc(sizeof(float) * 2 * G * D);                                    \
-        _Pragma("omp for schedule(dynamic, 1)")                                                     \
-        for (int64_t it = 0; it < B * hsplit; it++) {                                               \
-            const int64_t b = it / hsplit, h0 = (it % hsplit) * NH, L = seq_lens[b];                \
-            const int32_t* bt = block_tables + b * bt_stride;                                       \
-            if (L * (G + 4) > cap) { free(s); cap = L * (G + 4); s = (float*)malloc(sizeof(float) * cap); } \
-            VEC_DISPATCH(SFX)                                                                       \
-            for (int64_t h = h0; h < h0 + NH; h++)                                                  \
-                scalar_item_##SFX(q, k, v, out, bt, L, b, h, H, KVH, G, D, bs, scale, s, work);      \
-        }                                                                                           \
-        free(s); free(work);                                                                        \
-    }                                                                                               \
+ * A work item is a whole request (all KV heads) when there are at least two requests per thread
+ * (each block's contiguous [bs, KVH, D] rows are walked once and prefetched PF_DIST ahead), else
+ * (request, KV head) so small batches keep every thread busy; scheduled dynamically. The score
+ * rows s hold L floats for each of G (scalar) or up to GT64 (vector tile) query rows. */
+#define DEFINE_DECODE(QS, KS, QT, KT, RAWMUL)                                                       \
+DEFINE_SCALAR_ITEM(dec_scalar_##QS##_##KS, QT, sld_##QS, KT, sld_##KS, sst_##QS)                    \
+DEFINE_VEC_ITEM(dec_vec64_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 64 / VW, GT64)          \
+DEFINE_VEC_ITEM(dec_vec128_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 128 / VW, GT128)      \
+void paged_decode_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* block_tables, \
+                              int64_t bt_stride, const int32_t* seq_lens, int64_t B, int64_t H,      \
+                              int64_t KVH, int64_t D, int64_t bs, float scale, float k_scale,        \
+                              float v_scale, int num_threads) {                                      \
+    const int64_t G = H / KVH, hsplit = B >= 2 * num_threads ? 1 : KVH, NH = KVH / hsplit;          \
+    const float qscale = scale * k_scale * (RAWMUL), vscale = v_scale * (RAWMUL);                    \
+    _Pragma("omp parallel num_threads(num_threads)")                                                 \
+    {                                                                                                \
+        int64_t cap = 0; float* s = NULL;                                                            \
+        float* work = (float*)malloc(sizeof(float) * 2 * G * D);                                     \
+        _Pragma("omp for schedule(dynamic, 1)")                                                      \
+        for (int64_t it = 0; it < B * hsplit; it++) {                                                \
+            const int64_t b = it / hsplit, h0 = (it % hsplit) * NH, L = seq_lens[b];                 \
+            const int32_t* bt = block_tables + b * bt_stride;                                        \
+            const int64_t need = L * (G > GT64 ? G : GT64);                                          \
+            if (need > cap) { free(s); cap = need; s = (float*)malloc(sizeof(float) * cap); }        \
+            if (D == 64) {                                                                           \
+                dec_vec64_##QS##_##KS(q, k, v, out, bt, L, b, h0, NH, H, KVH, G, bs, qscale, vscale, s); \
+            } else if (D == 128) {                                                                   \
+                dec_vec128_##QS##_##KS(q, k, v, out, bt, L, b, h0, NH, H, KVH, G, bs, qscale, vscale, s); \
+            } else {                                                                                 \
+                for (int64_t h = h0; h < h0 + NH; h++)                                               \
+                    dec_scalar_##QS##_##KS(q, k, v, out, bt, L, b, h, H, KVH, G, D, bs, qscale, vscale, s, work); \
+            }                                                                                        \
+        }                                                                                            \
+        free(s); free(work);                                                                         \
+    }                                                                                                \
 }
 
-DEFINE_KERNEL(paged_decode_f32, float, f32)
-DEFINE_KERNEL(paged_decode_bf16, uint16_t, bf16)
-
-/* ---------------------------------------------------------------- prefill / chunked prefill
+/* ================================================================ prefill / chunked prefill
  * Causal attention of R requests' new tokens over their whole context (cached prefix + the new
  * tokens, whose K/V are already in the cache), read straight from the block pool; online softmax
  * over key tiles as in FlashAttention-2 (Dao, arXiv 2307.08691, Algorithm 1), on the CPU.
  * Work item = (request, tile of PQ query tokens, KV head): its PQ * G query rows (the G query heads
  * sharing the KV head, so K/V tiles are read once per group) are kept scaled in float32; each key
  * tile of PK positions is transposed (K) and widened (V) once and reused by every row; S = Q K^T
- * runs PR rows at a time with the rows' accumulators in registers. Rows see keys up to their own
- * position (c + token index, c = cached prefix length); tiles past a row are skipped. */
+ * runs PR rows at a time with the rows' PK scores in registers (PK / VW vectors each). Rows see keys
+ * up to their own position (c + token index, c = cached prefix length); tiles past a row are
+ * skipped. head_dim 64 or 128. */
 #define PQ 32
 #define PK 16
+#define PKV (PK / VW)
+#if VW == 16
 #define PR 8
-void paged_prefill_available(int* out) {   /* 1 when built with the AVX-512 prefill kernel */
-#if defined(__AVX512F__)
-    *out = 1;
 #else
-    *out = 0;
+#define PR 4
 #endif
-}
 
-#if defined(__AVX512F__)
-#define DEFINE_PREFILL(NAME, T, LD, LD16, ST, NC)                                                     \
-static void NAME##_item(const T* q, const T* k, const T* v, T* out, const int32_t* bt, int64_t q0,      \
-                        int64_t n, int64_t L, int64_t t0, int64_t h, int64_t H, int64_t KVH, int64_t bs, \
-                        float scale, float* qf, float* o, float* m, float* l, float* kt, float* vt) {   \
-    const int64_t D = 16 * NC, G = H / KVH, row = KVH * D, c = L - n;                                  \
+#define DEFINE_PREFILL_ITEM(NAME, QT, QLDV, KT, KLD, KLDV, ST, NC)                                    \
+static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* bt, int64_t q0,       \
+                 int64_t n, int64_t L, int64_t t0, int64_t h, int64_t H, int64_t KVH, int64_t bs,      \
+                 float qscale, float vscale, float* qf, float* o, float* m, float* l, float* kt, float* vt) { \
+    const int64_t D = VW * NC, G = H / KVH, row = KVH * D, c = L - n;                                  \
     const int64_t tq = n - t0 < PQ ? n - t0 : PQ, rows = tq * G;                                       \
-    const __m512 sc = _mm512_set1_ps(scale);                                                           \
+    const vf sc = vset1(qscale);                                                                       \
     for (int64_t ri = 0; ri < rows + PR; ri++)                                                         \
         for (int cc = 0; cc < NC; cc++) {                                                              \
-            __m512 x = _mm512_setzero_ps();                                                            \
-            if (ri < rows) x = _mm512_mul_ps(LD16(q + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D + 16 * cc), sc); \
-            _mm512_storeu_ps(qf + ri * D + 16 * cc, x);                                                \
+            vf x = vzero();                                                                            \
+            if (ri < rows) x = vmul(QLDV(q + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D + VW * cc), sc); \
+            vst(qf + ri * D + VW * cc, x);                                                             \
         }                                                                                              \
     memset(o, 0, sizeof(float) * rows * D);                                                            \
     for (int64_t ri = 0; ri < rows; ri++) { m[ri] = -INFINITY; l[ri] = 0.f; }                          \
@@ -213,75 +219,70 @@ static void NAME##_item(const T* q, const T* k, const T* v, T* out, const int32_
         for (int64_t j = 0; j < PK; j++) {                                                             \
             if (j < kn) {                                                                              \
                 const int64_t pos = p0 + j, slot = (int64_t)bt[pos / bs] * bs + pos % bs;               \
-                const T* kp = k + slot * row + h * D; const T* vp = v + slot * row + h * D;            \
-                for (int64_t d = 0; d < D; d++) kt[d * PK + j] = LD(kp + d);                           \
-                for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(vt + j * D + 16 * cc, LD16(vp + 16 * cc)); \
+                const KT* kp = k + slot * row + h * D; const KT* vp = v + slot * row + h * D;          \
+                for (int64_t d = 0; d < D; d++) kt[d * PK + j] = KLD(kp + d);                          \
+                for (int cc = 0; cc < NC; cc++) vst(vt + j * D + VW * cc, KLDV(vp + VW * cc));         \
             } else {                                                                                   \
                 for (int64_t d = 0; d < D; d++) kt[d * PK + j] = 0.f;                                  \
-                for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(vt + j * D + 16 * cc, _mm512_setzero_ps()); \
+                for (int cc = 0; cc < NC; cc++) vst(vt + j * D + VW * cc, vzero());                    \
             }                                                                                          \
         }                                                                                              \
         const int64_t first_row = p0 > c + t0 ? (p0 - c - t0) * G : 0;  /* rows before see none */    \
         for (int64_t rc = first_row; rc < rows; rc += PR) {                                            \
-            __m512 acc[PR];                                                                            \
-            for (int i = 0; i < PR; i++) acc[i] = _mm512_setzero_ps();                                 \
+            vf acc[PR][PKV];                                                                           \
+            for (int i = 0; i < PR; i++)                                                               \
+                for (int u = 0; u < PKV; u++) acc[i][u] = vzero();                                     \
             for (int64_t d = 0; d < D; d++) {                                                          \
-                const __m512 kd = _mm512_loadu_ps(kt + d * PK);                                        \
-                for (int i = 0; i < PR; i++) acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(rc + i) * D + d]), kd, acc[i]); \
+                vf kd[PKV];                                                                            \
+                for (int u = 0; u < PKV; u++) kd[u] = vld_f32(kt + d * PK + VW * u);                   \
+                for (int i = 0; i < PR; i++) {                                                         \
+                    const vf qd = vset1(qf[(rc + i) * D + d]);                                         \
+                    for (int u = 0; u < PKV; u++) acc[i][u] = vfma(qd, kd[u], acc[i][u]);              \
+                }                                                                                      \
             }                                                                                          \
             for (int i = 0; i < PR && rc + i < rows; i++) {                                            \
                 const int64_t ri = rc + i, qpos = c + t0 + ri / G;                                     \
                 int64_t nv = qpos - p0 + 1; nv = nv < kn ? nv : kn;                                    \
                 if (nv <= 0) continue;                                                                 \
-                const __mmask16 mk = nv >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << nv) - 1);       \
-                const __m512 s = _mm512_mask_blend_ps(mk, _mm512_set1_ps(-INFINITY), acc[i]);          \
-                const float mnew = fmaxf(m[ri], _mm512_reduce_max_ps(s));                              \
-                float pj[16];                                                                          \
-                _mm512_storeu_ps(pj, _mm512_sub_ps(s, _mm512_set1_ps(mnew)));                          \
-                for (int j = 0; j < 16; j++) pj[j] = expf(pj[j]);                                      \
-                const float corr = expf(m[ri] - mnew);                                                 \
+                float pj[PK];                                                                          \
+                for (int u = 0; u < PKV; u++) vst(pj + VW * u, acc[i][u]);                             \
+                float mt = m[ri];                                                                      \
+                for (int64_t j = 0; j < nv; j++) mt = pj[j] > mt ? pj[j] : mt;                         \
                 float psum = 0.f;                                                                      \
-                for (int j = 0; j < 16; j++) psum += pj[j];                                            \
+                for (int64_t j = 0; j < nv; j++) { pj[j] = expf(pj[j] - mt); psum += pj[j]; }          \
+                const float corr = expf(m[ri] - mt);                                                   \
                 l[ri] = l[ri] * corr + psum;                                                           \
-                m[ri] = mnew;                                                                          \
-                __m512 ov[NC];                                                                         \
-                const __m512 cv = _mm512_set1_ps(corr);                                                \
-                for (int cc = 0; cc < NC; cc++) ov[cc] = _mm512_mul_ps(_mm512_loadu_ps(o + ri * D + 16 * cc), cv); \
+                m[ri] = mt;                                                                            \
+                vf ov[NC];                                                                             \
+                const vf cv = vset1(corr);                                                             \
+                for (int cc = 0; cc < NC; cc++) ov[cc] = vmul(vld_f32(o + ri * D + VW * cc), cv);      \
                 for (int64_t j = 0; j < nv; j++) {                                                     \
-                    const __m512 pv = _mm512_set1_ps(pj[j]);                                           \
-                    for (int cc = 0; cc < NC; cc++)                                                    \
-                        ov[cc] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(vt + j * D + 16 * cc), ov[cc]);   \
+                    const vf pv = vset1(pj[j]);                                                        \
+                    for (int cc = 0; cc < NC; cc++) ov[cc] = vfma(pv, vld_f32(vt + j * D + VW * cc), ov[cc]); \
                 }                                                                                      \
-                for (int cc = 0; cc < NC; cc++) _mm512_storeu_ps(o + ri * D + 16 * cc, ov[cc]);        \
+                for (int cc = 0; cc < NC; cc++) vst(o + ri * D + VW * cc, ov[cc]);                     \
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
     for (int64_t ri = 0; ri < rows; ri++) {                                                            \
-        const float inv = 1.f / l[ri];                                                                 \
-        T* op = out + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D;                                   \
+        const float inv = vscale / l[ri];                                                              \
+        QT* op = out + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D;                                  \
         for (int64_t d = 0; d < D; d++) ST(op + d, o[ri * D + d] * inv);                               \
     }                                                                                                  \
 }
-DEFINE_PREFILL(prefill_f32_64, float, ld_f32, ld16_f32, st_f32, 4)
-DEFINE_PREFILL(prefill_bf16_64, uint16_t, ld_bf16, ld16_bf16, st_bf16, 4)
-DEFINE_PREFILL(prefill_f32_128, float, ld_f32, ld16_f32, st_f32, 8)
-DEFINE_PREFILL(prefill_bf16_128, uint16_t, ld_bf16, ld16_bf16, st_bf16, 8)
-#define PREFILL_ITEM(SFX, D) (D == 64 ? prefill_##SFX##_64_item : prefill_##SFX##_128_item)
-#else
-#define PREFILL_ITEM(SFX, D) NULL
-#endif
 
 /* q, out: [num_tokens, H, D]; k, v: [num_slots, KVH, D]; block_tables: [R, bt_stride] int32 (row r:
  * request r's blocks); q_start, q_len, seq_lens: [R] int32 (first row in q, new tokens, context
- * length after this step). head_dim 64 or 128 and AVX-512 only (paged_prefill_available). */
-#define DEFINE_PREFILL_KERNEL(NAME, T, SFX)                                                           \
-void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_tables, int64_t bt_stride, \
-          const int32_t* q_start, const int32_t* q_len, const int32_t* seq_lens, int64_t R, int64_t H,  \
-          int64_t KVH, int64_t D, int64_t bs, float scale, int num_threads) {                         \
-    void (*item)(const T*, const T*, const T*, T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,  \
-                 int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, float*, float*,     \
-                 float*) = PREFILL_ITEM(SFX, D);                                                      \
-    if (item == NULL || (D != 64 && D != 128)) return;                                                \
+ * length after this step). head_dim 64 or 128 (other sizes return without writing). */
+#define DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL)                                                        \
+DEFINE_PREFILL_ITEM(pre64_##QS##_##KS, QT, vld_##QS, KT, sld_##KS, vld_##KS, sst_##QS, 64 / VW)      \
+DEFINE_PREFILL_ITEM(pre128_##QS##_##KS, QT, vld_##QS, KT, sld_##KS, vld_##KS, sst_##QS, 128 / VW)    \
+void paged_prefill_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* block_tables, \
+                               int64_t bt_stride, const int32_t* q_start, const int32_t* q_len,       \
+                               const int32_t* seq_lens, int64_t R, int64_t H, int64_t KVH, int64_t D,  \
+                               int64_t bs, float scale, float k_scale, float v_scale, int num_threads) { \
+    if (D != 64 && D != 128) return;                                                                  \
+    const float qscale = scale * k_scale * (RAWMUL), vscale = v_scale * (RAWMUL);                     \
     const int64_t G = H / KVH;                                                                        \
     int64_t total = 0;                                                                                \
     for (int64_t r = 0; r < R; r++) total += (q_len[r] + PQ - 1) / PQ * KVH;                          \
@@ -298,12 +299,25 @@ void NAME(const T* q, const T* k, const T* v, T* out, const int32_t* block_table
         _Pragma("omp for schedule(dynamic, 1)")                                                       \
         for (int64_t it = 0; it < total; it++) {                                                      \
             const int64_t r = items[3 * it], t = items[3 * it + 1], h = items[3 * it + 2];            \
-            item(q, k, v, out, block_tables + r * bt_stride, q_start[r], q_len[r], seq_lens[r], t * PQ, \
-                 h, H, KVH, bs, scale, qf, o, m, l, kt, vt);                                          \
+            if (D == 64)                                                                              \
+                pre64_##QS##_##KS(q, k, v, out, block_tables + r * bt_stride, q_start[r], q_len[r], seq_lens[r], \
+                                  t * PQ, h, H, KVH, bs, qscale, vscale, qf, o, m, l, kt, vt);        \
+            else                                                                                      \
+                pre128_##QS##_##KS(q, k, v, out, block_tables + r * bt_stride, q_start[r], q_len[r], seq_lens[r], \
+                                   t * PQ, h, H, KVH, bs, qscale, vscale, qf, o, m, l, kt, vt);       \
         }                                                                                             \
         free(buf);                                                                                    \
     }                                                                                                 \
     free(items);                                                                                      \
 }
-DEFINE_PREFILL_KERNEL(paged_prefill_f32, float, f32)
-DEFINE_PREFILL_KERNEL(paged_prefill_bf16, uint16_t, bf16)
+
+/* Exported: paged_{decode,prefill}_<query/output type>_<cache type>. */
+#define DEFINE_ALL(QS, KS, QT, KT, RAWMUL) DEFINE_DECODE(QS, KS, QT, KT, RAWMUL) DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL)
+DEFINE_ALL(f32, f32, float, float, 1.f)
+DEFINE_ALL(bf16, bf16, uint16_t, uint16_t, 1.f)
+DEFINE_ALL(f32, i8, float, int8_t, 1.f)
+DEFINE_ALL(bf16, i8, uint16_t, int8_t, 1.f)
+DEFINE_ALL(f32, e4m3, float, uint8_t, E4M3_RAW_MUL)
+DEFINE_ALL(bf16, e4m3, uint16_t, uint8_t, E4M3_RAW_MUL)
+DEFINE_ALL(f32, e5m2, float, uint8_t, 1.f)
+DEFINE_ALL(bf16, e5m2, uint16_t, uint8_t, 1.f)

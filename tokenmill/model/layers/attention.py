@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.layers import paged_attention_cpu
+from tokenmill.model.layers.kv_quant import KVScales, dequantize, is_quantized, quantize
 
 
 @dataclass
@@ -137,7 +138,7 @@ class AttentionBackend(abc.ABC):
 
     @abc.abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
+                md: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         """Write new K/V into the cache, then attend causally over each request's context.
 
         Args:
@@ -147,15 +148,29 @@ class AttentionBackend(abc.ABC):
                 (contiguous).
             md: the step's :class:`AttentionMetadata`.
             scale: softmax scale (usually ``head_dim ** -0.5``).
+            kv_scales: this layer's K/V scales for a quantised cache (int8 / fp8; see
+                :mod:`tokenmill.model.layers.kv_quant`); None means 1.0. With
+                ``kv_scales.calculate`` set they are computed from this batch's K/V first.
 
         Returns:
             ``[num_tokens, num_heads, head_dim]`` in ``q.dtype``.
         """
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping`` ``[num_tokens]``."""
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Scatter ``k``/``v`` ``[num_tokens, num_kv_heads, head_dim]`` into ``kv_cache`` at ``slot_mapping`` ``[num_tokens]``.
+
+    A quantised cache (int8 / fp8) receives ``quantize(k, k_scale)`` and ``quantize(v, v_scale)``.
+    """
     _, nb, bs, kvh, d = kv_cache.shape
+    if is_quantized(kv_cache.dtype):
+        kq, vq = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
+        # index_copy_ on the raw bytes: float8 index_copy_ is not implemented on every device
+        raw = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.int8 else kv_cache
+        raw[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, kq.view(raw.dtype))
+        raw[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, vq.view(raw.dtype))
+        return
     kv_cache[0].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
     kv_cache[1].view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
@@ -234,12 +249,25 @@ class TorchAttentionBackend(AttentionBackend):
     path; CUDA always takes the torch path until a fused GPU kernel is added
     behind :class:`AttentionBackend`.
 
+    A quantised cache (``--kv-cache-dtype`` int8 / fp8) is read the same
+    ways: the CPU kernels widen each element on load and fold the layer's
+    K/V scales into the query scale and the output; the torch path
+    dequantises the gathered rows (and the fresh K/V of a prompt without a
+    cached prefix go through the same quantise/dequantise round trip, so
+    every path sees the values the cache holds).
+
     Args:
-        use_cpu_kernel: allow the fused CPU decode kernel.
+        use_cpu_kernel: allow the fused CPU kernels.
+        cpu_isa: kernel variant (``avx512``, ``avx2``, ``scalar``; None: this CPU's best).
+        prefill_kernel: use the CPU prefill kernel (None: where it beats SDPA, see
+            :func:`~tokenmill.model.layers.paged_attention_cpu.prefill_preferred`).
     """
 
-    def __init__(self, use_cpu_kernel: bool = True) -> None:
+    def __init__(self, use_cpu_kernel: bool = True, cpu_isa: str | None = None,
+                 prefill_kernel: bool | None = None) -> None:
         self.use_cpu_kernel = use_cpu_kernel
+        self.cpu_isa = cpu_isa
+        self.prefill_kernel = prefill_kernel
         self._workspace: torch.Tensor | None = None
 
     def _gather(self, kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
@@ -262,7 +290,7 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                md: AttentionMetadata, scale: float) -> torch.Tensor:
+                md: AttentionMetadata, scale: float, kv_scales: KVScales | None = None) -> torch.Tensor:
         """See :meth:`AttentionBackend.forward`.
 
         Rows of ``q``/``k``/``v`` beyond ``sum(md.query_lens)`` are padding
@@ -270,34 +298,42 @@ class TorchAttentionBackend(AttentionBackend):
         the slots ``md.slot_mapping`` gives them (a scratch block no request
         owns) and their output rows are zero.
         """
-        write_kv(kv_cache, k, v, md.slot_mapping)
+        ks = vs = 1.0
+        if kv_scales is not None and is_quantized(kv_cache.dtype):
+            if kv_scales.calculate:
+                n = md.num_tokens
+                kv_scales.maybe_calculate(k[:n], v[:n], kv_cache.dtype)
+            ks, vs = kv_scales.k, kv_scales.v
+        write_kv(kv_cache, k, v, md.slot_mapping, ks, vs)
         plan = md.cache.get("torch_plan")
         if plan is None:
-            use_kernel = self.use_cpu_kernel and paged_attention_cpu.supports(q, kv_cache)
-            use_prefill_kernel = use_kernel and paged_attention_cpu.prefill_supports(q, kv_cache)
+            use_kernel = self.use_cpu_kernel and paged_attention_cpu.supports(q, kv_cache, self.cpu_isa)
+            use_prefill_kernel = (use_kernel and paged_attention_cpu.prefill_supports(q, kv_cache, self.cpu_isa)
+                                  and (self.prefill_kernel if self.prefill_kernel is not None
+                                       else paged_attention_cpu.prefill_preferred(self.cpu_isa)))
             plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device, use_kernel,
                                                        use_prefill_kernel)
         dec, prefills, num_tokens = plan
         if q.shape[0] != num_tokens:
             out = q.new_zeros(q.shape)
             out[:num_tokens] = self._forward(q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache,
-                                             dec, prefills, scale)
+                                             dec, prefills, scale, ks, vs)
             return out
-        return self._forward(q, k, v, kv_cache, dec, prefills, scale)
+        return self._forward(q, k, v, kv_cache, dec, prefills, scale, ks, vs)
 
-    def _forward(self, q, k, v, kv_cache, dec, prefills, scale) -> torch.Tensor:
+    def _forward(self, q, k, v, kv_cache, dec, prefills, scale, ks: float = 1.0, vs: float = 1.0) -> torch.Tensor:
         if not prefills:
-            return self._decode(q, kv_cache, dec, scale)
+            return self._decode(q, kv_cache, dec, scale, ks, vs)
         out = torch.empty_like(q)
         if dec is not None:
-            out[dec.rows] = self._decode(q[dec.rows], kv_cache, dec, scale)
+            out[dec.rows] = self._decode(q[dec.rows], kv_cache, dec, scale, ks, vs)
         if isinstance(prefills, _KernelPrefillPlan):
             paged_attention_cpu.paged_prefill(q.contiguous(), kv_cache, prefills.block_tables, prefills.q_start,
-                                              prefills.q_len, prefills.seq_lens, scale, out)
+                                              prefills.q_len, prefills.seq_lens, scale, out, ks, vs, self.cpu_isa)
             return out
         for p in prefills:
             out[p.start:p.end] = self._prefill_one(q[p.start:p.end], k[p.start:p.end], v[p.start:p.end],
-                                                   kv_cache, p, scale)
+                                                   kv_cache, p, scale, ks, vs)
         return out
 
     @staticmethod
@@ -348,20 +384,25 @@ class TorchAttentionBackend(AttentionBackend):
                 dplan.pad = (pos[None, :] >= sl[:, None].to(torch.long))[:, None, None, :]
         return dplan, prefills, int(starts[-1])
 
-    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float) -> torch.Tensor:
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float,
+                ks: float = 1.0, vs: float = 1.0) -> torch.Tensor:
         """One batched attention for ``B`` single-token queries ``q`` ``[B, H, D]`` -> ``[B, H, D]``."""
         if plan.kernel:
-            return paged_attention_cpu.paged_decode(q, kv_cache, plan.block_tables, plan.seq_lens, scale)
+            return paged_attention_cpu.paged_decode(q, kv_cache, plan.block_tables, plan.seq_lens, scale, ks, vs,
+                                                    self.cpu_isa)
         b, h, d = q.shape
         kvh = kv_cache.shape[3]
         kv = self._gather(kv_cache, plan.kv_rows).view(2, b, kvh, plan.length, d)
-        scores = torch.matmul(q.view(b, kvh, h // kvh, d), kv[0].transpose(-1, -2)).float() * scale
+        kc, vc = kv[0], kv[1]
+        if is_quantized(kv_cache.dtype):
+            kc, vc = dequantize(kc, ks, q.dtype), dequantize(vc, vs, q.dtype)
+        scores = torch.matmul(q.view(b, kvh, h // kvh, d), kc.transpose(-1, -2)).float() * scale
         scores.masked_fill_(plan.pad, float("-inf"))                     # [B, KVH, G, L]
         probs = scores.softmax(dim=-1).to(q.dtype)
-        return torch.matmul(probs, kv[1]).reshape(b, h, d)
+        return torch.matmul(probs, vc).reshape(b, h, d)
 
     def _prefill_one(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                     plan: _PrefillPlan, scale: float) -> torch.Tensor:
+                     plan: _PrefillPlan, scale: float, ks: float = 1.0, vs: float = 1.0) -> torch.Tensor:
         """Attention for one request's ``n`` new tokens ``q`` ``[n, H, D]`` over its whole context.
 
         K/V come with heads already repeated to ``H`` (gathered that way, or
@@ -370,15 +411,22 @@ class TorchAttentionBackend(AttentionBackend):
         the 3-D ``enable_gqa`` call at 512 tokens.
         """
         n, h, d = q.shape
+        quant = is_quantized(kv_cache.dtype)
         if plan.kv_rows is None:  # no cached prefix: the fresh K/V are the whole context
+            if quant:   # the values the cache holds
+                k = dequantize(quantize(k, ks, kv_cache.dtype), ks, q.dtype)
+                v = dequantize(quantize(v, vs, kv_cache.dtype), vs, q.dtype)
             g = h // k.shape[1]
-            ks, vs = k.transpose(0, 1), v.transpose(0, 1)
+            kk, vv = k.transpose(0, 1), v.transpose(0, 1)
             if g > 1:
-                ks, vs = ks.repeat_interleave(g, dim=0), vs.repeat_interleave(g, dim=0)
+                kk, vv = kk.repeat_interleave(g, dim=0), vv.repeat_interleave(g, dim=0)
         else:
             kv = self._gather(kv_cache, plan.kv_rows).view(2, h, -1, d)
-            ks, vs = kv[0], kv[1]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], ks[None], vs[None], attn_mask=plan.mask,
+            kt, vt = kv[0], kv[1]
+            if quant:
+                kt, vt = dequantize(kt, ks, q.dtype), dequantize(vt, vs, q.dtype)
+            kk, vv = kt, vt
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk[None], vv[None], attn_mask=plan.mask,
                                              is_causal=plan.mask is None, scale=scale)
         return out[0].transpose(0, 1)
 

@@ -1,4 +1,4 @@
-"""A fused paged-attention decode kernel for the CPU (C, OpenMP), built on first use.
+"""Fused paged-attention kernels for the CPU (C, OpenMP): decode and prefill, every ISA, every KV dtype.
 
 PagedAttention decode (Kwon et al., arXiv 2309.06180, §4.1): every request
 has one new query token and attends to its whole context, which lives in
@@ -10,51 +10,64 @@ This kernel reads K and V once, straight from the block pool:
 
     for each work item (request b, KV heads h0..h1) in parallel (OpenMP):
         for each KV head h, query head g of its group:
-            s[g, l] = scale · q[b, h·G + g] · K[slot(b, l), h]    for l < seq_len[b]
+            s[g, l] = scale · k_scale · q[b, h·G + g] · K[slot(b, l), h]    for l < seq_len[b]
             p = softmax(s) (float32)
-            out[b, h·G + g] = Σ_l p[g, l] · V[slot(b, l), h]
+            out[b, h·G + g] = v_scale · Σ_l p[g, l] · V[slot(b, l), h]
 
 with ``slot(b, l) = block_tables[b, l // block_size] · block_size + l % block_size``
 and ``G = H / KVH`` query heads sharing a KV head (GQA, arXiv 2305.13245).
-float32 and bfloat16 caches are supported; accumulation is float32.
+The prefill kernel (:func:`paged_prefill`) is FlashAttention-2's online
+softmax (Dao, arXiv 2307.08691, Algorithm 1) over 16-key tiles of the paged
+cache, for every prefill/chunk request of a step in one call.
 
-A work item is a whole request (all KV heads) when there are at least two
-requests per thread, so it walks each block's contiguous
+Cache element types: float32 and bfloat16 (the model's dtype), and the
+quantised KV caches of ``--kv-cache-dtype``: int8, fp8 e4m3fn, fp8 e5m2,
+each with one float scale per layer for K and one for V (the cache holds
+``x / scale``). Every element is widened to float32 on load; accumulation is
+float32. Query and output: float32 or bfloat16.
+
+One C source (``tokenmill/model/csrc/paged_attention.c`` over the vector
+layer ``csrc/vec.h``) is compiled per instruction-set variant by
+:mod:`tokenmill.model.layers.cpu_build`: AVX-512 (16-wide), AVX2+FMA
+(8-wide) and scalar; head_dim 64 and 128 take the register-tiled vector
+loops, other head sizes a scalar decode loop (prefill: the caller's SDPA
+path). A decode work item is a whole request (all KV heads) when there are
+at least two requests per thread, so it walks each block's contiguous
 ``[block_size, KVH, D]`` K and V once and prefetches the block two ahead;
-smaller batches split requests by KV head to keep every thread busy. With
-AVX-512 and ``head_dim`` 64 or 128 the inner loops are 16-wide float32 FMAs
-with a tile of query rows and their output accumulators in registers
-(bfloat16 K/V widened on load); other sizes, and CPUs without AVX-512, take
-a scalar loop. Measured on the 2-core AVX-512 machine (30 layers, each its
-own cache so K/V come from DRAM as in a real step; B = 32, contexts 257):
-1.3-1.45x the previous per-(request, head) scalar kernel in bfloat16 and
-1.1x in float32, and within ~1.2x of a plain block-gather copy of the same
-K/V (which bounds any kernel that reads them: ~12 GB/s for scattered
-6 KB blocks here against ~28 GB/s for a sequential sum).
+smaller batches split requests by KV head to keep every thread busy.
+Measured on the 2-core AVX-512 machine (30 layers, each its own cache so
+K/V come from DRAM as in a real step; B = 32, contexts 257): 1.3-1.45x the
+previous per-(request, head) scalar kernel in bfloat16 and 1.1x in float32,
+and within ~1.2x of a plain block-gather copy of the same K/V.
 
-The C source (``tokenmill/model/csrc/paged_attention.c``) is compiled on first use by :mod:`tokenmill.model.layers.cpu_build`
-(system ``cc``, cached per user, shares torch's OpenMP pool). When no
-compiler is available or the build fails, :func:`load` returns None and the
-caller keeps the torch path. ``TOKENMILL_CPU_ATTENTION_KERNEL=0`` disables it.
+Built on first use (system ``cc``, cached per user, shares torch's OpenMP
+pool). When no compiler is available or the build fails, :func:`load`
+returns None and the caller keeps the torch path.
+``TOKENMILL_CPU_ATTENTION_KERNEL=0`` disables it.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
 from tokenmill.model.layers.cpu_build import load_library
 
 
-_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 5 + \
-    [ctypes.c_float, ctypes.c_int]
-_PREFILL_ARGTYPES = [ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + \
-    [ctypes.c_float, ctypes.c_int]
-_FUNCTIONS = {**{f"paged_decode_{t}": _ARGTYPES for t in ("f32", "bf16")},
-              **{f"paged_prefill_{t}": _PREFILL_ARGTYPES for t in ("f32", "bf16")},
-              "paged_prefill_available": [ctypes.c_void_p]}
+_P, _I, _F, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+_DECODE_ARGTYPES = [_P] * 5 + [_I, _P] + [_I] * 5 + [_F, _F, _F, _N]
+_PREFILL_ARGTYPES = [_P] * 5 + [_I] + [_P] * 3 + [_I] * 5 + [_F, _F, _F, _N]
+
+#: torch dtype -> the kernels' type suffix (query/output types are the first two).
+DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8",
+                torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
+_COMBOS = [("f32", "f32"), ("bf16", "bf16")] + [(qs, ks) for qs in ("f32", "bf16") for ks in ("i8", "e4m3", "e5m2")]
+_FUNCTIONS = {**{f"paged_decode_{qs}_{ks}": _DECODE_ARGTYPES for qs, ks in _COMBOS},
+              **{f"paged_prefill_{qs}_{ks}": _PREFILL_ARGTYPES for qs, ks in _COMBOS},
+              "paged_attention_isa": [_P]}
+_ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
 
 
 def load(isa: str | None = None) -> ctypes.CDLL | None:
@@ -64,24 +77,42 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     return load_library("paged_attention", ["paged_attention.c"], _FUNCTIONS, "TOKENMILL_CPU_ATTENTION_KERNEL", isa)
 
 
-def supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """True when the kernel can serve this call (CPU, float32/bfloat16, GQA heads divide evenly)."""
-    return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and q.dtype == kv_cache.dtype
-            and q.dtype in (torch.float32, torch.bfloat16) and q.shape[1] % kv_cache.shape[3] == 0
-            and kv_cache.is_contiguous() and load() is not None)
+def compiled_isa(isa: str | None = None) -> str | None:
+    """The vector path the loaded library was compiled for (``avx512``, ``avx2``, ``scalar``), None if unavailable."""
+    lib = load(isa)
+    if lib is None:
+        return None
+    level = ctypes.c_int(0)
+    lib.paged_attention_isa(ctypes.byref(level))
+    return _ISA_NAMES[level.value]
+
+
+def _suffixes(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[str, str] | None:
+    qs, ks = DTYPE_SUFFIX.get(q.dtype), DTYPE_SUFFIX.get(kv_cache.dtype)
+    return (qs, ks) if (qs, ks) in _COMBOS else None
+
+
+def supports(q: torch.Tensor, kv_cache: torch.Tensor, isa: str | None = None) -> bool:
+    """True when the decode kernel can serve this call: CPU, query float32/bfloat16 with a cache of the
+    same dtype or a quantised one (int8, fp8 e4m3fn/e5m2), GQA heads divide evenly, library loaded."""
+    return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and _suffixes(q, kv_cache) is not None
+            and q.shape[1] % kv_cache.shape[3] == 0 and kv_cache.is_contiguous() and load(isa) is not None)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 scale: float) -> torch.Tensor:
+                 scale: float, k_scale: float = 1.0, v_scale: float = 1.0, isa: str | None = None) -> torch.Tensor:
     """Decode attention for ``B`` single-token queries straight from the paged cache.
 
     Args:
         q: ``[B, H, D]`` float32 or bfloat16 (made contiguous if needed).
-        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous, same dtype.
+        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous: ``q.dtype``, or int8 /
+            float8_e4m3fn / float8_e5m2 holding ``x / k_scale`` (K) and ``x / v_scale`` (V).
         block_tables: ``[B, >= ceil(max(seq_lens) / block_size)]`` int32, last dim contiguous.
         seq_lens: ``[B]`` int32 context lengths (including the new token, whose K/V
             must already be in the cache).
         scale: softmax scale.
+        k_scale, v_scale: the cache's dequantisation scales (1.0 for float caches).
+        isa: kernel variant (None: this CPU's best).
 
     Returns:
         ``[B, H, D]`` in ``q.dtype``.
@@ -89,9 +120,10 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     Raises:
         RuntimeError: the kernel is unavailable (check :func:`supports` first).
     """
-    lib = load()
-    if lib is None:
-        raise RuntimeError("CPU paged-attention kernel unavailable")
+    lib = load(isa)
+    sfx = _suffixes(q, kv_cache)
+    if lib is None or sfx is None:
+        raise RuntimeError("CPU paged-attention kernel unavailable for this call")
     q = q.contiguous()
     b, h, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
@@ -99,28 +131,28 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         block_tables = block_tables.to(torch.int32).contiguous()
     seq_lens = seq_lens.to(torch.int32).contiguous()
     out = torch.empty_like(q)
-    fn = lib.paged_decode_f32 if q.dtype == torch.float32 else lib.paged_decode_bf16
-    fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-       block_tables.stride(0), seq_lens.data_ptr(), b, h, kvh, d, bs, float(scale), torch.get_num_threads())
+    getattr(lib, f"paged_decode_{sfx[0]}_{sfx[1]}")(
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seq_lens.data_ptr(), b, h, kvh, d, bs, float(scale), float(k_scale), float(v_scale),
+        torch.get_num_threads())
     return out
 
 
-def prefill_supports(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """True when :func:`paged_prefill` can serve this layer: :func:`supports`, head_dim 64 or 128,
-    and the library was built with AVX-512."""
-    return supports(q, kv_cache) and q.shape[-1] in (64, 128) and _prefill_vectorized()
+def prefill_supports(q: torch.Tensor, kv_cache: torch.Tensor, isa: str | None = None) -> bool:
+    """True when :func:`paged_prefill` can serve this layer: :func:`supports` and head_dim 64 or 128."""
+    return supports(q, kv_cache, isa) and q.shape[-1] in (64, 128)
 
 
-@functools.lru_cache(maxsize=1)
-def _prefill_vectorized() -> bool:
-    """Whether the loaded library has the AVX-512 prefill kernel (asked once; call after :func:`supports`)."""
-    flag = ctypes.c_int(0)
-    load().paged_prefill_available(ctypes.byref(flag))
-    return bool(flag.value)
+def prefill_preferred(isa: str | None = None) -> bool:
+    """Whether the prefill kernel beats torch's SDPA path on this variant: the vector ones (AVX2,
+    AVX-512: 1.5-2.6x SDPA at 256 tokens on the 2-core AMD EPYC); the scalar build is slower
+    than SDPA (0.6-0.8x), so the backend keeps SDPA there."""
+    return compiled_isa(isa) in ("avx2", "avx512")
 
 
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
-                  q_len: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                  q_len: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                  k_scale: float = 1.0, v_scale: float = 1.0, isa: str | None = None) -> None:
     """Causal attention for ``R`` prefill (or prefill-chunk) requests straight from the paged cache.
 
     Request ``r`` owns rows ``q_start[r] : q_start[r] + q_len[r]`` of ``q``;
@@ -134,16 +166,19 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
 
     Args:
         q: ``[num_tokens, H, D]`` contiguous, float32 or bfloat16, ``D`` 64 or 128.
-        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous, same dtype.
+        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous, ``q.dtype`` or quantised
+            (see :func:`paged_decode`).
         block_tables: ``[R, >= ceil(max(seq_lens) / block_size)]`` int32, last dim contiguous.
         q_start, q_len, seq_lens: ``[R]`` int32.
         scale: softmax scale.
-        out: ``[num_tokens, H, D]`` contiguous, same dtype; written in place.
+        out: ``[num_tokens, H, D]`` contiguous, same dtype as ``q``; written in place.
+        k_scale, v_scale: the cache's dequantisation scales.
+        isa: kernel variant (None: this CPU's best).
 
     Raises:
         RuntimeError: the kernel cannot serve the call (check :func:`prefill_supports`).
     """
-    if not prefill_supports(q, kv_cache):
+    if not prefill_supports(q, kv_cache, isa):
         raise RuntimeError("CPU paged prefill kernel unavailable for this call")
     if not (q.is_contiguous() and out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype):
         raise RuntimeError("paged_prefill needs contiguous q and out of the same shape and dtype")
@@ -152,8 +187,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
     q_start, q_len, seq_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_len, seq_lens))
-    lib = load()
-    fn = lib.paged_prefill_f32 if q.dtype == torch.float32 else lib.paged_prefill_bf16
-    fn(q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-       block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
-       d, bs, float(scale), torch.get_num_threads())
+    qs, ks = _suffixes(q, kv_cache)
+    getattr(load(isa), f"paged_prefill_{qs}_{ks}")(
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
+        d, bs, float(scale), float(k_scale), float(v_scale), torch.get_num_threads())

@@ -1,0 +1,56 @@
+"""Quantised KV cache (--kv-cache-dtype int8 / fp8) end to end on the real model (SmolLM2-135M, float32).
+
+Documented divergence bound (measured 2026-11-30 on the 8 prompts below, 16 greedy tokens, against the
+float32 cache; same counts with the CPU kernels and with the torch path): prompts whose whole
+continuation equals the reference: int8 6/8, fp8 (e4m3) 4/8, fp8_e5m2 1/8 (e5m2 keeps 2 mantissa
+bits: this 135M model's logits are too close for it). The first greedy token equals the reference on
+every prompt for int8 and fp8 e4m3. Prefix caching and chunked prefill must not change the quantised
+run's output at all (both read the same stored bytes).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are",
+           "Water boils at", "In 1492, Columbus", "The quick brown fox", "My favourite food is"]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def _ids(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return _ids(LLM(dtype="float32"))
+
+
+@pytest.mark.parametrize("kv,min_whole,first_all", [("int8", 6, True), ("fp8", 4, True), ("fp8_e5m2", 1, False)])
+def test_greedy_within_the_documented_bound(reference, kv, min_whole, first_all):
+    got = _ids(LLM(dtype="float32", kv_cache_dtype=kv))
+    whole = sum(a == b for a, b in zip(got, reference))
+    assert whole >= min_whole, (kv, whole)
+    if first_all:
+        assert all(a[0] == b[0] for a, b in zip(got, reference))
+
+
+def test_prefix_caching_and_chunked_prefill_unchanged_with_fp8():
+    long_prompts = [p + " " + "Paged attention stores keys and values in fixed-size blocks. " * 6 for p in PROMPTS[:4]]
+    llm = LLM(dtype="float32", kv_cache_dtype="fp8")
+    first = _ids(llm, long_prompts)
+    again = _ids(llm, long_prompts)                      # every full prompt block now comes from the prefix cache
+    assert again == first
+    chunked = LLM(dtype="float32", kv_cache_dtype="fp8", max_num_batched_tokens=32, enable_prefix_caching=False)
+    assert _ids(chunked, long_prompts) == first
+
+
+def test_calculated_scales_are_set_from_the_first_batch():
+    llm = LLM(dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True)
+    _ids(llm, PROMPTS[:2])
+    layers = llm.engine_core.executor.model.model.layers
+    assert all(la.self_attn.kv_scales.source == "calculated" for la in layers)
