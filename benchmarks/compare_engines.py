@@ -48,8 +48,21 @@ p99-free per-request SLO TTFT ≤ ``--slo-ttft-ms`` and TPOT ≤ ``--slo-tpot-ms
 ``OUT/compare_engines.json`` (with every cell's full ``bench serve`` result
 under ``OUT/raw/``), ``OUT/compare_engines.png`` and the servers' logs.
 
+Ablations of tokenmill itself: an engine name ``tokenmill@ISA`` (``avx2``,
+``avx512``, ``scalar``) runs tokenmill with ``TOKENMILL_CPU_ISA=ISA`` (its C
+kernels built for that instruction set; e.g. the AVX2 path on an AVX-512 CPU),
+compared against plain ``tokenmill`` (the CPU's best) in the same run.
+
+Quick mode (``--quick``, about 10 minutes with tokenmill and llama-server):
+concurrency 1, 16, 64; random 256 → 128 and MT-bench; 4 requests at
+concurrency 1 and one per slot above (``--min-prompts 4 --prompts-per-slot 1``);
+engines tokenmill and llamacpp unless ``--engines`` says otherwise. The header
+names the CPU and its instruction-set level (the kernel variant tokenmill picks).
+
 Usage::
 
+    .venv/bin/python benchmarks/compare_engines.py --quick --llama-server PATH   # ~10 min
+    .venv/bin/python benchmarks/compare_engines.py --quick --engines tokenmill,tokenmill@avx2 --dtype float32
     .venv/bin/python benchmarks/compare_engines.py                       # full sweep
     .venv/bin/python benchmarks/compare_engines.py --concurrency 1,4 --num-prompts 4 \\
         --output-len 32 --out-dir results/compare-smoke                 # smoke run
@@ -85,6 +98,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 ENGINES = ("tokenmill", "transformers", "llamacpp")
+#: ``tokenmill@ISA`` engines: tokenmill with TOKENMILL_CPU_ISA=ISA (an ablation of its kernel variants)
+TOKENMILL_ISAS = ("avx512", "avx2", "scalar")
 BASELINE = "tokenmill"
 
 
@@ -234,7 +249,7 @@ def plot_report(doc: dict[str, Any], path: Path) -> Path:
     for i, w in enumerate(workloads):
         for j, (key, label) in enumerate(cols):
             ax = axes[i][j]
-            for eng in ENGINES:
+            for eng in list(ENGINES) + sorted({c["engine"] for c in cells} - set(ENGINES)):
                 pts = sorted((c["concurrency"], _num(c.get(key))) for c in cells
                              if c["engine"] == eng and c["workload"] == w and c.get("completed")
                              and _num(c.get(key)) is not None
@@ -378,7 +393,9 @@ def make_server(engine: str, args: argparse.Namespace, gguf: Path, hf_dir: Path 
     port = free_port()
     env = thread_env(args.threads)
     py = sys.executable
-    if engine == "tokenmill":
+    if engine == "tokenmill" or engine.startswith("tokenmill@"):
+        if "@" in engine:
+            env["TOKENMILL_CPU_ISA"] = engine.split("@", 1)[1]
         cmd = [py, "-m", "tokenmill.cli", "serve", "--model", str(args.tokenmill_model or gguf),
                "--dtype", args.dtype, "--host", "127.0.0.1", "--port", str(port), *args.tokenmill_args]
     elif engine == "transformers":
@@ -500,9 +517,30 @@ def save(doc: dict[str, Any], out_dir: Path) -> Path:
     return path
 
 
+def cpu_isa_info() -> dict[str, Any]:
+    """The CPU's vector instruction sets (from /proc/cpuinfo) and the kernel variant tokenmill picks."""
+    out: dict[str, Any] = {}
+    try:
+        from tokenmill.model.layers import cpu_build
+
+        flags = cpu_build._cpu_flags()
+        out["isa_flags"] = [f for f in ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_bf16", "avx512_vnni",
+                                        "amx_bf16", "amx_tile") if f in flags]
+        out["tokenmill_isa"] = next(i for i in cpu_build.ISAS if cpu_build.isa_supported(i))
+    except Exception as exc:  # noqa: BLE001 - the header must not stop the benchmark
+        out["isa_error"] = str(exc)
+    return out
+
+
+def isa_header(info: dict[str, Any]) -> str:
+    """One line: CPU model, cores, vector ISA flags and tokenmill's kernel variant."""
+    return (f"# CPU: {info.get('cpu', '?')}, {info.get('cpu_count')} cores; ISA: "
+            f"{' '.join(info.get('isa_flags', [])) or 'no AVX2'}; tokenmill kernels: {info.get('tokenmill_isa', '?')}")
+
+
 def machine_info() -> dict[str, Any]:
     info: dict[str, Any] = {"hostname": platform.node(), "cpu_count": os.cpu_count(),
-                            "python": platform.python_version()}
+                            "python": platform.python_version(), **cpu_isa_info()}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -524,9 +562,13 @@ def machine_info() -> dict[str, Any]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engines", default="tokenmill,transformers",
-                   help="Comma-separated: tokenmill, transformers, llamacpp (default tokenmill,transformers; "
-                        "llamacpp needs --llama-server and is skipped without it).")
+    p.add_argument("--engines", default=None,
+                   help="Comma-separated: tokenmill, tokenmill@avx2 / @avx512 / @scalar (tokenmill with that kernel "
+                        "variant), transformers, llamacpp (default tokenmill,transformers; with --quick "
+                        "tokenmill,llamacpp; llamacpp needs --llama-server and is skipped without it).")
+    p.add_argument("--quick", action="store_true",
+                   help="About 10 minutes: concurrency 1,16,64, random and mt-bench, --min-prompts 4 "
+                        "--prompts-per-slot 1 (explicit flags still win).")
     p.add_argument("--workloads", default="random,mt-bench", help="Comma-separated: random, mt-bench.")
     p.add_argument("--concurrency", default="1,4,16,64", help="Max concurrency values (default 1,4,16,64).")
     p.add_argument("--num-prompts", type=int, default=None,
@@ -580,11 +622,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
     p.add_argument("--replot", type=Path, default=None, metavar="JSON",
                    help="Only re-print the table and redraw the PNG from a saved JSON.")
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
+    if args.quick:
+        given = {a.split("=", 1)[0] for a in argv}
+        for flag, dest, value in (("--concurrency", "concurrency", "1,16,64"), ("--min-prompts", "min_prompts", 4),
+                                  ("--prompts-per-slot", "prompts_per_slot", 1),
+                                  ("--workloads", "workloads", "random,mt-bench")):
+            if flag not in given:
+                setattr(args, dest, value)
+    if args.engines is None:
+        args.engines = "tokenmill,llamacpp" if args.quick else "tokenmill,transformers"
     if args.goodput_search and not 0 < args.attainment <= 1:
         p.error("--attainment must be in (0, 1]")
     args.engine_list = [e.strip() for e in args.engines.split(",") if e.strip()]
-    bad = [e for e in args.engine_list if e not in ENGINES]
+    bad = [e for e in args.engine_list if e not in ENGINES and not (
+        e.startswith("tokenmill@") and e.split("@", 1)[1] in TOKENMILL_ISAS)]
     if bad:
         p.error(f"unknown engine(s) {bad}; choose from {','.join(ENGINES)}")
     args.goodput_engines = [e.strip() for e in args.goodput_search.split(",") if e.strip()]
@@ -668,6 +721,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "num_prompts": args.num_prompts, "slo_ms": slo, "temperature": 0.0,
         "load_average_start": load_average(), "engine_runs": {},
     }
+    print(isa_header(meta["machine"]))
+    print(f"# engines {', '.join(engines)}; dtype {args.dtype}; threads {args.threads}; concurrency "
+          f"{','.join(map(str, args.concurrency))}; workloads {','.join(args.workload_list)}; load average "
+          f"{meta['load_average_start']:.2f}", flush=True)
     cells: list[dict[str, Any]] = []
     searches: dict[str, Any] = {}
     meta["goodput_search"] = searches

@@ -213,3 +213,18 @@ def test_goodput_search_against_fake_server():
     assert [p["request_rate"] for p in doc["curve"]] == [8.0, 16.0]
     assert all(p["passed"] and p["slo_attainment"] == 1.0 and p["completed"] >= 6 for p in doc["curve"])
     assert doc["goodput_req_s"] == 16.0 and doc["lowest_failing_rate"] is None
+
+
+def test_quick_mode_defaults_and_isa_engines():
+    a = ce.parse_args(["--quick"])
+    assert a.concurrency == [1, 16, 64] and a.workload_list == ["random", "mt-bench"]
+    assert (a.min_prompts, a.prompts_per_slot, a.engine_list) == (4, 1, ["tokenmill", "llamacpp"])
+    assert [ce.default_num_prompts(c, a.min_prompts, a.prompts_per_slot) for c in a.concurrency] == [4, 16, 64]
+    a = ce.parse_args(["--quick", "--concurrency", "1", "--engines", "tokenmill,tokenmill@avx2"])
+    assert a.concurrency == [1] and a.engine_list == ["tokenmill", "tokenmill@avx2"]
+    with pytest.raises(SystemExit):
+        ce.parse_args(["--engines", "tokenmill@sse9"])
+    info = ce.machine_info()
+    header = ce.isa_header(info)
+    assert header.startswith("# CPU:") and "tokenmill kernels:" in header
+    assert info.get("tokenmill_isa") in ("avx512", "avx2", "scalar")

@@ -98,7 +98,7 @@ def test_runner_quantised_cache_end_to_end(kv, calculate, caplog):
     ref_logits, _, ref_driver = play(make_runner(model, arch), model, arch, check_reference=False)
     ref_sampled = [t for lg in ref_logits for t in lg.argmax(-1).tolist()]
     model, arch = _tiny()
-    with caplog.at_level("INFO", logger="tokenmill.model.runner"):
+    with caplog.at_level("INFO"):
         runner = make_runner(model, arch, kv_cache_dtype=kv, calculate_kv_scales=calculate)
     want = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
     assert all(c.dtype == want for c in runner.kv_caches)
