@@ -185,3 +185,28 @@ def test_prefill_reads_quantized_cache(kv_dtype, dtype, isa):
     assert type(md.cache["torch_plan"][1]).__name__ == "_KernelPrefillPlan"
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16] + QUANT_KV, ids=str)
+@pytest.mark.parametrize("isa", ISAS)
+def test_kv_write_kernel_matches_torch_bit_for_bit(kv_dtype, isa):
+    """The C scatter (+ quantise) stores exactly the bytes torch's write_kv does: wide dynamic range
+    (fp8 subnormals), exact ties, out-of-range values (saturated), strided source rows."""
+    from tokenmill.model.layers.attention import write_kv
+    g = torch.Generator().manual_seed(1)
+    src_dtype = torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
+    for src in ([src_dtype] if kv_dtype in (torch.float32, torch.bfloat16) else [torch.float32, torch.bfloat16]):
+        n, kvh, d = 37, 3, 64
+        wide = torch.randn(n, 5 * kvh * d, generator=g) * torch.exp2(torch.randint(-20, 12, (n, 5 * kvh * d),
+                                                                                   generator=g).float())
+        wide[0, :8] = torch.tensor([0.5, 1.5, 2.5, -2.5, 448.0, 1e6, -1e6, 0.0])   # ties, range ends
+        wide = wide.to(src)
+        k = wide[:, kvh * d:2 * kvh * d].view(n, kvh, d)      # strided rows, as slices of the q/k/v output
+        v = wide[:, 3 * kvh * d:4 * kvh * d].view(n, kvh, d)
+        slots = torch.randperm(8 * 16, generator=g)[:n]
+        a = torch.zeros(2, 8, 16, kvh, d, dtype=kv_dtype)
+        b = a.clone()
+        assert paged_attention_cpu.write_kv_supports(k, v, a, isa)
+        paged_attention_cpu.write_kv(a, k, v, slots, 0.75, 1.25, isa=isa)
+        write_kv(b, k, v, slots, 0.75, 1.25)
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (src, kv_dtype)

@@ -321,3 +321,52 @@ DEFINE_ALL(f32, e4m3, float, uint8_t, E4M3_RAW_MUL)
 DEFINE_ALL(bf16, e4m3, uint16_t, uint8_t, E4M3_RAW_MUL)
 DEFINE_ALL(f32, e5m2, float, uint8_t, 1.f)
 DEFINE_ALL(bf16, e5m2, uint16_t, uint8_t, 1.f)
+
+/* ================================================================ KV write (+ quantise)
+ * Scatter this step's K and V rows into the cache: row t of k / v (KVH * D elements, `k_stride` /
+ * `v_stride` elements apart: they may be column slices of the fused q/k/v projection) goes to slot
+ * slot_mapping[t]. Quantised caches store x * inv_scale, saturated at the format's largest value and
+ * rounded to nearest even (the same bits as torch's conversion of the clamped value). */
+static inline uint8_t f32_to_e4m3(float x) {    /* |x| <= 448, finite */
+    union { uint32_t u; float f; } c; c.f = x;
+    const uint8_t sign = (uint8_t)((c.u >> 24) & 0x80u);
+    c.u &= 0x7fffffffu;
+    if (c.f < 0.015625f) return sign | (uint8_t)rintf(c.f * 512.f);         /* subnormal: steps of 2^-9 */
+    c.u += 0x7ffffu + ((c.u >> 20) & 1u);                                      /* round to 3 mantissa bits */
+    return sign | (uint8_t)((((c.u >> 23) - 120u) << 3) | ((c.u >> 20) & 7u));
+}
+static inline uint8_t f32_to_e5m2(float x) {    /* |x| <= 57344, finite */
+    union { uint32_t u; float f; } c; c.f = x;
+    const uint8_t sign = (uint8_t)((c.u >> 24) & 0x80u);
+    c.u &= 0x7fffffffu;
+    if (c.f < 6.103515625e-05f) return sign | (uint8_t)rintf(c.f * 65536.f);  /* subnormal: steps of 2^-16 */
+    c.u += 0xfffffu + ((c.u >> 21) & 1u);                                      /* round to 2 mantissa bits */
+    return sign | (uint8_t)((((c.u >> 23) - 112u) << 2) | ((c.u >> 21) & 3u));
+}
+static inline float clampf(float x, float lim) { return x > lim ? lim : (x < -lim ? -lim : x); }
+static inline void qst_f32(float* p, float x, float inv) { (void)inv; *p = x; }
+static inline void qst_bf16(uint16_t* p, float x, float inv) { (void)inv; *p = f32_to_bf16(x); }
+static inline void qst_i8(int8_t* p, float x, float inv) { *p = (int8_t)rintf(clampf(x * inv, 127.f)); }
+static inline void qst_e4m3(uint8_t* p, float x, float inv) { *p = f32_to_e4m3(clampf(x * inv, 448.f)); }
+static inline void qst_e5m2(uint8_t* p, float x, float inv) { *p = f32_to_e5m2(clampf(x * inv, 57344.f)); }
+
+#define DEFINE_KV_WRITE(QS, KS, QT, KT)                                                               \
+void kv_write_##QS##_##KS(const QT* k, const QT* v, const int64_t* slot_mapping, int64_t n, int64_t row,  \
+                          int64_t k_stride, int64_t v_stride, KT* kc, KT* vc, float k_inv, float v_inv) { \
+    for (int64_t t = 0; t < n; t++) {                                                                 \
+        const QT* kr = k + t * k_stride; const QT* vr = v + t * v_stride;                             \
+        KT* kd = kc + slot_mapping[t] * row; KT* vd = vc + slot_mapping[t] * row;                     \
+        for (int64_t i = 0; i < row; i++) {                                                           \
+            qst_##KS(kd + i, sld_##QS(kr + i), k_inv);                                                \
+            qst_##KS(vd + i, sld_##QS(vr + i), v_inv);                                                \
+        }                                                                                             \
+    }                                                                                                 \
+}
+DEFINE_KV_WRITE(f32, f32, float, float)
+DEFINE_KV_WRITE(bf16, bf16, uint16_t, uint16_t)
+DEFINE_KV_WRITE(f32, i8, float, int8_t)
+DEFINE_KV_WRITE(bf16, i8, uint16_t, int8_t)
+DEFINE_KV_WRITE(f32, e4m3, float, uint8_t)
+DEFINE_KV_WRITE(bf16, e4m3, uint16_t, uint8_t)
+DEFINE_KV_WRITE(f32, e5m2, float, uint8_t)
+DEFINE_KV_WRITE(bf16, e5m2, uint16_t, uint8_t)

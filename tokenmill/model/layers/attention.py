@@ -304,7 +304,6 @@ class TorchAttentionBackend(AttentionBackend):
                 n = md.num_tokens
                 kv_scales.maybe_calculate(k[:n], v[:n], kv_cache.dtype)
             ks, vs = kv_scales.k, kv_scales.v
-        write_kv(kv_cache, k, v, md.slot_mapping, ks, vs)
         plan = md.cache.get("torch_plan")
         if plan is None:
             use_kernel = self.use_cpu_kernel and paged_attention_cpu.supports(q, kv_cache, self.cpu_isa)
@@ -313,6 +312,12 @@ class TorchAttentionBackend(AttentionBackend):
                                        else paged_attention_cpu.prefill_preferred(self.cpu_isa)))
             plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device, use_kernel,
                                                        use_prefill_kernel)
+            md.cache["kv_write_kernel"] = use_kernel and paged_attention_cpu.write_kv_supports(k, v, kv_cache,
+                                                                                               self.cpu_isa)
+        if md.cache["kv_write_kernel"]:   # one C call: scatter (and quantise) this step's K/V
+            paged_attention_cpu.write_kv(kv_cache, k, v, md.slot_mapping, ks, vs, self.cpu_isa)
+        else:
+            write_kv(kv_cache, k, v, md.slot_mapping, ks, vs)
         dec, prefills, num_tokens = plan
         if q.shape[0] != num_tokens:
             out = q.new_zeros(q.shape)

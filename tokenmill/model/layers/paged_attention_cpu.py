@@ -64,7 +64,9 @@ DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8",
                 torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
 _COMBOS = [("f32", "f32"), ("bf16", "bf16")] + [(qs, ks) for qs in ("f32", "bf16") for ks in ("i8", "e4m3", "e5m2")]
+_KV_WRITE_ARGTYPES = [_P, _P, _P, _I, _I, _I, _I, _P, _P, _F, _F]
 _FUNCTIONS = {**{f"paged_decode_{qs}_{ks}": _DECODE_ARGTYPES for qs, ks in _COMBOS},
+              **{f"kv_write_{qs}_{ks}": _KV_WRITE_ARGTYPES for qs, ks in _COMBOS},
               **{f"paged_prefill_{qs}_{ks}": _PREFILL_ARGTYPES for qs, ks in _COMBOS},
               "paged_attention_isa": [_P]}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
@@ -192,3 +194,33 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
         d, bs, float(scale), float(k_scale), float(v_scale), torch.get_num_threads())
+
+
+def write_kv_supports(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, isa: str | None = None) -> bool:
+    """True when :func:`write_kv` can serve these rows: :func:`supports`-style dtype pair, each row's
+    ``[KVH, D]`` contiguous (rows may be strided, e.g. slices of the fused q/k/v output)."""
+    return (k.device.type == "cpu" and _suffixes(k, kv_cache) is not None and v.dtype == k.dtype
+            and k.stride(-1) == 1 and v.stride(-1) == 1 and k.stride(-2) == k.shape[-1]
+            and v.stride(-2) == v.shape[-1] and kv_cache.is_contiguous() and load(isa) is not None)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0, isa: str | None = None) -> None:
+    """Scatter ``k``/``v`` ``[num_tokens, KVH, D]`` into ``kv_cache`` at ``slot_mapping`` in one C call.
+
+    Same result as :func:`tokenmill.model.layers.attention.write_kv` (bit for bit: quantised caches
+    store ``x / scale`` clamped to the format's range and rounded to nearest even) without its
+    2-12 torch ops per layer.
+
+    Raises:
+        RuntimeError: the call is not supported (check :func:`write_kv_supports`).
+    """
+    if not write_kv_supports(k, v, kv_cache, isa):
+        raise RuntimeError("CPU kv_write kernel unavailable for this call")
+    n = k.shape[0]
+    sm = slot_mapping if slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous() else \
+        slot_mapping.to(torch.int64).contiguous()
+    qs, ks = _suffixes(k, kv_cache)
+    getattr(load(isa), f"kv_write_{qs}_{ks}")(
+        k.data_ptr(), v.data_ptr(), sm.data_ptr(), n, k.shape[-2] * k.shape[-1], k.stride(0), v.stride(0),
+        kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), 1.0 / float(k_scale), 1.0 / float(v_scale))
