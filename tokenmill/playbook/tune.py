@@ -45,6 +45,7 @@ import json
 import logging
 import math
 import os
+import platform
 import shlex
 import signal
 import socket
@@ -111,6 +112,8 @@ class Measurement:
         duration_s: wall time of the trial, start-up included.
         startup_s: server start-up time.
         error: why the trial produced no goodput (server failed to start, ...), else None.
+        load_avg: the machine's 1-minute load average at the end of the trial (other processes compete for
+            the CPUs: compare trials only at similar load).
     """
 
     goodput: float = 0.0
@@ -123,6 +126,7 @@ class Measurement:
     duration_s: float = 0.0
     startup_s: float = 0.0
     error: str | None = None
+    load_avg: float = math.nan
 
 
 def _free_port() -> int:
@@ -330,6 +334,7 @@ class GoodputMeasurer:
         finally:
             srv.stop()
         m.duration_s = time.monotonic() - t0
+        m.load_avg = os.getloadavg()[0]
         return m
 
 
@@ -790,6 +795,22 @@ def _ms(v: float) -> str:
     return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.0f}"
 
 
+def _f1(v: float) -> str:
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1f}"
+
+
+def _machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs"
+
+
 def _change_str(change: dict[str, Any]) -> str:
     return " ".join(flags_to_argv(change)) if change else "(starting configuration)"
 
@@ -823,19 +844,21 @@ def format_markdown(r: TuneResult, chart_name: str | None = None) -> str:
         f"- goodput: {r.baseline_goodput:.3g} req/s at the start → **{r.best_goodput:.3g} req/s** "
         f"({'+' if r.best_goodput >= r.baseline_goodput else ''}"
         f"{100 * (r.best_goodput / r.baseline_goodput - 1) if r.baseline_goodput else 0:.0f}%)",
+        f"- machine: {_machine()}; load average (1 min) at the end of each trial in the table",
         f"- time: {r.elapsed_s / 60:.1f} min in this invocation"
         + (f", budget {s.budget_minutes:g} min" if s.budget_minutes else "")
         + (" — **stopped by the budget**" if r.stopped_by_budget else ""),
         "", "## Final command", "", "```bash", r.serve_command, "```", "",
         "## Trials", "",
-        "| # | lever | change | goodput req/s | attainment | p99 TTFT ms | p99 TPOT ms | preemptions | trial s | verdict | why |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---|---|",
+        "| # | lever | change | goodput req/s | attainment | p99 TTFT ms | p99 TPOT ms | preemptions | trial s | load | verdict | why |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for t in r.trials:
         m = t.measurement
         att = "-" if math.isnan(m.slo_attainment) else f"{100 * m.slo_attainment:.0f}%"
         lines.append(f"| {t.index} | {t.lever or 'noise'} | `{_change_str(t.change)}` | {m.goodput:.3g} | {att} | "
                      f"{_ms(m.p99_ttft_ms)} | {_ms(m.p99_tpot_ms)} | {m.preemptions:.0f} | {m.duration_s:.0f} | "
+                     f"{_f1(m.load_avg)} | "
                      f"{t.verdict}{' (resumed)' if t.resumed else ''} | {t.why}; {t.reason} |")
     lines += ["", "p99s and attainment are those of the highest rate that met the target (the lowest rate probed "
               "when none did); preemptions are counted over the whole goodput search.", ""]
