@@ -174,3 +174,12 @@ def test_quantization_and_kv_dtype_follow_the_accuracy_report(tmp_path):
     from tokenmill.playbook.tune import load_accuracy_report
 
     assert load_accuracy_report(str(path))["int4"]["lossless"] is False
+
+
+def test_final_command_replaces_overridden_base_flags():
+    from tokenmill.playbook.tune import merge_serve_args
+
+    base = ["--max-num-seqs", "4", "--dtype", "bfloat16", "--no-enable-prefix-caching", "--block-size=32"]
+    got = merge_serve_args(base, {"max_num_seqs": 8, "enable_prefix_caching": True, "block_size": 16},
+                           serve_options())
+    assert got == ["--dtype", "bfloat16", "--max-num-seqs", "8", "--enable-prefix-caching", "--block-size", "16"]

@@ -85,6 +85,24 @@ def flags_to_argv(flags: dict[str, Any]) -> list[str]:
     return argv
 
 
+def merge_serve_args(base: list[str], flags: dict[str, Any], options: dict[str, argparse.Action]) -> list[str]:
+    """``base`` serve arguments with the flags in ``flags`` replaced by their new values (appended)."""
+    names = {k.replace("_", "-") for k in flags}
+    out, i = [], 0
+    while i < len(base):
+        tok = base[i]
+        flag = tok.split("=", 1)[0]
+        name = flag[2:].removeprefix("no-") if flag.startswith("--") else None
+        if name in names:
+            action = options.get(flag) or options.get("--" + name)
+            takes_value = action is not None and action.nargs != 0 and "=" not in tok
+            i += 2 if takes_value else 1
+            continue
+        out.append(tok)
+        i += 1
+    return out + flags_to_argv(flags)
+
+
 def _normalize(flags: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """``flags`` without the entries equal to the base configuration's values (one key per configuration)."""
     return {k: v for k, v in flags.items() if k not in defaults or defaults[k] != v}
@@ -719,8 +737,8 @@ def tune(settings: TuneSettings, output_dir: Path, state_path: Path | None = Non
             if lever not in skipped and not any(t.lever == lever for t in trials):
                 skipped[lever] = "not tried: --budget-minutes spent"
     model = settings.model or ""
-    serve_cmd = shlex.join(["tokenmill", "serve", *([model] if model else []), *settings.base_serve_args,
-                            *flags_to_argv(best_flags)])
+    serve_cmd = shlex.join(["tokenmill", "serve", *([model] if model else []),
+                            *merge_serve_args(settings.base_serve_args, best_flags, options)])
     return TuneResult(settings=settings, trials=trials, noise=noise, threshold=threshold, baseline_goodput=baseline,
                       best_flags=best_flags, best_goodput=best_goodput, skipped=skipped, serve_command=serve_cmd,
                       stopped_by_budget=stopped, elapsed_s=time.monotonic() - t_start)
