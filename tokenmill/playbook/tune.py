@@ -851,14 +851,17 @@ def format_markdown(r: TuneResult, chart_name: str | None = None) -> str:
     slo = ", ".join(f"{k.upper()} ≤ {v:g} ms" for k, v in s.slos.items())
     w = s.workload
     wl = ", ".join(f"{k} {v}" for k, v in w.items() if v not in (None, False, ""))
+    n_noise = sum(1 for t in r.trials if t.kind == "noise" and not t.measurement.error)
     lines = [
         "# tokenmill tune report", "",
         f"- model: `{s.model or '(packaged default)'}`; base serve arguments: `{shlex.join(s.base_serve_args) or '(none)'}`",
         f"- workload: {wl}",
         f"- SLO: {slo}, attainment ≥ {100 * s.attainment:g}% (goodput: the highest Poisson request rate meeting it, "
         f"bisected to {100 * s.precision:g}%)",
-        f"- run-to-run noise: {100 * r.noise:.1f}% over {s.noise_runs} runs of the starting configuration; a change is "
-        f"kept when goodput rises more than {100 * r.threshold:.1f}% (max of noise and search precision)",
+        (f"- run-to-run noise: {100 * r.noise:.1f}% over {n_noise} runs of the starting configuration"
+         if n_noise > 1 else f"- run-to-run noise: not measured ({n_noise} run of the starting configuration)")
+        + f"; a change is kept when goodput rises more than {100 * r.threshold:.1f}% (max of noise and search "
+          f"precision)",
         f"- goodput: {r.baseline_goodput:.3g} req/s at the start → **{r.best_goodput:.3g} req/s** "
         f"({'+' if r.best_goodput >= r.baseline_goodput else ''}"
         f"{100 * (r.best_goodput / r.baseline_goodput - 1) if r.baseline_goodput else 0:.0f}%)",
