@@ -917,9 +917,9 @@ def plot_trials(r: TuneResult, path: str) -> None:
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=c, label=k) for k, c in colors.items()]
-              + [ax.get_lines()[0]], fontsize=7, loc="upper left")
+              + [ax.get_lines()[0]], fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
