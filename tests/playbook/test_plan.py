@@ -140,6 +140,8 @@ def test_real_gguf_matches_engine_sizing_and_exact_tensor_count():
     p = plan(shape, PlanOptions(dtype="bfloat16"))
     assert p.kv_cache_bytes_per_token == kv_bytes_per_token(30, 3, 64, torch.bfloat16) == 23040
     assert p.num_kv_blocks == (1 << 30) // (23040 * 16)       # the runner's default-pool formula
+    fp8 = plan(shape, PlanOptions(dtype="bfloat16", kv_cache_dtype="fp8"))
+    assert fp8.kv_cache_bytes_per_token == kv_bytes_per_token(30, 3, 64, torch.float8_e4m3fn) == 11520
     import gguf
 
     from tokenmill.playbook.plan import read_gguf_header
