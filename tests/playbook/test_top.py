@@ -45,3 +45,17 @@ def test_cli_prints_screens_and_fails_without_server(live_server):
     dead = subprocess.run([sys.executable, "-m", "tokenmill.cli", "top", "--url", "http://127.0.0.1:9", "-n", "1"],
                           capture_output=True, text=True, timeout=60)
     assert dead.returncode == 1 and "no metrics" in dead.stdout
+
+
+def test_spec_decode_acceptance_shown_when_drafting():
+    text = """# TYPE tokenmill:num_requests_running gauge
+tokenmill:num_requests_running{model_name="m"} 2.0
+# TYPE tokenmill:spec_decode_num_draft_tokens_total counter
+tokenmill:spec_decode_num_draft_tokens_total{model_name="m"} 40.0
+# TYPE tokenmill:spec_decode_num_accepted_tokens_total counter
+tokenmill:spec_decode_num_accepted_tokens_total{model_name="m"} 30.0
+"""
+    v = compute_view(parse_metrics(text, now=0.0), None)
+    assert v["spec_acceptance"] == 0.75 and v["running"] == 2
+    assert "draft acceptance 75.0%" in render(v, "http://x")
+    assert "draft acceptance" not in render(compute_view(parse_metrics(text.replace("40.0", "0.0"), 0.0), None), "x")

@@ -26,7 +26,8 @@ HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency
 COUNTERS = {"prompt_tokens": "prompt_tokens_total", "generation_tokens": "generation_tokens_total",
             "preemptions": "num_preemptions_total", "prefix_queries": "prefix_cache_queries_total",
             "prefix_hits": "prefix_cache_hits_total", "finished": "request_success_total",
-            "refused": "request_refused_total"}
+            "refused": "request_refused_total", "spec_draft_tokens": "spec_decode_num_draft_tokens_total",
+            "spec_accepted": "spec_decode_num_accepted_tokens_total"}
 
 
 @dataclass
@@ -128,6 +129,8 @@ def compute_view(cur: Snapshot, prev: Snapshot | None) -> dict[str, Any]:
                  "refused_per_s": rate("refused"), "finished_total": cur.counters["finished"],
                  "preemptions_total": cur.counters["preemptions"], "refused_total": cur.counters["refused"]})
     view["prefix_hit_rate"] = d["prefix_hits"] / d["prefix_queries"] if d["prefix_queries"] > 0 else math.nan
+    view["spec_acceptance"] = (d["spec_accepted"] / d["spec_draft_tokens"] if d["spec_draft_tokens"] > 0
+                               else math.nan)  # speculative decoding: accepted / proposed draft tokens
     for key in HISTOGRAMS:
         b = _delta_buckets(cur.buckets.get(key, []), prev.buckets.get(key) if prev else None)
         view[f"{key}_count"] = b[-1][1] if b else 0.0
@@ -156,6 +159,10 @@ def render(view: dict[str, Any], url: str, models: set[str] | None = None) -> st
         f"tokens    prompt {_f(view['prompt_tok_per_s'])} tok/s   generated {_f(view['generation_tok_per_s'])} tok/s",
         f"prefix    hit rate {_f(100 * view['prefix_hit_rate'])}%"
         f"   refused (429) {_f(view['refused_per_s'], '.2f')}/s ({view['refused_total']:.0f} total)",
+    ]
+    if not math.isnan(view["spec_acceptance"]):
+        lines.append(f"spec      draft acceptance {100 * view['spec_acceptance']:.1f}%")
+    lines += [
         "",
         f"latency ({window})        p50 ms      p99 ms   samples",
     ]
