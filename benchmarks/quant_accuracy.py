@@ -225,6 +225,8 @@ def main() -> None:
     ap.add_argument("--serve-prompts", default="1:8,64:128", help="concurrency:num_prompts pairs")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--ref-file", help="reuse the float32 reference's results from this file (written when absent), "
+                    "so formats can run in separate processes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     has_kv_dtype = "kv_cache_dtype" in {f for sec in ("model", "cache") for f in
@@ -243,6 +245,12 @@ def main() -> None:
     print(f"# {platform.processor() or platform.machine()}, threads {args.threads}, load average "
           f"{os.getloadavg()[0]:.1f}, {len(first)} MT-bench first turns, held text = second turns, "
           f"chunk {args.chunk}", flush=True)
+    if args.ref_file and os.path.exists(args.ref_file):
+        ref = torch.load(args.ref_file, weights_only=False)
+        results.append(ref)
+        wanted = [w for w in wanted if w != "float32"]
+        prompts, held = ref["_prompts"], ref["_held"]
+        tok = True
     for label in wanted:
         if label not in formats:
             raise SystemExit(f"unknown format {label!r}; choose from {', '.join(formats)}")
@@ -263,6 +271,8 @@ def main() -> None:
                          None if small else args.prefill_chunk)
         if ref is None:
             ref = r
+            if args.ref_file:
+                torch.save(dict(r, _prompts=prompts, _held=held), args.ref_file)
         wb = r["weight_bytes"]
         r["weight_mib"] = sum(wb.values()) / 2**20
         r["requests_per_gib"] = (1 << 30) / (r["kv_bytes_per_token"] * args.context)
