@@ -69,7 +69,8 @@ def test_snapshot_interpolates_and_extrapolates_monotonically():
     assert one.decode_step_time(20) == pytest.approx(0.03) and one.step_time(20, 5) is None
     assert StepTimingSnapshot().decode_step_time(3) is None and not StepTimingSnapshot().ready
     m = StepTimeModel()
-    m.observe(2, 0, 0.02)
+    for _ in range(3):                                  # past the start-up steps
+        m.observe(2, 0, 0.02)
     m.observe(16, 0, 0.015)                             # noise: a bigger batch measured cheaper
     pts = m.snapshot().decode_points
     assert pts[1][1] >= pts[0][1]
@@ -97,3 +98,16 @@ def test_learns_without_any_pure_decode_step():
     assert s.ready
     for b, p in ((5, 300), (20, 1500), (38, 1000)):
         assert s.step_time(b, p) == pytest.approx(true_step(b, p), rel=0.15)
+
+
+def test_start_up_steps_and_stalls_do_not_wipe_out_the_estimates():
+    m = StepTimeModel()
+    m.observe(1, 50, 30.0)                 # first steps: kernels built, seconds not ms
+    m.observe(1, 0, 12.0)
+    for _ in range(50):
+        m.observe(2, 0, true_step(2, 0))
+        m.observe(2, 600, true_step(2, 600))
+    s = m.snapshot()
+    assert s.prefill_seconds_per_token == pytest.approx(0.00012, rel=0.15)
+    m.observe(2, 0, 100.0)                 # the machine stalls for 100 s once
+    assert m.snapshot().decode_step_time(2) < 2 * true_step(2, 0)

@@ -13,7 +13,9 @@ prefill part with a two-term model::
 * ``prefill_seconds_per_token``: the marginal cost of one prompt token (the
   prefill rate is its inverse, tokens/s), an EWMA ratio of seconds over tokens.
 
-Pure-decode steps teach ``decode_step_time``; steps with prompt tokens are
+The first :data:`WARMUP_STEPS` steps are ignored, and one step moves a
+learned time by at most :data:`MAX_STEP_RATIO` (robust to a stall of a
+shared machine). Pure-decode steps teach ``decode_step_time``; steps with prompt tokens are
 split with the current estimates: when the prefill part dominates the step
 (≥ half of it by the current estimate) the remainder after the decode part
 teaches the prefill rate, otherwise the remainder after the prefill part
@@ -39,6 +41,11 @@ from dataclasses import dataclass, field
 DEFAULT_ALPHA = 0.1
 # Steps with fewer prompt tokens than this are too noisy to teach the prefill rate.
 MIN_PREFILL_TOKENS = 16
+# Steps ignored at start-up (the first steps build kernels, allocators and caches: seconds, not ms).
+WARMUP_STEPS = 2
+# One step moves a learned time by at most this factor (a stall of the machine, a step that met a
+# neighbour's burst, must not wipe out what was measured; a real slowdown is still followed in a few steps).
+MAX_STEP_RATIO = 4.0
 # A prefill part of at least this share of the step teaches the prefill rate; below, the decode part.
 PREFILL_DOMINANT_SHARE = 0.5
 
@@ -137,6 +144,7 @@ class StepTimeModel:
         self._pf_tokens: float | None = None    # EWMA of their prompt tokens
         self._pf_per_step = 0.0
         self._n = 0
+        self._seen = 0
 
     # -- learning ------------------------------------------------------------
     def observe(self, num_decode_reqs: int, num_prefill_tokens: int, seconds: float) -> None:
@@ -146,6 +154,9 @@ class StepTimeModel:
         Steps with nothing scheduled or a non-positive duration are ignored.
         """
         if seconds <= 0 or (num_decode_reqs <= 0 and num_prefill_tokens <= 0):
+            return
+        self._seen += 1
+        if self._seen <= WARMUP_STEPS:
             return
         self._n += 1
         snap = self.snapshot()
@@ -182,6 +193,7 @@ class StepTimeModel:
         if cur is None:
             self._decode[k] = [float(batch), seconds]
             return
+        seconds = min(max(seconds, cur[1] / MAX_STEP_RATIO), cur[1] * MAX_STEP_RATIO)
         cur[0] += self.alpha * (batch - cur[0])
         cur[1] += self.alpha * (seconds - cur[1])
 
@@ -189,6 +201,8 @@ class StepTimeModel:
         if self._pf_seconds is None or self._pf_tokens is None:
             self._pf_seconds, self._pf_tokens = seconds, float(tokens)
             return
+        tp = self._pf_seconds / self._pf_tokens
+        seconds = min(max(seconds, tokens * tp / MAX_STEP_RATIO), tokens * tp * MAX_STEP_RATIO)
         self._pf_seconds += self.alpha * (seconds - self._pf_seconds)
         self._pf_tokens += self.alpha * (tokens - self._pf_tokens)
 
