@@ -314,7 +314,7 @@ class TorchAttentionBackend(AttentionBackend):
                                                        use_prefill_kernel)
             md.cache["kv_write_kernel"] = use_kernel and paged_attention_cpu.write_kv_supports(k, v, kv_cache,
                                                                                                self.cpu_isa)
-        if md.cache["kv_write_kernel"]:   # one C call: scatter (and quantise) this step's K/V
+        if md.cache.get("kv_write_kernel", False):   # one C call: scatter (and quantise) this step's K/V
             paged_attention_cpu.write_kv(kv_cache, k, v, md.slot_mapping, ks, vs, self.cpu_isa)
         else:
             write_kv(kv_cache, k, v, md.slot_mapping, ks, vs)
