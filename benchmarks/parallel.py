@@ -16,9 +16,11 @@ reports per layout:
   share of the forward time;
 * the step description's size (diff-shaped vs. the full scheduler output).
 
-Layouts: ``uniproc`` (the model in the engine process, 2 threads), ``mp 1x1``
+Layouts: ``uniproc`` (the model in the engine process, 1 and 2 threads), ``mp 1x1``
 (one worker process with both cores: the cost of the process boundary alone),
-``mp tp2`` (2 workers, one core each), ``mp pp2`` (2 stages, one core each).
+``mp tp2`` (2 workers, one core and thread each), ``mp pp2`` (2 stages, one core and thread each).
+On a loaded machine a 2-thread OpenMP step suffers from descheduled threads at every barrier; the
+1-thread rows are the fair baseline for the 1-thread-per-worker layouts.
 
 Then the KV capacity per layout, computed from the real SmolLM2-135M
 architecture (9 query / 3 KV heads, 30 layers) and the tiny model: blocks,
@@ -54,12 +56,31 @@ def build_tiny(folder: str) -> str:
                            kv_heads=TINY["kv_heads"], ffn=TINY["ffn"], vocab=TINY["vocab"], seed=0)
 
 
-def run_layout(path: str, name: str, batch: int, args, **kw) -> dict:
-    """Decode ``args.steps`` steps at ``batch`` requests; per-step timings."""
+def run_layout(path: str, name: str, batch: int, args, threads: int | None = None, **kw) -> dict:
+    """Decode ``args.steps`` steps at ``batch`` requests; per-step timings (``threads``: torch threads per process)."""
     from tokenmill import LLM, SamplingParams
 
-    llm = LLM(path, dtype=args.dtype, device=args.device, num_kv_blocks=1024, block_size=16,
+    saved = os.environ.get("TOKENMILL_NUM_THREADS")
+    if threads:
+        os.environ["TOKENMILL_NUM_THREADS"] = str(threads)
+    try:
+        llm = _make_llm(LLM, path, batch, args, kw)
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENMILL_NUM_THREADS", None)
+        else:
+            os.environ["TOKENMILL_NUM_THREADS"] = saved
+    return _measure(llm, name, batch, args)
+
+
+def _make_llm(LLM, path, batch, args, kw):
+    return LLM(path, dtype=args.dtype, device=args.device, num_kv_blocks=1024, block_size=16,
               max_num_seqs=max(batch, 1), max_num_batched_tokens=2048, enable_prefix_caching=False, **kw)
+
+
+def _measure(llm, name: str, batch: int, args) -> dict:
+    from tokenmill import SamplingParams
+
     ex = llm.engine_core.executor
     rec: list[tuple[int, float, list, int, int]] = []
     orig = ex.execute_model
@@ -146,9 +167,11 @@ def main() -> int:
     print(f"# tiny Llama: {TINY}")
     with tempfile.TemporaryDirectory() as d:
         path = build_tiny(d)
-        layouts = [("uniproc", {}), ("mp 1x1", {"distributed_executor_backend": "mp"}),
-                   ("mp tp2", {"tensor_parallel_size": 2}), ("mp pp2", {"pipeline_parallel_size": 2})]
-        print("| batch | layout | step ms | vs uniproc | fwd ms per rank | comm ms per rank | comm share | "
+        layouts = [("uniproc 1 thread", {"threads": 1}), ("uniproc 2 threads", {"threads": 2}),
+                   ("mp 1x1, 2 threads", {"distributed_executor_backend": "mp", "threads": 2}),
+                   ("mp tp2, 1 thread each", {"tensor_parallel_size": 2, "threads": 1}),
+                   ("mp pp2, 1 thread each", {"pipeline_parallel_size": 2, "threads": 1})]
+        print("| batch | layout | step ms | vs uniproc 1 thread | fwd ms per rank | comm ms per rank | comm share | "
               "step msg bytes (diff / full) |")
         print("|---|---|---|---|---|---|---|---|")
         for b in [int(x) for x in args.batches.split(",")]:

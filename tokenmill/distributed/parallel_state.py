@@ -20,9 +20,10 @@ from tokenmill.distributed.communicator import Communicator
 
 logger = logging.getLogger(__name__)
 
-# How long one collective may wait for its peers before it raises (s). A peer that died usually closes its
-# sockets at once (gloo raises "connection closed"); this bounds the rest (a peer stuck in another collective).
-DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENMILL_DIST_TIMEOUT", "120"))
+# How long one collective may wait for its peers before it raises (s). A peer that died closes its sockets at
+# once (gloo raises "connection closed"; the executor sees the process exit); this only bounds a peer that is
+# alive but stuck. Generous: a loaded 2-core machine can stall a rank for tens of seconds.
+DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENMILL_DIST_TIMEOUT", "600"))
 
 
 @dataclass

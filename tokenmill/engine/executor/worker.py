@@ -117,6 +117,13 @@ class Worker:
         self.num_threads = pin_process(cpus)
         device = rank_device(config.model.device, rank, par.tensor_parallel_size, par.pipeline_parallel_size)
         configure_allocator(device)
+        if device.type == "cpu":
+            # Build/load the C kernels now: a first use inside a step compiles them (tens of seconds on a busy
+            # machine) while the other ranks wait in a collective, which then timed out (seen in the benchmark).
+            from tokenmill.model.layers import fused_cpu, paged_attention_cpu
+
+            fused_cpu.load()
+            paged_attention_cpu.load()
         self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device)
         arch = load_arch_config(config.model.model)
         dtype = resolve_dtype(config.model.dtype, device)
