@@ -89,3 +89,8 @@ def test_tp_that_does_not_divide_heads_is_refused_before_start(tiny_llama):
     with pytest.raises(ValueError, match="--tensor-parallel-size 3 does not divide the model's 4 query heads"):
         LLM(tiny_llama, tensor_parallel_size=3, **ENGINE)
     assert set(psutil.Process().children(recursive=True)) == before
+
+
+def test_quantization_with_tp_is_refused_before_start(tiny_llama):
+    with pytest.raises(ValueError, match="--quantization int8 is not supported with tensor/pipeline parallelism"):
+        LLM(tiny_llama, tensor_parallel_size=2, quantization="int8", **ENGINE)

@@ -69,6 +69,22 @@ def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[
                               bos_token_id=arch.bos_token_id, name=name, path=full)
 
 
+def check_parallel_config(config: EngineConfig, arch: Any) -> None:
+    """Refuse, before any worker starts, what the tensor/pipeline-parallel path cannot do yet.
+
+    Raises:
+        ValueError: ``--quantization`` with more than one rank, or a layout the
+            model cannot be split into (:func:`~tokenmill.distributed.layout.check_parallel_arch`).
+    """
+    from tokenmill.distributed.layout import check_parallel_arch
+
+    par = config.parallel
+    if config.model.quantization is not None and par.world_size > 1:
+        raise ValueError(f"--quantization {config.model.quantization} is not supported with tensor/pipeline "
+                         "parallelism yet (the shards are loaded dense)")
+    check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size)
+
+
 def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
     """One KV pool size (blocks) for every rank: the smallest any rank's budget allows.
 

@@ -38,8 +38,8 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.engine.executor.base import (WorkerDiedError, load_frontend, log_layout, plan_cpus, plan_kv_blocks,
-                                            resolve_max_model_len)
+from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, load_frontend, log_layout,
+                                            plan_cpus, plan_kv_blocks, resolve_max_model_len)
 from tokenmill.engine.executor.step_codec import StepEncoder
 
 logger = logging.getLogger(__name__)
@@ -80,12 +80,10 @@ class MultiprocExecutor:
     backend = "mp"
 
     def __init__(self, config: EngineConfig, with_tokenizer: bool | str = True) -> None:
-        from tokenmill.distributed.layout import check_parallel_arch
-
         par = config.parallel
         arch, self.loaded = load_frontend(config.model.model, with_tokenizer)
         self.arch = arch
-        check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size)
+        check_parallel_config(config, arch)
         self.world_size = par.world_size
         self.num_kv_blocks, _ = plan_kv_blocks(config, arch)
         self.max_model_len = resolve_max_model_len(config, arch)

@@ -26,8 +26,8 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.engine.executor.base import (WorkerDiedError, load_frontend, log_layout, plan_kv_blocks,
-                                            resolve_max_model_len)
+from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, load_frontend, log_layout,
+                                            plan_kv_blocks, resolve_max_model_len)
 from tokenmill.engine.executor.step_codec import StepEncoder
 
 logger = logging.getLogger(__name__)
@@ -86,11 +86,9 @@ class RayExecutor:
             import ray
         except ImportError as e:
             raise ImportError("--distributed-executor-backend ray needs Ray: pip install 'tokenmill[ray]'") from e
-        from tokenmill.distributed.layout import check_parallel_arch
-
         par = config.parallel
         arch, self.loaded = load_frontend(config.model.model, with_tokenizer)
-        check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size)
+        check_parallel_config(config, arch)
         self.arch = arch
         self.world_size = par.world_size
         self.num_kv_blocks, _ = plan_kv_blocks(config, arch)
