@@ -105,8 +105,11 @@ def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
     from tokenmill.model.loader import resolve_dtype
     from tokenmill.model.runner import kv_bytes_per_token, resolve_device
 
+    from tokenmill.model.layers.kv_quant import resolve_kv_cache_dtype
+
     par = config.parallel
-    dtype = resolve_dtype(config.model.dtype, resolve_device(config.model.device))
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
+                                   resolve_dtype(config.model.dtype, resolve_device(config.model.device)))
     per_rank = []
     for rank in range(par.world_size):
         lay = rank_layout(arch, par.tensor_parallel_size, par.pipeline_parallel_size, rank)
