@@ -126,8 +126,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     config = _config_or_exit(args, "serve")
     if config is None:
         return 2
-    run_server(config)
-    return 0
+    return run_server(config)   # non-zero when the engine core died, so a supervisor restarts it
 
 
 def main(argv: list[str] | None = None) -> int:

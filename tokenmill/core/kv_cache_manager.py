@@ -154,6 +154,39 @@ class KVCacheManager:
         return self.block_pool.reset_prefix_cache()
 
     # -- allocation ----------------------------------------------------------
+    def check_invariants(self, live_request_ids: set[str] | None = None) -> list[str]:
+        """Problems with block accounting; empty when the pool is consistent.
+
+        Checked: every block's ``ref_cnt`` equals the number of requests
+        holding it; a block is in the free queue exactly when its ``ref_cnt``
+        is 0; free + referenced = pool size; cached hashes point at blocks
+        that carry them; with ``live_request_ids`` (the scheduler's
+        requests), no other request holds blocks (a leak).
+        O(pool + held blocks); meant for tests and soak runs, not every step.
+        """
+        problems: list[str] = []
+        pool = self.block_pool
+        held: dict[int, int] = {}
+        for rid, blocks in self.req_to_blocks.items():
+            if live_request_ids is not None and rid not in live_request_ids:
+                problems.append(f"request {rid} is gone but still holds {len(blocks)} blocks")
+            for b in blocks:
+                held[b.block_id] = held.get(b.block_id, 0) + 1
+        in_free = {b.block_id for b in pool.free_queue}
+        if len(in_free) != len(pool.free_queue):
+            problems.append("a block appears twice in the free queue")
+        for b in pool.blocks:
+            want = held.get(b.block_id, 0)
+            if b.ref_cnt != want:
+                problems.append(f"block {b.block_id}: ref_cnt {b.ref_cnt} but held by {want} requests")
+            if (b.ref_cnt == 0) != (b.block_id in in_free):
+                problems.append(f"block {b.block_id}: ref_cnt {b.ref_cnt} but {'in' if b.block_id in in_free else 'not in'}"
+                                " the free queue")
+        for h, b in pool.cached_blocks.items():
+            if getattr(b, "block_hash", h) != h:
+                problems.append(f"block {b.block_id} is cached under a hash it does not carry")
+        return problems
+
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: list[KVCacheBlock] | None = None,
                        num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:

@@ -345,6 +345,24 @@ class Scheduler:
     def _sort_key_arrival(self, req: Request) -> tuple[float, int]:
         return (req.arrival_time, self._seq_of[req.request_id])
 
+    def check_invariants(self) -> list[str]:
+        """Problems with the scheduler's and the KV cache's bookkeeping; empty when consistent.
+
+        Every running/waiting request is known, running requests are not
+        waiting, and the KV cache's accounting holds
+        (:meth:`KVCacheManager.check_invariants`: no leaked blocks).
+        """
+        problems = []
+        running = {r.request_id for r in self.running}
+        waiting = {r.request_id for r in self.waiting}
+        if running & waiting:
+            problems.append(f"requests both running and waiting: {sorted(running & waiting)[:5]}")
+        unknown = (running | waiting) - set(self.requests)
+        if unknown:
+            problems.append(f"queued requests the scheduler does not know: {sorted(unknown)[:5]}")
+        problems.extend(self.kv_cache_manager.check_invariants(set(self.requests)))
+        return problems
+
     def add_request(self, request: Request) -> None:
         """Validate, resolve ``request.max_tokens`` and queue the request.
 

@@ -106,6 +106,9 @@ class AsyncEngine:
         self._num_adds_seen = 0
         # (add sequence number, prompt tokens, priority, batch lane)
         self._inflight: deque[tuple[int, int, int, bool]] = deque()
+        self._dead_callbacks: list[Callable[[str], None]] = []
+        self._invariant_waiters: dict[int, asyncio.Future] = {}
+        self._invariant_token = 0
 
     # -- life cycle ----------------------------------------------------------
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -239,6 +242,14 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self.shutdown)
         else:
             self.shutdown()
+
+    def add_dead_callback(self, callback: Callable[[str], None]) -> None:
+        """Call ``callback(reason)`` on the event loop when the core process exits unexpectedly.
+
+        Not called for :meth:`shutdown`. By then every pending request has
+        already failed with :class:`EngineDeadError` and :attr:`is_healthy` is False.
+        """
+        self._dead_callbacks.append(callback)
 
     def _kill_proc(self) -> None:
         p = self._proc
@@ -376,6 +387,30 @@ class AsyncEngine:
                 "abort", request_id=request_id, e2e_latency=now - tr.arrival_time, num_prompt_tokens=tr.num_prompt_tokens,
                 num_generation_tokens=tr.num_generation_tokens, max_tokens_param=tr.max_tokens)]))
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests this process still tracks (sent and not finished/aborted); 0 when idle."""
+        return len(self._queues)
+
+    async def check_invariants(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Ask the core to check its bookkeeping (:meth:`EngineCore.check_invariants`): for tests and soaks.
+
+        Raises:
+            EngineDeadError: the core is not running.
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        self._invariant_token += 1
+        token = self._invariant_token
+        fut = asyncio.get_running_loop().create_future()
+        self._invariant_waiters[token] = fut
+        self._send(("check_invariants", token))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._invariant_waiters.pop(token, None)
+
     async def abort(self, request_id: str) -> None:
         """Abort a request and all its child ids in the core."""
         self.abort_nowait(request_id)
@@ -395,6 +430,11 @@ class AsyncEngine:
                 if kind == "outputs":
                     outputs, stats, num_adds_seen = payload
                     self._handle_outputs(outputs, stats, num_adds_seen)
+                elif kind == "invariants":
+                    token, report = payload
+                    fut = self._invariant_waiters.pop(token, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(report)
                 elif kind == "error":
                     logger.error("%s", payload[0])
                     self._mark_dead(str(payload[0]))
@@ -477,6 +517,11 @@ class AsyncEngine:
             code = self._proc.exitcode if self._proc is not None else None
             logger.error("engine core process exited unexpectedly (exit code %s)", code)
             self._mark_dead(self._dead or f"engine core process exited unexpectedly (exit code {code})")
+            for cb in self._dead_callbacks:
+                try:
+                    cb(self._dead or "engine core exited")
+                except Exception:  # noqa: BLE001 - a callback must not keep the others from running
+                    logger.exception("engine-dead callback failed")
 
     def _mark_dead(self, reason: str) -> None:
         if self._dead is None:

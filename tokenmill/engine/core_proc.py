@@ -10,11 +10,12 @@ Transport: two ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temp
 directory, both bound by the API process:
 
 * input (API → core): ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
-  ``("stop", [ids])``, ``("shutdown", None)``.
+  ``("stop", [ids])``, ``("check_invariants", token)``, ``("shutdown", None)``.
 * output (core → API): ``("ready", CoreInfo)`` once after the model loaded,
   then ``("outputs", [EngineCoreOutput], EngineStats, num_adds_received)``
   after every step (and after inputs that change the state while idle), and
-  ``("error", message)`` right before the core exits because of an exception.
+  ``("error", message)`` right before the core exits because of an exception;
+  ``("invariants", token, report)`` answers a ``check_invariants``.
 
 Messages are pickled (protocol 5): every payload is a plain dataclass of
 Python ints, floats and strings, both ends run the same code, and the socket
@@ -241,6 +242,8 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                 core.abort_requests(payload)
             elif kind == "stop":
                 core.stop_requests(payload)
+            elif kind == "check_invariants":   # tests and soak runs: answered at once, in order
+                out_sock.send(dumps(("invariants", payload, core.check_invariants())))
             elif kind == "shutdown":
                 logger.info("engine core shutting down")
                 return

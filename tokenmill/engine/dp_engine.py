@@ -140,9 +140,15 @@ class DPAsyncEngine:
         for e in self.engines:
             e.shutdown(timeout)
 
-    @property
-    def _loop(self) -> asyncio.AbstractEventLoop | None:
-        return self.engines[0]._loop
+    def shutdown_threadsafe(self) -> None:
+        """:meth:`AsyncEngine.shutdown_threadsafe` for every core."""
+        for e in self.engines:
+            e.shutdown_threadsafe()
+
+    def add_dead_callback(self, callback: Callable[[str], None]) -> None:
+        """``callback(reason)`` when any core exits unexpectedly (see :meth:`AsyncEngine.add_dead_callback`)."""
+        for i, e in enumerate(self.engines):
+            e.add_dead_callback(lambda reason, i=i: callback(f"data-parallel engine {i}: {reason}"))
 
     # -- state ---------------------------------------------------------------------
     @property
@@ -183,6 +189,18 @@ class DPAsyncEngine:
             prefix_cache_hits=sum(s.prefix_cache_hits for s in ss), num_steps=sum(s.num_steps for s in ss),
             last_step_time=max(s.last_step_time for s in ss), last_schedule_time=max(s.last_schedule_time for s in ss),
             num_kv_blocks=blocks, block_size=ss[0].block_size)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return sum(e.num_unfinished_requests for e in self.engines)
+
+    async def check_invariants(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Every core's :meth:`AsyncEngine.check_invariants`, summed; problems prefixed with the rank."""
+        reports = [await e.check_invariants(timeout) for e in self.engines]
+        out: dict[str, Any] = {"problems": [f"engine {i}: {p}" for i, r in enumerate(reports) for p in r["problems"]]}
+        for k in ("num_requests", "num_running", "num_waiting", "num_free_blocks", "num_kv_blocks"):
+            out[k] = sum(r[k] for r in reports)
+        return out
 
     def waiting_load(self) -> tuple[int, int]:
         reqs = toks = 0

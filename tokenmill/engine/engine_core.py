@@ -13,6 +13,7 @@ the caller passes its own ``executor`` (tests pass model-free fakes).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -180,6 +181,20 @@ class EngineCore:
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
+
+    def check_invariants(self) -> dict[str, Any]:
+        """The core's bookkeeping checked for tests and soak runs (see :meth:`Scheduler.check_invariants`).
+
+        Returns:
+            ``{"problems": [...], "core_pid", "num_requests", "num_running", "num_waiting",
+            "num_free_blocks", "num_kv_blocks"}``; ``problems`` is empty when
+            every block is accounted for (no leak).
+        """
+        s = self.scheduler
+        return {"problems": s.check_invariants(), "core_pid": os.getpid(), "num_requests": len(s.requests),
+                "num_running": s.num_running,
+                "num_waiting": s.num_waiting, "num_free_blocks": s.kv_cache_manager.num_free_blocks,
+                "num_kv_blocks": s.kv_cache_manager.num_blocks}
 
     def get_stats(self) -> EngineStats:
         """Snapshot for /metrics, logging and admission control."""

@@ -19,8 +19,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
-    run_server(config)
-    return 0
+    return run_server(config)   # non-zero when the engine core died
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import os
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -223,6 +224,14 @@ def build_app(state: ServerState) -> FastAPI:
         if not state.engine.is_healthy:
             raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
         return Response(status_code=200)
+
+    if os.environ.get("TOKENMILL_DEBUG_ENDPOINTS") == "1":
+        @app.get("/debug/invariants", include_in_schema=False)
+        async def invariants() -> dict[str, Any]:
+            """The engine's bookkeeping check (leaked blocks, stray requests) for tests and soak runs."""
+            report = await state.engine.check_invariants()
+            report["api_unfinished_requests"] = state.engine.num_unfinished_requests
+            return report
 
     @app.get("/version")
     async def version() -> dict[str, str]:

@@ -59,18 +59,26 @@ def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: An
                        prometheus=prom, log_stats=log_stats, slo=slo)
 
 
-def run_server(config: EngineConfig) -> None:
+# Seconds the API process keeps answering (/health 503, requests 503) after the engine core died,
+# before it exits with ENGINE_DEAD_EXIT_CODE so a supervisor restarts it.
+ENGINE_DEAD_EXIT_GRACE_S = 2.0
+ENGINE_DEAD_EXIT_CODE = 1
+
+
+def run_server(config: EngineConfig) -> int:
     """Load the tokenizer, start the engine core process and serve HTTP until SIGINT/SIGTERM.
 
     The core loads the model while this process loads the tokenizer. Returns
     after shutdown; the core process is always stopped (no child is left).
 
+    Returns:
+        0 after a normal shutdown; :data:`ENGINE_DEAD_EXIT_CODE` when the
+        engine core died (see :func:`serve`).
+
     Raises:
         RuntimeError: the engine core failed to start (message from the core).
         FileNotFoundError / ValueError: bad model or tokenizer path.
     """
-    import uvicorn
-
     level = os.environ.get("TOKENMILL_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model_path = resolve_model_path(config)
@@ -94,11 +102,42 @@ def run_server(config: EngineConfig) -> None:
     except BaseException:
         engine.shutdown()
         raise
+    return serve(config, engine, tokenizer, model_path)
+
+
+def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) -> int:
+    """Serve HTTP for a started engine until SIGINT/SIGTERM or the engine core's death.
+
+    When the core process dies, in-flight requests fail with 503 at once (a
+    stream that already started gets a 503 error event), ``/health`` answers
+    503, and after :data:`ENGINE_DEAD_EXIT_GRACE_S` seconds the server shuts
+    down and this returns :data:`ENGINE_DEAD_EXIT_CODE`, so that
+    ``tokenmill serve`` exits non-zero and a supervisor restarts it.
+
+    Returns:
+        0 after a signal, :data:`ENGINE_DEAD_EXIT_CODE` after the core died.
+
+    Raises:
+        RuntimeError: the HTTP server could not start (e.g. port in use).
+    """
+    import asyncio
+
+    import uvicorn
+
     state = create_server_state(config, engine, tokenizer, model_path)
     app = build_app(state)
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
                                access_log=False, timeout_graceful_shutdown=5, lifespan="on")
     server = _make_server(uv_config, engine)
+    died: list[str] = []
+
+    def on_dead(reason: str) -> None:
+        died.append(reason)
+        logger.error("engine core died (%s): answering 503 and exiting with code %d in %.1f s",
+                     reason, ENGINE_DEAD_EXIT_CODE, ENGINE_DEAD_EXIT_GRACE_S)
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_GRACE_S, setattr, server, "should_exit", True)
+
+    engine.add_dead_callback(on_dead)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", state.model_name, config.server.host,
                 config.server.port, state.max_model_len)
     try:
@@ -109,6 +148,7 @@ def run_server(config: EngineConfig) -> None:
         engine.shutdown()
     if not server.started:
         raise RuntimeError(f"HTTP server failed to start on {config.server.host}:{config.server.port}")
+    return ENGINE_DEAD_EXIT_CODE if died else 0
 
 
 def _make_server(config: Any, engine: AsyncEngine) -> Any:
