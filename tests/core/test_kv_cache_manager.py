@@ -185,3 +185,22 @@ def test_invalid_args():
     m = KVCacheManager(4, BS)
     with pytest.raises(ValueError):
         m.allocate_slots(make_req("a", [1]), -1)
+
+
+def test_invariant_check_passes_when_consistent_and_names_each_leak():
+    m = KVCacheManager(12, BS)
+    a, b = make_req("a", list(range(10))), make_req("b", list(range(10)))
+    run_prefill(m, a)
+    run_prefill(m, b)                              # shares a's two full blocks
+    assert m.check_invariants({"a", "b"}) == []
+    assert [blk.ref_cnt for blk in m.get_blocks("b")[:2]] == [2, 2]
+    # a request the scheduler forgot but whose blocks were never freed: a leak
+    assert m.check_invariants({"b"}) == ["request a is gone but still holds 3 blocks"]
+    m.block_pool.blocks[0].ref_cnt += 1            # a ref count that no holder explains
+    assert m.check_invariants({"a", "b"}) == ["block 0: ref_cnt 3 but held by 2 requests"]
+    m.block_pool.blocks[0].ref_cnt -= 1
+    m.free(a)
+    m.free(b)
+    assert m.check_invariants(set()) == [] and m.num_free_blocks == 12
+    m.block_pool.free_queue.remove(m.block_pool.blocks[5])   # a free block lost from the queue
+    assert m.check_invariants(set()) == ["block 5: ref_cnt 0 but not in the free queue"]
