@@ -90,15 +90,23 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 V1_ERRORS = _errors(400, 401, 404, 413, 429, 500, 503)
+# 200 of the generation routes: a JSON body, or with "stream": true Server-Sent Events
+GENERATION_OK = {200: {"description": "The completion (JSON), or with stream: true an SSE stream of chunks "
+                                      "ending with data: [DONE]",
+                       "content": {"application/json": {"schema": {"type": "object"}},
+                                   # each event: data is one JSON chunk (or an error), the last is [DONE]
+                                   "text/event-stream": {"schema": {"type": "object", "required": ["data"],
+                                                                    "properties": {"data": {"type": "string"}}}}}}}
 OPEN_ERRORS = _errors(400, 404, 413, 500, 503)
 
 
-def openapi_with_vocab(app: FastAPI, vocab_size: int) -> dict[str, Any]:
+def openapi_with_vocab(app: FastAPI, vocab_size: int, scheduling_policy: str = "priority") -> dict[str, Any]:
     """The app's OpenAPI schema with what the server enforces at run time filled in.
 
     Every token-id field (marked ``x-token-id`` in :mod:`~tokenmill.server.protocol`) gets
-    ``maximum: vocab_size - 1``; FastAPI's 422 responses are removed (validation errors are
-    400 here, documented per route). Cached on the app.
+    ``maximum: vocab_size - 1``; ``priority`` is ``0`` only unless ``--scheduling-policy priority``;
+    FastAPI's 422 responses are removed (validation errors are 400 here, documented per route).
+    Cached on the app.
     """
     from fastapi.openapi.utils import get_openapi
 
@@ -112,6 +120,8 @@ def openapi_with_vocab(app: FastAPI, vocab_size: int) -> dict[str, Any]:
         if isinstance(node, dict):
             if node.get("x-token-id"):
                 node["maximum"] = vocab_size - 1
+            if "patternProperties" in node:   # logit_bias: keys other than token ids are refused
+                node.setdefault("additionalProperties", False)
             responses = node.get("responses")
             if isinstance(responses, dict):
                 responses.pop("422", None)
@@ -122,6 +132,11 @@ def openapi_with_vocab(app: FastAPI, vocab_size: int) -> dict[str, Any]:
                 walk(v)
 
     walk(schema)
+    if scheduling_policy != "priority":
+        for model in schema.get("components", {}).get("schemas", {}).values():
+            prio = model.get("properties", {}).get("priority")
+            if prio is not None:
+                prio["enum"] = [0]
     for name in ("HTTPValidationError", "ValidationError"):
         schema.get("components", {}).get("schemas", {}).pop(name, None)
     app.openapi_schema = schema
@@ -181,7 +196,8 @@ def build_app(state: ServerState) -> FastAPI:
     v1 = APIRouter(dependencies=[Depends(api_key_dependency(state))])
 
 
-    app.openapi = lambda: openapi_with_vocab(app, state.vocab_size)  # type: ignore[method-assign]
+    app.openapi = lambda: openapi_with_vocab(app, state.vocab_size,  # type: ignore[method-assign]
+                                             state.config.scheduler.scheduling_policy)  # type: ignore[method-assign]
 
     @v1.get("/v1/models", responses=_errors(401, 500))
     async def list_models() -> dict[str, Any]:
@@ -189,11 +205,11 @@ def build_app(state: ServerState) -> FastAPI:
             "id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
             "root": state.model_path, "parent": None, "max_model_len": state.max_model_len, "permission": []}]}
 
-    @v1.post("/v1/completions", responses=V1_ERRORS)
+    @v1.post("/v1/completions", responses={**GENERATION_OK, **V1_ERRORS})
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
         return await with_disconnect(raw, completions.create_completion(body))
 
-    @v1.post("/v1/chat/completions", responses=V1_ERRORS)
+    @v1.post("/v1/chat/completions", responses={**GENERATION_OK, **V1_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         return await with_disconnect(raw, chat.create_chat_completion(body))
 
@@ -219,7 +235,8 @@ def build_app(state: ServerState) -> FastAPI:
         base.check_token_ids(body.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
-    @app.get("/health", responses={200: {"description": "Engine core running"}, **_errors(503)})
+    @app.get("/health", response_class=Response,
+             responses={200: {"description": "Engine core running (empty body)"}, **_errors(503)})
     async def health() -> Response:
         if not state.engine.is_healthy:
             raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
@@ -237,7 +254,8 @@ def build_app(state: ServerState) -> FastAPI:
     async def version() -> dict[str, str]:
         return {"version": tokenmill.__version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text format", "content": {"text/plain": {}}}})
     async def metrics() -> Response:
         return Response(content=state.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -206,7 +206,8 @@ class CompletionRequest(_SamplingFields):
     ``prompt_index * n + i``).
     """
 
-    prompt: str | Annotated[list[str], Field(min_length=1)] | Annotated[list[TokenId], Field(min_length=1)] \
+    prompt: Annotated[str, Field(min_length=1)] | Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] \
+        | Annotated[list[TokenId], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)] = Field(
             description="Text, texts, token ids or lists of token ids (each yields n choices).")
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: true; prompt + max_tokens <= max_model_len.")
@@ -350,6 +351,11 @@ class ChatCompletionRequest(_SamplingFields):
 class TokenizeRequest(_Base):
     """``POST /tokenize``: either ``prompt`` or chat ``messages`` (rendered with the chat template)."""
 
+    # exactly one of the two, as the schema states
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"oneOf": [
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}, "not": {"required": ["messages"]}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}}, "not": {"required": ["prompt"]}}]})
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -383,7 +389,7 @@ def error_param_from_loc(loc: tuple | list) -> str | None:
     for p in parts:
         if isinstance(p, int):
             out += f"[{p}]"
-        elif isinstance(p, str) and (p in _TYPE_BRANCHES or "[" in p or p.startswith("function-")):
+        elif isinstance(p, str) and (p in _TYPE_BRANCHES or "[" in p or p.startswith(("function-", "constrained-"))):
             continue
         else:
             out += ("." if out else "") + str(p)
