@@ -394,3 +394,24 @@ def test_runner_uses_lowbit_weights_for_small_steps(tmp_path, monkeypatch, dtype
     # of the logits' range.
     rng = logits["off"].abs().max().item()
     assert (logits["on"] - logits["off"]).abs().max().item() <= (1e-3 if dtype == "float32" else 5e-2) * rng
+
+
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+def test_fast_reader_matches_gguf_reader(tmp_path, with_tokenizer):
+    """FastGGUFReader (lazy metadata, what open_gguf uses) sees the same fields and tensor views as gguf.GGUFReader."""
+    from tokenmill.model.gguf_loader import FastGGUFReader, open_gguf
+
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, with_tokenizer=with_tokenizer)
+    fast, ref = FastGGUFReader(str(path)), gguf.GGUFReader(str(path))
+    assert isinstance(open_gguf(str(path)), FastGGUFReader)
+    assert list(fast.fields) == [k for k in ref.fields if not k.startswith("GGUF.")]
+    for k, f in fast.fields.items():
+        assert len(f.data) == len(ref.fields[k].data) and f.contents() == ref.fields[k].contents(), k
+    assert [t.name for t in fast.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(fast.tensors, ref.tensors):
+        assert a.tensor_type == b.tensor_type and list(a.shape) == list(b.shape), a.name
+        assert a.data.dtype == b.data.dtype and np.array_equal(np.asarray(a.data), np.asarray(b.data)), a.name
+    with pytest.raises(ValueError):
+        (tmp_path / "bad.gguf").write_bytes(b"NOPE" + bytes(64))
+        open_gguf(str(tmp_path / "bad.gguf"))

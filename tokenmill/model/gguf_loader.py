@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator
@@ -58,7 +59,8 @@ _BLK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 def open_gguf(path: str):
-    """Memory-map a GGUF file (:class:`gguf.GGUFReader`).
+    """Memory-map a GGUF file: :class:`FastGGUFReader` (same ``fields`` / ``tensors`` interface as
+    :class:`gguf.GGUFReader`, which stays the fallback for a file it cannot parse).
 
     Raises:
         FileNotFoundError: no such file.
@@ -66,12 +68,140 @@ def open_gguf(path: str):
     """
     import gguf
 
+    if not os.path.exists(path):
+        raise FileNotFoundError(path)
+    try:
+        return FastGGUFReader(path)
+    except (ValueError, KeyError, struct.error):
+        pass
     try:
         return gguf.GGUFReader(path, "r")
     except FileNotFoundError:
         raise
     except Exception as e:  # gguf raises ValueError/struct errors on bad magic
         raise ValueError(f"{path}: not a readable GGUF file ({e})") from e
+
+
+_GGUF_SCALAR_FMT = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                    12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _Field:
+    """A metadata entry: ``contents()`` decodes it; ``data`` has one entry per array item (len only)."""
+
+    __slots__ = ("_decode", "data")
+
+    def __init__(self, decode, count: int) -> None:
+        self._decode = decode
+        self.data = range(count)
+
+    def contents(self) -> Any:
+        return self._decode()
+
+
+class _Tensor:
+    __slots__ = ("name", "tensor_type", "shape", "n_elements", "n_bytes", "data_offset", "data")
+
+
+class FastGGUFReader:
+    """GGUF v2/v3 reader that decodes metadata lazily.
+
+    :class:`gguf.GGUFReader` builds numpy views for every item of every array, the ~100k
+    vocabulary and merge strings included, which took ~8 s of the default model's start-up; this
+    reader only walks past them (their values are decoded when asked for) and maps tensor data
+    the same way (same ``name``, ``tensor_type``, ``shape`` (GGUF ``ne`` order), ``data`` views).
+
+    Raises:
+        ValueError: not a GGUF file, unsupported version, truncated header or unknown type.
+    """
+
+    def __init__(self, path: str) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        self.path = path
+        self.data = np.memmap(path, dtype=np.uint8, mode="r")
+        buf = memoryview(self.data)
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError(f"{path}: not a GGUF file")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} not supported by the fast reader")
+        pos = 24
+
+        def string_at(p: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", buf, p)
+            return bytes(buf[p + 8:p + 8 + n]).decode("utf-8", errors="replace"), p + 8 + n
+
+        def skip_value(vtype: int, p: int) -> int:
+            if vtype in _GGUF_SCALAR_FMT:
+                return p + struct.calcsize(_GGUF_SCALAR_FMT[vtype])
+            if vtype == _GGUF_STRING:
+                return p + 8 + struct.unpack_from("<Q", buf, p)[0]
+            if vtype == _GGUF_ARRAY:
+                etype, count = struct.unpack_from("<IQ", buf, p)
+                p += 12
+                if etype in _GGUF_SCALAR_FMT:
+                    return p + count * struct.calcsize(_GGUF_SCALAR_FMT[etype])
+                for _ in range(count):
+                    p = skip_value(etype, p)
+                return p
+            raise ValueError(f"{path}: unknown GGUF value type {vtype}")
+
+        def decoder(vtype: int, p: int):
+            def decode() -> Any:
+                if vtype in _GGUF_SCALAR_FMT:
+                    v = struct.unpack_from(_GGUF_SCALAR_FMT[vtype], buf, p)[0]
+                    return bool(v) if vtype == 7 else v
+                if vtype == _GGUF_STRING:
+                    return string_at(p)[0]
+                etype, count = struct.unpack_from("<IQ", buf, p)
+                q, out = p + 12, []
+                for _ in range(count):
+                    out.append(decoder(etype, q)())
+                    q = skip_value(etype, q)
+                return out
+            return decode
+
+        self.fields: dict[str, _Field] = {}
+        for _ in range(n_kv):
+            key, pos = string_at(pos)
+            (vtype,) = struct.unpack_from("<I", buf, pos)
+            pos += 4
+            count = struct.unpack_from("<IQ", buf, pos)[1] if vtype == _GGUF_ARRAY else 1
+            self.fields[key] = _Field(decoder(vtype, pos), count)
+            pos = skip_value(vtype, pos)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = string_at(pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, dims, ggml_type, offset))
+        align = int(self.fields["general.alignment"].contents()) if "general.alignment" in self.fields else 32
+        start = -(-pos // align) * align
+        plain = {GGMLQuantizationType.F16: np.float16, GGMLQuantizationType.F32: np.float32,
+                 GGMLQuantizationType.F64: np.float64, GGMLQuantizationType.I8: np.int8,
+                 GGMLQuantizationType.I16: np.int16, GGMLQuantizationType.I32: np.int32,
+                 GGMLQuantizationType.I64: np.int64}
+        self.tensors: list[_Tensor] = []
+        for name, dims, ggml_type, offset in infos:
+            qt = GGMLQuantizationType(ggml_type)
+            n_elems = int(np.prod(dims)) if dims else 1
+            block, type_size = GGML_QUANT_SIZES[qt]
+            n_bytes = n_elems * type_size // block
+            np_dims = tuple(reversed(dims))
+            begin = start + offset
+            if qt in plain:
+                data = self.data[begin:begin + n_bytes].view(plain[qt]).reshape(np_dims)
+            else:
+                byte_dims = (*np_dims[:-1], np_dims[-1] // block * type_size)
+                data = self.data[begin:begin + n_bytes].reshape(byte_dims)
+            t = _Tensor()
+            t.name, t.tensor_type, t.shape, t.n_elements, t.n_bytes, t.data_offset, t.data = (
+                name, qt, np.array(dims, dtype=np.uint64), n_elems, n_bytes, begin, data)
+            self.tensors.append(t)
 
 
 def get_field(reader, key: str, default: Any = None) -> Any:
