@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
                                              num_kv_blocks=args.num_kv_blocks or 256)
     tok = fakes.CharTokenizer()
     factory = getattr(fakes, os.environ.get("TOKENMILL_FAKE_EXECUTOR", "make_fake_executor"))
-    engine = AsyncEngine(config, tok, executor_factory=factory, start_timeout=60)
+    engine = AsyncEngine(config, tok, executor_factory=factory, start_timeout=300)   # a loaded 2-core machine is slow to spawn
     engine.start()
     print(f"engine core pid {engine.info.pid}", flush=True)
     return serve(config, engine, tok, "/models/fake")

@@ -18,7 +18,7 @@ from tests.server.server_proc import ServerProc, free_port
 
 @contextlib.contextmanager
 def live_fake_server(*args: str, executor: str = "make_fake_executor", debug: bool = True,
-                     timeout: float = 90.0) -> Iterator[ServerProc]:
+                     timeout: float = 300.0) -> Iterator[ServerProc]:
     """Start the fake server on a free port, wait for /health 200, and always stop it (and its core) after."""
     port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="tokenmill-fake-", suffix=".log", delete=False)
