@@ -190,6 +190,147 @@ class ServerConfig:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
 
 
+_SPEC_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+              "num_speculative_tokens_per_batch_size")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (Leviathan et al., arXiv 2211.17192): vLLM's ``--speculative-config`` keys.
+
+    A proposer drafts up to ``num_speculative_tokens`` tokens per request; the
+    target verifies them in one pass and keeps the longest accepted prefix
+    plus one token of its own, so the output distribution is unchanged.
+
+    Attributes:
+        method: ``ngram`` (prompt lookup: copy the tokens that followed the
+            latest earlier occurrence of the context's last n-gram) or
+            ``draft_model`` (a small checkpoint sharing the target's
+            tokenizer, run beside the target in the engine core).
+        num_speculative_tokens: the largest draft length γ (tokens, >= 1).
+        prompt_lookup_min, prompt_lookup_max: n-gram sizes tried (longest
+            first); vLLM's defaults: both 5 when neither is given, else the
+            missing one takes the other's value.
+        model: the draft checkpoint (``draft_model``; GGUF file or HF folder).
+        num_speculative_tokens_per_batch_size: dynamic draft length,
+            ``((batch_lo, batch_hi, k), ...)``: inclusive, contiguous ranges
+            of running-request counts starting at 1, ``k <=
+            num_speculative_tokens`` (0: no speculation in that range); a
+            batch past the last range takes its ``k``. None: always
+            ``num_speculative_tokens``.
+
+    Raises:
+        ValueError: an unknown method or key, a missing or out-of-range
+            value, or malformed batch-size ranges (the message names the key).
+    """
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    model: str | None = None
+    num_speculative_tokens_per_batch_size: tuple[tuple[int, int, int], ...] | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 - frozen dataclass normalisation
+        if self.method not in _SPEC_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {list(_SPEC_METHODS)}, got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if lo is None and hi is None:
+                lo = hi = 5
+            elif lo is None:
+                lo = hi
+            elif hi is None:
+                hi = lo
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            set_("prompt_lookup_min", lo)
+            set_("prompt_lookup_max", hi)
+        elif not self.model or not isinstance(self.model, str):
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (a GGUF file or HF folder)")
+        ranges = self.num_speculative_tokens_per_batch_size
+        if ranges is not None:
+            set_("num_speculative_tokens_per_batch_size", _check_batch_ranges(ranges, k))
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a JSON string (``--speculative-config``), a dict (``LLM(speculative_config=...)``) or None.
+
+        As in vLLM, a ``model`` of ``"[ngram]"`` / ``"ngram"`` means method
+        ngram, and a ``model`` without ``method`` means ``draft_model``.
+
+        Raises:
+            ValueError: invalid JSON, not an object, unknown keys, or a value
+                the config rejects.
+        """
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config: invalid JSON ({e})") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown keys {unknown} (known: {list(_SPEC_KEYS)})")
+        d = dict(value)
+        if d.get("model") in ("[ngram]", "ngram"):
+            d["method"] = "ngram"
+            d.pop("model")
+        elif d.get("method") is None:
+            d["method"] = "draft_model" if d.get("model") else None
+        if d.get("method") is None:
+            raise ValueError("speculative_config: 'method' is required (ngram or draft_model)")
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config: 'num_speculative_tokens' is required")
+        return cls(**d)
+
+    def num_tokens_for_batch(self, batch_size: int) -> int:
+        """Draft length for a step with ``batch_size`` running requests (the dynamic-k table, else γ)."""
+        ranges = self.num_speculative_tokens_per_batch_size
+        if not ranges:
+            return self.num_speculative_tokens
+        for lo, hi, k in ranges:
+            if batch_size <= hi:
+                return k
+        return ranges[-1][2]
+
+
+def _check_batch_ranges(ranges: Any, max_k: int) -> tuple[tuple[int, int, int], ...]:
+    """Validate ``num_speculative_tokens_per_batch_size`` (see :class:`SpeculativeConfig`)."""
+    name = "speculative_config: num_speculative_tokens_per_batch_size"
+    if not isinstance(ranges, (list, tuple)) or not ranges:
+        raise ValueError(f"{name} must be a non-empty list of [batch_lo, batch_hi, k] ranges")
+    out: list[tuple[int, int, int]] = []
+    for r in ranges:
+        if (not isinstance(r, (list, tuple)) or len(r) != 3
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+            raise ValueError(f"{name}: each range must be [batch_lo, batch_hi, k] integers, got {r!r}")
+        lo, hi, k = r
+        expect_lo = out[-1][1] + 1 if out else 1
+        if lo != expect_lo:
+            raise ValueError(f"{name}: ranges must be sorted and contiguous starting at 1; "
+                             f"range {list(r)} should start at {expect_lo}")
+        if hi < lo:
+            raise ValueError(f"{name}: batch_hi must be >= batch_lo, got {list(r)}")
+        if not 0 <= k <= max_k:
+            raise ValueError(f"{name}: k must be in [0, num_speculative_tokens={max_k}], got {list(r)}")
+        out.append((lo, hi, k))
+    return tuple(out)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs; built by the CLI or by :class:`tokenmill.LLM`."""
@@ -199,14 +340,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (``max_num_seqs=8, block_size=16, ...``).
 
+        ``speculative_config`` (a dict, JSON string or :class:`SpeculativeConfig`)
+        fills the ``speculative`` section.
+
         Raises:
             TypeError: an argument names no field of any section.
         """
+        spec = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
         sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "server": {},
                                                "parallel": {}}
         owners = {f.name: s for s, c in (("model", ModelConfig), ("cache", CacheConfig),
@@ -219,13 +365,15 @@ class EngineConfig:
             sections[owners[k]][k] = v
         return cls(model=ModelConfig(**sections["model"]), cache=CacheConfig(**sections["cache"]),
                    scheduler=SchedulerConfig(**sections["scheduler"]), server=ServerConfig(**sections["server"]),
-                   parallel=ParallelConfig(**sections["parallel"]))
+                   parallel=ParallelConfig(**sections["parallel"]),
+                   speculative=spec)
 
     def replace(self, **kwargs: Any) -> "EngineConfig":
         """Copy with flat keyword overrides (same names as :meth:`from_kwargs`)."""
         flat = {f.name: getattr(getattr(self, s), f.name)
                 for s in ("model", "cache", "scheduler", "server", "parallel")
                 for f in dataclasses.fields(getattr(self, s))}
+        flat["speculative_config"] = self.speculative
         flat.update(kwargs)
         return EngineConfig.from_kwargs(**flat)
 

@@ -97,6 +97,8 @@ class Request:
         # Prompt logprobs gathered chunk by chunk (entry j: prompt token j + 1), None when not asked
         # for or already sent with the first output.
         self.prompt_logprobs: list[Any] | None = [] if sampling_params.prompt_logprobs is not None else None
+        # Draft tokens proposed for the next step (speculative decoding); never part of all_token_ids.
+        self.spec_token_ids: list[int] = []
 
     @property
     def needs_prompt_logprobs(self) -> bool:

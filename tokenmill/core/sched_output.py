@@ -40,6 +40,10 @@ class ScheduledRequest:
         prompt_logprobs: top entries per prompt token when the runner must
             return prompt logprobs for the prompt positions of this chunk
             (:attr:`ModelRunnerOutput.prompt_logprobs`); None otherwise.
+        spec_token_ids: draft tokens to verify, ``[num_draft_tokens]``;
+            they are the last ``len(spec_token_ids)`` entries of
+            ``token_ids`` (only on a sampling step). The runner samples at
+            the last real token and at every draft position.
     """
 
     req_id: str
@@ -52,6 +56,7 @@ class ScheduledRequest:
     output_token_ids: list[int]
     new: bool = False
     prompt_logprobs: int | None = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -71,12 +76,16 @@ class SchedulerOutput:
             scheduling pass.
         finished_req_ids: requests that finished or were aborted since the
             previous step; the runner drops their per-request state.
+        num_spec_tokens: speculative decoding: how many draft tokens the
+            runner proposes per sampling request for the next step (the
+            dynamic draft length for the current batch size; 0: none).
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
+    num_spec_tokens: int = 0
 
     @property
     def is_empty(self) -> bool:
@@ -100,12 +109,22 @@ class ModelRunnerOutput:
             ``(first, entries)``, the logprobs of prompt tokens ``first,
             first + 1, ...`` (each given the tokens before it) that this
             step's chunk predicts; ``first >= 1``.
+        verified_token_ids: speculative decoding, per request that verified
+            drafts: every token the step emits (the accepted drafts, then the
+            target's own token); its first entry equals the request's
+            ``sampled_token_ids`` entry.
+        verified_logprobs: the target's logprobs of those tokens (entries
+            None when not asked for).
+        draft_token_ids: per request, the drafts proposed for its next step.
     """
 
     req_ids: list[str] = field(default_factory=list)
     sampled_token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass

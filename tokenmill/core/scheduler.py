@@ -33,6 +33,20 @@ chunked prefill off, budget) stays at the head and nothing behind it is
 admitted that step. This keeps fcfs order strict and avoids starving long
 requests; no running request is preempted to admit a waiting one.
 
+Speculative decoding (:mod:`tokenmill.spec_decode`): speculative tokens are
+just extra tokens to verify. A decoding request's draft tokens
+(``request.spec_token_ids``, proposed by the runner in the previous step) are
+scheduled after its last token; they count in the token budget and get KV
+slots. They are cut so that the request can never pass ``max_model_len`` or
+``max_tokens`` even if all are accepted, to the budget left, and to the
+dynamic draft length for the current batch size
+(``num_speculative_tokens_per_batch_size``); when the pool cannot hold them the
+drafts are dropped before anything is preempted. After verification
+``num_computed_tokens`` rolls back over the rejected positions (their slots
+are overwritten later; only full blocks of accepted tokens are ever hashed
+into the prefix cache, because rejected drafts never enter
+``all_token_ids``).
+
 Running requests are served in admission order, so with
 ``max_num_batched_tokens < max_num_seqs`` the last running requests may get
 no token in a step (as in vLLM); keep the budget at least ``max_num_seqs``.
@@ -47,10 +61,11 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.prefix_cache import PrefixCacheStats, update_block_hashes
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.spec_decode_stats import SpecDecodingStats
 from tokenmill.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -231,6 +246,7 @@ class Scheduler:
         cache_config: ``block_size`` and ``enable_prefix_caching``.
         max_model_len: context limit in tokens (prompt + output).
         num_kv_blocks: KV pool size in blocks.
+        speculative_config: enables draft tokens (None: off).
 
     Attributes:
         kv_cache_manager: the :class:`KVCacheManager` this scheduler owns.
@@ -242,7 +258,8 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 max_model_len: int, num_kv_blocks: int) -> None:
+                 max_model_len: int, num_kv_blocks: int,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
         self.scheduler_config = scheduler_config
@@ -271,6 +288,12 @@ class Scheduler:
         self._num_preemptions_total = 0
         # requests scheduled in the step being built (schedule() resets it)
         self._step_scheduled: dict[str, ScheduledRequest] = {}
+        self.spec_config = speculative_config
+        # A draft model writes its K/V for the drafts it proposes after a step: keep that many slots spare.
+        self.num_lookahead_tokens = (speculative_config.num_speculative_tokens
+                                     if speculative_config and speculative_config.method == "draft_model" else 0)
+        self.spec_stats = SpecDecodingStats()
+        self._spec_k = 0  # draft length allowed in the step being scheduled
 
     # -- accessors -----------------------------------------------------------
     @property
@@ -454,6 +477,7 @@ class Scheduler:
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         self._step_scheduled = {}
+        self._spec_k = self.spec_config.num_tokens_for_batch(len(self.running)) if self.spec_config else 0
         # batch lane: while interactive requests wait, running batch prefills only get what is left
         defer = len(self.waiting.interactive) > 0
         budget = self._schedule_running(out, self.max_num_batched_tokens, defer_batch_prefill=defer)
@@ -462,10 +486,28 @@ class Scheduler:
         if defer:
             budget = self._schedule_running(out, budget, defer_batch_prefill=False)
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
+        if self.spec_config:
+            out.num_spec_tokens = self.spec_config.num_tokens_for_batch(len(self.running))
         return out
 
+    def _num_drafts(self, req: Request, n: int, budget: int) -> int:
+        """How many of ``req.spec_token_ids`` ride along with its ``n`` new tokens this step.
+
+        Zero unless the step reaches the request's last token; otherwise cut
+        by the dynamic draft length, the budget left after ``n``, and so that
+        even with every draft accepted plus the target's token the request
+        stays within ``max_tokens`` and ``max_model_len``.
+        """
+        if not req.spec_token_ids or req.num_computed_tokens + n != req.num_tokens:
+            return 0
+        k = min(len(req.spec_token_ids), self._spec_k, budget - n,
+                self.max_model_len - req.num_tokens - 1)
+        if req.max_tokens is not None:
+            k = min(k, req.max_tokens - req.num_output_tokens - 1)
+        return max(k, 0)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int, defer_batch_prefill: bool = False) -> int:
-        """Give each running request its next token or prompt chunk; preempt when the pool is full.
+        """Give each running request its next token (plus drafts) or prompt chunk; preempt when the pool is full.
 
         Requests already scheduled in this step are skipped. With
         ``defer_batch_prefill``, batch-lane requests with more than one token
@@ -488,21 +530,27 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            while self.kv_cache_manager.allocate_slots(req, n) is None:
+            k = self._num_drafts(req, n, budget)
+            lookahead = self.num_lookahead_tokens if n == left else 0
+            preempted_self = False
+            while self.kv_cache_manager.allocate_slots(req, n + k + lookahead) is None:
+                if k or lookahead:
+                    k = lookahead = 0  # drafts are optional: drop them before preempting anyone
+                    continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:
                     i -= 1  # an earlier request: the list shifts left
                 budget += self._preempt(victim, out, scheduled)
                 if victim is req:
+                    preempted_self = True
                     break
-            else:
-                sr = self._scheduled(req, n, new=False)
-                scheduled[req.request_id] = sr
-                out.scheduled.append(sr)
-                budget -= n
-                i += 1
-                continue
-            break  # the request being scheduled was itself preempted
+            if preempted_self:
+                break  # the request being scheduled was itself preempted
+            sr = self._scheduled(req, n, new=False, num_drafts=k)
+            scheduled[req.request_id] = sr
+            out.scheduled.append(sr)
+            budget -= n + k
+            i += 1
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
@@ -533,7 +581,10 @@ class Scheduler:
                 if not self.enable_chunked_prefill and n <= self.max_num_batched_tokens:
                     break
                 n = budget
-            if self.kv_cache_manager.allocate_slots(req, n, hit_blocks, num_hit) is None:
+            # a draft model writes K/V for its first drafts right after the prompt's last chunk
+            lookahead = self.num_lookahead_tokens if num_hit + n == req.num_tokens else 0
+            if (self.kv_cache_manager.allocate_slots(req, n + lookahead, hit_blocks, num_hit) is None
+                    and (not lookahead or self.kv_cache_manager.allocate_slots(req, n, hit_blocks, num_hit) is None)):
                 refund = None if req.batch else self._preempt_batch(out)
                 if refund is None:
                     break
@@ -567,11 +618,13 @@ class Scheduler:
         """``n`` new tokens limited to ``long_prefill_token_threshold`` (when set, with chunked prefill)."""
         return self.long_prefill_cap if 0 < self.long_prefill_cap < n else n
 
-    def _scheduled(self, req: Request, n: int, new: bool) -> ScheduledRequest:
+    def _scheduled(self, req: Request, n: int, new: bool, num_drafts: int = 0) -> ScheduledRequest:
         start = req.num_computed_tokens
+        drafts = req.spec_token_ids[:num_drafts]
+        req.spec_token_ids = []  # consumed (or dropped); the runner proposes afresh after this step
         sr = ScheduledRequest(
             req_id=req.request_id,
-            token_ids=req.all_token_ids[start:start + n],
+            token_ids=req.all_token_ids[start:start + n] + drafts,
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.get_block_ids(req.request_id),
             sample=start + n == req.num_tokens,
@@ -581,8 +634,9 @@ class Scheduler:
             new=new,
             prompt_logprobs=req.sampling_params.prompt_logprobs
             if req.needs_prompt_logprobs and start < req.num_prompt_tokens - 1 else None,
+            spec_token_ids=drafts,
         )
-        req.num_computed_tokens = start + n
+        req.num_computed_tokens = start + n + num_drafts
         return sr
 
     def _pick_victim(self) -> Request:
@@ -607,6 +661,7 @@ class Scheduler:
         self.kv_cache_manager.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids = []
         victim.num_preemptions += 1
         self._num_preemptions_total += 1
         self.waiting.add_front(victim)
@@ -627,6 +682,13 @@ class Scheduler:
         finish as 'length' (these two apply regardless of ``min_tokens``,
         so a request never exceeds the context).
 
+        With speculative decoding a request may get several tokens (its
+        accepted drafts and the target's token): they are appended one at a
+        time with the stop rules checked after each, exactly as without
+        speculation, and a stop drops the rest. ``num_computed_tokens`` rolls
+        back over the rejected drafts, the speculative-decoding counters are
+        updated, and the next drafts are stored on the request.
+
         Returns:
             one :class:`EngineCoreOutput` per request that got a token or
             finished (including earlier ``max_tokens == 0`` finishes).
@@ -637,6 +699,9 @@ class Scheduler:
         sampled = dict(zip(model_runner_output.req_ids, model_runner_output.sampled_token_ids))
         logprobs = dict(zip(model_runner_output.req_ids, model_runner_output.logprobs))
         prompt_lps = model_runner_output.prompt_logprobs
+        verified = model_runner_output.verified_token_ids
+        verified_lps = model_runner_output.verified_logprobs
+        drafts = model_runner_output.draft_token_ids
         finished_any = False
         for sr in scheduler_output.scheduled:
             req = self.requests.get(sr.req_id)
@@ -650,14 +715,29 @@ class Scheduler:
             if token is None:
                 self.kv_cache_manager.cache_blocks(req)
                 continue
-            req.append_output_token_ids(int(token))
+            tokens = verified.get(sr.req_id) or [int(token)]
+            lps = verified_lps.get(sr.req_id) or [logprobs.get(sr.req_id)]
+            num_drafts = len(sr.spec_token_ids)
+            if num_drafts:
+                num_accepted = len(tokens) - 1
+                self.spec_stats.observe(num_drafts, num_accepted)
+                req.num_computed_tokens -= num_drafts - num_accepted  # roll back over the rejected drafts
+            emitted: list[int] = []
+            for t in tokens:
+                req.append_output_token_ids(int(t))
+                emitted.append(int(t))
+                if self._check_stop(req):
+                    break
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv_cache_manager.cache_blocks(req)
             if req.first_token_time is None:
                 req.first_token_time = time.time()
-            if self._check_stop(req):
+            if req.is_finished:
                 self._finish(req)
                 finished_any = True
-            outputs.append(self._make_output(req, [int(token)], [logprobs.get(sr.req_id)]))
+            else:
+                req.spec_token_ids = list(drafts.get(sr.req_id, ()))
+            outputs.append(self._make_output(req, emitted, list(lps[:len(emitted)])))
         if finished_any:
             self.running = [r for r in self.running if not r.is_finished]
         return outputs

@@ -71,7 +71,8 @@ class EngineCore:
             executor = create_executor(config)
         self.executor = executor
         self.max_model_len = executor.max_model_len
-        self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks)
+        self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks,
+                                   speculative_config=config.speculative)
         self._pending: list[EngineCoreOutput] = []
         self._num_steps = 0
         self._last_step_time = 0.0
@@ -125,6 +126,9 @@ class EngineCore:
         t1 = time.perf_counter()
         if scheduler_output.is_empty:
             # Nothing to run, but requests may still finish (e.g. max_tokens == 0 at admission).
+            release = getattr(self.executor, "release_requests", None)
+            if release is not None and scheduler_output.finished_req_ids:
+                release(scheduler_output.finished_req_ids)  # per-request state of the runner (spec decode)
             return outputs + self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
         try:
             runner_output = self.executor.execute_model(scheduler_output)

@@ -101,7 +101,8 @@ class InputBuffers:
         input_ids, positions, slot_mapping: ``[max_num_tokens]`` int64.
         query_start_loc: ``[max_num_reqs + 1]`` int32.
         seq_lens: ``[max_num_reqs]`` int32.
-        logits_indices: ``[max_num_reqs]`` int64.
+        logits_indices: ``[max_num_tokens]`` int64 (one row per sampling
+            request, plus one per draft token with speculative decoding).
         block_tables: ``[max_num_reqs, max_blocks_per_req]`` int32; rows
             beyond a request's own blocks hold stale ids (always valid block
             ids; attention masks them out by ``seq_lens``).
@@ -109,7 +110,7 @@ class InputBuffers:
 
     _SPECS = {"input_ids": (torch.int64, "tokens"), "positions": (torch.int64, "tokens"),
               "slot_mapping": (torch.int64, "tokens"), "query_start_loc": (torch.int32, "reqs+1"),
-              "seq_lens": (torch.int32, "reqs"), "logits_indices": (torch.int64, "reqs"),
+              "seq_lens": (torch.int32, "reqs"), "logits_indices": (torch.int64, "tokens"),
               "block_tables": (torch.int32, "table")}
 
     def __init__(self, max_num_tokens: int, max_num_reqs: int, max_blocks_per_req: int,
@@ -212,6 +213,11 @@ class ModelRunner:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
         self._setup_kv_scales(config.cache.calculate_kv_scales)   # after capture: its warm-up steps are no batch
         log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
+        self.spec_decode = None
+        if config.speculative is not None:
+            from tokenmill.spec_decode.worker import SpecDecodeWorker
+
+            self.spec_decode = SpecDecodeWorker(config.speculative, config, self)
 
     def _setup_kv_scales(self, calculate: bool) -> None:
         """Per-layer K/V scales of a quantised cache: checkpoint values, else computed from the first batch
@@ -341,7 +347,9 @@ class ModelRunner:
             input_ids ``[padded_tokens]`` int64, positions ``[padded_tokens]``
             int64, attention metadata (covering the real requests; its
             ``slot_mapping`` is padded), and ``logits_indices`` (numpy,
-            ``[num_sampling_reqs]``): the row of each sampling request's last token.
+            ``[num_sampling_rows]``): the row of each sampling request's last
+            token, preceded by its draft rows when it has ``k`` drafts (its
+            last ``k + 1`` rows).
             The tensors are views of buffers the next step overwrites.
         """
         reqs = so.scheduled
@@ -382,6 +390,12 @@ class ModelRunner:
             buf["slot_mapping"][num_tokens:padded] = self.scratch_block * bs
         sample_mask = np.fromiter((r.sample for r in reqs), dtype=bool, count=n)
         logits_indices = (qsl[1:] - 1)[sample_mask]
+        if self.spec_decode is not None:
+            # k drafts: the last k + 1 rows of the request (its last real token, then each draft)
+            nlog = np.fromiter((len(r.spec_token_ids) + 1 for r in reqs), dtype=np.int64, count=n)[sample_mask]
+            if int(nlog.sum()) > len(nlog):
+                first = np.repeat(logits_indices - nlog + 1, nlog)
+                logits_indices = first + np.arange(int(nlog.sum())) - np.repeat(np.cumsum(nlog) - nlog, nlog)
 
         b = self.buffers
         md = AttentionMetadata(
@@ -396,6 +410,11 @@ class ModelRunner:
             block_size=bs,
         )
         return b.to_device("input_ids", padded), b.to_device("positions", padded), md, logits_indices
+
+    def release_requests(self, req_ids) -> None:
+        """Drop per-request state of finished requests (called when a step had nothing to run)."""
+        if self.spec_decode is not None:
+            self.spec_decode.forget(req_ids)
 
     # -- the step ----------------------------------------------------------------
     @torch.inference_mode()
@@ -412,6 +431,8 @@ class ModelRunner:
         input_ids, positions, md, logits_indices = self.prepare_inputs(so)
         t1 = time.perf_counter()
         hidden = self.model(input_ids, positions, self.kv_caches, md)
+        if self.spec_decode is not None:
+            self.spec_decode.after_forward(input_ids, positions, md)
         t2 = time.perf_counter()
         if hidden is None:      # a pipeline stage before the last one: its output went to the next stage
             self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": 0.0}
@@ -423,12 +444,20 @@ class ModelRunner:
             self.buffers.np["logits_indices"][:n] = logits_indices
             idx = self.buffers.to_device("logits_indices", n)
             logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
-            token_ids, logprobs = self.sampler(logits, sampling)
-            out = ModelRunnerOutput(req_ids=[r.req_id for r in sampling], sampled_token_ids=token_ids,
-                                    logprobs=logprobs)
+            if self.spec_decode is not None:
+                out = self.spec_decode.sample_and_verify(logits, sampling)
+            else:
+                token_ids, logprobs = self.sampler(logits, sampling)
+                out = ModelRunnerOutput(req_ids=[r.req_id for r in sampling], sampled_token_ids=token_ids,
+                                        logprobs=logprobs)
         if any(r.prompt_logprobs is not None for r in so.scheduled):
             out.prompt_logprobs = self._prompt_logprobs(so, hidden)
-        self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": time.perf_counter() - t2}
+        t3 = time.perf_counter()
+        if self.spec_decode is not None:
+            emitted = [out.verified_token_ids.get(r.req_id) or [t] for r, t in zip(sampling, out.sampled_token_ids)]
+            out.draft_token_ids = self.spec_decode.propose(so, sampling, emitted)
+        self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
+                             "propose": time.perf_counter() - t3}
         return out
 
     PROMPT_LOGPROBS_ROWS = 256  # logits rows per slice: 256 x vocab float32 (48 MiB at a 49k vocab)
