@@ -64,6 +64,7 @@ def _flat(config) -> dict:
         obj = getattr(config, section)
         for f in dataclasses.fields(obj):
             flat[f.name] = getattr(obj, f.name)
+    flat["speculative_config"] = config.speculative
     return flat
 
 

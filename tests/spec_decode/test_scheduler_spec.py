@@ -309,3 +309,25 @@ def test_speculative_config_validation():
     for b in bad:
         with pytest.raises(ValueError, match="speculative_config"):
             parse(b)
+
+
+class _CharTokenizer:
+    """id i decodes to chr(ord('a') + i)."""
+
+    def decode(self, ids, **kw):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def test_stop_string_inside_accepted_drafts_drops_the_tokens_after_it():
+    from tokenmill.core.sched_output import EngineCoreOutput
+    from tokenmill.engine.output_processor import OutputProcessor
+
+    proc = OutputProcessor(_CharTokenizer())
+    proc.add_request("r", None, [0], SamplingParams(stop=["cd"], max_tokens=20))
+    # one step emits 5 tokens (accepted drafts + target token): "b c d e f"; "cd" completes at the 3rd
+    deltas, stop_ids = proc.process_outputs([EngineCoreOutput(req_id="r", new_token_ids=[1, 2, 3, 4, 5],
+                                                              new_logprobs=[None] * 5)])
+    assert stop_ids == ["r"]
+    (d,) = deltas
+    assert d.outputs[0].token_ids == [1, 2, 3] and d.outputs[0].text == "b"
+    assert d.outputs[0].finish_reason == "stop" and d.outputs[0].stop_reason == "cd"

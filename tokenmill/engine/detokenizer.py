@@ -42,6 +42,9 @@ class IncrementalDetokenizer:
         stop_matched: the stop string that ended the text, else None. When set,
             the caller finishes the request with ``finish_reason='stop'`` and
             ``stop_reason`` = this string; later updates return "".
+        num_tokens_at_stop: how many output ids had been fed when the stop
+            string matched (the ids after it, e.g. accepted draft tokens of
+            the same step, are not part of the output); None before.
         output_text: all text emitted so far (the concatenation of every
             returned delta).
         token_ids: every output token id fed so far.
@@ -58,6 +61,7 @@ class IncrementalDetokenizer:
         self.params = params
         self.skip_special_tokens = params.skip_special_tokens
         self.stop_matched: str | None = None
+        self.num_tokens_at_stop: int | None = None
         self.output_text = ""
         self.token_ids: list[int] = []
         self._stops: list[str] = list(params.stop)
@@ -111,6 +115,8 @@ class IncrementalDetokenizer:
             text = self._decode_step(final=False)
             if text:
                 out.append(self._accept(text))
+                if self.stop_matched is not None:
+                    self.num_tokens_at_stop = len(self.token_ids)
         return "".join(out)
 
     def finish(self) -> str:

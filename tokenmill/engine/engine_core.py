@@ -212,6 +212,7 @@ class EngineCore:
             last_schedule_time=self._last_schedule_time,
             num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
             queue=s.queue_state(), step_timing=self.step_time_model.snapshot(),
+            spec_decoding=s.spec_stats.copy() if s.spec_config is not None else None,
         )
 
 

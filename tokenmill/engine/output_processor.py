@@ -161,9 +161,15 @@ class OutputProcessor:
                 m.last_token_time = now
                 text = ch.detokenizer.update(new_ids)
                 if ch.detokenizer.stop_matched is not None:
-                    # Keep the tokens up to the one that completed the stop string.
+                    # Keep the tokens up to the one that completed the stop string (a step that emitted
+                    # several, e.g. accepted draft tokens, drops the ones after it).
                     ch.finish_reason, ch.stop_reason = "stop", ch.detokenizer.stop_matched
                     stop_ids.append(out.req_id)
+                    keep = (ch.detokenizer.num_tokens_at_stop or 0) - len(ch.token_ids)
+                    if 0 < keep < len(new_ids):
+                        new_ids = new_ids[:keep]
+                        out = dataclasses.replace(out, new_token_ids=new_ids,
+                                                  new_logprobs=list(out.new_logprobs)[:keep])
                 ch.token_ids.extend(new_ids)
                 delta.token_ids.extend(new_ids)
                 if st.params.logprobs is not None:

@@ -4,6 +4,9 @@ Example::
 
     prompt 412.3 tok/s, generation 96.1 tok/s | running 8, waiting 3 | KV cache 41.2% | prefix cache hit rate 37.5% | preemptions 0
 
+With speculative decoding the line ends with ``| spec decode: acceptance rate
+62.5%, mean acceptance length 3.50, drafts 120`` (over the interval).
+
 Throughputs are averages over the interval since the previous line; the prefix
 cache hit rate is over the same interval (hits / queries in tokens).
 """
@@ -34,6 +37,7 @@ class LoggingStatLogger:
         self._stats: EngineStats | None = None
         self._base_queries = 0
         self._base_hits = 0
+        self._base_spec = (0, 0, 0)      # drafts, draft tokens, accepted tokens at the last line
         self._idle_logged = False
 
     def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
@@ -60,6 +64,16 @@ class LoggingStatLogger:
             b = max(1, s.queue.num_decoding if s.queue is not None else 1)
             line += (f" | measured: prefill {t.prefill_tokens_per_second:.0f} tok/s, decode step "
                      f"{1000 * (t.decode_step_time(b) or 0.0):.1f} ms at batch {b}")
+        sd = s.spec_decoding
+        if sd is not None:
+            # over the interval, as vLLM's spec-decoding log line: accepted / drafted tokens, and
+            # tokens per verifying request-step (1 + accepted / drafts)
+            d = sd.num_drafts - self._base_spec[0]
+            dt_tok = sd.num_draft_tokens - self._base_spec[1]
+            acc = sd.num_accepted_tokens - self._base_spec[2]
+            line += (f" | spec decode: acceptance rate {100 * acc / dt_tok if dt_tok else 0.0:.1f}%, "
+                     f"mean acceptance length {1 + acc / d if d else 0.0:.2f}, drafts {d}")
+            self._base_spec = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
         self._last_time = now
         self._prompt_tokens = self._gen_tokens = 0
         self._base_queries, self._base_hits = s.prefix_cache_queries, s.prefix_cache_hits

@@ -22,7 +22,10 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   ``request_inference_time_seconds``, ``request_prompt_tokens``,
   ``request_generation_tokens``, ``request_params_max_tokens`` and
   ``scheduler_time_seconds`` (per-step scheduling time, from
-  ``EngineStats.last_schedule_time``; tokenmill-specific).
+  ``EngineStats.last_schedule_time``; tokenmill-specific);
+* with ``--speculative-config``: counters ``spec_decode_num_drafts``,
+  ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+  ``spec_decode_num_accepted_tokens_per_pos{position}`` (0-based draft position).
 
 Each exporter has its own :class:`prometheus_client.CollectorRegistry`, so
 several servers (or tests) in one process do not collide.
@@ -72,7 +75,7 @@ class _EngineSeries:
     def __init__(self, fams: dict, model_name: str, engine: str) -> None:
         lv = (model_name, engine)
         for name, fam in fams.items():
-            if name not in ("success",):
+            if name not in ("success",) and not name.startswith("spec_"):
                 setattr(self, name, fam.labels(*lv))
         self.success = {r: fams["success"].labels(*lv, r) for r in ("stop", "length", "abort", "error")}
         self._success_fam, self._lv = fams["success"], lv
@@ -80,6 +83,24 @@ class _EngineSeries:
         self.last_queries = 0
         self.last_hits = 0
         self.last_steps = 0
+        self._fams = fams
+        self.spec: dict | None = None      # speculative-decoding children, created on the first spec stats
+        self.last_spec = (0, 0, 0)
+        self.last_spec_pos: list[int] = []
+
+    def record_spec(self, sd) -> None:
+        """Advance the ``spec_decode_*`` counters to the core's cumulative :class:`SpecDecodingStats`."""
+        if self.spec is None:
+            self.spec = {n: self._fams[n].labels(*self._lv)
+                         for n in ("spec_drafts", "spec_draft_tokens", "spec_accepted")}
+        totals = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens)
+        self.last_spec = tuple(_inc(self.spec[n], t, last) for n, t, last in
+                               zip(("spec_drafts", "spec_draft_tokens", "spec_accepted"), totals, self.last_spec))
+        pos = sd.num_accepted_tokens_per_pos
+        self.last_spec_pos += [0] * (len(pos) - len(self.last_spec_pos))
+        for i, total in enumerate(pos):
+            self.last_spec_pos[i] = _inc(self._fams["spec_accepted_per_pos"].labels(*self._lv, str(i)), total,
+                                         self.last_spec_pos[i])
 
     def finished(self, reason: str):
         c = self.success.get(reason)
@@ -127,6 +148,12 @@ class PrometheusStatLogger:
             "generation_tokens": counter("generation_tokens", "Number of generation tokens processed."),
             "prefix_queries": counter("prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."),
             "prefix_hits": counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."),
+            "spec_drafts": counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
+            "spec_draft_tokens": counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
+            "spec_accepted": counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+            "spec_accepted_per_pos": Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Accepted tokens per draft position.",
+                                             ["model_name", "engine", "position"], registry=r),
             "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
                                ["model_name", "engine", "finished_reason"], registry=r),
             "ttft": hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -208,6 +235,8 @@ class PrometheusStatLogger:
             e.last_preemptions = _inc(e.num_preemptions, s.num_preemptions_total, e.last_preemptions)
             e.last_queries = _inc(e.prefix_queries, s.prefix_cache_queries, e.last_queries)
             e.last_hits = _inc(e.prefix_hits, s.prefix_cache_hits, e.last_hits)
+            if s.spec_decoding is not None:
+                e.record_spec(s.spec_decoding)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)

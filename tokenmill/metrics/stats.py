@@ -15,6 +15,7 @@ from typing import Protocol
 
 from tokenmill.core.scheduler import QueueState
 from tokenmill.metrics.step_timing import StepTimingSnapshot
+from tokenmill.core.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass
@@ -37,6 +38,8 @@ class EngineStats:
             priority, for admission control (None from an engine that does not report it).
         step_timing: the smoothed step-time model: decode step time vs batch
             size and the prefill rate (None likewise).
+        spec_decoding: cumulative speculative-decoding counters (None when
+            speculative decoding is off).
     """
 
     num_running: int = 0
@@ -53,6 +56,7 @@ class EngineStats:
     block_size: int = 0
     queue: QueueState | None = None
     step_timing: StepTimingSnapshot | None = None
+    spec_decoding: SpecDecodingStats | None = None
 
 
 @dataclass

@@ -77,6 +77,14 @@ def add_serve_args(parser: argparse.ArgumentParser, include_server: bool = True)
                 kw["nargs"] = f.metadata["nargs"]      # several words, joined into one string value
             group.add_argument(flag, *f.metadata.get("aliases", ()), type=typ if typ in (int, float, str) else str,
                                **kw)
+    spec = parser.add_argument_group("speculative decoding options",
+                                     "Draft tokens verified by the target in one pass (lossless).")
+    spec.add_argument("--speculative-config", dest="speculative_config", default=None, metavar="JSON",
+                      help="vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+                           "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4} or {\"method\": \"draft_model\", "
+                           "\"model\": PATH, \"num_speculative_tokens\": 4}; optional "
+                           "\"num_speculative_tokens_per_batch_size\": [[1, 4, 4], [5, 16, 2], [17, 64, 0]] "
+                           "(dynamic draft length by running requests). [default: off]")
     return parser
 
 
@@ -102,6 +110,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         from tokenmill.server.slo_predictor import SLO
 
         SLO.parse(values["slo"])        # ValueError with the bad item
+    if getattr(args, "speculative_config", None) is not None:
+        values["speculative_config"] = args.speculative_config
     return EngineConfig.from_kwargs(**values)
 
 

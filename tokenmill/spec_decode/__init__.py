@@ -1,6 +1,6 @@
 """Speculative decoding: proposers (n-gram prompt lookup, draft model), lossless verification, metrics.
 
-Speculative tokens are just extra tokens to verify (design.md): the scheduler
+Speculative tokens are just extra tokens to verify (docs/architecture.md): the scheduler
 appends a request's draft tokens to its step, the target computes them in the
 same flattened batch, :mod:`tokenmill.spec_decode.rejection_sampler` keeps the
 accepted prefix plus one target token, and ``num_computed_tokens`` rolls back
