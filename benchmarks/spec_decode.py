@@ -182,7 +182,7 @@ def main() -> None:
     ap.add_argument("--configs", default="base,ngram,ngram-dyn,draft")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--num-prompts", type=int, default=0,
-                    help="requests per concurrency level [default: max(4, 2c) capped at 64 + c]")
+                    help="requests per concurrency level [default: max(4, 2c) capped at 64]")
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens for ngram [default: 4]")
     ap.add_argument("--draft-k", type=int, default=3, help="num_speculative_tokens for the draft model [default: 3]")
@@ -220,7 +220,7 @@ def main() -> None:
         print(f"\n## {w}\n| c | config | output tok/s | TPOT p50 ms | TPOT p99 ms | acceptance | mean acc. len | vs base |")
         print("|---|---|---|---|---|---|---|---|", flush=True)
         for c in concs:
-            n = args.num_prompts or min(max(4, 2 * c), 64 + c)
+            n = args.num_prompts or min(max(4, 2 * c), 64)
             # warm-up (kernels, allocator) off the clock, then the same prompts for every config
             ps = prompts[w][:n]
             base_tps = None

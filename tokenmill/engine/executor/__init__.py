@@ -35,6 +35,11 @@ class Executor(Protocol):
     A distributed executor also has ``shutdown()`` (stop its workers) and may
     raise an exception with ``fatal = True`` (:class:`WorkerDiedError`) from
     ``execute_model``: the core then stops instead of failing one batch.
+
+    Optional: ``release_requests(req_ids)`` drops per-request state of
+    finished requests when a step has nothing to run (otherwise they arrive
+    in the next ``SchedulerOutput.finished_req_ids``); the runner keeps such
+    state for speculative decoding.
     """
 
     num_kv_blocks: int
