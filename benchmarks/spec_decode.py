@@ -109,11 +109,19 @@ def build_draft(target: str | None, layers: int, folder: Path) -> str:
 
     path = target or default_model_path()
     d, name = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype="float32")
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype="float32")
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model.model.layers = model.model.layers[:layers]
-    model.config.num_hidden_layers = layers
-    model.save_pretrained(folder)
+    cfg = model.config
+    cfg.num_hidden_layers = layers
+    if hasattr(cfg, "quantization_config"):
+        del cfg.quantization_config                 # a GGUF-loaded model cannot be saved as is: copy its weights
+    fresh = transformers.AutoModelForCausalLM.from_config(cfg, dtype="float32")
+    keep = {k: v for k, v in model.state_dict().items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    missing, unexpected = fresh.load_state_dict(keep, strict=False)
+    if [m for m in missing if m != "lm_head.weight"] or unexpected:
+        raise RuntimeError(f"draft weights do not match: missing {missing}, unexpected {unexpected}")
+    fresh.save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
 

@@ -168,7 +168,8 @@ class ModelRunner:
         lowbit_max_tokens: steps of at most this many tokens run their
             linears (and the logits head) on the GGUF's own low-bit codes
             (CPU, eager; see :meth:`PackedLinear.attach_lowbit`); 0 when off.
-        last_timings: seconds of the last step's parts (``prepare``, ``forward``, ``sample``).
+        last_timings: seconds of the last step's parts (``prepare``, ``forward``, ``sample``; ``propose``
+            with speculative decoding: drafts for the next step).
     """
 
     def __init__(self, model: torch.nn.Module, arch, config: EngineConfig, device: torch.device,
@@ -456,8 +457,9 @@ class ModelRunner:
         if self.spec_decode is not None:
             emitted = [out.verified_token_ids.get(r.req_id) or [t] for r, t in zip(sampling, out.sampled_token_ids)]
             out.draft_token_ids = self.spec_decode.propose(so, sampling, emitted)
-        self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2,
-                             "propose": time.perf_counter() - t3}
+        self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
+        if self.spec_decode is not None:
+            self.last_timings["propose"] = time.perf_counter() - t3
         return out
 
     PROMPT_LOGPROBS_ROWS = 256  # logits rows per slice: 256 x vocab float32 (48 MiB at a 49k vocab)
