@@ -198,6 +198,8 @@ def main() -> None:
     ap.add_argument("--dyn", default="[[1,1,4],[2,3,2],[4,100000,0]]",
                     help="num_speculative_tokens_per_batch_size for ngram-dyn (JSON)")
     ap.add_argument("--mt-bench", default=str(MT_BENCH))
+    ap.add_argument("--kv-cache-memory", default="640MiB",
+                    help="KV pool per engine (all configurations stay loaded side by side) [default: 640MiB]")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
@@ -217,7 +219,8 @@ def main() -> None:
           f"| dtype {args.dtype} | output_len {args.output_len} | ngram k={args.k} (n 2..4), dyn {args.dyn} | "
           f"draft: first {args.draft_layers} layers, k={args.draft_k}", flush=True)
     results = []
-    llms = {name: LLM(args.model, dtype=args.dtype, speculative_config=specs[name]) for name in configs}
+    llms = {name: LLM(args.model, dtype=args.dtype, speculative_config=specs[name],
+                      kv_cache_memory=args.kv_cache_memory) for name in configs}
     prompts = {}
     first = llms[configs[0]]
     for w in workloads:

@@ -231,7 +231,7 @@ def _step_shape(so: SchedulerOutput) -> tuple[int, int]:
 
 def _num_draft(sr: Any) -> int:
     """Speculative tokens verified with a decode (0 without speculative decoding)."""
-    return len(getattr(sr, "draft_token_ids", None) or ())
+    return len(getattr(sr, "spec_token_ids", None) or ())
 
 
 def _stat(stats: Any, name: str) -> int:

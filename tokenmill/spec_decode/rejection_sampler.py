@@ -112,7 +112,8 @@ def num_accepted_one_hot(sampled: np.ndarray, drafts: Sequence[Sequence[int]]) -
 
 
 def target_probs(logits: torch.Tensor, rows: Sequence) -> torch.Tensor:
-    """The distribution the sampler draws from for each row: penalties, temperature, top-k/top-p/min-p, softmax.
+    """The distribution the sampler draws from for each row: penalties, logit bias, temperature,
+    top-k/top-p/min-p, softmax.
 
     Args:
         logits: ``[R, V]`` raw target logits (rows of non-greedy requests).
@@ -123,6 +124,7 @@ def target_probs(logits: torch.Tensor, rows: Sequence) -> torch.Tensor:
     """
     params = [r.sampling_params for r in rows]
     x = Sampler._apply_penalties(logits.float(), list(rows))
+    x = Sampler._apply_logit_bias(x, params)
     x = torch.nan_to_num(x, nan=-1e30, posinf=1e30, neginf=-1e30)
     temps = torch.tensor([p.temperature for p in params], dtype=x.dtype, device=x.device)
     x = Sampler._truncate(x / temps.unsqueeze(1), params)

@@ -125,17 +125,22 @@ class SpecDecodeWorker:
             emitted[i] = toks
             emitted_lps[i] = self._logprobs_for(logits, rows, s, toks)
 
-    @staticmethod
-    def _logprobs_for(logits: torch.Tensor, rows: list, start: int, toks: list[int]) -> list:
-        """The target's logprobs of ``toks`` at rows ``start ..``, as the sampler reports them (None when not asked)."""
+    def _logprobs_for(self, logits: torch.Tensor, rows: list, start: int, toks: list[int]) -> list:
+        """The target's logprobs of ``toks`` at rows ``start ..``, reported as the sampler reports them
+        (its ``logprobs_mode``); None entries when not asked for."""
         params = rows[start].sampling_params
         if params.logprobs is None:
             return [None] * len(toks)
-        sel = rows[start:start + len(toks)]
-        x = Sampler._apply_penalties(logits[start:start + len(toks)].float(), list(sel))
+        sel = list(rows[start:start + len(toks)])
+        x = logits[start:start + len(toks)].float()
+        mode = self.sampler.logprobs_mode
+        if not mode.startswith("raw"):
+            x = Sampler._apply_logit_bias(Sampler._apply_penalties(x, sel), [params] * len(sel))
         x = torch.nan_to_num(x, nan=-1e30, posinf=1e30, neginf=-1e30)
-        t = 1.0 if params.greedy else params.temperature
-        return Sampler._logprobs(x / t, torch.tensor(toks, device=x.device), [params.logprobs] * len(toks))
+        if not mode.startswith("raw") and not params.greedy:
+            x = Sampler._truncate(x / params.temperature, [params] * len(sel))
+        return Sampler._logprobs(x, torch.tensor(toks, device=x.device), [params.logprobs] * len(toks),
+                                 mode.endswith("logprobs"))
 
     # -- 2. draft model over the step's tokens -----------------------------------------
     def after_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> None:
