@@ -248,3 +248,22 @@ def test_kv_aware_counts_in_flight_blocks_before_events_arrive():
     p.on_finish(d1)
     p.on_finish(d3)
     assert p.pending[d1.backend.index] == {}
+
+
+def test_least_load_from_backend_metrics():
+    from tokenmill.router.backends import parse_load
+
+    text = ('# HELP x\ntokenmill:num_requests_running{engine="0",model_name="m"} 3.0\n'
+            'tokenmill:num_requests_running{engine="1",model_name="m"} 2.0\n'
+            'tokenmill:num_requests_waiting{engine="0",model_name="m"} 4.0\n'
+            'tokenmill:num_requests_running_other 100\nvllm:num_requests_waiting{model_name="m"} 1\n')
+    assert parse_load(text) == 10
+    bs = backends(2)
+    bs[0].reported_load, bs[1].reported_load = 5, 1
+    bs[0].in_flight = 0            # what this router alone sees would pick backend 0
+    p = LeastLoad("metrics")
+    got = [p.select(bs, RouteInput()).backend.index for _ in range(6)]
+    # 1 (load 1 -> 2), 1 (-> 3), 1 (-> 4), then ties at 5 alternate
+    assert got[:3] == [1, 1, 1] and sorted(got[3:5]) == [0, 1]
+    with pytest.raises(ValueError):
+        LeastLoad("vibes")

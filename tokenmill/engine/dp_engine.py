@@ -133,7 +133,11 @@ class DPAsyncEngine:
         return self.wait_ready()
 
     async def start_background(self) -> None:
-        for e in self.engines:
+        for i, e in enumerate(self.engines):
+            for sl in self.stat_loggers:  # every engine's series exist from the start (zeros)
+                rec = getattr(sl, "record_engine", None)
+                if rec is not None:
+                    rec(i, None, None)
             await e.start_background()
 
     def shutdown(self, timeout: float = 5.0) -> None:

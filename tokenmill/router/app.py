@@ -71,6 +71,7 @@ class RouterConfig:
     connect_timeout: float = 2.0
     max_retries: int = 2
     seed: int | None = None
+    load_source: str = "inflight"
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -140,7 +141,7 @@ class Router:
         self.metrics = RouterMetrics()
         self.tokenizer = tokenizer
         self.policies: dict[str | None, Policy] = {}
-        make_policy(config.policy, index=self.index)  # validate the name now
+        make_policy(config.policy, index=self.index, load_source=config.load_source)  # validate now
         self.subscribers: dict[int, KVEventSubscriber] = {}
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
@@ -152,7 +153,8 @@ class Router:
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=c.connect_timeout, read=None, write=None, pool=None),
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
-        self.health = HealthChecker(self.backends, self.client, c.health_check_interval, c.health_check_timeout)
+        self.health = HealthChecker(self.backends, self.client, c.health_check_interval, c.health_check_timeout,
+                                    scrape_metrics=c.load_source == "metrics")
         self.health.on_change = self._on_health_change
         await self.health.check_all()
         self.health.start()
@@ -189,7 +191,7 @@ class Router:
                 c.policy, index=self.index, cache_threshold=c.cache_threshold,
                 balance_abs_threshold=c.balance_abs_threshold, balance_rel_threshold=c.balance_rel_threshold,
                 max_tree_size=c.max_tree_size, overlap_weight=c.kv_overlap_score_weight,
-                temperature=c.router_temperature, block_size=c.block_size, seed=c.seed)
+                temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source)
         return p
 
     def all_models(self, healthy_only: bool = True) -> list[str]:

@@ -119,6 +119,9 @@ class Backend:
             produced a first byte yet (router's estimate, blocks).
         consecutive_failures: failed health checks in a row.
         last_error: why it was last marked down.
+        reported_load: running + waiting requests from its last ``/metrics`` scrape
+            (``tokenmill:`` or ``vllm:`` names; None until scraped).
+        routed_since_scrape: requests this router sent it since that scrape.
     """
 
     spec: BackendSpec
@@ -131,6 +134,8 @@ class Backend:
     consecutive_failures: int = 0
     last_error: str | None = None
     last_check: float = 0.0
+    reported_load: int | None = None
+    routed_since_scrape: int = 0
 
     @property
     def url(self) -> str:
@@ -157,6 +162,24 @@ class Backend:
         self.models = models
 
 
+_LOAD_METRICS = ("tokenmill:num_requests_running", "tokenmill:num_requests_waiting",
+                 "vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def parse_load(text: str) -> int:
+    """Running + waiting requests in a backend's Prometheus text (all engines and models summed)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(_LOAD_METRICS):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in _LOAD_METRICS:
+                try:
+                    total += float(line.rsplit(" ", 1)[-1])
+                except ValueError:
+                    pass
+    return int(total)
+
+
 class HealthChecker:
     """Polls ``/health`` and ``/v1/models`` of every backend.
 
@@ -167,10 +190,13 @@ class HealthChecker:
         timeout: seconds per check.
         unhealthy_after: failed checks in a row before a backend leaves the rotation.
         api_key: sent as ``Authorization: Bearer`` to ``/v1/models`` if set.
+        scrape_metrics: also read ``/metrics`` for running + waiting requests (``least_load --load-source metrics``).
     """
 
     def __init__(self, backends: list[Backend], client: httpx.AsyncClient, interval: float = 1.0,
-                 timeout: float = 2.0, unhealthy_after: int = 1, api_key: str | None = None) -> None:
+                 timeout: float = 2.0, unhealthy_after: int = 1, api_key: str | None = None,
+                 scrape_metrics: bool = False) -> None:
+        self.scrape_metrics = scrape_metrics
         self.backends = backends
         self.client = client
         self.interval = interval
@@ -193,6 +219,11 @@ class HealthChecker:
             if m.status_code != 200:
                 raise RuntimeError(f"/v1/models answered {m.status_code}")
             models = [str(d["id"]) for d in m.json().get("data", []) if isinstance(d, dict) and "id" in d]
+            if self.scrape_metrics:
+                r = await self.client.get(f"{b.url}/metrics", timeout=self.timeout)
+                if r.status_code == 200:
+                    b.reported_load = parse_load(r.text)
+                    b.routed_since_scrape = 0
             b.mark_up(models)
         except Exception as e:  # noqa: BLE001 - any failure is "not healthy"
             b.consecutive_failures += 1

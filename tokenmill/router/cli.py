@@ -22,6 +22,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--host", default="127.0.0.1", help="Address to bind [default: 127.0.0.1].")
     p.add_argument("--port", type=int, default=8080, help="TCP port to bind [default: 8080].")
     p.add_argument("--policy", choices=POLICIES, default="round_robin", help="Routing policy [default: round_robin].")
+    p.add_argument("--load-source", choices=["inflight", "metrics"], default="inflight",
+                   help="least_load: requests in flight from this router, or running + waiting from the "
+                        "backends' /metrics (read at each health check) [default: inflight].")
     g = p.add_argument_group("prefix_aware (SGLang's cache-aware rule)")
     g.add_argument("--cache-threshold", type=float, default=0.3,
                    help="Prefix match ratio (matched / prompt characters) above which the best-matching "
@@ -77,7 +80,8 @@ def config_from_args(args: argparse.Namespace):
         max_tree_size=args.max_tree_size, kv_overlap_score_weight=args.kv_overlap_score_weight,
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
-        health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed)
+        health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed,
+        load_source=args.load_source)
 
 
 def run(args: argparse.Namespace) -> int:

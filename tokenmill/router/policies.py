@@ -108,19 +108,35 @@ class RoundRobin(Policy):
 
 
 class LeastLoad(Policy):
-    """The backend with the fewest requests in flight from this router; ties go in turn."""
+    """The least loaded backend; ties go in turn.
+
+    Args:
+        source: ``"inflight"``: requests in flight from this router (exact for a
+            single router); ``"metrics"``: running + waiting requests from the
+            backend's ``/metrics`` at the last health check plus what this router
+            sent since (sees other routers' and direct clients' load too).
+    """
 
     name = "least_load"
 
-    def __init__(self) -> None:
+    def __init__(self, source: str = "inflight") -> None:
+        if source not in ("inflight", "metrics"):
+            raise ValueError(f"load source must be 'inflight' or 'metrics', got {source!r}")
+        self.source = source
         self._next = 0
+
+    def load(self, b: Backend) -> int:
+        if self.source == "metrics" and b.reported_load is not None:
+            return b.reported_load + b.routed_since_scrape
+        return b.in_flight
 
     def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
         _check(candidates)
-        low = min(b.in_flight for b in candidates)
-        ties = [b for b in candidates if b.in_flight == low]
+        low = min(self.load(b) for b in candidates)
+        ties = [b for b in candidates if self.load(b) == low]
         b = ties[self._next % len(ties)]
         self._next += 1
+        b.routed_since_scrape += 1
         return RouteDecision(b, "least_load")
 
 
@@ -326,7 +342,7 @@ POLICIES = ("round_robin", "least_load", "prefix_aware", "kv_aware")
 def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: float = 0.3,
                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                 max_tree_size: int = 2**26, overlap_weight: float = 1.0, temperature: float = 0.0,
-                block_size: int = 16, seed: int | None = None) -> Policy:
+                block_size: int = 16, seed: int | None = None, load_source: str = "inflight") -> Policy:
     """Build a policy by name.
 
     Raises:
@@ -335,7 +351,7 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
     if name == "round_robin":
         return RoundRobin()
     if name == "least_load":
-        return LeastLoad()
+        return LeastLoad(load_source)
     if name == "prefix_aware":
         return PrefixAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
     if name == "kv_aware":
