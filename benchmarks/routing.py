@@ -46,7 +46,7 @@ from tokenmill.bench.datasets import SampleRequest  # noqa: E402
 from tokenmill.bench.loadgen import LoadConfig, run_benchmark  # noqa: E402
 from tokenmill.router.local import LocalReplica, free_ports  # noqa: E402
 
-POLICIES = ["round_robin", "least_load", "prefix_aware", "kv_aware"]
+POLICIES = ["round_robin", "least_load", "prefix_aware", "kv_aware", "kv_aware:4"]
 WORDS = ("harbour ship tide berth cargo crane pilot anchor hull deck mast sail rope knot chart compass "
          "lighthouse buoy quay dock storm wave current reef channel manifest customs ledger clerk watch "
          "mountain snow glacier valley river forest meadow stone bridge tower castle village market").split()
@@ -163,7 +163,8 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=8)
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES),
+                    help="Comma list; 'kv_aware:W' runs kv_aware with --kv-overlap-score-weight W.")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", default="uniform,zipf:1.2",
                     help="Comma list: 'uniform' (equal questions per group) and/or 'zipf:S' (group popularity "
@@ -212,7 +213,10 @@ def main() -> int:
             warm.base_url = r.url
             asyncio.run(run_benchmark(samples[:2], warm, LoadConfig(max_concurrency=2, disable_tqdm=True)))
         for (wname, (samples, _)), policy in [(w, p) for w in workloads.items() for p in args.policies.split(",")]:
-            router, url = start_router(policy, reps, tmp / f"router-{policy}.log", args.router_args.split())
+            # "kv_aware:W" = kv_aware with --kv-overlap-score-weight W (the weight ablation)
+            name, _, weight = policy.partition(":")
+            extra = args.router_args.split() + (["--kv-overlap-score-weight", weight] if weight else [])
+            router, url = start_router(name, reps, tmp / f"router-{policy.replace(':', '_')}.log", extra)
             try:
                 before = [scrape(r.url, names) for r in reps]
                 ep = EndpointConfig(base_url=url, endpoint="completions", model=model, ignore_eos=True,
