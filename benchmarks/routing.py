@@ -100,14 +100,19 @@ def scrape(url: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
-def routed_reasons(url: str) -> dict[str, int]:
+def routed_reasons(url: str) -> dict[str, object]:
+    """The router's routing reasons and requests per backend (in backend order), from its /metrics."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    out = {}
+    out: dict[str, object] = {}
+    per_backend = []
     for line in text.splitlines():
         if line.startswith("tokenmill:router_routed_total{"):
             reason = line.split('reason="', 1)[1].split('"', 1)[0]
             out[reason] = int(float(line.rsplit(" ", 1)[-1]))
+        elif line.startswith("tokenmill:router_requests_total{"):
+            per_backend.append(int(float(line.rsplit(" ", 1)[-1])))
+    out["per_backend"] = per_backend
     return out
 
 
@@ -166,6 +171,8 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="Comma list; 'kv_aware:W' runs kv_aware with --kv-overlap-score-weight W.")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="Runs per policy (order rotated each repeat); the table shows medians.")
     ap.add_argument("--workloads", default="uniform,zipf:1.2",
                     help="Comma list: 'uniform' (equal questions per group) and/or 'zipf:S' (group popularity "
                          "~ 1/rank^S, a few hot prompts).")
@@ -212,7 +219,12 @@ def main() -> int:
         for r in reps:
             warm.base_url = r.url
             asyncio.run(run_benchmark(samples[:2], warm, LoadConfig(max_concurrency=2, disable_tqdm=True)))
-        for (wname, (samples, _)), policy in [(w, p) for w in workloads.items() for p in args.policies.split(",")]:
+        pols = args.policies.split(",")
+        plan = []
+        for rep in range(args.repeats):  # repeats rotate the policy order (machine load drifts over time)
+            order = pols[rep % len(pols):] + pols[:rep % len(pols)]
+            plan += [(w, p, rep) for w in workloads.items() for p in order]
+        for (wname, (samples, _)), policy, rep in plan:
             # "kv_aware:W" = kv_aware with --kv-overlap-score-weight W (the weight ablation)
             name, _, weight = policy.partition(":")
             extra = args.router_args.split() + (["--kv-overlap-score-weight", weight] if weight else [])
@@ -220,7 +232,7 @@ def main() -> int:
             try:
                 before = [scrape(r.url, names) for r in reps]
                 ep = EndpointConfig(base_url=url, endpoint="completions", model=model, ignore_eos=True,
-                                    temperature=0.0, extra_body={"cache_salt": f"routing-{wname}-{policy}-{args.seed}"})
+                                    temperature=0.0, extra_body={"cache_salt": f"routing-{wname}-{policy}-{args.seed}-{rep}"})
                 res = asyncio.run(run_benchmark(samples, ep, LoadConfig(max_concurrency=args.max_concurrency,
                                                                        disable_tqdm=True, seed=args.seed,
                                                                        percentiles=[50, 90, 99])))
@@ -231,7 +243,7 @@ def main() -> int:
             q = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
             h = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
             d = res.metrics.to_dict()
-            row = {"workload": wname, "policy": policy, "output_tok_s": d["output_throughput"], "completed": d["completed"],
+            row = {"workload": wname, "policy": policy, "repeat": rep, "output_tok_s": d["output_throughput"], "completed": d["completed"],
                    "failed": d["failed"], "ttft_p50_ms": d["p50_ttft_ms"], "ttft_p90_ms": d["p90_ttft_ms"],
                    "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "reasons": reasons,
                    "duration_s": d["duration"]}
@@ -244,15 +256,27 @@ def main() -> int:
             r.stop()
     print(f"\nload average {os.getloadavg()[0]:.1f}; {args.replicas} replicas x {args.num_kv_blocks} blocks, "
           f"{'pinned' if not args.no_pin else 'unpinned'} on {ncpu} CPUs")
+    # one row per (workload, policy): the median over repeats of each figure
+    import statistics
+
+    keys = ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "hit_rate")
+    table = []
+    for w in workloads:
+        for p in pols:
+            runs = [r for r in results if r["workload"] == w and r["policy"] == p]
+            if runs:
+                table.append({"workload": w, "policy": p, "runs": len(runs),
+                              **{k: statistics.median(r[k] for r in runs) for k in keys}})
+    print(f"(median of {args.repeats} runs per row)" if args.repeats > 1 else "")
     print("| workload | policy | output tok/s | vs round_robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefix hit rate |")
     print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        base = next((x for x in results if x["policy"] == "round_robin" and x["workload"] == r["workload"]), None)
+    for r in table:
+        base = next((x for x in table if x["policy"] == "round_robin" and x["workload"] == r["workload"]), None)
         ratio = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else 0.0
         print(f"| {r['workload']} | {r['policy']} | {r['output_tok_s']:.1f} | {ratio:.2f}x | {r['ttft_p50_ms']:.0f} | "
               f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['hit_rate']:.1%} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "table": table}, indent=2))
     return 0
 
 

@@ -72,6 +72,7 @@ class RouterConfig:
     max_retries: int = 2
     seed: int | None = None
     load_source: str = "inflight"
+    backend_api_key: str | None = None
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -154,7 +155,7 @@ class Router:
             timeout=httpx.Timeout(connect=c.connect_timeout, read=None, write=None, pool=None),
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
         self.health = HealthChecker(self.backends, self.client, c.health_check_interval, c.health_check_timeout,
-                                    scrape_metrics=c.load_source == "metrics")
+                                    api_key=c.backend_api_key, scrape_metrics=c.load_source == "metrics")
         self.health.on_change = self._on_health_change
         await self.health.check_all()
         self.health.start()

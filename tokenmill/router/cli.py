@@ -55,6 +55,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--max-retries", type=int, default=2,
                    help="Other backends tried when one cannot be reached (connection refused or timed out) "
                         "[default: 2].")
+    g.add_argument("--backend-api-key", default=None, metavar="KEY",
+                   help="Bearer key for the health checks' GET /v1/models on backends started with --api-key "
+                        "(clients' own Authorization headers are forwarded unchanged).")
     g.add_argument("--seed", type=int, default=None, help="Seed of the softmax draw.")
     p.set_defaults(func=run)
     return p
@@ -81,7 +84,7 @@ def config_from_args(args: argparse.Namespace):
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed,
-        load_source=args.load_source)
+        load_source=args.load_source, backend_api_key=args.backend_api_key)
 
 
 def run(args: argparse.Namespace) -> int:
