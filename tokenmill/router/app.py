@@ -468,6 +468,7 @@ def run_router(config: RouterConfig) -> None:
     """Load the tokenizer (kv_aware), then serve until SIGINT/SIGTERM."""
     import uvicorn
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
     tok = None
     if config.policy == "kv_aware":
         t0 = time.perf_counter()
