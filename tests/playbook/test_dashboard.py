@@ -85,8 +85,8 @@ def test_playbook_panels_present(scraped):
     used = dashboard_metric_names(json.loads(DASHBOARD.read_text()))
     # Spec-decode acceptance is on the dashboard exactly when the exporter has the metrics.
     assert bool(spec) == any("spec_decode" in n for n in used), \
-        ("the exporter's spec-decode metrics and the dashboard's spec panel disagree: append SPEC_DECODE_PANEL "
-         "to PANELS in tokenmill/playbook/dashboard.py, then run "
+        ("the exporter's spec-decode metrics and the dashboard's spec panel disagree: edit PANELS "
+         "in tokenmill/playbook/dashboard.py, then run "
          "python -m tokenmill.playbook.dashboard deploy/grafana/dashboards/tokenmill.json")
 
 

@@ -89,14 +89,11 @@ PANELS: list[tuple[str, str, list[tuple[str, str]], tuple[int, int], str]] = [
      (8, 8), "Finished requests per second by finish reason (stop, length, abort, error)."),
     ("Queue time", "s", _pcts("tokenmill:request_queue_time_seconds", "queue"), (8, 8),
      "Arrival to first scheduled: where TTFT goes under overload."),
+    ("Speculative decoding acceptance", "percentunit",
+     [(f"sum(rate(tokenmill:spec_decode_num_accepted_tokens_total{SEL}{RI})) / "
+       f"sum(rate(tokenmill:spec_decode_num_draft_tokens_total{SEL}{RI}))", "acceptance rate")], (8, 8),
+     "Accepted draft tokens / proposed draft tokens (empty unless the server runs --speculative-config)."),
 ]
-
-# Spec-decode panel: added once the exporter has these metrics (tests check every query against /metrics).
-SPEC_DECODE_PANEL = (
-    "Speculative decoding acceptance", "percentunit",
-    [(f"sum(rate(tokenmill:spec_decode_num_accepted_tokens_total{SEL}{RI})) / "
-      f"sum(rate(tokenmill:spec_decode_num_draft_tokens_total{SEL}{RI}))", "acceptance rate")], (8, 8),
-    "Accepted draft tokens / proposed draft tokens.")
 
 # SLO variables: bucket boundaries of the exporter's histograms (prometheus_client writes them as floats).
 TTFT_SLO_CHOICES = ["0.1", "0.25", "0.5", "1.0", "2.5", "5.0"]
