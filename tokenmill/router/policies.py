@@ -15,6 +15,7 @@ are tested with fake backends and no model.
 
 from __future__ import annotations
 
+import abc
 import math
 import random
 from dataclasses import dataclass, field
@@ -66,19 +67,19 @@ class RouteDecision:
     block_hashes: list[bytes] | None = None
 
 
-class Policy:
+class Policy(abc.ABC):
     """Base class. ``needs_tokens``: the router must tokenize and hash the prompt first."""
 
     name = "base"
     needs_tokens = False
 
+    @abc.abstractmethod
     def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
         """Choose one of ``candidates`` (non-empty, all healthy).
 
         Raises:
             ValueError: no candidates.
         """
-        raise NotImplementedError
 
     def on_backend_down(self, backend: Backend) -> None:
         """A backend left the rotation (it may come back empty)."""

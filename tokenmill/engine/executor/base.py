@@ -38,6 +38,25 @@ class FrontendInfo:
     path: str
 
 
+def merge_step_replies(replies: list[tuple]) -> tuple[Any, list[Any]]:
+    """Combine the workers' replies to one step into (the step's output, per-rank step stats).
+
+    Each reply is ``(status, output_or_error, stats)``: the last pipeline stage's rank 0 returns the
+    :class:`ModelRunnerOutput`, the others ``None``.
+
+    Raises:
+        RuntimeError: a worker reported an error (the first one is named), or no worker returned an output.
+    """
+    errors = [m[1] for m in replies if m[0] == "error"]
+    if errors:
+        raise RuntimeError(f"worker step failed: {errors[0]}")
+    stats = [m[2] for m in replies]
+    for m in replies:
+        if m[1] is not None:
+            return m[1], stats
+    raise RuntimeError("no worker returned the step's output")
+
+
 def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[Any, FrontendInfo]:
     """``(arch, FrontendInfo)`` of a checkpoint without loading its weights.
 

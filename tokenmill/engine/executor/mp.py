@@ -39,7 +39,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, load_frontend, log_layout,
-                                            plan_cpus, plan_kv_blocks, resolve_max_model_len)
+                                            merge_step_replies, plan_cpus, plan_kv_blocks, resolve_max_model_len)
 from tokenmill.engine.executor.step_codec import StepEncoder
 
 logger = logging.getLogger(__name__)
@@ -167,14 +167,8 @@ class MultiprocExecutor:
         except OSError as e:
             self._die(f"sending to a worker failed: {e}")
         replies = self._collect(timeout=None, what="running a step")
-        errors = [m[1] for m in replies if m[0] == "error"]
-        if errors:
-            raise RuntimeError(f"worker step failed: {errors[0]}")
-        self.last_step_stats = [m[2] for m in replies]
-        for m in replies:
-            if m[1] is not None:
-                return m[1]
-        raise RuntimeError("no worker returned the step's output")
+        output, self.last_step_stats = merge_step_replies(replies)
+        return output
 
     def check_health(self) -> None:
         """Raise :class:`WorkerDiedError` if a worker is gone (the idle engine core calls this about once a second)."""

@@ -27,7 +27,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, load_frontend, log_layout,
-                                            plan_kv_blocks, resolve_max_model_len)
+                                            merge_step_replies, plan_kv_blocks, resolve_max_model_len)
 from tokenmill.engine.executor.step_codec import StepEncoder
 
 logger = logging.getLogger(__name__)
@@ -144,14 +144,8 @@ class RayExecutor:
             return ModelRunnerOutput()
         payload = self._ray.put(pickle.dumps(self.encoder.encode(so), protocol=5))
         replies = self._get([a.execute.remote(payload) for a in self._actors], "running a step")
-        errors = [m[1] for m in replies if m[0] == "error"]
-        if errors:
-            raise RuntimeError(f"worker step failed: {errors[0]}")
-        self.last_step_stats = [m[2] for m in replies]
-        for m in replies:
-            if m[1] is not None:
-                return m[1]
-        raise RuntimeError("no worker returned the step's output")
+        output, self.last_step_stats = merge_step_replies(replies)
+        return output
 
     def check_health(self) -> None:
         """Raise :class:`WorkerDiedError` if an actor is gone (a cheap ping of every actor)."""
