@@ -289,6 +289,18 @@ def test_echo_logprobs_score_the_prompt(client: openai.OpenAI, model: str, serve
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
 
 
+def test_top_logprobs_are_raw_and_do_not_change_with_temperature(client: openai.OpenAI, model: str) -> None:
+    """vLLM's default --logprobs-mode raw_logprobs: the model's distribution, whatever the temperature."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    tops = []
+    for t in (0.0, 0.2, 1.0):
+        c = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=1, temperature=t,
+                                           logprobs=True, top_logprobs=3, seed=1)
+        tops.append([(e.token, round(e.logprob, 3)) for e in c.choices[0].logprobs.content[0].top_logprobs])
+    assert tops[0] == tops[1] == tops[2], tops
+    assert tops[0][0][1] > -5 and tops[0][1][1] < tops[0][0][1]   # a real distribution, not a sharpened one
+
+
 def test_sigint_shuts_down_promptly_and_leaves_no_child(server: ServerProc, model: str) -> None:
     """Runs last: Ctrl-C with a stream open ends the stream and both processes within seconds."""
     kids = server.children()
@@ -306,15 +318,3 @@ def test_sigint_shuts_down_promptly_and_leaves_no_child(server: ServerProc, mode
     assert rest == [] or rest[-2:] == ["data: [DONE]", ""] or "data: [DONE]" in rest
     for k in kids:
         assert not k.is_running() or k.status() == "zombie"
-
-
-def test_top_logprobs_are_raw_and_do_not_change_with_temperature(client: openai.OpenAI, model: str) -> None:
-    """vLLM's default --logprobs-mode raw_logprobs: the model's distribution, whatever the temperature."""
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
-    tops = []
-    for t in (0.0, 0.2, 1.0):
-        c = client.chat.completions.create(model=model, messages=msgs, max_completion_tokens=1, temperature=t,
-                                           logprobs=True, top_logprobs=3, seed=1)
-        tops.append([(e.token, round(e.logprob, 3)) for e in c.choices[0].logprobs.content[0].top_logprobs])
-    assert tops[0] == tops[1] == tops[2], tops
-    assert tops[0][0][1] > -5 and tops[0][1][1] < tops[0][0][1]   # a real distribution, not a sharpened one

@@ -52,8 +52,8 @@ def test_queue_full_gives_429_and_priority_orders_the_queue(server: ServerProc) 
     async def main() -> list[str]:
         ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         order: list[str] = []
-        # A takes the only running slot.
-        a = await ac.completions.create(model="smol", prompt="Count to fifty:", max_tokens=48, stream=True,
+        # A takes the only running slot, long enough (400 tokens) to still run when the third request comes.
+        a = await ac.completions.create(model="smol", prompt="Count to fifty:", max_tokens=400, stream=True,
                                         temperature=0, extra_body={"ignore_eos": True})
         await a.__anext__()
 

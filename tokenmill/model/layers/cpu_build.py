@@ -117,9 +117,20 @@ def _sources_digest(sources: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def _compile_command(cc: str, sources: Sequence[str], isa: str, out: str) -> list[str]:
-    return [cc, "-O3", *_ISA_FLAGS[isa], "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=gnu11",
-            f"-I{CSRC_DIR}", *[os.path.join(CSRC_DIR, s) for s in sources], "-o", out, "-lm"]
+# Part of the cache key: bump when the compile/link recipe changes (v2: link without -ffast-math).
+_BUILD_RECIPE = " recipe-v2"
+
+
+def _compile_commands(cc: str, sources: Sequence[str], isa: str, tmp: str, out: str) -> list[list[str]]:
+    """The compiler runs that build ``out``: each source to an object with ``-ffast-math``, then a link
+    without it. Linking with ``-ffast-math`` (GCC < 13) adds ``crtfastmath.o``, whose constructor sets
+    flush-to-zero / denormals-are-zero in MXCSR for the whole process on load, changing torch's and
+    numpy's arithmetic far from our kernels."""
+    objs = [os.path.join(tmp, f"{i}.o") for i in range(len(sources))]
+    cmds = [[cc, "-O3", *_ISA_FLAGS[isa], "-ffast-math", "-fopenmp", "-fPIC", "-std=gnu11", f"-I{CSRC_DIR}",
+             "-c", os.path.join(CSRC_DIR, src), "-o", obj] for src, obj in zip(sources, objs)]
+    cmds.append([cc, "-shared", "-fopenmp", *objs, "-o", out, "-lm"])
+    return cmds
 
 
 def _build(sources: Sequence[str], isa: str, path: str) -> None:
@@ -129,9 +140,10 @@ def _build(sources: Sequence[str], isa: str, path: str) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         tmp_so = os.path.join(tmp, "out.so")
-        r = subprocess.run(_compile_command(cc, sources, isa, tmp_so), capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
+        for cmd in _compile_commands(cc, sources, isa, tmp, tmp_so):
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {r.stderr.strip()[-2000:]}")
         staged = f"{path}.{os.getpid()}.tmp"
         shutil.copyfile(tmp_so, staged)
         os.replace(staged, path)  # atomic: concurrent builders never load a half-written file
@@ -167,7 +179,7 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         elif not isa_supported(isa):
             logger.warning("CPU %s kernels: this CPU cannot run the %s variant", name, isa)
         else:
-            key_text = _sources_digest(sources) + " ".join(_ISA_FLAGS[isa]) + torch.__version__
+            key_text = _sources_digest(sources) + " ".join(_ISA_FLAGS[isa]) + torch.__version__ + _BUILD_RECIPE
             digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
             path = os.path.join(cache_dir(), f"{name}_{isa}_{digest}.so")
             try:
