@@ -242,6 +242,29 @@ def load_arch_config(path: str | None) -> ModelArchConfig:
     return read_hf_config(path)
 
 
+def resolve_tokenizer(path: str, arch, template: str | None,
+                      with_tokenizer: bool | str) -> tuple[object | None, str | None, list[int]]:
+    """The tokenizer, chat template and EOS ids for a checkpoint at ``path``.
+
+    The tokenizer is loaded when ``with_tokenizer`` is True, or when it is ``"eos"`` and the config names
+    no EOS id (it is then the fallback for EOS). A template already found (GGUF metadata) wins over the
+    tokenizer's.
+
+    Returns:
+        (tokenizer or None, chat template or None, EOS token ids).
+    """
+    tokenizer = None
+    if with_tokenizer is True or (with_tokenizer == "eos" and not arch.eos_token_ids):
+        tokenizer = load_tokenizer(path)
+        if template is None:
+            t = getattr(tokenizer, "chat_template", None)
+            template = t if isinstance(t, str) else None
+    eos = list(arch.eos_token_ids)
+    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos = [int(tokenizer.eos_token_id)]
+    return tokenizer, template, eos
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                *, with_tokenizer: bool | str = True, attn_backend: AttentionBackend | None = None,
                lowbit: bool = False, quantization: str | None = None) -> LoadedModel:
@@ -322,15 +345,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         name = os.path.basename(os.path.normpath(path))
     if applied in ("int8", "w8a8", "int4"):
         quantize_model(model, applied)
-    tokenizer = None
-    if with_tokenizer is True or (with_tokenizer == "eos" and not arch.eos_token_ids):
-        tokenizer = load_tokenizer(path)
-        if template is None:
-            t = getattr(tokenizer, "chat_template", None)
-            template = t if isinstance(t, str) else None
-    eos = arch.eos_token_ids
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = [int(tokenizer.eos_token_id)]
+    tokenizer, template, eos = resolve_tokenizer(path, arch, template, with_tokenizer)
     return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,
                        eos_token_ids=eos, bos_token_id=arch.bos_token_id, name=name, path=path,
                        dtype=dt, device=device, load_seconds=time.perf_counter() - t0, lowbit_weights=lowbit_weights,

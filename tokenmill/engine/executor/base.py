@@ -63,7 +63,7 @@ def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[
     Raises:
         FileNotFoundError, ValueError: from the loader.
     """
-    from tokenmill.model.loader import _resolve_checkpoint, load_arch_config, load_tokenizer
+    from tokenmill.model.loader import _resolve_checkpoint, load_arch_config, resolve_tokenizer
 
     kind, full = _resolve_checkpoint(path)
     arch = load_arch_config(full)
@@ -75,15 +75,7 @@ def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[
         name = os.path.splitext(os.path.basename(full))[0]
     else:
         name = os.path.basename(os.path.normpath(full))
-    tokenizer = None
-    if with_tokenizer is True or (with_tokenizer == "eos" and not arch.eos_token_ids):
-        tokenizer = load_tokenizer(full)
-        if template is None:
-            t = getattr(tokenizer, "chat_template", None)
-            template = t if isinstance(t, str) else None
-    eos = arch.eos_token_ids
-    if not eos and tokenizer is not None and tokenizer.eos_token_id is not None:
-        eos = [int(tokenizer.eos_token_id)]
+    tokenizer, template, eos = resolve_tokenizer(full, arch, template, with_tokenizer)
     return arch, FrontendInfo(tokenizer=tokenizer, chat_template=template, eos_token_ids=list(eos),
                               bos_token_id=arch.bos_token_id, name=name, path=full)
 
