@@ -151,6 +151,8 @@ class ParallelConfig:
     tensor_parallel_size: int = _f(1, "Tensor-parallel ranks: every layer's heads and FFN columns split across this many workers (all-reduce after o_proj and down_proj). Must divide the query heads.", aliases=["-tp"])
     pipeline_parallel_size: int = _f(1, "Pipeline stages: each owns a contiguous run of layers and passes hidden states to the next.", aliases=["-pp"])
     distributed_executor_backend: str | None = _f(None, "Where the workers run: mp (processes on this machine, each pinned to its own cores), ray (actors on a Ray cluster; RAY_ADDRESS or a local one), uniproc (in the engine process; only for one rank). Default: uniproc for one rank, else mp.", choices=["mp", "ray", "uniproc"])
+    enable_eplb: bool = _f(False, "Expert-parallel load balancing (MoE models; needs --enable-expert-parallel): count the tokens routed to each expert over a sliding window and, every step_interval steps, re-place the experts (hot ones replicated into the redundant slots, DeepSeek's EPLB) and move their weights between the ranks between two engine steps. See --eplb-config.")
+    eplb_config: str | None = _f(None, "EPLB settings, vLLM's JSON keys: '{\"window_size\": 1000, \"step_interval\": 3000, \"num_redundant_experts\": 0, \"log_balancedness\": false, \"log_balancedness_interval\": 1}' (window and interval in engine steps; redundant expert slots per MoE layer, over the whole expert-parallel group). Default: those values.", metavar="JSON")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size <= 0 or self.pipeline_parallel_size <= 0:
@@ -162,6 +164,17 @@ class ParallelConfig:
         if self.distributed_executor_backend == "uniproc" and self.world_size > 1:
             raise ValueError(f"the uniproc executor runs one rank; tensor_parallel_size x pipeline_parallel_size = "
                              f"{self.world_size}: use --distributed-executor-backend mp or ray")
+        if isinstance(self.eplb_config, dict):     # LLM(eplb_config={...})
+            object.__setattr__(self, "eplb_config", json.dumps(self.eplb_config))
+        eplb = self.eplb      # validates the JSON
+        if not self.enable_eplb and eplb.num_redundant_experts:
+            raise ValueError(f"eplb_config: num_redundant_experts is {eplb.num_redundant_experts} but EPLB is off; "
+                             "add --enable-eplb")
+
+    @property
+    def eplb(self) -> "EplbConfig":
+        """The parsed ``--eplb-config`` (:class:`EplbConfig`; vLLM's defaults when not given)."""
+        return EplbConfig.from_json(self.eplb_config)
 
     @property
     def world_size(self) -> int:
@@ -455,3 +468,74 @@ def _offset_port(endpoint: str, offset: int) -> str:
         return f"{endpoint}_dp{offset}"
     host, _, port = endpoint.rpartition(":")
     return f"{host}:{int(port) + offset}"
+
+
+@dataclass(frozen=True)
+class EplbConfig:
+    """``--eplb-config``: expert-parallel load balancing, vLLM's ``EPLBConfig`` keys and defaults.
+
+    Attributes:
+        window_size: engine steps whose per-expert token counts are summed
+            for a rebalance (>= 1).
+        step_interval: engine steps between two rebalances (>= 1); with an
+            interval longer than the window only the last ``window_size``
+            steps count.
+        num_redundant_experts: extra physical expert slots per MoE layer over
+            the whole expert-parallel group (>= 0), holding replicas of hot
+            experts; ``num_experts + num_redundant_experts`` must be a multiple
+            of the expert-parallel size.
+        log_balancedness: log the balancedness (mean / max tokens per rank, as
+            vLLM) every ``log_balancedness_interval`` steps (an all-reduce of
+            the counters each time).
+        log_balancedness_interval: steps between two such log lines (>= 1).
+
+    Raises:
+        ValueError: an unknown key or an out-of-range value (the message names it).
+    """
+
+    window_size: int = 1000
+    step_interval: int = 3000
+    num_redundant_experts: int = 0
+    log_balancedness: bool = False
+    log_balancedness_interval: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("window_size", "step_interval", "num_redundant_experts", "log_balancedness_interval"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ValueError(f"eplb_config: {name} must be an integer, got {v!r}")
+        if not isinstance(self.log_balancedness, bool):
+            raise ValueError(f"eplb_config: log_balancedness must be true or false, got {self.log_balancedness!r}")
+        if self.window_size < 1:
+            raise ValueError(f"eplb_config: window_size must be >= 1, got {self.window_size}")
+        if self.step_interval < 1:
+            raise ValueError(f"eplb_config: step_interval must be >= 1, got {self.step_interval}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"eplb_config: num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.log_balancedness_interval < 1:
+            raise ValueError(f"eplb_config: log_balancedness_interval must be >= 1, got "
+                             f"{self.log_balancedness_interval}")
+
+    @classmethod
+    def from_json(cls, text: "str | dict[str, Any] | None") -> "EplbConfig":
+        """Parse the ``--eplb-config`` JSON object (or a dict; None gives the defaults).
+
+        Raises:
+            ValueError: invalid JSON, not an object, an unknown key, or a bad value.
+        """
+        if text is None:
+            return cls()
+        if isinstance(text, dict):
+            data = text
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--eplb-config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--eplb-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        extra = sorted(set(data) - known)
+        if extra:
+            raise ValueError(f"--eplb-config: unknown keys {extra}; known: {sorted(known)}")
+        return cls(**data)

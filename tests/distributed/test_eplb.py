@@ -299,3 +299,68 @@ def test_move_expert_weights_between_ranks(tmp_path):
         rows = [r for r in results if r[0] == case]
         assert sum(r[3] for r in rows) == sum(r[4] for r in rows) > 0      # every send has its receive
         assert sum(r[3] for r in rows) + sum(r[5] for r in rows) <= rows[0][6]   # local copies avoid sends
+
+
+# -- the controller on stand-in MoE layers (one rank) ------------------------------------------------------------
+
+
+class _FakeMoE:
+    """The attributes EplbController uses, with weights that encode the logical expert of each slot."""
+
+    def __init__(self, num_experts: int, num_redundant: int) -> None:
+        self.num_experts, self.num_physical_experts = num_experts, num_experts + num_redundant
+        self.physical_to_logical = torch.arange(self.num_physical_experts) % num_experts
+        self.w13 = self.physical_to_logical.to(torch.float32).view(-1, 1, 1).repeat(1, 4, 2)
+        self.w2 = -self.physical_to_logical.to(torch.float32).view(-1, 1, 1).repeat(1, 2, 2)
+        self.expert_load = torch.zeros(self.num_physical_experts, dtype=torch.int64)
+
+    def route(self, logical_ids: torch.Tensor) -> None:
+        """Count assignments to logical experts, spread over replicas by token index (as FusedMoE)."""
+        pl = ExpertPlacement.from_physical_to_logical(self.physical_to_logical.unsqueeze(0), self.num_experts, 1)
+        cnt = pl.logical_replica_count[0][logical_ids]
+        phys = pl.logical_to_physical[0][logical_ids, torch.arange(len(logical_ids)) % cnt]
+        self.expert_load += torch.bincount(phys, minlength=self.num_physical_experts)
+
+    def take_expert_load(self) -> torch.Tensor:
+        out = self.expert_load.clone()
+        self.expert_load.zero_()
+        return out
+
+    def set_placement(self, p2l: torch.Tensor) -> None:
+        self.physical_to_logical = p2l.clone()
+
+
+def test_controller_rebalances_skewed_load_one_rank():
+    from tokenmill.config import EplbConfig
+    from tokenmill.distributed.eplb import EplbController
+
+    layers = [_FakeMoE(8, 4) for _ in range(2)]
+    ctl = EplbController(layers, EplbConfig(window_size=4, step_interval=6, num_redundant_experts=4))
+    assert "4 redundant" in ctl.describe() and "12 slots" in ctl.describe()
+    g = torch.Generator().manual_seed(0)
+    probs = torch.tensor([0.5, 0.3] + [0.2 / 6] * 6)           # experts 0 and 1 are hot
+    rebalanced = []
+    for step in range(12):
+        for layer in layers:
+            layer.route(torch.multinomial(probs, 64, replacement=True, generator=g))
+        rebalanced.append(ctl.after_step())
+    assert rebalanced == [False] * 5 + [True] + [False] * 5 + [True]
+    st = ctl.stats()
+    assert st.num_rebalances == 2 and st.num_placement_changes >= 1 and st.num_experts_moved > 0
+    assert st.window_steps == 4 and st.load_layers == ["0", "1"] and len(st.expert_load[0]) == 8
+    for layer in layers:
+        counts = torch.bincount(layer.physical_to_logical, minlength=8)
+        assert counts[0] >= 3 and counts[1] >= 2                  # the hot experts got the replicas
+        # the weights followed the map: each slot holds its expert's rows
+        assert torch.equal(layer.w13[:, 0, 0], layer.physical_to_logical.to(torch.float32))
+        assert torch.equal(layer.w2[:, 0, 0], -layer.physical_to_logical.to(torch.float32))
+    assert st.imbalance_before == 1.0 and st.imbalance_after == 1.0     # one rank: only maps and metrics change
+    assert st.expert_imbalance_ratio > 2.5
+
+
+def test_controller_refuses_no_layers():
+    from tokenmill.config import EplbConfig
+    from tokenmill.distributed.eplb import EplbController
+
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        EplbController([], EplbConfig())

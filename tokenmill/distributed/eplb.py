@@ -46,6 +46,7 @@ point-to-point operations).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -53,10 +54,14 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tokenmill.metrics.stats import EPLB_MAX_LOAD_SERIES, EplbStats
+
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "ExpertPlacement", "ExpertLoadWindow", "balanced_packing", "replicate_experts", "rebalance_experts",
     "rank_loads", "imbalance_ratio", "expert_imbalance_ratio", "preserve_slots", "plan_moves",
-    "move_expert_weights", "MoveStats",
+    "move_expert_weights", "MoveStats", "EplbController", "slot_imbalance_ratio",
 ]
 
 
@@ -412,6 +417,14 @@ def imbalance_ratio(per_rank: torch.Tensor) -> float:
     return float(x.max(-1).values.sum()) / mean if mean > 0 else 1.0
 
 
+def slot_imbalance_ratio(load: torch.Tensor, placement: ExpertPlacement) -> float:
+    """Busiest physical slot / mean slot (summed over layers), each expert's tokens split evenly over its
+    replicas: how much replication evens out the per-slot GEMMs (the only effect of EPLB with one rank)."""
+    w = load.detach().to(torch.float64).cpu()
+    p2l = placement.physical_to_logical
+    return imbalance_ratio(w.gather(1, p2l) / placement.logical_replica_count.gather(1, p2l).to(torch.float64))
+
+
 def expert_imbalance_ratio(load: torch.Tensor) -> float:
     """Per-expert skew of ``load`` ``[num_layers, num_logical]``: sum over layers of the most-loaded
     expert's tokens / sum over layers of the mean expert's tokens (1.0 = uniform routing)."""
@@ -635,3 +648,206 @@ def move_expert_weights(weights: Sequence[Sequence[torch.Tensor]], old: ExpertPl
                 w[slot].copy_(b)
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The per-rank driver
+
+
+class EplbController:
+    """Expert-parallel load balancing on one rank: counts every step, rebalances every ``step_interval``.
+
+    Drives the model's MoE layers (:class:`tokenmill.model.layers.moe.FusedMoE`
+    or anything with the same attributes: ``num_experts``,
+    ``num_physical_experts``, ``physical_to_logical`` ``[P]``, ``w13`` / ``w2``
+    ``[slots_per_rank, ...]``, ``take_expert_load()`` -> ``[P]`` int64 and
+    ``set_placement(physical_to_logical)``). After every engine step
+    (:meth:`after_step`) it folds the layers' per-slot counters into the
+    sliding window of logical-expert loads; every ``step_interval`` steps it
+    all-reduces the window over the expert-parallel group (every rank counted
+    the tokens it routed), computes the DeepSeek EPLB placement, keeps
+    replicas in the slots they already occupy (:func:`preserve_slots`), and —
+    if the predicted imbalance improves — moves the weights
+    (:func:`move_expert_weights`) and switches every layer's maps. All of it
+    runs between two engine steps on every rank at the same step count (the
+    ranks step in lockstep), so no forward ever sees half-moved weights or a
+    map that disagrees with them: service pauses for the rebalance's duration
+    (``eplb_rebalance_seconds_total``), it never stops.
+
+    With one expert-parallel rank every slot is local: a rebalance only
+    changes the maps (which replica a token uses) and the metrics; the rank's
+    load — all of it — cannot change.
+
+    Args:
+        layers: the MoE layers of this rank's model, in layer order.
+        config: :class:`tokenmill.config.EplbConfig`.
+        ep_rank, ep_size: this rank's place in the expert-parallel group.
+        group: the group's ``torch.distributed`` process group (None: the
+            default group; unused when ``ep_size == 1``).
+        global_ranks: global rank of each group rank (default: the identity).
+        num_groups, num_nodes: for the hierarchical policy (expert groups of
+            group-limited routing, machines); 1 and 1 use the global policy.
+
+    Raises:
+        ValueError: no layers, layers of different sizes, or slots that do not
+            divide over ``ep_size``.
+    """
+
+    # refresh the metrics snapshot (one small all-reduce) this often, in steps
+    STATS_EVERY = 32
+
+    def __init__(self, layers: Sequence, config, ep_rank: int = 0, ep_size: int = 1, group=None,
+                 global_ranks: Sequence[int] | None = None, num_groups: int = 1, num_nodes: int = 1) -> None:
+        if not layers:
+            raise ValueError("EPLB needs a mixture-of-experts model (no MoE layer found)")
+        first = layers[0]
+        num_logical, num_physical = int(first.num_experts), int(first.num_physical_experts)
+        for layer in layers:
+            if (int(layer.num_experts), int(layer.num_physical_experts)) != (num_logical, num_physical):
+                raise ValueError("MoE layers with different expert counts")
+        self.layers = list(layers)
+        self.config = config
+        self.ep_rank, self.ep_size = ep_rank, ep_size
+        self.group, self.global_ranks = group, global_ranks
+        self.num_groups, self.num_nodes = num_groups, num_nodes
+        p2l = torch.stack([layer.physical_to_logical.detach().to("cpu", torch.int64) for layer in self.layers])
+        self.placement = ExpertPlacement.from_physical_to_logical(p2l, num_logical, ep_size)
+        self.window = ExpertLoadWindow(len(self.layers), num_logical, config.window_size)
+        self._since = torch.zeros(len(self.layers), num_physical, dtype=torch.int64)   # this rank's counts
+        self.num_steps = 0
+        self.num_rebalances = 0
+        self.num_placement_changes = 0
+        self.num_experts_moved = 0
+        self.rebalance_seconds_total = 0.0
+        self.last_rebalance_seconds = 0.0
+        self.imbalance_before: float | None = None
+        self.imbalance_after: float | None = None
+        self.last_move: MoveStats | None = None
+        self._stats = None
+
+    # -- counting ------------------------------------------------------------------------------------------------
+    def after_step(self) -> bool:
+        """Record this step's counters; rebalance when the interval is reached.
+
+        Collective over the expert-parallel group every ``STATS_EVERY``,
+        ``log_balancedness_interval`` (with ``log_balancedness``) and
+        ``step_interval`` steps: every rank must call it once per engine step.
+
+        Returns:
+            True when this call rebalanced.
+        """
+        counts = torch.stack([layer.take_expert_load().detach().to("cpu", torch.int64) for layer in self.layers])
+        self.window.record(logical_counts(counts, self.placement))
+        self._since += counts
+        self.num_steps += 1
+        cfg = self.config
+        if cfg.log_balancedness and self.num_steps % cfg.log_balancedness_interval == 0:
+            self._log_balancedness(counts)
+        if self.num_steps % cfg.step_interval == 0:
+            self.rebalance()
+            return True
+        if self.num_steps % self.STATS_EVERY == 0 or self._stats is None:
+            self._stats = self._snapshot(self._all_reduce(self._since), self._all_reduce(self.window.load()))
+        return False
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.ep_size == 1:
+            return t.clone()
+        out = t.clone()
+        dist.all_reduce(out, group=self.group)
+        return out
+
+    def _rank_loads_measured(self, physical_counts: torch.Tensor) -> torch.Tensor:
+        """``[L, ep_size]`` assignments each rank's slots computed (measured, not predicted)."""
+        return physical_counts.to(torch.float64).view(len(self.layers), self.ep_size, -1).sum(-1)
+
+    def _log_balancedness(self, counts: torch.Tensor) -> None:
+        per_rank = self._rank_loads_measured(self._all_reduce(counts))
+        ratio = imbalance_ratio(per_rank)
+        if self.ep_rank == 0:
+            logger.info(
+                "EPLB step %d: balancedness %.4f (mean / max tokens per rank; imbalance ratio %.3f)",
+                self.num_steps, 1.0 / ratio, ratio)
+
+    # -- rebalancing ---------------------------------------------------------------------------------------------
+    def rebalance(self) -> bool:
+        """Compute a placement from the window and switch to it if it predicts a lower imbalance.
+
+        Collective over the expert-parallel group.
+
+        Returns:
+            True when the placement changed (weights moved / maps switched).
+
+        Raises:
+            RuntimeError: from ``torch.distributed`` (a peer died or timed out).
+        """
+        t0 = time.perf_counter()
+        load = self._all_reduce(self.window.load())                      # [L, E] over the group
+        measured = self._all_reduce(self._since)
+        self.imbalance_before = imbalance_ratio(self._rank_loads_measured(measured))
+        old = self.placement
+        new = preserve_slots(rebalance_experts(load, old.num_physical, self.num_groups, self.num_nodes,
+                                               self.ep_size), old)
+        predicted_old = imbalance_ratio(rank_loads(load, old))
+        predicted_new = imbalance_ratio(rank_loads(load, new))
+        # switch when the rank imbalance drops; on a tie (always with one rank) when the busiest replica's share does
+        key_old = (round(predicted_old, 9), round(slot_imbalance_ratio(load, old), 9))
+        key_new = (round(predicted_new, 9), round(slot_imbalance_ratio(load, new), 9))
+        changed = key_new < key_old and not torch.equal(new.physical_to_logical, old.physical_to_logical)
+        if changed:
+            self.last_move = move_expert_weights([[layer.w13.data, layer.w2.data] for layer in self.layers],
+                                                 old, new, self.ep_rank, self.group, self.global_ranks)
+            for i, layer in enumerate(self.layers):
+                layer.set_placement(new.physical_to_logical[i])
+            self.placement = new
+            self.num_placement_changes += 1
+            self.num_experts_moved += self.last_move.num_moves
+        self.imbalance_after = predicted_new if changed else predicted_old
+        self.num_rebalances += 1
+        self._since.zero_()
+        self.last_rebalance_seconds = time.perf_counter() - t0
+        self.rebalance_seconds_total += self.last_rebalance_seconds
+        self._stats = self._snapshot(torch.zeros_like(measured), load)
+        if self.ep_rank == 0:
+            logger.info(
+                "EPLB rebalance %d at step %d: imbalance %.3f measured -> %.3f predicted (%s; %d replicas moved, "
+                "%.1f ms)", self.num_rebalances, self.num_steps, self.imbalance_before, self.imbalance_after,
+                "placement changed" if changed else "placement kept: no gain",
+                self.last_move.num_moves if changed and self.last_move else 0, 1e3 * self.last_rebalance_seconds)
+        return changed
+
+    # -- reporting -----------------------------------------------------------------------------------------------
+    def _snapshot(self, measured: torch.Tensor, load: torch.Tensor) -> EplbStats:
+        num_layers, num_logical = load.shape
+        if num_layers * num_logical <= EPLB_MAX_LOAD_SERIES:
+            labels, rows = [str(i) for i in range(num_layers)], load.tolist()
+        else:
+            labels, rows = ["all"], [load.sum(0).tolist()]
+        return EplbStats(
+            num_ranks=self.ep_size, num_moe_layers=num_layers, num_logical_experts=num_logical,
+            num_physical_experts=self.placement.num_physical, window_steps=self.window.num_steps,
+            load_layers=labels, expert_load=rows,
+            imbalance_ratio=imbalance_ratio(self._rank_loads_measured(measured)),
+            expert_imbalance_ratio=expert_imbalance_ratio(load),
+            imbalance_before=self.imbalance_before, imbalance_after=self.imbalance_after,
+            num_rebalances=self.num_rebalances, num_placement_changes=self.num_placement_changes,
+            num_experts_moved=self.num_experts_moved, rebalance_seconds_total=self.rebalance_seconds_total,
+            last_rebalance_seconds=self.last_rebalance_seconds)
+
+    def stats(self) -> EplbStats:
+        """The latest :class:`~tokenmill.metrics.stats.EplbStats` (refreshed every ``STATS_EVERY`` steps
+        and at each rebalance; local, no communication)."""
+        if self._stats is None:
+            z = torch.zeros(len(self.layers), self.placement.num_logical, dtype=torch.int64)
+            self._stats = self._snapshot(torch.zeros_like(self._since), z)
+        return self._stats
+
+    def describe(self) -> str:
+        """The start-up line: expert slots per rank, redundant experts, the first MoE layer's placement."""
+        pl = self.placement
+        ranks = "; ".join(f"rank {r}: {row}" for r, row in enumerate(pl.experts_per_rank(0)))
+        return (f"EPLB on: {len(self.layers)} MoE layers x {pl.num_logical} experts, {pl.num_redundant} redundant "
+                f"-> {pl.num_physical} slots, {pl.slots_per_rank} per rank over {pl.num_ranks} expert-parallel "
+                f"rank(s); window {self.config.window_size} steps, rebalance every {self.config.step_interval} "
+                f"steps; layer 0 experts per rank: {ranks}"
+                + (" (one rank: a rebalance changes only the replica maps and metrics)" if pl.num_ranks == 1 else ""))

@@ -26,6 +26,17 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
 * with ``--speculative-config``: counters ``spec_decode_num_drafts``,
   ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
   ``spec_decode_num_accepted_tokens_per_pos{position}`` (0-based draft position).
+* with ``--enable-eplb`` (tokenmill-specific; vLLM only logs "balancedness"):
+  gauge ``eplb_expert_load{layer,expert}`` (assignments routed to each logical
+  expert over the load window; ``layer="all"`` sums the layers when layers x
+  experts exceed ``EPLB_MAX_LOAD_SERIES``, so series stay bounded), gauges
+  ``eplb_imbalance_ratio`` (busiest / mean expert-parallel rank load, measured
+  since the last rebalance), ``eplb_expert_imbalance_ratio`` (most / mean
+  loaded expert), ``eplb_imbalance_ratio_before_rebalance`` (measured before the
+  last rebalance) and ``eplb_imbalance_ratio_after_rebalance`` (predicted for
+  the placement chosen then), counters ``eplb_rebalances_total``,
+  ``eplb_placement_changes_total``, ``eplb_moved_experts_total`` and
+  ``eplb_rebalance_seconds_total``.
 
 Each exporter has its own :class:`prometheus_client.CollectorRegistry`, so
 several servers (or tests) in one process do not collide.
@@ -75,7 +86,7 @@ class _EngineSeries:
     def __init__(self, fams: dict, model_name: str, engine: str) -> None:
         lv = (model_name, engine)
         for name, fam in fams.items():
-            if name not in ("success",) and not name.startswith("spec_"):
+            if name not in ("success",) and not name.startswith(("spec_", "eplb_")):
                 setattr(self, name, fam.labels(*lv))
         self.success = {r: fams["success"].labels(*lv, r) for r in ("stop", "length", "abort", "error")}
         self._success_fam, self._lv = fams["success"], lv
@@ -85,6 +96,8 @@ class _EngineSeries:
         self.last_steps = 0
         self._fams = fams
         self.spec: dict | None = None      # speculative-decoding children, created on the first spec stats
+        self.eplb: dict | None = None      # EPLB children, created on the first EPLB stats
+        self.last_eplb = (0, 0, 0, 0.0)
         self.last_spec = (0, 0, 0)
         self.last_spec_pos: list[int] = []
 
@@ -101,6 +114,29 @@ class _EngineSeries:
         for i, total in enumerate(pos):
             self.last_spec_pos[i] = _inc(self._fams["spec_accepted_per_pos"].labels(*self._lv, str(i)), total,
                                          self.last_spec_pos[i])
+
+    def record_eplb(self, st) -> None:
+        """Update the ``eplb_*`` series from the core's :class:`~tokenmill.metrics.stats.EplbStats`."""
+        if self.eplb is None:
+            self.eplb = {n: self._fams[n].labels(*self._lv)
+                         for n in ("eplb_imbalance", "eplb_expert_imbalance", "eplb_before", "eplb_after",
+                                   "eplb_rebalances", "eplb_changes", "eplb_moved", "eplb_seconds")}
+        e = self.eplb
+        e["eplb_imbalance"].set(st.imbalance_ratio)
+        e["eplb_expert_imbalance"].set(st.expert_imbalance_ratio)
+        if st.imbalance_before is not None:
+            e["eplb_before"].set(st.imbalance_before)
+        if st.imbalance_after is not None:
+            e["eplb_after"].set(st.imbalance_after)
+        last = self.last_eplb
+        self.last_eplb = (_inc(e["eplb_rebalances"], st.num_rebalances, last[0]),
+                          _inc(e["eplb_changes"], st.num_placement_changes, last[1]),
+                          _inc(e["eplb_moved"], st.num_experts_moved, last[2]),
+                          _inc(e["eplb_seconds"], st.rebalance_seconds_total, last[3]))
+        fam = self._fams["eplb_expert_load"]
+        for layer, row in zip(st.load_layers, st.expert_load):
+            for expert, v in enumerate(row):
+                fam.labels(*self._lv, layer, str(expert)).set(v)
 
     def finished(self, reason: str):
         c = self.success.get(reason)
@@ -154,6 +190,24 @@ class PrometheusStatLogger:
             "spec_accepted_per_pos": Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                              "Accepted tokens per draft position.",
                                              ["model_name", "engine", "position"], registry=r),
+            "eplb_expert_load": Gauge(PREFIX + "eplb_expert_load",
+                                      "Assignments (token, expert) routed to each logical MoE expert over the EPLB "
+                                      "load window; layer=\"all\" sums the layers when there are too many series.",
+                                      ["model_name", "engine", "layer", "expert"], registry=r),
+            "eplb_imbalance": gauge("eplb_imbalance_ratio",
+                                    "Busiest / mean expert-parallel rank load (summed over MoE layers), measured "
+                                    "since the last EPLB rebalance (1 = balanced)."),
+            "eplb_expert_imbalance": gauge("eplb_expert_imbalance_ratio",
+                                           "Most / mean loaded logical expert over the EPLB window (routing skew)."),
+            "eplb_before": gauge("eplb_imbalance_ratio_before_rebalance",
+                                 "eplb_imbalance_ratio measured just before the last rebalance."),
+            "eplb_after": gauge("eplb_imbalance_ratio_after_rebalance",
+                                "Imbalance ratio predicted for the placement chosen at the last rebalance, on the "
+                                "same window."),
+            "eplb_rebalances": counter("eplb_rebalances", "EPLB rebalances computed."),
+            "eplb_changes": counter("eplb_placement_changes", "EPLB rebalances that changed the expert placement."),
+            "eplb_moved": counter("eplb_moved_experts", "Expert replicas copied into a new slot by EPLB (all ranks)."),
+            "eplb_seconds": counter("eplb_rebalance_seconds", "Seconds spent rebalancing (placement + weight moves)."),
             "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
                                ["model_name", "engine", "finished_reason"], registry=r),
             "ttft": hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -237,6 +291,8 @@ class PrometheusStatLogger:
             e.last_hits = _inc(e.prefix_hits, s.prefix_cache_hits, e.last_hits)
             if s.spec_decoding is not None:
                 e.record_spec(s.spec_decoding)
+            if s.eplb is not None:
+                e.record_eplb(s.eplb)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)

@@ -19,6 +19,60 @@ from tokenmill.core.spec_decode_stats import SpecDecodingStats
 
 
 @dataclass
+class EplbStats:
+    """Expert-parallel load balancing (``--enable-eplb``) as the engine reports it.
+
+    Loads count (token, expert) assignments — each token adds ``top_k``.
+
+    Attributes:
+        num_ranks: expert-parallel ranks.
+        num_moe_layers: MoE layers.
+        num_logical_experts, num_physical_experts: per layer (physical =
+            logical + redundant slots).
+        window_steps: engine steps the load window holds now.
+        load_layers: the ``layer`` label of each row of ``expert_load``: the
+            layer index, or ``"all"`` (every layer summed) when layers x
+            experts would exceed :data:`EPLB_MAX_LOAD_SERIES` series.
+        expert_load: ``[len(load_layers)][num_logical_experts]`` assignments
+            routed to each logical expert over the window.
+        imbalance_ratio: measured since the last rebalance: sum over layers of
+            the busiest rank's assignments / sum over layers of the mean rank's
+            (1.0 = balanced; always 1.0 with one rank).
+        expert_imbalance_ratio: the same over logical experts (routing skew).
+        imbalance_before: measured ``imbalance_ratio`` just before the last
+            rebalance (None before the first).
+        imbalance_after: predicted for the placement chosen then, on the same
+            window (None before the first).
+        num_rebalances: rebalances computed (including those that kept the placement).
+        num_placement_changes: rebalances that changed the placement.
+        num_experts_moved: expert replicas copied into a slot (all ranks) since start.
+        rebalance_seconds_total: wall seconds in rebalancing (placement + weight moves).
+        last_rebalance_seconds: of the last one.
+    """
+
+    num_ranks: int = 1
+    num_moe_layers: int = 0
+    num_logical_experts: int = 0
+    num_physical_experts: int = 0
+    window_steps: int = 0
+    load_layers: list[str] = field(default_factory=list)
+    expert_load: list[list[int]] = field(default_factory=list)
+    imbalance_ratio: float = 1.0
+    expert_imbalance_ratio: float = 1.0
+    imbalance_before: float | None = None
+    imbalance_after: float | None = None
+    num_rebalances: int = 0
+    num_placement_changes: int = 0
+    num_experts_moved: int = 0
+    rebalance_seconds_total: float = 0.0
+    last_rebalance_seconds: float = 0.0
+
+
+# Most (layer, expert) series of ``tokenmill:eplb_expert_load``; beyond it the layers are summed (layer="all").
+EPLB_MAX_LOAD_SERIES = 512
+
+
+@dataclass
 class EngineStats:
     """A snapshot of the core for metrics and admission control.
 
@@ -40,6 +94,7 @@ class EngineStats:
             size and the prefill rate (None likewise).
         spec_decoding: cumulative speculative-decoding counters (None when
             speculative decoding is off).
+        eplb: expert load balancing state (None without ``--enable-eplb``).
     """
 
     num_running: int = 0
@@ -57,6 +112,7 @@ class EngineStats:
     queue: QueueState | None = None
     step_timing: StepTimingSnapshot | None = None
     spec_decoding: SpecDecodingStats | None = None
+    eplb: EplbStats | None = None
 
 
 @dataclass
