@@ -851,3 +851,61 @@ class EplbController:
                 f"rank(s); window {self.config.window_size} steps, rebalance every {self.config.step_interval} "
                 f"steps; layer 0 experts per rank: {ranks}"
                 + (" (one rank: a rebalance changes only the replica maps and metrics)" if pl.num_ranks == 1 else ""))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Start-up
+
+
+def expert_parallel_size(parallel_config) -> int:
+    """Ranks the experts are spread over: the tensor-parallel group of a pipeline stage with
+    ``--enable-expert-parallel``, else 1 (every rank holds every expert)."""
+    return parallel_config.tensor_parallel_size if getattr(parallel_config, "enable_expert_parallel", False) else 1
+
+
+def check_eplb_startup(parallel_config, arch) -> None:
+    """Refuse at start-up what ``--enable-eplb`` cannot do (before any weight or worker is loaded).
+
+    Args:
+        parallel_config: :class:`tokenmill.config.ParallelConfig`.
+        arch: the checkpoint's :class:`~tokenmill.model.arch_config.ModelArchConfig`.
+
+    Raises:
+        ValueError: EPLB on a dense model, without ``--enable-expert-parallel``
+            (vLLM's rule), or with ``num_experts + num_redundant_experts`` not a
+            multiple of the expert-parallel size (the message says which
+            ``num_redundant_experts`` values fit).
+    """
+    if not parallel_config.enable_eplb:
+        return
+    num_experts = int(getattr(arch, "num_experts", 0) or 0)
+    if not num_experts:
+        raise ValueError(f"--enable-eplb needs a mixture-of-experts model; {arch.architecture} has no experts")
+    if not getattr(parallel_config, "enable_expert_parallel", False):
+        raise ValueError("--enable-eplb needs --enable-expert-parallel (experts placed over the ranks)")
+    ep = expert_parallel_size(parallel_config)
+    r = parallel_config.eplb.num_redundant_experts
+    if (num_experts + r) % ep:
+        fits = [k for k in range(r, r + 2 * ep) if (num_experts + k) % ep == 0][:2]
+        raise ValueError(f"--eplb-config num_redundant_experts {r}: {num_experts} experts + {r} redundant slots do "
+                         f"not divide over {ep} expert-parallel ranks; use e.g. {fits}")
+
+
+def build_controller(config, model, ep_rank: int = 0, ep_size: int = 1, group=None,
+                     global_ranks: Sequence[int] | None = None) -> "EplbController | None":
+    """The rank's :class:`EplbController` for ``model`` (None without ``--enable-eplb``); logs its start-up line.
+
+    ``model.moe_layers()`` lists the MoE layers (the MoE models' helper).
+
+    Raises:
+        ValueError: ``--enable-eplb`` on a model with no MoE layer.
+    """
+    par = config.parallel
+    if not par.enable_eplb:
+        return None
+    moe_layers = getattr(model, "moe_layers", None)
+    ctl = EplbController(moe_layers() if moe_layers is not None else [], par.eplb, ep_rank=ep_rank, ep_size=ep_size,
+                         group=group, global_ranks=global_ranks)
+    if ep_rank == 0:
+        logger.info("%s", ctl.describe())
+    return ctl

@@ -213,6 +213,7 @@ class EngineCore:
             num_kv_blocks=self.executor.num_kv_blocks, block_size=self.config.cache.block_size,
             queue=s.queue_state(), step_timing=self.step_time_model.snapshot(),
             spec_decoding=s.spec_stats.copy() if s.spec_config is not None else None,
+            eplb=getattr(self.executor, "eplb_stats", None),
         )
 
 

@@ -214,6 +214,7 @@ class ModelRunner:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
         self._setup_kv_scales(config.cache.calculate_kv_scales)   # after capture: its warm-up steps are no batch
         log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
+        self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None
         if config.speculative is not None:
             from tokenmill.spec_decode.worker import SpecDecodeWorker
@@ -262,8 +263,12 @@ class ModelRunner:
                             with_tokenizer=with_tokenizer)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)
+        from tokenmill.distributed.eplb import build_controller, check_eplb_startup
+
+        check_eplb_startup(config.parallel, loaded.arch)
         runner = cls(loaded.model, loaded.arch, config, device, dtype, loaded.eos_token_ids,
                      lowbit_weights=loaded.lowbit_weights)
+        runner.eplb = build_controller(config, loaded.model)
         loaded.lowbit_weights = None
         runner.loaded = loaded
         return runner
@@ -422,10 +427,25 @@ class ModelRunner:
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         """Run one forward pass over every scheduled token and sample where asked.
 
+        With ``--enable-eplb`` the step ends with the expert-load bookkeeping
+        (:meth:`EplbController.after_step`): every ``step_interval`` steps it
+        re-places the experts before the next step starts.
+
         Returns:
             one sampled token (and optional logprobs) per request whose
             ``sample`` flag is set, in batch order.
         """
+        out = self._execute_model(so)
+        if self.eplb is not None and not so.is_empty:
+            self.eplb.after_step()
+        return out
+
+    @property
+    def eplb_stats(self):
+        """The EPLB state for metrics (:class:`~tokenmill.metrics.stats.EplbStats`; None without EPLB)."""
+        return self.eplb.stats() if self.eplb is not None else None
+
+    def _execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
         if so.is_empty:
             return ModelRunnerOutput()
         t0 = time.perf_counter()

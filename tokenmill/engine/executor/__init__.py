@@ -39,7 +39,8 @@ class Executor(Protocol):
     Optional: ``release_requests(req_ids)`` drops per-request state of
     finished requests when a step has nothing to run (otherwise they arrive
     in the next ``SchedulerOutput.finished_req_ids``); the runner keeps such
-    state for speculative decoding.
+    state for speculative decoding. Optional: ``eplb_stats`` (the EPLB state
+    for metrics, :class:`~tokenmill.metrics.stats.EplbStats`, or None).
     """
 
     num_kv_blocks: int

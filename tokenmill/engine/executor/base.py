@@ -57,6 +57,15 @@ def merge_step_replies(replies: list[tuple]) -> tuple[Any, list[Any]]:
     raise RuntimeError("no worker returned the step's output")
 
 
+def eplb_stats_of(step_stats: list[Any]) -> Any:
+    """The EPLB state carried by one step's per-rank stats (the output rank's), or None without EPLB."""
+    for st in step_stats:
+        e = getattr(st, "eplb", None)
+        if e is not None:
+            return e
+    return None
+
+
 def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[Any, FrontendInfo]:
     """``(arch, FrontendInfo)`` of a checkpoint without loading its weights.
 
@@ -84,12 +93,16 @@ def check_parallel_config(config: EngineConfig, arch: Any) -> None:
     """Refuse, before any worker starts, what the tensor/pipeline-parallel path cannot do yet.
 
     Raises:
-        ValueError: ``--quantization`` with more than one rank, or a layout the
-            model cannot be split into (:func:`~tokenmill.distributed.layout.check_parallel_arch`).
+        ValueError: ``--quantization`` with more than one rank, a layout the
+            model cannot be split into (:func:`~tokenmill.distributed.layout.check_parallel_arch`), or
+            ``--enable-eplb`` where it cannot run (:func:`~tokenmill.distributed.eplb.check_eplb_startup`).
     """
     from tokenmill.distributed.layout import check_parallel_arch
 
+    from tokenmill.distributed.eplb import check_eplb_startup
+
     par = config.parallel
+    check_eplb_startup(par, arch)
     if config.model.quantization is not None and par.world_size > 1:
         raise ValueError(f"--quantization {config.model.quantization} is not supported with tensor/pipeline "
                          "parallelism yet (the shards are loaded dense)")

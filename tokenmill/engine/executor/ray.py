@@ -26,8 +26,8 @@ from typing import Any
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, load_frontend, log_layout,
-                                            merge_step_replies, plan_kv_blocks, resolve_max_model_len)
+from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, eplb_stats_of, load_frontend,
+                                            log_layout, merge_step_replies, plan_kv_blocks, resolve_max_model_len)
 from tokenmill.engine.executor.step_codec import StepEncoder
 
 logger = logging.getLogger(__name__)
@@ -146,6 +146,11 @@ class RayExecutor:
         replies = self._get([a.execute.remote(payload) for a in self._actors], "running a step")
         output, self.last_step_stats = merge_step_replies(replies)
         return output
+
+    @property
+    def eplb_stats(self):
+        """The EPLB state of the last step (from the output rank; None without ``--enable-eplb``)."""
+        return eplb_stats_of(self.last_step_stats)
 
     def check_health(self) -> None:
         """Raise :class:`WorkerDiedError` if an actor is gone (a cheap ping of every actor)."""

@@ -11,6 +11,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,10 +49,12 @@ class WorkerInfo:
 
 @dataclass
 class StepStats:
-    """One worker's timings for one step, in seconds."""
+    """One worker's timings for one step, in seconds (and, from the output rank with ``--enable-eplb``,
+    the EPLB state: :class:`~tokenmill.metrics.stats.EplbStats`)."""
 
     forward: float = 0.0
     comm: float = 0.0
+    eplb: Any = None
 
 
 def pin_process(cpus: list[int] | None) -> int:
@@ -149,7 +152,8 @@ class Worker:
         so = self.decoder.decode(desc)
         c0, t0 = self.ctx.comm_seconds(), time.perf_counter()
         out = self.runner.execute_model(so)
-        stats = StepStats(forward=time.perf_counter() - t0, comm=self.ctx.comm_seconds() - c0)
+        stats = StepStats(forward=time.perf_counter() - t0, comm=self.ctx.comm_seconds() - c0,
+                          eplb=self.runner.eplb_stats if self.is_output_rank else None)
         return (out if self.is_output_rank else None), stats
 
     def close(self) -> None:
