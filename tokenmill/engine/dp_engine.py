@@ -214,6 +214,15 @@ class DPAsyncEngine:
             toks += t
         return reqs, toks
 
+    def inflight_by_priority(self) -> dict[int, tuple[int, int]]:
+        """Interactive requests sent to the cores that they have not reported yet, summed over the cores."""
+        out: dict[int, tuple[int, int]] = {}
+        for e in self.engines:
+            for prio, (k, t) in e.inflight_by_priority().items():
+                k0, t0 = out.get(prio, (0, 0))
+                out[prio] = (k0 + k, t0 + t)
+        return out
+
     def load_scores(self) -> list[int]:
         """``4 × waiting + running`` per core (waiting includes adds the core has not seen yet)."""
         out = []
@@ -239,8 +248,8 @@ class DPAsyncEngine:
     # -- requests ------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Run the request on the least loaded core (see :meth:`AsyncEngine.generate`).
+                       arrival_time: float | None = None, batch: bool = False) -> AsyncIterator[RequestOutput]:
+        """Run the request on the least loaded core (see :meth:`AsyncEngine.generate`; ``batch``: the batch lane).
 
         Raises:
             EngineDeadError: a core is gone.
@@ -253,15 +262,16 @@ class DPAsyncEngine:
         self.num_routed[i] += 1
         try:
             async for out in self.engines[i].generate(request_id, prompt, prompt_token_ids, params, priority,
-                                                      cache_salt, arrival_time):
+                                                      cache_salt, arrival_time, batch=batch):
                 yield out
         finally:
             self._owner.pop(request_id, None)
 
-    def abort_nowait(self, request_id: str) -> None:
+    def abort_nowait(self, request_id: str, error: BaseException | None = None) -> None:
+        """Abort on the core that runs it (see :meth:`AsyncEngine.abort_nowait`)."""
         i = self._owner.get(request_id)
         if i is not None:
-            self.engines[i].abort_nowait(request_id)
+            self.engines[i].abort_nowait(request_id, error)
 
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
