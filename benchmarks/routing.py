@@ -46,7 +46,7 @@ from tokenmill.bench.datasets import SampleRequest  # noqa: E402
 from tokenmill.bench.loadgen import LoadConfig, run_benchmark  # noqa: E402
 from tokenmill.router.local import LocalReplica, free_ports  # noqa: E402
 
-POLICIES = ["round_robin", "least_load", "prefix_aware", "kv_aware", "kv_aware:4"]
+POLICIES = ["round_robin", "prefix_aware", "kv_aware", "kv_aware:1:0", "kv_aware:4"]
 WORDS = ("harbour ship tide berth cargo crane pilot anchor hull deck mast sail rope knot chart compass "
          "lighthouse buoy quay dock storm wave current reef channel manifest customs ledger clerk watch "
          "mountain snow glacier valley river forest meadow stone bridge tower castle village market").split()
@@ -116,6 +116,25 @@ def routed_reasons(url: str) -> dict[str, object]:
     return out
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, s) of process ``pid`` and its children (a replica: API process + engine core)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def start_router(policy: str, replicas: list[LocalReplica], log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "tokenmill.cli", "router", "--port", str(port), "--policy", policy,
@@ -169,7 +188,8 @@ def main() -> int:
     ap.add_argument("--max-concurrency", type=int, default=8)
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--policies", default=",".join(POLICIES),
-                    help="Comma list; 'kv_aware:W' runs kv_aware with --kv-overlap-score-weight W.")
+                    help="Comma list; 'kv_aware:W' runs kv_aware with --kv-overlap-score-weight W, 'kv_aware:W:E' "
+                         "also with --kv-eviction-weight E ('kv_aware:1:0' is Dynamo's cost).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="Runs per policy (order rotated each repeat); the table shows medians.")
@@ -177,6 +197,8 @@ def main() -> int:
                     help="Comma list: 'uniform' (equal questions per group) and/or 'zipf:S' (group popularity "
                          "~ 1/rank^S, a few hot prompts).")
     ap.add_argument("--router-args", default="", help="Extra router flags, e.g. '--cache-threshold 0.5'.")
+    ap.add_argument("--router-log-level", default="INFO",
+                    help="The routers' --log-level (DEBUG logs every routing decision and first byte).")
     ap.add_argument("--no-pin", action="store_true", help="Do not pin replicas to CPUs.")
     ap.add_argument("--json", default=None, help="Write the results here.")
     args = ap.parse_args()
@@ -204,7 +226,9 @@ def main() -> int:
                          cpus=None if args.no_pin else [i % ncpu], log_path=str(tmp / f"replica{i}.log"))
             for i in range(args.replicas)]
     results = []
-    names = ("tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total")
+    names = ("tokenmill:prefix_cache_queries_total", "tokenmill:prefix_cache_hits_total",
+             "tokenmill:time_to_first_token_seconds_sum", "tokenmill:time_to_first_token_seconds_count",
+             "tokenmill:num_preemptions_total", "tokenmill:prompt_tokens_total")
     try:
         t0 = time.monotonic()
         for r in reps:
@@ -225,32 +249,53 @@ def main() -> int:
             order = pols[rep % len(pols):] + pols[:rep % len(pols)]
             plan += [(w, p, rep) for w in workloads.items() for p in order]
         for (wname, (samples, _)), policy, rep in plan:
-            # "kv_aware:W" = kv_aware with --kv-overlap-score-weight W (the weight ablation)
-            name, _, weight = policy.partition(":")
-            extra = args.router_args.split() + (["--kv-overlap-score-weight", weight] if weight else [])
-            router, url = start_router(name, reps, tmp / f"router-{policy.replace(':', '_')}.log", extra)
+            # "kv_aware:W[:E]" = kv_aware with --kv-overlap-score-weight W [and --kv-eviction-weight E] (ablations)
+            name, _, weights = policy.partition(":")
+            weight, _, evw = weights.partition(":")
+            extra = args.router_args.split() + (["--kv-overlap-score-weight", weight] if weight else []) \
+                + (["--kv-eviction-weight", evw] if evw else []) \
+                + ["--log-level", args.router_log_level]
+            router, url = start_router(name, reps, tmp / f"router-{wname.replace(':', '_')}-{policy.replace(':', '_')}-{rep}.log", extra)
             try:
                 before = [scrape(r.url, names) for r in reps]
+                cpu0, wall0 = [cpu_seconds(r.proc.pid) for r in reps], time.monotonic()
                 ep = EndpointConfig(base_url=url, endpoint="completions", model=model, ignore_eos=True,
                                     temperature=0.0, extra_body={"cache_salt": f"routing-{wname}-{policy}-{args.seed}-{rep}"})
                 res = asyncio.run(run_benchmark(samples, ep, LoadConfig(max_concurrency=args.max_concurrency,
                                                                        disable_tqdm=True, seed=args.seed,
                                                                        percentiles=[50, 90, 99])))
                 after = [scrape(r.url, names) for r in reps]
+                wall = time.monotonic() - wall0
+                cpu_share = [(cpu_seconds(r.proc.pid) - c) / wall for r, c in zip(reps, cpu0)]
                 reasons = routed_reasons(url)
             finally:
                 stop(router)
             q = sum(a[names[0]] - b[names[0]] for a, b in zip(after, before))
             h = sum(a[names[1]] - b[names[1]] for a, b in zip(after, before))
             d = res.metrics.to_dict()
+            # per replica: requests (TTFT count), mean TTFT, preemptions, prompt tokens computed -- a starved or
+            # thrashing replica shows here
+            per_replica = []
+            for a, b, share in zip(after, before, cpu_share):
+                dd = {k.split(":", 1)[1]: a[k] - b[k] for k in names}
+                cnt = dd["time_to_first_token_seconds_count"]
+                per_replica.append({"requests": int(cnt), "ttft_mean_s": dd["time_to_first_token_seconds_sum"] / cnt
+                                    if cnt else 0.0, "preemptions": int(dd["num_preemptions_total"]),
+                                    "prompt_tokens": int(dd["prompt_tokens_total"]),
+                                    # CPU seconds the replica got per second of the run: a busy replica pinned
+                                    # to one CPU gets ~1.0; far less means the machine starved it
+                                    "cpu_share": share})
             row = {"workload": wname, "policy": policy, "repeat": rep, "output_tok_s": d["output_throughput"], "completed": d["completed"],
                    "failed": d["failed"], "ttft_p50_ms": d["p50_ttft_ms"], "ttft_p90_ms": d["p90_ttft_ms"],
                    "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "reasons": reasons,
-                   "duration_s": d["duration"]}
+                   "duration_s": d["duration"], "per_replica": per_replica}
             results.append(row)
             print(f"  {wname:8s} {policy:13s} {row['output_tok_s']:7.1f} tok/s  TTFT p50/p90/p99 "
                   f"{row['ttft_p50_ms']:6.0f}/{row['ttft_p90_ms']:6.0f}/{row['ttft_p99_ms']:6.0f} ms  "
-                  f"hit {row['hit_rate']:5.1%}  failed {row['failed']}  {reasons}", flush=True)
+                  f"hit {row['hit_rate']:5.1%}  failed {row['failed']}  {reasons}  {row['duration_s']:.0f} s  "
+                  f"replicas " + "; ".join(f"{p['requests']} req ttft {p['ttft_mean_s']:.1f}s "
+                                           f"preempt {p['preemptions']} prompt {p['prompt_tokens']} cpu {p['cpu_share']:.2f}"
+                                           for p in per_replica), flush=True)
     finally:
         for r in reps:
             r.stop()

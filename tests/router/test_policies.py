@@ -267,3 +267,97 @@ def test_least_load_from_backend_metrics():
     assert got[:3] == [1, 1, 1] and sorted(got[3:5]) == [0, 1]
     with pytest.raises(ValueError):
         LeastLoad("vibes")
+
+
+# -- kv_aware's eviction term -------------------------------------------------------
+def _fill(idx, backend, chain, uses=1):
+    """``backend`` stores ``chain``; ``uses - 1`` more requests routed there use it."""
+    idx.apply(backend, KVEventBatch(ts=0.0, events=[stored(chain)]))
+    for _ in range(uses - 1):
+        idx.touch(backend, chain)
+
+
+def test_kv_index_learns_capacity_and_counts_reused_blocks_a_placement_evicts():
+    idx = KVIndex()
+    a = block_hash_chain(list(range(16)), 4)            # 4 blocks
+    b = block_hash_chain(list(range(100, 116)), 4)      # 4 blocks
+    _fill(idx, 0, a)
+    _fill(idx, 0, b)
+    assert idx.capacity[0] == 8 and idx.num_reused(0) == 0
+    # stale (never reused) blocks go first: nothing reused is lost
+    assert idx.reused_overflow(0, 6) == 0 and idx.reused_overflow(1, 6) == 0   # (1: pool unknown)
+    idx.touch(0, a)                                     # a second request used a: reused now
+    assert idx.num_reused(0) == 4
+    assert idx.reused_overflow(0, 3) == 0               # 4 reused + 3 new fit in 8
+    assert idx.reused_overflow(0, 6) == 2               # 4 + 6 - 8
+    assert idx.reused_overflow(0, 20) == 4              # at most the reused blocks there are
+    # blocks in use are never evicted: in-use reused blocks are not counted, in-use others take room
+    assert idx.reused_overflow(0, 6, keep=set(a[:3])) == 1
+    assert idx.reused_overflow(0, 3, keep=set(b)) == 3  # 4 reused + 4 in use + 3 new - 8
+    # removed blocks free room (the pool size stays learnt); a reused one leaves the count
+    idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[a[0], b[0]])]))
+    assert idx.capacity[0] == 8 and idx.num_reused(0) == 3
+    assert idx.reused_overflow(0, 6) == 1
+    idx.clear_backend(0)
+    assert 0 not in idx.capacity and idx.num_reused(0) == 0
+
+
+def _two_replicas_one_busy():
+    """Backend 0 holds prefix A (reused) with a cold prefill queued; backend 1's pool is full of prefix B."""
+    bs = backends(2)
+    idx = KVIndex()
+    a = block_hash_chain(list(range(40)), 4)             # 10 blocks
+    b = block_hash_chain(list(range(500, 540)), 4)       # 10 blocks
+    _fill(idx, 0, a, uses=3)
+    _fill(idx, 1, b[:8], uses=1)                         # learns 1's pool size (8), then decides uses below
+    bs[0].prefill_blocks = 14                            # a cold prefill queued on 0
+    return bs, idx, a, b
+
+
+def test_kv_aware_eviction_term_keeps_a_prefix_off_a_pool_full_of_reused_blocks():
+    bs, idx, a, b = _two_replicas_one_busy()
+    for blk in b[:8]:
+        idx.touch(1, [blk])                              # B was reused on 1: evicting it costs a recompute
+    rin = RouteInput(block_hashes=a, num_prompt_tokens=40)
+    # Dynamo's cost (eviction weight 0): 0 -> (14 + 1) + 10 = 25, 1 -> 10 + 10 = 20: A moves to 1
+    dyn = _kv_policy(idx, eviction_weight=0.0).select(bs, rin)
+    assert dyn.backend.index == 1 and dyn.costs == {0: 25.0, 1: 20.0} and dyn.evicted_blocks == 0
+    # with the eviction term: 1 would evict 8 reused blocks of B (its pool holds 8): 20 + 8 = 28 > 25
+    p = _kv_policy(idx)
+    d = p.select(bs, rin)
+    assert d.backend.index == 0 and d.reason == "kv_overlap"
+    assert d.costs == {0: 25.0, 1: 28.0}
+    # weight 0.5: half a prefill block per eviction -> 24 < 25, A moves
+    assert _kv_policy(idx, eviction_weight=0.5).select(bs, rin).backend.index == 1
+
+
+def test_kv_aware_eviction_term_ignores_blocks_nobody_reused():
+    bs, idx, a, b = _two_replicas_one_busy()              # B stored on 1 but never reused
+    d = _kv_policy(idx).select(bs, RouteInput(block_hashes=a, num_prompt_tokens=40))
+    assert d.backend.index == 1 and d.costs == {0: 25.0, 1: 20.0} and d.evicted_blocks == 0
+
+
+def test_kv_aware_eviction_term_spares_blocks_of_requests_in_flight():
+    bs, idx, a, b = _two_replicas_one_busy()
+    for blk in b[:8]:
+        idx.touch(1, [blk])
+    p = _kv_policy(idx)
+    # a request using B's first 6 blocks is in flight on 1: those cannot be evicted, the other 2 can
+    p.pending[1] = {h: 1 for h in b[:6]}
+    assert p.evicted_reused(1, 10, a, p.pending[1]) == 2
+
+
+def test_kv_aware_routing_touches_the_chosen_backends_blocks():
+    bs = backends(2)
+    idx = KVIndex()
+    a = block_hash_chain(list(range(16)), 4)
+    _fill(idx, 0, a)
+    p = _kv_policy(idx)
+    d = p.select(bs, RouteInput(block_hashes=a, num_prompt_tokens=16))
+    assert d.backend.index == 0
+    assert idx.num_reused(0) == 4 and idx.num_reused(1) == 0    # stored (1 use) + this request (1 use)
+
+
+def test_make_policy_rejects_negative_eviction_weight():
+    with pytest.raises(ValueError):
+        make_policy("kv_aware", eviction_weight=-1)

@@ -62,6 +62,7 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 2**26
     kv_overlap_score_weight: float = 1.0
+    kv_eviction_weight: float = 1.0
     router_temperature: float = 0.0
     block_size: int = 16
     tokenizer: str | None = None
@@ -142,7 +143,9 @@ class Router:
         self.metrics = RouterMetrics()
         self.tokenizer = tokenizer
         self.policies: dict[str | None, Policy] = {}
-        make_policy(config.policy, index=self.index, load_source=config.load_source)  # validate now
+        make_policy(config.policy, index=self.index, load_source=config.load_source,  # validate now
+                    overlap_weight=config.kv_overlap_score_weight, temperature=config.router_temperature,
+                    eviction_weight=config.kv_eviction_weight)
         self.subscribers: dict[int, KVEventSubscriber] = {}
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
@@ -192,7 +195,8 @@ class Router:
                 c.policy, index=self.index, cache_threshold=c.cache_threshold,
                 balance_abs_threshold=c.balance_abs_threshold, balance_rel_threshold=c.balance_rel_threshold,
                 max_tree_size=c.max_tree_size, overlap_weight=c.kv_overlap_score_weight,
-                temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source)
+                temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source,
+                eviction_weight=c.kv_eviction_weight)
         return p
 
     def all_models(self, healthy_only: bool = True) -> list[str]:
@@ -233,11 +237,19 @@ class Router:
         return rin
 
     def _begin(self, b: Backend, d: RouteDecision) -> None:
+        d.started = time.monotonic()
+        logger.debug("route -> %s (%s): overlap %d/%d tokens, costs %s, evicts %d reused blocks, in flight %d, "
+                     "queued prefill %d blocks", b.url, d.reason, d.matched, d.total, d.costs, d.evicted_blocks,
+                     b.in_flight, b.prefill_blocks)
         b.in_flight += 1
         b.active_blocks += d.request_blocks
         b.prefill_blocks += d.new_prefill_blocks
 
     def _first_byte(self, b: Backend, d: RouteDecision) -> None:
+        if d.started:
+            logger.debug("first byte from %s after %.2f s (%d new prefill blocks)", b.url,
+                         time.monotonic() - d.started, d.new_prefill_blocks)
+            d.started = 0.0
         b.prefill_blocks -= d.new_prefill_blocks
         d.new_prefill_blocks = 0
 
@@ -469,6 +481,7 @@ def run_router(config: RouterConfig) -> None:
     import uvicorn
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per proxied request otherwise
+    logging.getLogger("httpcore").setLevel(logging.WARNING)  # its DEBUG lines drown the routing decisions
     tok = None
     if config.policy == "kv_aware":
         t0 = time.perf_counter()

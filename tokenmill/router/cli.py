@@ -39,7 +39,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "beyond [default: 2^26].")
     g = p.add_argument_group("kv_aware (Dynamo's KV router cost)")
     g.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
-                   help="Weight of prefill blocks in cost = weight x prefill_blocks + decode_blocks [default: 1].")
+                   help="Weight of prefill blocks in cost = weight x (prefill_blocks + eviction_weight x "
+                        "evicted_blocks) + decode_blocks (Dynamo's flag) [default: 1].")
+    g.add_argument("--kv-eviction-weight", type=float, default=1.0,
+                   help="Weight, relative to a prefill block, of each reused cached block a placement would "
+                        "evict from the backend's pool (tokenmill's term; 0 gives Dynamo's cost) [default: 1].")
     g.add_argument("--router-temperature", type=float, default=0.0,
                    help="Softmax temperature over normalised costs (0: always the cheapest) [default: 0].")
     g.add_argument("--block-size", type=int, default=16,
@@ -81,6 +85,7 @@ def config_from_args(args: argparse.Namespace):
         backends=specs, policy=args.policy, host=args.host, port=args.port, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
         max_tree_size=args.max_tree_size, kv_overlap_score_weight=args.kv_overlap_score_weight,
+        kv_eviction_weight=args.kv_eviction_weight,
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed,

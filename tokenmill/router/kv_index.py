@@ -23,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 import zmq
 import zmq.asyncio
@@ -37,15 +38,25 @@ logger = logging.getLogger(__name__)
 class KVIndex:
     """Block hash → backends holding it, for the backends of one pool.
 
-    Backends are identified by an int (their router index).
+    Backends are identified by an int (their router index). Per backend it also
+    keeps a model of the pool for kv_aware's eviction term: the blocks in
+    estimated LRU order with how many requests used each, and the pool size.
     """
+
+    REUSED_USES = 2   # a block used by this many requests holds a shared prefix (evicting it costs a recompute)
 
     def __init__(self) -> None:
         self._holders: dict[bytes, set[int]] = {}
-        self._held: dict[int, set[bytes]] = {}
+        # per backend: its cached blocks in estimated LRU order (oldest first) -> how many requests routed
+        # there used the block (see touch())
+        self._held: dict[int, OrderedDict[bytes, int]] = {}
         self.block_size: int | None = None   # learnt from BlockStored events
         self.num_events: dict[int, int] = {}
         self.last_event_time: dict[int, float] = {}
+        # most blocks a backend was ever seen to hold at once: its pool size, once the pool has filled
+        # (the engine keeps a freed block's hash until the block is reused, so a full pool stays full)
+        self.capacity: dict[int, int] = {}
+        self._num_reused: dict[int, int] = {}
 
     def has_events(self, backend: int) -> bool:
         """True once any event of ``backend`` was applied (the index knows something about it)."""
@@ -62,7 +73,9 @@ class KVIndex:
         self.last_event_time[backend] = time.monotonic()
 
     def apply_event(self, backend: int, ev: object) -> None:
-        held = self._held.setdefault(backend, set())
+        held = self._held.get(backend)
+        if held is None:
+            held = self._held[backend] = OrderedDict()
         if isinstance(ev, BlockStored):
             if self.block_size is None:
                 self.block_size = ev.block_size
@@ -71,11 +84,17 @@ class KVIndex:
                                backend, ev.block_size, self.block_size)
                 return
             for h in ev.block_hashes:
-                held.add(h)
+                if h in held:
+                    held.move_to_end(h)
+                else:
+                    held[h] = 1   # the request that computed it
                 self._holders.setdefault(h, set()).add(backend)
+            if len(held) > self.capacity.get(backend, 0):
+                self.capacity[backend] = len(held)
         elif isinstance(ev, BlockRemoved):
             for h in ev.block_hashes:
-                held.discard(h)
+                if held.pop(h, 0) >= self.REUSED_USES:
+                    self._num_reused[backend] -= 1
                 s = self._holders.get(h)
                 if s is not None:
                     s.discard(backend)
@@ -87,14 +106,66 @@ class KVIndex:
 
     def clear_backend(self, backend: int, keep_event_count: bool = False) -> None:
         """Forget every block of ``backend`` (gap without replay, restart, removal)."""
-        for h in self._held.pop(backend, set()):
+        for h in self._held.pop(backend, {}):
             s = self._holders.get(h)
             if s is not None:
                 s.discard(backend)
                 if not s:
                     del self._holders[h]
+        self._num_reused.pop(backend, None)
         if not keep_event_count:
             self.num_events.pop(backend, None)
+            self.capacity.pop(backend, None)
+
+    def touch(self, backend: int, block_hashes: Iterable[bytes]) -> None:
+        """A request using ``block_hashes`` was routed to ``backend``: those it holds become the most
+        recently used (the engine's LRU free queue sees the same order) and their use count grows."""
+        held = self._held.get(backend)
+        if not held:
+            return
+        for h in block_hashes:
+            uses = held.get(h)
+            if uses is not None:
+                held[h] = uses + 1
+                held.move_to_end(h)
+                if uses + 1 == self.REUSED_USES:
+                    self._num_reused[backend] = self._num_reused.get(backend, 0) + 1
+
+    def num_reused(self, backend: int) -> int:
+        """Cached blocks of ``backend`` used by at least :attr:`REUSED_USES` requests."""
+        return self._num_reused.get(backend, 0)
+
+    def reused_overflow(self, backend: int, new_blocks: int, keep: Iterable[bytes] = ()) -> int:
+        """Reused cached blocks ``backend`` loses if it takes ``new_blocks`` more.
+
+        A model of the engine's prefix cache (vLLM's, and tokenmill's ``BlockPool``): the pool holds
+        ``capacity`` blocks; blocks in use (``keep``: those of requests in flight there, and the
+        request's own prefix) stay; new blocks take free and stale cached blocks first and evict
+        reused ones (used by at least :attr:`REUSED_USES` requests: shared prefixes) only once the
+        reused and in-use blocks plus the new ones no longer fit. Those are the blocks that the next
+        requests of their prefixes will have to prefill again, now or as soon as the stale blocks
+        are gone.
+
+        Returns:
+            ``min(reused + in use + new - capacity, evictable reused)``, at least 0; 0 while the
+            capacity is unknown (no events yet).
+        """
+        cap = self.capacity.get(backend)
+        held = self._held.get(backend)
+        if not cap or not held or new_blocks <= 0:
+            return 0
+        reused = self._num_reused.get(backend, 0)
+        kept_reused = kept_other = 0
+        for h in keep if isinstance(keep, (set, dict, frozenset)) else set(keep):
+            uses = held.get(h)
+            if uses is None:
+                continue
+            if uses >= self.REUSED_USES:
+                kept_reused += 1
+            else:
+                kept_other += 1
+        overflow = reused + kept_other + new_blocks - cap
+        return max(0, min(overflow, reused - kept_reused))
 
     def match(self, block_hashes: Sequence[bytes], backends: Sequence[int]) -> dict[int, int]:
         """Leading blocks of ``block_hashes`` held by each backend.

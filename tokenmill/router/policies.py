@@ -16,6 +16,7 @@ are tested with fake backends and no model.
 from __future__ import annotations
 
 import abc
+import logging
 import math
 import random
 from dataclasses import dataclass, field
@@ -25,6 +26,7 @@ from tokenmill.router.backends import Backend
 from tokenmill.router.kv_index import KVIndex
 from tokenmill.router.prefix_tree import PrefixTree
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class RouteInput:
@@ -53,6 +55,7 @@ class RouteDecision:
         matched, total: estimated cached part and size of the prompt, in ``unit``.
         unit: ``tokens`` (kv_aware), ``chars`` (prefix_aware) or ``""`` (no estimate).
         new_prefill_blocks, request_blocks: kv_aware's load bookkeeping (blocks).
+        evicted_blocks: kv_aware's estimate of reused cached blocks the placement evicts.
         costs: kv_aware's cost per backend index (for logs and tests).
     """
 
@@ -65,6 +68,8 @@ class RouteDecision:
     request_blocks: int = 0
     costs: dict[int, float] = field(default_factory=dict)
     block_hashes: list[bytes] | None = None
+    started: float = 0.0
+    evicted_blocks: int = 0
 
 
 class Policy(abc.ABC):
@@ -221,7 +226,18 @@ class KVAware(Policy):
       one partial tail block per in-flight request, and the request's
       blocks ``w`` does not already hold for an in-flight request; i.e. the
       KV memory its decode steps would read;
-    * ``cost(w) = overlap_weight * prefill_blocks(w) + decode_blocks(w)``.
+    * ``evicted(w)``: the *reused* cached blocks (used by at least two
+      requests: shared prefixes) that placing the request on ``w`` pushes out
+      of ``w``'s pool, now or once its stale blocks are gone
+      (:meth:`KVIndex.reused_overflow`: reused + in-use + new blocks beyond
+      the pool size, which is learnt from the events; use counts come from
+      the events and the requests routed there). Each will have to be
+      prefilled again by the next request of its prefix, so it costs like a
+      prefill block, scaled by ``eviction_weight``. Dynamo's cost has no such
+      term (``eviction_weight = 0`` is Dynamo's rule); without it a move to a
+      replica whose pool is full of other live prefixes looks as cheap as its
+      own prefill, and the next requests of the evicted prefixes miss too;
+    * ``cost(w) = overlap_weight * (prefill_blocks(w) + eviction_weight * evicted(w)) + decode_blocks(w)``.
 
     ``overlap(w)`` is the longer of two matches: the blocks ``w``'s KV events
     say it holds, and the blocks of requests this router sent to ``w`` that
@@ -240,6 +256,8 @@ class KVAware(Policy):
     Args:
         index: the pool's :class:`KVIndex`.
         overlap_weight: weight of prefill blocks (Dynamo's ``--kv-overlap-score-weight``, default 1).
+        eviction_weight: weight of evicted reused blocks relative to prefill blocks
+            (``--kv-eviction-weight``; 0: Dynamo's cost).
         temperature: softmax temperature (0: deterministic).
         block_size: tokens per block when the index has not learnt it from events.
         seed: RNG seed for the softmax draw.
@@ -249,13 +267,16 @@ class KVAware(Policy):
     needs_tokens = True
 
     def __init__(self, index: KVIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
-                 block_size: int = 16, seed: int | None = None) -> None:
+                 block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0) -> None:
         if temperature < 0:
             raise ValueError(f"router temperature must be >= 0, got {temperature}")
         if overlap_weight < 0:
             raise ValueError(f"overlap weight must be >= 0, got {overlap_weight}")
+        if eviction_weight < 0:
+            raise ValueError(f"eviction weight must be >= 0, got {eviction_weight}")
         self.index = index
         self.overlap_weight = overlap_weight
+        self.eviction_weight = eviction_weight
         self.temperature = temperature
         self.default_block_size = block_size
         self._rng = random.Random(seed)
@@ -287,13 +308,15 @@ class KVAware(Policy):
         # the engine always computes a prompt's last token, so at most (ntok - 1) // bs blocks hit
         max_hit = max(0, (ntok - 1) // bs)
         costs: dict[int, float] = {}
+        evicted: dict[int, int] = {}
         for b in candidates:
             ov = min(overlaps.get(b.index, 0), max_hit)
             prefill = b.prefill_blocks + (n - ov)
             pend = self.pending.get(b.index) or {}
             shared = sum(1 for h in hashes if h in pend)
             decode = len(pend) + b.in_flight + (n - shared)
-            costs[b.index] = self.overlap_weight * prefill + decode
+            evicted[b.index] = self.evicted_reused(b.index, n - ov, hashes, pend) if self.eviction_weight else 0
+            costs[b.index] = self.overlap_weight * (prefill + self.eviction_weight * evicted[b.index]) + decode
         chosen = self._pick(candidates, costs)
         ov = min(overlaps.get(chosen.index, 0), max_hit)
         if ov > 0:
@@ -305,8 +328,21 @@ class KVAware(Policy):
         pend = self.pending.setdefault(chosen.index, {})
         for h in hashes:
             pend[h] = pend.get(h, 0) + 1
+        self.index.touch(chosen.index, hashes)
         return RouteDecision(chosen, reason, matched=ov * bs, total=ntok, unit="tokens",
-                             new_prefill_blocks=n - ov, request_blocks=n, costs=costs, block_hashes=list(hashes))
+                             new_prefill_blocks=n - ov, request_blocks=n, costs=costs, block_hashes=list(hashes),
+                             evicted_blocks=evicted.get(chosen.index, 0))
+
+    def evicted_reused(self, backend: int, new_blocks: int, hashes: Sequence[bytes], pending: dict) -> int:
+        """Reused cached blocks ``backend`` would evict to take a request with ``new_blocks`` uncached blocks.
+
+        Blocks of requests in flight there and the request's own blocks are never evicted.
+        """
+        if new_blocks <= 0:
+            return 0
+        keep = set(pending)
+        keep.update(hashes)
+        return self.index.reused_overflow(backend, new_blocks, keep)
 
     def on_finish(self, decision: RouteDecision) -> None:
         pend = self.pending.get(decision.backend.index)
@@ -343,7 +379,8 @@ POLICIES = ("round_robin", "least_load", "prefix_aware", "kv_aware")
 def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: float = 0.3,
                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                 max_tree_size: int = 2**26, overlap_weight: float = 1.0, temperature: float = 0.0,
-                block_size: int = 16, seed: int | None = None, load_source: str = "inflight") -> Policy:
+                block_size: int = 16, seed: int | None = None, load_source: str = "inflight",
+                eviction_weight: float = 1.0) -> Policy:
     """Build a policy by name.
 
     Raises:
@@ -356,5 +393,5 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
     if name == "prefix_aware":
         return PrefixAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
     if name == "kv_aware":
-        return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed)
+        return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed, eviction_weight)
     raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
