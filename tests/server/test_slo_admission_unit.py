@@ -107,3 +107,75 @@ def test_prefix_hit_rate_follows_the_cores_counters():
     for k in range(1, 20):
         adm.record(EngineStats(prefix_cache_queries=4096 * k, prefix_cache_hits=2048 * k), None)
     assert adm.prefix_hit_rate == pytest.approx(0.5, abs=0.01)
+
+
+def test_error_calibration_quantile_bounds_and_warm_up():
+    from tokenmill.server.admission import ErrorCalibration
+
+    c = ErrorCalibration(0.9, window=20, min_samples=5, neutral=1.0, lo=0.5, hi=3.0)
+    for v in (2.0, 2.0, 2.0, 2.0):
+        c.add(v)
+    assert c.margin() == 1.0                      # too few observations: neutral
+    for v in range(1, 21):                        # the window keeps the last 20: 1..20 -> 90% is 18
+        c.add(v / 10)
+    assert c.margin() == pytest.approx(1.8)
+    c.add(float("nan"))
+    assert len(c.samples) == 20
+    for _ in range(20):
+        c.add(10.0)
+    assert c.margin() == 3.0                      # clamped
+    for _ in range(20):
+        c.add(0.1)
+    assert c.margin() == 0.5
+
+
+def _finish(rid, decode_time, tokens):
+    from tokenmill.metrics.stats import FinishedRequestStats
+
+    return FinishedRequestStats("length", decode_time=decode_time, num_generation_tokens=tokens, request_id=rid)
+
+
+def test_tpot_margin_learnt_from_finished_requests_refuses_what_the_model_admits():
+    # the model predicts TPOT ~ decode(b) + prefill share; the requests really ran 2x slower (e.g. the
+    # batch grew after they were admitted): after enough finishes the learnt factor refuses
+    slo = SLO(tpot=0.030)
+    st = stats(num_decoding=8)
+    raw = SLOAdmission(slo, calibrate=False)
+    adm = SLOAdmission(slo)
+    pred, ref = adm.check(st, None, 10, 0, 0.0, 0.0)
+    assert ref is None and 0.015 < pred.tpot < 0.020
+    for i in range(10):
+        adm.track(f"r{i}", pred, 0, 0.0, 10, now=0.0)
+        it = IterationStats()
+        it.finished = [_finish(f"r{i}", decode_time=2 * pred.tpot * 15, tokens=16)]
+        adm.record(None, it)
+    assert adm.tpot_factor.margin() == pytest.approx(2.0)
+    _, ref = adm.check(st, None, 10, 0, 0.0, 0.0)
+    assert ref is not None and ref.reason == "slo" and "time per output token" in ref.message
+    assert raw.check(st, None, 10, 0, 0.0, 0.0)[1] is None     # the raw model still admits
+    assert adm._predicted_tpot == {}                            # forgotten at finish
+
+
+def test_ttft_margin_learnt_from_first_tokens_both_ways():
+    slo = SLO(ttft=0.5)
+    st = stats(waiting_by_priority={0: (3, 3000)})
+    adm = SLOAdmission(slo)
+    pred, ref = adm.check(st, None, 500, 0, 0.0, 0.0)
+    assert ref is None and 0.3 < pred.ttft < 0.5
+
+    def observe(err):
+        for i in range(10):
+            adm.track(f"t{i}", pred, 0, 0.0, 500, now=0.0)
+            it = IterationStats()
+            it.first_tokens = [(f"t{i}", pred.ttft + err)]
+            adm.record(None, it)
+
+    observe(0.3)                       # requests came 300 ms later than predicted: the same request now misses
+    assert adm.ttft_margin.margin() == pytest.approx(0.3)
+    assert adm.check(st, None, 500, 0, 0.0, 0.0)[1] is not None
+    for _ in range(7):                 # ... then 200 ms earlier: the window (64) forgets the late ones
+        observe(-0.2)
+    assert adm.ttft_margin.margin() == pytest.approx(-0.2)
+    big = stats(waiting_by_priority={0: (5, 5000)})
+    assert SLOAdmission(slo).check(big, None, 500, 0, 0.0, 0.0)[1] is not None   # raw model refuses
+    assert adm.check(big, None, 500, 0, 0.0, 0.0)[1] is None                     # calibrated admits

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from tokenmill.metrics.stats import EngineStats
@@ -170,6 +170,49 @@ def retry_after_seconds(excess: float, rate: float | None) -> int:
 PENDING_MAX_AGE_S = 600.0
 
 
+class ErrorCalibration:
+    """A safety margin learnt from the predictor's observed error (conformal-style calibration).
+
+    Keeps the last ``window`` observations of an error statistic of admitted
+    requests and returns its ``quantile``: added to a TTFT prediction (signed
+    error, measured − predicted, seconds) or multiplied into a TPOT prediction
+    (ratio measured / predicted), it makes the corrected prediction an upper
+    bound for that share of recent requests, whatever the model misses (batch
+    growth after admission, prefill of later arrivals riding along with the
+    decode steps, neighbours on a shared machine). This is split conformal
+    prediction's rule (Angelopoulos & Bates, "A Gentle Introduction to Conformal
+    Prediction", arXiv 2107.07511, §1) over a sliding window, as latency
+    predictors under drift use it.
+
+    Args:
+        quantile: in (0, 1): the share of recent requests the margin covers.
+        window: observations kept.
+        min_samples: below this many the margin is ``neutral``.
+        neutral: margin with no data (0 for an additive margin, 1 for a factor).
+        lo, hi: bounds of the margin.
+    """
+
+    def __init__(self, quantile: float = 0.9, window: int = 64, min_samples: int = 8, neutral: float = 0.0,
+                 lo: float = -math.inf, hi: float = math.inf) -> None:
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.neutral = neutral
+        self.lo, self.hi = lo, hi
+        self.samples: deque[float] = deque(maxlen=window)
+
+    def add(self, value: float) -> None:
+        if math.isfinite(value):
+            self.samples.append(value)
+
+    def margin(self) -> float:
+        """The ``quantile`` of the recent observations (``neutral`` with too few), within [lo, hi]."""
+        if len(self.samples) < self.min_samples:
+            return self.neutral
+        xs = sorted(self.samples)
+        k = min(len(xs) - 1, max(0, math.ceil(self.quantile * len(xs)) - 1))
+        return min(self.hi, max(self.lo, xs[k]))
+
+
 @dataclass
 class PendingRequest:
     """An admitted interactive request that has not produced its first token (what may be displaced).
@@ -218,11 +261,22 @@ class SLOAdmission:
             ``observe_ttft_prediction_error(measured_s - predicted_s)``.
     """
 
-    def __init__(self, slo: "SLO", policy: str = "fcfs", metrics: object | None = None) -> None:
+    # share of recent admitted requests the learnt safety margins cover (above the 90% goodput target)
+    CALIBRATION_QUANTILE = 0.95
+
+    def __init__(self, slo: "SLO", policy: str = "fcfs", metrics: object | None = None,
+                 calibrate: bool = True) -> None:
         self.slo = slo
         self.policy = policy
         self.metrics = metrics
         self.pending: dict[str, PendingRequest] = {}
+        # learnt safety margins (ErrorCalibration): TTFT error in seconds (at most one SLO either way),
+        # TPOT ratio measured / predicted (0.5x .. 4x); ``calibrate=False`` judges the raw model
+        self.calibrate = calibrate
+        bound = slo.ttft if slo.ttft is not None else 1.0
+        self.ttft_margin = ErrorCalibration(self.CALIBRATION_QUANTILE, lo=-0.5 * bound, hi=bound)
+        self.tpot_factor = ErrorCalibration(self.CALIBRATION_QUANTILE, neutral=1.0, lo=0.5, hi=4.0)
+        self._predicted_tpot: dict[str, float] = {}
         # recent prefix-cache hit rate (EWMA over the core's cumulative counters' increments)
         self.prefix_hit_rate = 0.0
         self._last_queries = 0
@@ -253,10 +307,19 @@ class SLOAdmission:
         elapsed = max(0.0, now - arrival)
         if pred is not None and self.metrics is not None:
             self.metrics.observe_ttft_prediction(elapsed + pred.ttft)
-        verdict = judge(self.slo, pred, elapsed, q, t)
+        verdict = judge(self.slo, self.calibrated(pred), elapsed, q, t)
         if verdict.admit:
             return pred, None
         return pred, Refusal(verdict.message, verdict.retry_after, "slo")
+
+    def calibrated(self, pred: "Prediction | None") -> "Prediction | None":
+        """``pred`` with the learnt safety margins applied (TTFT + margin, TPOT × factor)."""
+        if pred is None or not self.calibrate:
+            return pred
+        m, f = self.ttft_margin.margin(), self.tpot_factor.margin()
+        if m == 0.0 and f == 1.0:
+            return pred
+        return replace(pred, ttft=max(0.0, pred.ttft + m), tpot=pred.tpot * f)
 
     def track(self, request_id: str, pred: "Prediction | None", priority: int, arrival: float,
               prompt_tokens: int, now: float | None = None) -> PendingRequest | None:
@@ -270,10 +333,14 @@ class SLOAdmission:
         p = PendingRequest(request_id, priority, arrival, prompt_tokens, elapsed + pred.ttft,
                            now + max(0.0, pred.ttft - own), limit)
         self.pending[request_id] = p
+        self._predicted_tpot[request_id] = pred.tpot
         if len(self.pending) > 64 and len(self.pending) % 64 == 0:
             # a request whose stream never started leaves no first token nor finish: forget stale ones
             for rid in [r for r, q in self.pending.items() if now - q.arrival > PENDING_MAX_AGE_S]:
                 del self.pending[rid]
+        if len(self._predicted_tpot) > 4096:   # finishes never reported (should not happen): bound the memory
+            for rid in list(self._predicted_tpot)[:2048]:
+                del self._predicted_tpot[rid]
         return p
 
     def displaced_by(self, new: PendingRequest, pred: "Prediction", now: float | None = None
@@ -309,6 +376,7 @@ class SLOAdmission:
     def forget(self, request_id: str) -> None:
         """Stop tracking a request (finished, aborted or refused)."""
         self.pending.pop(request_id, None)
+        self._predicted_tpot.pop(request_id, None)
 
     def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
         """Observe the prediction error of requests that got their first token; forget finished ones;
@@ -325,9 +393,15 @@ class SLOAdmission:
             return
         for rid, ttft in getattr(iteration, "first_tokens", ()):
             p = self.pending.pop(rid, None)
-            if p is not None and self.metrics is not None:
-                self.metrics.observe_ttft_prediction_error(ttft - p.predicted_ttft)
+            if p is not None:
+                self.ttft_margin.add(ttft - p.predicted_ttft)
+                if self.metrics is not None:
+                    self.metrics.observe_ttft_prediction_error(ttft - p.predicted_ttft)
         for f in iteration.finished:
             rid = getattr(f, "request_id", "")
             if rid:
                 self.pending.pop(rid, None)
+                predicted = self._predicted_tpot.pop(rid, None)
+                # TPOT as the benchmark defines it: decode time over the tokens after the first
+                if predicted and f.finish_reason in ("stop", "length") and f.num_generation_tokens > 1:
+                    self.tpot_factor.add(f.decode_time / (f.num_generation_tokens - 1) / predicted)
