@@ -17,7 +17,9 @@ Servers, each fresh, each loaded with the same arrivals:
 * ``caps``: ``--max-num-waiting-requests`` = reference rate × TTFT limit
   (Little's law: the queue that drains within the TTFT target), the fixed cap
   an operator would set;
-* ``slo``: ``--slo ttft:MS tpot:MS`` (the predictor refuses requests predicted to miss).
+* ``slo``: ``--slo ttft:MS tpot:MS`` (the predictor refuses requests predicted to miss, judged with the
+  safety margins it learns from its own observed error);
+* ``slo_raw``: the same without the learnt margins (``TOKENMILL_SLO_CALIBRATION=0``): the ablation.
 
 Printed per server: goodput (requests meeting the SLO per second of the
 run), share refused (HTTP 429), SLO attainment of the admitted requests,
@@ -84,9 +86,11 @@ def find_reference_rate(args, workload: Path, out_dir: Path) -> float:
     return float(json.loads(result.read_text())["goodput_request_rate"])
 
 
-def run_one(name: str, serve_extra: list[str], rate: float, args, workload: Path, out_dir: Path) -> dict:
+def run_one(name: str, serve_extra: list[str], rate: float, args, workload: Path, out_dir: Path,
+            env_extra: dict[str, str] | None = None) -> dict:
     port = free_port()
-    server = Server(f"tokenmill-{name}", serve_cmd(port, args, serve_extra), thread_env(args.threads), port,
+    server = Server(f"tokenmill-{name}", serve_cmd(port, args, serve_extra), {**thread_env(args.threads),
+                                                                            **(env_extra or {})}, port,
                     out_dir / f"server-{name}.log")
     server.start(args.startup_timeout)
     result = out_dir / f"bench-{name}.json"
@@ -125,11 +129,13 @@ def summarize(name: str, res: dict, slo_ms: dict[str, float]) -> dict:
                 and res["tpots"][i] * 1e3 <= slo_ms.get("tpot", float("inf")))
 
     n_good = sum(1 for i in ok if good(i))
+    miss_ttft = sum(1 for i in ok if res["ttfts"][i] * 1e3 > slo_ms.get("ttft", float("inf")))
+    miss_tpot = sum(1 for i in ok if res["tpots"][i] * 1e3 > slo_ms.get("tpot", float("inf")))
     return {"name": name, "n": len(codes), "refused": refused, "admitted": len(ok), "good": n_good,
             "goodput": n_good / res["duration"], "duration": res["duration"],
             "attainment_admitted": n_good / len(ok) if ok else float("nan"),
             "ttft_p90": pct(ttft, 90), "ttft_p99": pct(ttft, 99), "tpot_p99": pct(tpot, 99),
-            "other_failures": len(codes) - len(ok) - refused}
+            "other_failures": len(codes) - len(ok) - refused, "miss_ttft": miss_ttft, "miss_tpot": miss_tpot}
 
 
 def prediction_error(metrics_text: str) -> str:
@@ -159,7 +165,10 @@ def main() -> None:
     ap.add_argument("--short-words", type=int, default=60)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--servers", default="none,caps,slo")
+    ap.add_argument("--servers", default="none,caps,slo,slo_raw")
+    ap.add_argument("--reference-only", action="store_true",
+                    help="measure the reference rate, print it and stop (run the servers later with --peak-rate, "
+                         "so each part fits a short measurement slot)")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="engine threads (default: all cores)")
     ap.add_argument("--seed", type=int, default=0)
@@ -175,19 +184,27 @@ def main() -> None:
           f"~{args.short_words} words, {args.output_len} output tokens; SLO {' '.join(args.slo)}; "
           f"load average {load_average():.2f}; files in {out_dir}", flush=True)
     ref = args.peak_rate if args.peak_rate else find_reference_rate(args, workload, out_dir)
+    if args.reference_only:
+        print(f"reference (goodput) rate {ref:.4g} req/s (load average {load_average():.2f})")
+        return
     rate = args.overload * ref
     cap = max(1, round(ref * slo_ms.get("ttft", 1000.0) / 1000.0))
     print(f"reference (goodput) rate {ref:.3g} req/s{' (given)' if args.peak_rate else ' (measured)'}; "
           f"arrivals at {args.overload:g}x = {rate:.3g} req/s; caps server: --max-num-waiting-requests {cap}",
           flush=True)
-    configs = {"none": [], "caps": ["--max-num-waiting-requests", str(cap)], "slo": ["--slo", *args.slo]}
+    configs = {"none": [], "caps": ["--max-num-waiting-requests", str(cap)], "slo": ["--slo", *args.slo],
+               "slo_raw": ["--slo", *args.slo]}
+    envs = {"slo_raw": {"TOKENMILL_SLO_CALIBRATION": "0"}}
     rows = []
     for name in args.servers.split(","):
-        res = run_one(name, configs[name], rate, args, workload, out_dir)
+        res = run_one(name, configs[name], rate, args, workload, out_dir, envs.get(name))
         row = summarize(name, res, slo_ms)
-        row["prediction"] = prediction_error(res["_metrics"]) if name == "slo" else ""
+        row["prediction"] = prediction_error(res["_metrics"]) if name.startswith("slo") else ""
+        row["load_average"] = load_average()
         rows.append(row)
-        print(f"  {name}: done ({row['duration']:.0f} s, load average {load_average():.2f})", flush=True)
+        print(f"  {name}: done ({row['duration']:.0f} s, load average {row['load_average']:.2f}; goodput "
+              f"{row['goodput']:.3f} req/s, refused {row['refused']}/{row['n']}, admitted meeting SLO "
+              f"{row['attainment_admitted']:.1%}; misses: TTFT {row['miss_ttft']}, TPOT {row['miss_tpot']})", flush=True)
     base = next((r for r in rows if r["name"] == "none"), rows[0])
     print(f"\n{'server':>6} {'goodput req/s':>13} {'vs none':>7} {'refused':>8} {'admitted meet SLO':>17} "
           f"{'TTFT p90/p99 ms':>17} {'TPOT p99 ms':>11} {'other fail':>10}")

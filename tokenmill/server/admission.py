@@ -11,6 +11,7 @@ second over the last :attr:`AdmissionController.window` seconds).
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, replace
@@ -259,19 +260,24 @@ class SLOAdmission:
         policy: the scheduling policy (``fcfs`` or ``priority``).
         metrics: optional sink with ``observe_ttft_prediction(predicted_s)`` and
             ``observe_ttft_prediction_error(measured_s - predicted_s)``.
+        calibrate: judge predictions with the safety margins learnt from their observed error
+            (:class:`ErrorCalibration`); None: on unless ``TOKENMILL_SLO_CALIBRATION=0``.
     """
 
     # share of recent admitted requests the learnt safety margins cover (above the 90% goodput target)
     CALIBRATION_QUANTILE = 0.95
 
     def __init__(self, slo: "SLO", policy: str = "fcfs", metrics: object | None = None,
-                 calibrate: bool = True) -> None:
+                 calibrate: bool | None = None) -> None:
         self.slo = slo
         self.policy = policy
         self.metrics = metrics
         self.pending: dict[str, PendingRequest] = {}
         # learnt safety margins (ErrorCalibration): TTFT error in seconds (at most one SLO either way),
         # TPOT ratio measured / predicted (0.5x .. 4x); ``calibrate=False`` judges the raw model
+        # (default: on, unless the environment sets TOKENMILL_SLO_CALIBRATION=0, the ablation switch)
+        if calibrate is None:
+            calibrate = os.environ.get("TOKENMILL_SLO_CALIBRATION", "1") not in ("0", "false", "off")
         self.calibrate = calibrate
         bound = slo.ttft if slo.ttft is not None else 1.0
         self.ttft_margin = ErrorCalibration(self.CALIBRATION_QUANTILE, lo=-0.5 * bound, hi=bound)
