@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -127,6 +128,19 @@ def test_error_calibration_quantile_bounds_and_warm_up():
     for _ in range(20):
         c.add(0.1)
     assert c.margin() == 0.5
+    # observations expire: with none left the margin is neutral again (a refusing server gets no new ones)
+    c.add(2.0, now=0.0)
+    assert c.margin(now=c.max_age + time.monotonic()) == 1.0
+
+
+def test_tpot_margin_never_refuses_everything():
+    # if even a batch of one misses the TPOT limit after calibration, the limit is not enforced (as unscaled)
+    slo = SLO(tpot=0.030)
+    adm = SLOAdmission(slo)
+    for _ in range(10):
+        adm.tpot_factor.add(4.0)
+    _, ref = adm.check(stats(num_decoding=8), None, 10, 0, 0.0, 0.0)
+    assert ref is None
 
 
 def _finish(rid, decode_time, tokens):
@@ -170,8 +184,8 @@ def test_ttft_margin_learnt_from_first_tokens_both_ways():
             it.first_tokens = [(f"t{i}", pred.ttft + err)]
             adm.record(None, it)
 
-    observe(0.3)                       # requests came 300 ms later than predicted: the same request now misses
-    assert adm.ttft_margin.margin() == pytest.approx(0.3)
+    observe(0.2)                       # requests came 200 ms later than predicted: the same request now misses
+    assert adm.ttft_margin.margin() == pytest.approx(0.2)
     assert adm.check(st, None, 500, 0, 0.0, 0.0)[1] is not None
     for _ in range(7):                 # ... then 200 ms earlier: the window (64) forgets the late ones
         observe(-0.2)

@@ -194,19 +194,30 @@ class ErrorCalibration:
     """
 
     def __init__(self, quantile: float = 0.9, window: int = 64, min_samples: int = 8, neutral: float = 0.0,
-                 lo: float = -math.inf, hi: float = math.inf) -> None:
+                 lo: float = -math.inf, hi: float = math.inf, max_age: float = 60.0) -> None:
         self.quantile = quantile
         self.min_samples = min_samples
         self.neutral = neutral
         self.lo, self.hi = lo, hi
+        self.max_age = max_age
         self.samples: deque[float] = deque(maxlen=window)
+        self._times: deque[float] = deque(maxlen=window)
 
-    def add(self, value: float) -> None:
+    def add(self, value: float, now: float | None = None) -> None:
         if math.isfinite(value):
             self.samples.append(value)
+            self._times.append(time.monotonic() if now is None else now)
 
-    def margin(self) -> float:
-        """The ``quantile`` of the recent observations (``neutral`` with too few), within [lo, hi]."""
+    def margin(self, now: float | None = None) -> float:
+        """The ``quantile`` of the recent observations (``neutral`` with too few), within [lo, hi].
+
+        Observations older than ``max_age`` seconds are dropped: a margin that makes the server
+        refuse everything gets no new observations, and must not outlive the burst that set it.
+        """
+        now = time.monotonic() if now is None else now
+        while self._times and now - self._times[0] > self.max_age:
+            self._times.popleft()
+            self.samples.popleft()
         if len(self.samples) < self.min_samples:
             return self.neutral
         xs = sorted(self.samples)
@@ -273,14 +284,15 @@ class SLOAdmission:
         self.policy = policy
         self.metrics = metrics
         self.pending: dict[str, PendingRequest] = {}
-        # learnt safety margins (ErrorCalibration): TTFT error in seconds (at most one SLO either way),
+        # learnt safety margins (ErrorCalibration): TTFT error in seconds (within half the SLO either way,
+        # so an idle server still admits),
         # TPOT ratio measured / predicted (0.5x .. 4x); ``calibrate=False`` judges the raw model
         # (default: on, unless the environment sets TOKENMILL_SLO_CALIBRATION=0, the ablation switch)
         if calibrate is None:
             calibrate = os.environ.get("TOKENMILL_SLO_CALIBRATION", "1") not in ("0", "false", "off")
         self.calibrate = calibrate
         bound = slo.ttft if slo.ttft is not None else 1.0
-        self.ttft_margin = ErrorCalibration(self.CALIBRATION_QUANTILE, lo=-0.5 * bound, hi=bound)
+        self.ttft_margin = ErrorCalibration(self.CALIBRATION_QUANTILE, lo=-0.5 * bound, hi=0.5 * bound)
         self.tpot_factor = ErrorCalibration(self.CALIBRATION_QUANTILE, neutral=1.0, lo=0.5, hi=4.0)
         self._predicted_tpot: dict[str, float] = {}
         # recent prefix-cache hit rate (EWMA over the core's cumulative counters' increments)
@@ -313,7 +325,8 @@ class SLOAdmission:
         elapsed = max(0.0, now - arrival)
         if pred is not None and self.metrics is not None:
             self.metrics.observe_ttft_prediction(elapsed + pred.ttft)
-        verdict = judge(self.slo, self.calibrated(pred), elapsed, q, t)
+        verdict = judge(self.slo, self.calibrated(pred), elapsed, q, t,
+                        self.tpot_factor.margin() if self.calibrate else 1.0)
         if verdict.admit:
             return pred, None
         return pred, Refusal(verdict.message, verdict.retry_after, "slo")

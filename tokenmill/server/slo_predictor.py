@@ -230,7 +230,8 @@ class SLOVerdict:
     message: str = ""
 
 
-def judge(slo: SLO, pred: Prediction | None, elapsed: float, queue: Any, timing: Any) -> SLOVerdict:
+def judge(slo: SLO, pred: Prediction | None, elapsed: float, queue: Any, timing: Any,
+          tpot_scale: float = 1.0) -> SLOVerdict:
     """Admit or refuse against ``slo`` given a :class:`Prediction` (None: admit).
 
     A request whose own prefill comes near the TTFT limit (it would miss on an
@@ -244,6 +245,7 @@ def judge(slo: SLO, pred: Prediction | None, elapsed: float, queue: Any, timing:
         pred: the prediction (from :func:`predict`).
         elapsed: seconds since the request arrived (tokenization, queueing in this process).
         queue, timing: the engine snapshot the prediction came from (for Retry-After).
+        tpot_scale: the factor ``pred.tpot`` was calibrated with (the batch-of-one check uses it too).
     """
     if pred is None:
         return SLOVerdict(True)
@@ -255,7 +257,8 @@ def judge(slo: SLO, pred: Prediction | None, elapsed: float, queue: Any, timing:
                               f"server is busy: predicted time to first token {ttft * 1000:.0f} ms exceeds "
                               f"the SLO of {slo.ttft * 1000:.0f} ms (--slo; {pred.tokens_ahead} prompt tokens "
                               f"queued ahead); retry later")
-    if slo.tpot is not None and timing.decode_step_time(1) + timing.prefill_seconds_per_step <= slo.tpot:
+    if slo.tpot is not None and \
+            (timing.decode_step_time(1) + timing.prefill_seconds_per_step) * tpot_scale <= slo.tpot:
         if pred.tpot > slo.tpot:
             return SLOVerdict(False, "tpot", _clamp(_tpot_retry(slo.tpot, pred, queue, timing)),
                               f"server is busy: predicted time per output token {pred.tpot * 1000:.1f} ms "
