@@ -14,8 +14,9 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   refused with HTTP 429 by admission control, ``reason`` =
   ``waiting_requests``, ``waiting_tokens`` or ``slo``; vLLM has no admission control);
 * histograms ``predicted_ttft_seconds``, ``ttft_prediction_error_seconds``
-  (measured − predicted, signed) and ``ttft_prediction_abs_error_seconds``
-  (tokenmill-specific: SLO admission control, ``--slo``);
+  (measured − predicted, signed) and ``ttft_prediction_abs_error_seconds``, gauges
+  ``slo_ttft_margin_seconds`` and ``slo_tpot_margin_factor`` (the learnt safety
+  margins) (tokenmill-specific: SLO admission control, ``--slo``);
 * histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
   ``request_prefill_time_seconds``, ``request_decode_time_seconds``,
@@ -251,6 +252,14 @@ class PrometheusStatLogger:
         self.ttft_pred_abs_error = api_hist("ttft_prediction_abs_error_seconds",
                                             "Histogram of |measured - predicted| TTFT of admitted requests "
                                             "(--slo), in seconds.", TTFT_BUCKETS)
+        self.slo_ttft_margin = Gauge(PREFIX + "slo_ttft_margin_seconds",
+                                     "Safety margin --slo adds to TTFT predictions, learnt from their observed "
+                                     "error (seconds; negative when the model is pessimistic).",
+                                     ["model_name"], registry=r).labels(model_name)
+        self.slo_tpot_factor = Gauge(PREFIX + "slo_tpot_margin_factor",
+                                     "Factor --slo applies to TPOT predictions, learnt from measured / predicted "
+                                     "TPOT of finished requests.", ["model_name"], registry=r).labels(model_name)
+        self.slo_tpot_factor.set(1.0)
         self._engines: dict[int, _EngineSeries] = {}
         self.engine(0)  # export engine 0's zeros from the start
 
@@ -269,6 +278,11 @@ class PrometheusStatLogger:
         """Measured minus predicted TTFT of one admitted request, seconds."""
         self.ttft_pred_error.observe(seconds)
         self.ttft_pred_abs_error.observe(abs(seconds))
+
+    def set_slo_margins(self, ttft_margin: float, tpot_factor: float) -> None:
+        """The safety margins --slo currently judges with (TTFT: + seconds; TPOT: × factor)."""
+        self.slo_ttft_margin.set(ttft_margin)
+        self.slo_tpot_factor.set(tpot_factor)
 
     def record_refusal(self, reason: str) -> None:
         """Count one request refused by admission control (``reason``: the limit that refused it)."""

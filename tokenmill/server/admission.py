@@ -325,8 +325,11 @@ class SLOAdmission:
         elapsed = max(0.0, now - arrival)
         if pred is not None and self.metrics is not None:
             self.metrics.observe_ttft_prediction(elapsed + pred.ttft)
-        verdict = judge(self.slo, self.calibrated(pred), elapsed, q, t,
-                        self.tpot_factor.margin() if self.calibrate else 1.0)
+        factor = self.tpot_factor.margin() if self.calibrate else 1.0
+        setter = getattr(self.metrics, "set_slo_margins", None)
+        if setter is not None and self.calibrate:
+            setter(self.ttft_margin.margin(), factor)
+        verdict = judge(self.slo, self.calibrated(pred), elapsed, q, t, factor)
         if verdict.admit:
             return pred, None
         return pred, Refusal(verdict.message, verdict.retry_after, "slo")
