@@ -187,3 +187,36 @@ def test_replay_socket_speaks_the_documented_protocol():
     finally:
         req.close(linger=0)
         pub.close()
+
+
+def test_replay_longer_than_zmqs_high_water_mark_arrives_whole():
+    # a router started after a few thousand steps replays them all at once: nothing may be dropped
+    pub_port, replay_port = _ports(2)
+    n = 6000
+    cfg = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://127.0.0.1:{pub_port}",
+                         replay_endpoint=f"tcp://127.0.0.1:{replay_port}", buffer_steps=n)
+    pub = ZmqEventPublisher(cfg)
+    ctx = zmq.Context.instance()
+    req = ctx.socket(zmq.DEALER)
+    req.setsockopt(zmq.RCVHWM, 0)   # as KVEventSubscriber's
+    try:
+        for i in range(n):
+            pub.publish(_stored(i % 256))
+        deadline = time.monotonic() + 30
+        while pub.seq < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        req.connect(cfg.replay_endpoint)
+        req.send_multipart([b"", (0).to_bytes(8, "big")])
+        time.sleep(0.5)            # a reader busy elsewhere: the answer queues up meanwhile
+        seqs = []
+        while True:
+            assert req.poll(10000), f"replay stopped after {len(seqs)} batches"
+            frames = req.recv_multipart()
+            s = seq_from_bytes(frames[1])
+            if s == -1:
+                break
+            seqs.append(s)
+        assert seqs == list(range(n))
+    finally:
+        req.close(linger=0)
+        pub.close()

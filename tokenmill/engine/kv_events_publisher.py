@@ -55,6 +55,10 @@ class ZmqEventPublisher:
         if config.replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.setsockopt(zmq.LINGER, 0)
+            # a replay answers with up to buffer_steps messages at once: a ROUTER socket silently drops
+            # what exceeds its high-water mark (default 1,000), which would cut the replay short and make
+            # the subscriber drop its whole index; the buffer already bounds what is queued
+            self._replay.setsockopt(zmq.SNDHWM, 0)
             self._replay.bind(config.replay_endpoint)
         self._thread = threading.Thread(target=self._run, daemon=True, name="kv-events-publisher")
         self._thread.start()

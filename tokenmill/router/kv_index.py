@@ -200,7 +200,7 @@ class KVEventSubscriber:
         index: the pool's index.
         replay_endpoint: its replay ROUTER address (None: gaps drop the backend's entries).
         topic: subscription topic (empty: everything).
-        replay_timeout: seconds to wait for a replay answer.
+        replay_timeout: seconds to wait for the next batch of a replay answer.
         ctx: a ``zmq.asyncio.Context`` (shared).
     """
 
@@ -268,6 +268,7 @@ class KVEventSubscriber:
             return False
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)   # a replay may be buffer_steps (10,000) batches long
         got: list[tuple[int, bytes]] = []
         try:
             sock.connect(self.replay_endpoint)
@@ -279,6 +280,7 @@ class KVEventSubscriber:
                     logger.warning("backend %d: replay from %s timed out", self.backend, self.replay_endpoint)
                     break
                 frames = await sock.recv_multipart()
+                deadline = time.monotonic() + self.replay_timeout   # a timeout between batches, not for all
                 if len(frames) < 3:
                     continue
                 s = seq_from_bytes(frames[-2])
