@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 from typing import Iterator
 
@@ -11,6 +12,8 @@ import torch
 
 from tokenmill.model.arch_config import ModelArchConfig
 from tokenmill.model.registry import normalize_architecture
+
+logger = logging.getLogger(__name__)
 
 
 def _read_json(path: str) -> dict:
@@ -55,6 +58,15 @@ def read_hf_config(folder: str) -> ModelArchConfig:
                     ids.append(i)
             eos = ids[0] if len(ids) == 1 else ids
 
+    moe = _moe_fields(c, arch, int(c["num_hidden_layers"]))
+    max_pos = int(c.get("max_position_embeddings", 2048))
+    window = c.get("sliding_window") if c.get("use_sliding_window", arch == "MixtralForCausalLM") else None
+    if window and int(window) < max_pos:
+        # no sliding-window attention here: cap the context at the window, where full attention is exact
+        logger.warning("%s: sliding_window %d < max_position_embeddings %d; tokenmill attends to the whole "
+                       "context, so the context is capped at %d tokens", folder, int(window), max_pos, int(window))
+        max_pos = int(window)
+
     weight_names = set(_safetensors_index(folder))
     tie = bool(c.get("tie_word_embeddings", False)) or (bool(weight_names) and "lm_head.weight" not in weight_names)
     return ModelArchConfig(
@@ -69,13 +81,37 @@ def read_hf_config(folder: str) -> ModelArchConfig:
         rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
         rope_theta=float(theta),
         rope_scaling=scaling,
-        max_position_embeddings=int(c.get("max_position_embeddings", 2048)),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=tie,
         attention_bias=arch == "Qwen2ForCausalLM" or bool(c.get("attention_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         bos_token_id=c.get("bos_token_id"),
         eos_token_id=eos,
+        **moe,
     )
+
+
+def _moe_fields(c: dict, arch: str, num_layers: int) -> dict:
+    """The mixture-of-experts fields of :class:`ModelArchConfig` from a Mixtral / Qwen3-MoE ``config.json``
+    (empty for dense models).
+
+    Mixtral: ``num_local_experts``, ``num_experts_per_tok``, experts of width ``intermediate_size``,
+    always renormalised. Qwen3-MoE: ``num_experts`` (``num_local_experts`` as transformers 5 writes it), ``moe_intermediate_size``, ``norm_topk_prob``,
+    sparse layers from ``decoder_sparse_step`` and ``mlp_only_layers``.
+    """
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=int(c.get("num_local_experts", c.get("num_experts", 0))), num_experts_per_tok=int(c["num_experts_per_tok"]),
+                    moe_intermediate_size=int(c["intermediate_size"]), norm_topk_prob=True)
+    if arch == "Qwen3MoeForCausalLM":
+        e = int(c.get("num_experts", c.get("num_local_experts", 0)))   # transformers 5 writes num_local_experts
+        step = int(c.get("decoder_sparse_step") or 1)
+        dense = set(c.get("mlp_only_layers") or [])
+        mask = [i not in dense and e > 0 and (i + 1) % step == 0 for i in range(num_layers)]
+        return dict(num_experts=e, num_experts_per_tok=int(c["num_experts_per_tok"]),
+                    moe_intermediate_size=int(c["moe_intermediate_size"]),
+                    norm_topk_prob=bool(c.get("norm_topk_prob", False)),
+                    moe_layer_mask=None if all(mask) else mask)
+    return {}
 
 
 def _safetensors_files(folder: str) -> list[str]:

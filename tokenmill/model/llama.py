@@ -325,6 +325,18 @@ class LlamaForCausalLM(nn.Module):
         sc.source = "checkpoint"
         return True
 
+    def _load_extra(self, name: str, tensor: torch.Tensor) -> bool:
+        """Subclass hook: take a checkpoint tensor this class does not know (MoE experts); True when taken."""
+        return False
+
+    def _extra_params(self) -> set[str]:
+        """Subclass hook: parameter names filled by :meth:`_load_extra` (left out of the missing check)."""
+        return set()
+
+    def _extra_missing(self) -> list[str]:
+        """Subclass hook: what :meth:`_load_extra` still lacks after loading."""
+        return []
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors (``model.layers.0.self_attn.q_proj.weight`` ...) into the model.
@@ -344,7 +356,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and self.lm_head is None):
                 continue
-            if self._load_kv_scale(name, tensor):
+            if self._load_kv_scale(name, tensor) or self._load_extra(name, tensor):
                 continue
             target, rows = name, None
             for part, (fused, shard) in self._STACKED.items():
@@ -360,6 +372,8 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
             dst.copy_(tensor.to(dtype=dst.dtype))
             loaded[target] = loaded.get(target, 0) + (rows[1] - rows[0] if rows else p.shape[0])
-        missing = [n for n, p in params.items() if loaded.get(n, 0) != p.shape[0]]
+        extra = self._extra_params()
+        missing = [n for n, p in params.items() if n not in extra and loaded.get(n, 0) != p.shape[0]]
+        missing += self._extra_missing()
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

@@ -9,7 +9,9 @@ tensors of the chosen dtype (:func:`resolve_dtype`) on the chosen device.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import glob
+import logging
 import importlib.util
 import os
 from dataclasses import dataclass, field
@@ -22,6 +24,8 @@ from tokenmill.model.arch_config import ModelArchConfig
 from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
 from tokenmill.model.registry import get_model_class
 from tokenmill.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "ModelArchConfig", "LoadedModel", "default_model_path", "resolve_dtype", "resolve_device",
@@ -156,6 +160,8 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
                  attn_backend: AttentionBackend | None) -> nn.Module:
     """Build the module without initialising weights (meta device, then uninitialised storage)."""
     cls = get_model_class(arch.architecture)
+    if arch.is_moe:
+        logger.info("%s: %s", arch.architecture, describe_experts(arch))
     backend = attn_backend or get_attention_backend(device)
     with torch.device("meta"), _no_weight_init():
         model = cls(arch, attn_backend=backend)
@@ -180,6 +186,16 @@ def _no_weight_init():
     finally:
         for c, fn in saved:
             c.reset_parameters = fn  # type: ignore[method-assign]
+
+
+def describe_experts(arch: ModelArchConfig) -> str:
+    """The start-up line of a mixture-of-experts model: experts, top-k, slots per rank, redundant slots."""
+    n_moe = sum(arch.is_moe_layer(i) for i in range(arch.num_hidden_layers))
+    first = arch.ep_rank * arch.num_local_experts
+    return (f"{n_moe} MoE layers of {arch.num_experts} experts (top {arch.num_experts_per_tok}, width "
+            f"{arch.moe_intermediate_size}); experts per rank {arch.num_local_experts} (physical slots "
+            f"{first}-{first + arch.num_local_experts - 1} of {arch.num_physical_experts}, expert-parallel rank "
+            f"{arch.ep_rank}/{arch.ep_size}), redundant experts {arch.num_redundant_experts}")
 
 
 def build_model_from_config(arch: ModelArchConfig, dtype: str | torch.dtype = "float32",
@@ -209,6 +225,20 @@ def build_model_from_config(arch: ModelArchConfig, dtype: str | torch.dtype = "f
             else:
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
     return _finalize(model.to(device=device, dtype=dt))
+
+
+def with_redundant_experts(arch: ModelArchConfig, num_redundant_experts: int) -> ModelArchConfig:
+    """``arch`` with ``num_redundant_experts`` extra expert slots.
+
+    Raises:
+        ValueError: redundant experts for a dense model, or a negative count.
+    """
+    if not num_redundant_experts:
+        return arch
+    if not arch.is_moe:
+        raise ValueError(f"num_redundant_experts={num_redundant_experts} needs a mixture-of-experts model; "
+                         f"{arch.architecture} is dense")
+    return dataclasses.replace(arch, num_redundant_experts=int(num_redundant_experts))
 
 
 def _resolve_checkpoint(path: str | None) -> tuple[str, str]:
@@ -267,7 +297,8 @@ def resolve_tokenizer(path: str, arch, template: str | None,
 
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                *, with_tokenizer: bool | str = True, attn_backend: AttentionBackend | None = None,
-               lowbit: bool = False, quantization: str | None = None) -> LoadedModel:
+               lowbit: bool = False, quantization: str | None = None,
+               num_redundant_experts: int = 0) -> LoadedModel:
     """Load a checkpoint into a :class:`LoadedModel`.
 
     Args:
@@ -288,6 +319,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             weights at load time; ``awq``/``gptq`` (or None) load a checkpoint
             whose ``config.json`` has that ``quantization_config`` as 4-bit codes
             (see :mod:`tokenmill.quantization`).
+        num_redundant_experts: for a mixture-of-experts model, extra physical
+            expert slots (replicas for EPLB; see :mod:`tokenmill.model.layers.moe`).
 
     Raises:
         FileNotFoundError: the path (or the default package) is missing.
@@ -312,7 +345,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
 
         reader = open_gguf(path)
-        arch = read_arch_config(reader)
+        arch = with_redundant_experts(read_arch_config(reader), num_redundant_experts)
         model = _instantiate(arch, dt, device, attn_backend)
         model.load_weights(iter_gguf_weights(reader, arch))
         if lowbit and quantization is None:
@@ -325,7 +358,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
     else:
         from tokenmill.model.hf_loader import iter_hf_weights, read_hf_config
 
-        arch = read_hf_config(path)
+        arch = with_redundant_experts(read_hf_config(path), num_redundant_experts)
         from tokenmill.quantization.prequantized import check_quant_config, load_prequantized, read_quant_config
 
         model = _instantiate(arch, dt, device, attn_backend)

@@ -10,19 +10,29 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.qwen3_moe import Qwen3MoeForCausalLM
 
 # Hugging Face architecture name -> model class.
 _MODELS: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
+
+# Mixture-of-experts architectures (their configs carry num_experts > 0).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen3MoeForCausalLM")
 
 # GGUF ``general.architecture`` / HF ``model_type`` -> Hugging Face architecture name.
 _ALIASES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",       # GGUF general.architecture
 }
 
 
