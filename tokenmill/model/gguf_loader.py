@@ -49,7 +49,14 @@ _LAYER_MAP = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    # mixture of experts: the router and the experts stacked [E, ...] (see tokenmill.model.mixtral)
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate_exps.weight": "mlp.experts.gate_proj",
+    "ffn_up_exps.weight": "mlp.experts.up_proj",
+    "ffn_down_exps.weight": "mlp.experts.down_proj",
 }
+# older Mixtral GGUFs store one tensor per expert: blk.N.ffn_gate.E.weight
+_EXPERT_RE = re.compile(r"^ffn_(gate|up|down)\.(\d+)\.weight$")
 _GLOBAL_MAP = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -272,6 +279,19 @@ def read_arch_config(reader) -> ModelArchConfig:
         if v is not None and int(v) not in eos:
             eos.append(int(v))
     bos = get_field(reader, "tokenizer.ggml.bos_token_id")
+    moe = {}
+    num_experts = int(key("expert_count", 0) or 0)
+    if num_experts:
+        # llama.cpp stores Mixtral as a "llama" with experts; qwen3moe names its expert width separately
+        if hf_arch == "LlamaForCausalLM":
+            hf_arch = "MixtralForCausalLM"
+        layers = int(key("block_count"))
+        sparse = [f"blk.{i}.ffn_gate_inp.weight" in tensors for i in range(layers)]
+        moe = dict(num_experts=num_experts, num_experts_per_tok=int(key("expert_used_count")),
+                   moe_intermediate_size=int(key("expert_feed_forward_length", 0) or key("feed_forward_length")),
+                   # Mixtral always renormalises; llama.cpp's qwen3moe graph does too unless the file says otherwise
+                   norm_topk_prob=True if hf_arch == "MixtralForCausalLM" else bool(key("expert_weights_norm", True)),
+                   moe_layer_mask=None if all(sparse) else sparse)
     return ModelArchConfig(
         architecture=hf_arch,
         num_hidden_layers=int(key("block_count")),
@@ -291,6 +311,7 @@ def read_arch_config(reader) -> ModelArchConfig:
         bos_token_id=None if bos is None else int(bos),
         eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
         rope_freq_factors=freq_factors,
+        **moe,
     )
 
 
@@ -344,6 +365,9 @@ def gguf_to_hf_name(name: str) -> str | None:
     m = _BLK_RE.match(name)
     if m and m.group(2) in _LAYER_MAP:
         return f"model.layers.{m.group(1)}.{_LAYER_MAP[m.group(2)]}"
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e:
+        return f"model.layers.{m.group(1)}.mlp.experts.{e.group(2)}.{e.group(1)}_proj.weight"
     if name == "rope_freqs.weight":
         return None
     raise ValueError(f"unexpected GGUF tensor {name!r}")
