@@ -66,6 +66,29 @@ class Communicator:
         self._tick(t0)
         return out
 
+    def all_to_all_single(self, x: torch.Tensor, output_split_sizes: list[int] | None = None,
+                          input_split_sizes: list[int] | None = None) -> torch.Tensor:
+        """Exchange row blocks: rank ``i`` sends rows ``input_split_sizes[j]`` of ``x`` to rank ``j`` and
+        receives ``output_split_sizes[j]`` rows from each rank ``j`` (rank order). ``None`` splits: equal
+        blocks of ``x.shape[0] / size`` rows. Supported by gloo (torch >= 2.0, any dtype; also empty
+        blocks) and NCCL.
+
+        Args:
+            x: ``[sum(input_split_sizes), ...]``.
+
+        Returns:
+            ``[sum(output_split_sizes), ...]`` (``x`` itself when ``size == 1``).
+        """
+        if self.size == 1:
+            return x
+        t0 = time.perf_counter()
+        x = x.contiguous()
+        rows = x.shape[0] if output_split_sizes is None else sum(output_split_sizes)
+        out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        dist.all_to_all_single(out, x, output_split_sizes, input_split_sizes, group=self.group)
+        self._tick(t0)
+        return out
+
     def send(self, x: torch.Tensor, dst: int) -> None:
         """Send ``x`` to global rank ``dst`` (blocking until it is handed over)."""
         t0 = time.perf_counter()

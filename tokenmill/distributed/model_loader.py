@@ -28,11 +28,13 @@ from tokenmill.model.arch_config import ModelArchConfig
 
 logger = logging.getLogger(__name__)
 
-PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
+                          "Qwen3MoeForCausalLM")
 
 
 def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
-                weights: Iterable[tuple[str, torch.Tensor]]) -> tuple[nn.Module, ModelArchConfig, RankLayout]:
+                weights: Iterable[tuple[str, torch.Tensor]], enable_expert_parallel: bool = False,
+                ) -> tuple[nn.Module, ModelArchConfig, RankLayout]:
     """Instantiate and load the shard of ``ctx.rank``.
 
     Args:
@@ -40,6 +42,9 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
         ctx: the rank and its communicators.
         dtype: weight dtype.
         weights: the full checkpoint's ``(hf_name, tensor)`` pairs.
+        enable_expert_parallel: MoE layers hold whole experts (a share of the
+            slots per rank, all-to-all dispatch: :mod:`~tokenmill.distributed.expert_parallel`)
+            instead of every expert's columns (all-reduce after the experts).
 
     Returns:
         ``(model, local arch, layout)``: the model on ``ctx.device``, in eval
@@ -57,7 +62,7 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
     if normalize_architecture(arch.architecture) not in PARALLEL_ARCHITECTURES:
         raise ValueError(f"tensor/pipeline parallelism supports {', '.join(PARALLEL_ARCHITECTURES)}, "
                          f"not {arch.architecture}")
-    lay = rank_layout(arch, ctx.tp_size, ctx.pp_size, ctx.rank)
+    lay = rank_layout(arch, ctx.tp_size, ctx.pp_size, ctx.rank, enable_expert_parallel)
     larch = local_arch(arch, lay)
     tied = arch.tie_word_embeddings
     keep_embedding = lay.is_first_stage or (lay.is_last_stage and tied)
@@ -72,9 +77,18 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
     model = model.to_empty(device=ctx.device).to(dtype)
     model.load_weights(shard_weights(weights, lay, tied=tied, keep_embedding=keep_embedding))
     # communication wrappers (after loading: the checkpoint names match the dense modules)
+    from tokenmill.distributed.expert_parallel import ExpertParallel
+    from tokenmill.model.layers.moe import FusedMoE
+
     for layer in inner.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, ctx.tp)
-        layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, ctx.tp)
+        if isinstance(layer.mlp, FusedMoE):
+            if lay.ep_size > 1:
+                layer.mlp.ep = ExpertParallel(ctx.ep)
+            elif ctx.tp_size > 1:
+                layer.mlp.tp_comm = ctx.tp
+        else:
+            layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, ctx.tp)
     if lay.is_last_stage:
         if tied:
             head = nn.Linear(larch.hidden_size, larch.vocab_size, bias=False, device=ctx.device, dtype=dtype)

@@ -36,6 +36,8 @@ class ParallelContext:
         device: where this rank's weights, KV cache and activations live.
         tp: communicator of this rank's tensor-parallel group (the stage).
         pp: communicator of the whole world, used for stage-to-stage send/recv.
+        ep: the tensor-parallel group again, with its own timers, for the expert-parallel
+            all-to-all dispatch and combine (:mod:`~tokenmill.distributed.expert_parallel`).
     """
 
     rank: int = 0
@@ -44,6 +46,7 @@ class ParallelContext:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     tp: Communicator = field(default_factory=Communicator)
     pp: Communicator = field(default_factory=Communicator)
+    ep: Communicator = field(default_factory=Communicator)
 
     @property
     def world_size(self) -> int:
@@ -77,7 +80,7 @@ class ParallelContext:
 
     def comm_seconds(self) -> float:
         """Seconds this rank spent in collectives and point-to-point transfers since start."""
-        return self.tp.seconds + (self.pp.seconds if self.pp is not self.tp else 0.0)
+        return self.tp.seconds + (self.pp.seconds if self.pp is not self.tp else 0.0) + self.ep.seconds
 
 
 def collective_backend(device: torch.device) -> str:
@@ -123,7 +126,8 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
     pp = Communicator(dist.group.WORLD, world, rank, device)
     logger.info("rank %d/%d joined (%s): tensor-parallel rank %d/%d, pipeline stage %d/%d",
                 rank, world, backend, rank % tp_size, tp_size, rank // tp_size, pp_size)
-    return ParallelContext(rank=rank, tp_size=tp_size, pp_size=pp_size, device=device, tp=tp, pp=pp)
+    ep = Communicator(tp_group, tp_size, rank % tp_size, device) if tp_size > 1 else Communicator(device=device)
+    return ParallelContext(rank=rank, tp_size=tp_size, pp_size=pp_size, device=device, tp=tp, pp=pp, ep=ep)
 
 
 def destroy_distributed() -> None:

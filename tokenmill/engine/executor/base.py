@@ -106,7 +106,7 @@ def check_parallel_config(config: EngineConfig, arch: Any) -> None:
     if config.model.quantization is not None and par.world_size > 1:
         raise ValueError(f"--quantization {config.model.quantization} is not supported with tensor/pipeline "
                          "parallelism yet (the shards are loaded dense)")
-    check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size)
+    check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size, par.enable_expert_parallel)
 
 
 def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
@@ -136,7 +136,7 @@ def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
                                    resolve_dtype(config.model.dtype, resolve_device(config.model.device)))
     per_rank = []
     for rank in range(par.world_size):
-        lay = rank_layout(arch, par.tensor_parallel_size, par.pipeline_parallel_size, rank)
+        lay = rank_layout(arch, par.tensor_parallel_size, par.pipeline_parallel_size, rank, par.enable_expert_parallel)
         per_rank.append(kv_bytes_per_token(lay.num_layers, lay.kv_heads[1] - lay.kv_heads[0], arch.head_dim, dtype))
     if config.cache.num_kv_blocks is not None:
         return int(config.cache.num_kv_blocks), per_rank

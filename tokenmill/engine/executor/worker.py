@@ -130,7 +130,8 @@ class Worker:
         self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device)
         arch = load_arch_config(config.model.model)
         dtype = resolve_dtype(config.model.dtype, device)
-        model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch))
+        model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
+                                                enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
         self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids)
         self.decoder = StepDecoder()

@@ -351,7 +351,7 @@ class FusedMoE(nn.Module):
         t, k = weights.shape
         buf = torch.empty_like(expert_out)
         buf[order] = expert_out
-        buf = buf.view(t, k, -1)
+        buf = buf.view(t, k, expert_out.shape[-1])
         w = weights.to(buf.dtype)
         out = buf[:, 0] * w[:, :1]
         for j in range(1, k):
