@@ -187,3 +187,17 @@ def test_loads_transformers_stacked_expert_layout(paged_runner, tmp_path):
     model.load_weights(sd.items())
     ids = list(range(3, 30))
     torch.testing.assert_close(_logits(model, arch, ids, paged_runner), hf_logits(hf, ids), atol=ATOL, rtol=RTOL)
+
+
+def test_engine_builds_redundant_slots_from_eplb_config(tiny):
+    """``--eplb-config num_redundant_experts`` reaches the model: 8 experts + 2 replicas, same greedy tokens."""
+    from tokenmill import LLM, SamplingParams
+
+    family, folder, hf = tiny
+    prompt = list(range(3, 40))
+    with LLM(folder, dtype="float32", block_size=4, num_kv_blocks=64, enable_expert_parallel=True, enable_eplb=True,
+             eplb_config={"num_redundant_experts": 2}) as llm:
+        model = llm.engine_core.executor.model
+        assert [m.num_physical_experts for m in model.moe_layers()] == [10] * len(model.moe_layers())
+        out = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == _greedy_hf(hf, prompt, 6)

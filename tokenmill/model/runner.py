@@ -259,7 +259,7 @@ class ModelRunner:
         quant = config.model.quantization
         want_lowbit = config.model.enforce_eager and quant is None and lowbit_max_tokens(device, dtype) > 0
         loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, lowbit=want_lowbit,
-                            quantization=quant,
+                            quantization=quant, num_redundant_experts=config.parallel.eplb.num_redundant_experts,
                             with_tokenizer=with_tokenizer)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)

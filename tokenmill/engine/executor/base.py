@@ -106,6 +106,10 @@ def check_parallel_config(config: EngineConfig, arch: Any) -> None:
     if config.model.quantization is not None and par.world_size > 1:
         raise ValueError(f"--quantization {config.model.quantization} is not supported with tensor/pipeline "
                          "parallelism yet (the shards are loaded dense)")
+    from tokenmill.model.loader import with_redundant_experts
+
+    if getattr(arch, "is_moe", False):
+        arch = with_redundant_experts(arch, par.eplb.num_redundant_experts)
     check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size, par.enable_expert_parallel)
 
 

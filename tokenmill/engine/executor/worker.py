@@ -107,7 +107,7 @@ class Worker:
             model_weight_bytes
         from tokenmill.distributed.parallel_state import init_distributed
         from tokenmill.engine.executor.step_codec import StepDecoder
-        from tokenmill.model.loader import load_arch_config, resolve_dtype
+        from tokenmill.model.loader import load_arch_config, resolve_dtype, with_redundant_experts
         from tokenmill.model.runner import ModelRunner, configure_allocator
 
         t0 = time.perf_counter()
@@ -128,7 +128,7 @@ class Worker:
             fused_cpu.load()
             paged_attention_cpu.load()
         self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device)
-        arch = load_arch_config(config.model.model)
+        arch = with_redundant_experts(load_arch_config(config.model.model), par.eplb.num_redundant_experts)
         dtype = resolve_dtype(config.model.dtype, device)
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=par.enable_expert_parallel)
