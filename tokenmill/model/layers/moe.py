@@ -362,6 +362,9 @@ class FusedMoE(nn.Module):
         """``x`` ``[num_tokens, H]`` -> ``[num_tokens, H]``."""
         if self.ep is not None:
             return self.ep.forward(self, x)
+        if self.ep_size > 1:
+            raise RuntimeError("an expert-parallel MoE layer needs its dispatcher (layer.ep); "
+                               "build it with tokenmill.distributed.model_loader.build_shard")
         weights, phys = self.route(x)
         k = self.top_k
         flat = phys.flatten()
