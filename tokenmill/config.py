@@ -96,6 +96,8 @@ class CacheConfig:
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of identical prompt prefixes (block-hash prefix caching).")
     kv_events_config: str | None = _f(None, "KV cache events for a cache-aware router, as vLLM's JSON: '{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"\", \"buffer_steps\": 10000}' (wire format: tokenmill/core/kv_events.py). Default: off.", server_only=True)
 
+    kv_transfer_config: str | None = _f(None, "KV connector for prefill-decode disaggregation, as vLLM's JSON: '{\"kv_connector\": \"TcpConnector\", \"kv_role\": \"kv_producer\", \"kv_ip\": \"127.0.0.1\", \"kv_port\": 14579, \"kv_connector_extra_config\": {}}' (connectors: TcpConnector, SharedMemoryConnector; roles kv_producer, kv_consumer, kv_both; see tokenmill/kv_transfer/). Default: off.")
+
     kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the model's dtype), fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, int8 (1 byte per element; per-layer K and V scales, from the checkpoint, --calculate-kv-scales, or 1.0; int8 always calculates them unless the checkpoint has them).")
     calculate_kv_scales: bool = _f(False, "With an fp8/int8 KV cache: compute each layer's K/V scales from the first batch (fp8: amax/200 for K and amax/100 for V, as vLLM; int8: amax/100) instead of the checkpoint's or 1.0.")
 
@@ -105,6 +107,7 @@ class CacheConfig:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
         self.kv_events  # validates the JSON
+        self.kv_transfer  # validates the JSON
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         parse_size(self.kv_cache_memory)
@@ -113,6 +116,11 @@ class CacheConfig:
     def kv_events(self):
         """The parsed ``--kv-events-config`` (:class:`KVEventsConfig`)."""
         return KVEventsConfig.from_json(self.kv_events_config)
+
+    @property
+    def kv_transfer(self) -> "KVTransferConfig | None":
+        """The parsed ``--kv-transfer-config`` (:class:`KVTransferConfig`), None when off."""
+        return KVTransferConfig.from_json(self.kv_transfer_config)
 
     @property
     def kv_cache_memory_bytes(self) -> int:
@@ -540,3 +548,95 @@ class EplbConfig:
         if extra:
             raise ValueError(f"--eplb-config: unknown keys {extra}; known: {sorted(known)}")
         return cls(**data)
+
+
+KV_CONNECTORS = ("TcpConnector", "SharedMemoryConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """``--kv-transfer-config``: vLLM's ``KVTransferConfig`` keys, for prefill-decode disaggregation.
+
+    Attributes:
+        kv_connector: ``"TcpConnector"`` (KV blocks between machines over a TCP side channel) or
+            ``"SharedMemoryConnector"`` (pools on one machine, through ``/dev/shm``).
+        kv_role: ``"kv_producer"`` (a prefill server: serves its requests' KV), ``"kv_consumer"``
+            (a decode server: loads KV computed elsewhere) or ``"kv_both"``.
+        kv_ip: address the producer's side channel binds and advertises (TcpConnector).
+        kv_port: port of the producer's side channel (TcpConnector; 0 picks a free one). Data-parallel
+            engine ``r`` uses ``kv_port + r``.
+        engine_id: this engine's id in ``kv_transfer_params`` (default: a random one per start).
+        kv_connector_extra_config: connector options (see :mod:`tokenmill.kv_transfer`), e.g.
+            ``abort_timeout_s`` (how long a producer keeps a finished request's blocks for a consumer,
+            s), ``transfer_timeout_s`` (a consumer's limit for one transfer, s), ``shm_dir``.
+    """
+
+    kv_connector: str = "TcpConnector"
+    kv_role: str = "kv_both"
+    kv_ip: str = "127.0.0.1"
+    kv_port: int = 14579
+    engine_id: str | None = None
+    kv_connector_extra_config: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"--kv-transfer-config: unknown kv_connector {self.kv_connector!r}; "
+                             f"choose one of {', '.join(KV_CONNECTORS)}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"--kv-transfer-config: kv_role must be one of {', '.join(KV_ROLES)}, "
+                             f"got {self.kv_role!r}")
+        if not isinstance(self.kv_port, int) or not 0 <= self.kv_port < 65536:
+            raise ValueError(f"--kv-transfer-config: kv_port must be an integer in [0, 65535], got {self.kv_port!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"--kv-transfer-config: kv_ip must be a non-empty string, got {self.kv_ip!r}")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("--kv-transfer-config: kv_connector_extra_config must be a JSON object")
+        for key in ("abort_timeout_s", "transfer_timeout_s"):
+            v = self.kv_connector_extra_config.get(key)
+            if v is not None and (not isinstance(v, (int, float)) or v <= 0):
+                raise ValueError(f"--kv-transfer-config: kv_connector_extra_config.{key} must be a number > 0, "
+                                 f"got {v!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        """Serves KV it computed to other engines."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """Loads KV computed by other engines."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @classmethod
+    def from_json(cls, text: "str | dict[str, Any] | None") -> "KVTransferConfig | None":
+        """Parse the ``--kv-transfer-config`` JSON object (None: off).
+
+        Raises:
+            ValueError: not a JSON object, an unknown key, or a bad value (the message names it).
+        """
+        if text is None:
+            return None
+        if isinstance(text, dict):
+            data = dict(text)
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError("--kv-transfer-config must be a JSON object")
+        known = set(cls.__dataclass_fields__)
+        # vLLM keys tokenmill accepts and ignores (buffer sizing of its NCCL connectors)
+        ignored = {"kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_load_failure_policy"}
+        extra = sorted(set(data) - known - ignored)
+        if extra:
+            raise ValueError(f"--kv-transfer-config: unknown keys {extra}; known: {sorted(known)}")
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def for_rank(self, rank: int) -> "KVTransferConfig":
+        """The config of data-parallel engine ``rank``: ``kv_port`` shifted by ``rank`` (0 stays 0)."""
+        if rank == 0 or self.kv_port == 0:
+            return self
+        return dataclasses.replace(self, kv_port=self.kv_port + rank,
+                                   engine_id=f"{self.engine_id}-dp{rank}" if self.engine_id else None)

@@ -95,6 +95,8 @@ class RequestOutput:
             token, None for the first, then its :class:`TokenLogprobs` given
             the tokens before it; set from the output that carries the first
             generated token on (None before, and when not asked for).
+        kv_transfer_params: prefill-decode disaggregation: where a prefill server keeps this
+            request's KV for a decode server (vLLM's response field); set on the final output.
     """
 
     request_id: str
@@ -107,3 +109,4 @@ class RequestOutput:
     error: str | None = None
     error_code: int = 400
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    kv_transfer_params: dict | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -47,6 +48,11 @@ class SamplingParams:
         logit_bias: token id -> value in [-100, 100] added to that token's
             logit before sampling (OpenAI's ``logit_bias``; the raw logprobs
             modes report the distribution before it).
+        kv_transfer_params: prefill-decode disaggregation (vLLM's request extra, see
+            :mod:`tokenmill.kv_transfer`): ``{"do_remote_decode": true}`` on a prefill server keeps the
+            prompt's KV for a decode server; ``{"do_remote_prefill": true, "remote_engine_id",
+            "remote_block_ids", "remote_host", "remote_port", "remote_request_id", ...}`` on a decode
+            server loads it instead of computing the prompt. None: an ordinary request.
     Raises:
         ValueError: from :meth:`validate` (called on construction) naming the
             offending field.
@@ -71,6 +77,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
+    # P/D disaggregation (vLLM's request extra): do_remote_decode / do_remote_prefill and where the KV is
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -26,10 +26,11 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 4  # max_tokens or max_model_len reached
     FINISHED_ABORTED = 5  # client went away or asked to abort
     FINISHED_ERROR = 6  # rejected: can never fit, or failed
+    WAITING_FOR_REMOTE_KVS = 7  # its prompt's KV is being loaded by a KV connector (P/D disaggregation)
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return RequestStatus.FINISHED_STOPPED <= self <= RequestStatus.FINISHED_ERROR
 
     @property
     def finish_reason(self) -> str | None:
@@ -99,6 +100,11 @@ class Request:
         self.prompt_logprobs: list[Any] | None = [] if sampling_params.prompt_logprobs is not None else None
         # Draft tokens proposed for the next step (speculative decoding); never part of all_token_ids.
         self.spec_token_ids: list[int] = []
+        # KV connector (P/D disaggregation): prompt tokens whose K/V is being / was loaded from another
+        # engine, whether that load already ran (success or not), and the params returned to the client.
+        self.num_external_tokens = 0
+        self.kv_load_attempted = False
+        self.kv_transfer_params_out: dict[str, Any] | None = None
 
     @property
     def needs_prompt_logprobs(self) -> bool:

@@ -9,6 +9,7 @@ data (no torch), so the scheduler is testable with no model at all.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.outputs import TokenLogprobs
 from tokenmill.sampling_params import SamplingParams
@@ -79,6 +80,8 @@ class SchedulerOutput:
         num_spec_tokens: speculative decoding: how many draft tokens the
             runner proposes per sampling request for the next step (the
             dynamic draft length for the current batch size; 0: none).
+        kv_connector_metadata: with a KV connector, its orders for the worker side this step
+            (:class:`tokenmill.kv_transfer.base.KVConnectorMetadata`); None without one.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -86,6 +89,7 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
     num_spec_tokens: int = 0
+    kv_connector_metadata: Any = None
 
     @property
     def is_empty(self) -> bool:
@@ -149,6 +153,8 @@ class EngineCoreOutput:
         prompt_logprobs: with the first token of a request that asked for
             them: ``[num_prompt_tokens]``, None for the first prompt token,
             then each token's :class:`TokenLogprobs` given the ones before it.
+        kv_transfer_params: with the finishing output of a request a KV connector keeps for a decode
+            server: where its KV is (vLLM's ``kv_transfer_params``); else None.
     """
 
     req_id: str
@@ -166,3 +172,4 @@ class EngineCoreOutput:
     num_prompt_tokens: int = 0
     num_preemptions: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None

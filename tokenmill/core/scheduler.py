@@ -60,6 +60,7 @@ import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
@@ -247,6 +248,14 @@ class Scheduler:
         max_model_len: context limit in tokens (prompt + output).
         num_kv_blocks: KV pool size in blocks.
         speculative_config: enables draft tokens (None: off).
+        kv_connector: a KV connector's scheduler side (prefill-decode disaggregation, see
+            :mod:`tokenmill.kv_transfer.base`; duck-typed, the core imports no connector). None: off.
+            A waiting request whose prompt K/V the connector can load waits in
+            ``WAITING_FOR_REMOTE_KVS`` (holding its blocks, taking no seat and no budget) while the
+            load runs; when it completes its ``num_computed_tokens`` jumps to the end of the loaded
+            prompt (the last prompt token is always computed, for its logits); when it fails the
+            request recomputes its prompt. A finished request the connector keeps for a consumer
+            holds its blocks until :meth:`update_from_kv_connector` reports them sent.
 
     Attributes:
         kv_cache_manager: the :class:`KVCacheManager` this scheduler owns.
@@ -259,7 +268,7 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None, kv_connector: Any = None) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
         self.scheduler_config = scheduler_config
@@ -294,6 +303,14 @@ class Scheduler:
                                      if speculative_config and speculative_config.method == "draft_model" else 0)
         self.spec_stats = SpecDecodingStats()
         self._spec_k = 0  # draft length allowed in the step being scheduled
+        self.kv_connector = kv_connector
+        # requests whose prompt K/V a connector is loading (status WAITING_FOR_REMOTE_KVS)
+        self.waiting_for_remote: dict[str, Request] = {}
+        # finished requests whose blocks stay held: kept for a consumer to pull, or aborted while
+        # loading (the load thread may still write into them until it reports)
+        self._kv_held: dict[str, Request] = {}
+        # prompt tokens by where their K/V came from (vLLM's prompt_tokens_by_source)
+        self.prompt_tokens_by_source = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
 
     # -- accessors -----------------------------------------------------------
     @property
@@ -358,7 +375,7 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run, or outputs of finished ones are still to be returned."""
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.requests) or bool(self._pending_outputs) or bool(self._kv_held)
 
     def reset_prefix_cache(self) -> int:
         """Forget all cached block hashes (see :meth:`KVCacheManager.reset_prefix_cache`)."""
@@ -378,12 +395,15 @@ class Scheduler:
         problems = []
         running = {r.request_id for r in self.running}
         waiting = {r.request_id for r in self.waiting}
+        remote = set(self.waiting_for_remote)
         if running & waiting:
             problems.append(f"requests both running and waiting: {sorted(running & waiting)[:5]}")
-        unknown = (running | waiting) - set(self.requests)
+        if remote & (running | waiting):
+            problems.append(f"requests waiting for remote KV and queued: {sorted(remote & (running | waiting))[:5]}")
+        unknown = (running | waiting | remote) - set(self.requests)
         if unknown:
             problems.append(f"queued requests the scheduler does not know: {sorted(unknown)[:5]}")
-        problems.extend(self.kv_cache_manager.check_invariants(set(self.requests)))
+        problems.extend(self.kv_cache_manager.check_invariants(set(self.requests) | set(self._kv_held)))
         return problems
 
     def add_request(self, request: Request) -> None:
@@ -488,6 +508,8 @@ class Scheduler:
         out.total_num_scheduled_tokens = self.max_num_batched_tokens - budget
         if self.spec_config:
             out.num_spec_tokens = self.spec_config.num_tokens_for_batch(len(self.running))
+        if self.kv_connector is not None:
+            out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return out
 
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
@@ -572,8 +594,23 @@ class Scheduler:
                     break
                 budget += refund
                 continue
-            # cached positions have no logits: a request that still needs prompt logprobs computes its prompt
-            hit_blocks, num_hit = ([], 0) if req.needs_prompt_logprobs else self.kv_cache_manager.get_computed_blocks(req)
+            holds_blocks = req.request_id in self.kv_cache_manager.req_to_blocks   # its K/V was loaded
+            if holds_blocks:
+                hit_blocks, num_hit = [], req.num_computed_tokens
+            else:
+                # cached positions have no logits: a request that still needs prompt logprobs computes its prompt
+                hit_blocks, num_hit = (([], 0) if req.needs_prompt_logprobs
+                                       else self.kv_cache_manager.get_computed_blocks(req))
+                if self.kv_connector is not None and not req.kv_load_attempted:
+                    started = self._start_remote_load(req, hit_blocks, num_hit)
+                    if started is None:     # no blocks for the load: wait, as any admission would
+                        refund = None if req.batch else self._preempt_batch(out)
+                        if refund is None:
+                            break
+                        budget += refund
+                        continue
+                    if started:
+                        continue
             n = self._capped(req.num_tokens - num_hit)
             if n > budget:
                 # Without chunked prefill, a request wider than the whole budget (only possible
@@ -583,8 +620,9 @@ class Scheduler:
                 n = budget
             # a draft model writes K/V for its first drafts right after the prompt's last chunk
             lookahead = self.num_lookahead_tokens if num_hit + n == req.num_tokens else 0
-            if (self.kv_cache_manager.allocate_slots(req, n + lookahead, hit_blocks, num_hit) is None
-                    and (not lookahead or self.kv_cache_manager.allocate_slots(req, n, hit_blocks, num_hit) is None)):
+            alloc_hit = 0 if holds_blocks else num_hit
+            if (self.kv_cache_manager.allocate_slots(req, n + lookahead, hit_blocks, alloc_hit) is None
+                    and (not lookahead or self.kv_cache_manager.allocate_slots(req, n, hit_blocks, alloc_hit) is None)):
                 refund = None if req.batch else self._preempt_batch(out)
                 if refund is None:
                     break
@@ -596,6 +634,7 @@ class Scheduler:
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_hit
+                self.prompt_tokens_by_source["local_cache_hit"] += min(num_hit, req.num_prompt_tokens)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.time()
             req.num_computed_tokens = num_hit
@@ -604,6 +643,74 @@ class Scheduler:
             out.scheduled.append(sr)
             budget -= n
         return budget
+
+    def _start_remote_load(self, req: Request, hit_blocks: list, num_hit: int) -> bool | None:
+        """Ask the KV connector about ``req``; start an asynchronous load of its prompt when it can.
+
+        Returns:
+            True: the request left the waiting queue for ``WAITING_FOR_REMOTE_KVS``; False: nothing to
+            load (admit it as usual); None: the pool has no blocks for the load now.
+        """
+        num_ext, load_async = self.kv_connector.get_num_new_matched_tokens(req, num_hit)
+        if num_ext <= 0 or not load_async:
+            return False
+        if self.kv_cache_manager.allocate_slots(req, num_ext, hit_blocks, num_hit) is None:
+            return None
+        req.kv_load_attempted = True
+        self.waiting.pop()
+        self._num_waiting_tokens -= req.num_prompt_tokens
+        req.num_computed_tokens = num_hit
+        req.num_cached_tokens = num_hit
+        self.prompt_tokens_by_source["local_cache_hit"] += num_hit
+        req.num_external_tokens = num_ext
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[req.request_id] = req
+        self.kv_connector.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req.request_id), num_ext)
+        return True
+
+    def update_from_kv_connector(self, finished_sending: Iterable[str], finished_recving: Iterable[str],
+                                 failed_recving: Iterable[str]) -> None:
+        """Apply the connector's finished transfers (:meth:`KVConnectorBase.get_finished`).
+
+        * sent (or expired): the held blocks of a finished request return to the pool;
+        * loaded: ``num_computed_tokens`` jumps to the end of the loaded tokens (at most the prompt
+          minus its last token, which is computed for its logits); the full blocks enter the
+          prefix cache and the request goes back to the front of the waiting queue, where it is
+          admitted holding its blocks;
+        * failed: its blocks are freed and it recomputes its prompt from scratch (counted in the
+          connector's ``num_recomputed``).
+
+        An aborted request's blocks are freed whichever way its load ended.
+        """
+        for rid in finished_sending:
+            req = self._kv_held.pop(rid, None)
+            if req is not None:
+                self.kv_cache_manager.free(req)
+        for ok, ids in ((True, finished_recving), (False, failed_recving)):
+            for rid in ids:
+                held = self._kv_held.pop(rid, None)
+                if held is not None:        # aborted while loading
+                    self.kv_cache_manager.free(held)
+                    continue
+                req = self.waiting_for_remote.pop(rid, None)
+                if req is None:
+                    continue
+                if ok:
+                    n = min(req.num_computed_tokens + req.num_external_tokens, req.num_tokens - 1)
+                    self.prompt_tokens_by_source["external_kv_transfer"] += max(0, n - req.num_computed_tokens)
+                    req.num_computed_tokens = n
+                    self.kv_cache_manager.cache_blocks(req, n)
+                else:
+                    self.kv_cache_manager.free(req)
+                    req.num_computed_tokens = 0
+                    req.num_cached_tokens = -1
+                    req.num_external_tokens = 0
+                    stats = getattr(self.kv_connector, "stats", None)
+                    if stats is not None:
+                        stats.num_recomputed += 1
+                req.status = RequestStatus.WAITING
+                self.waiting.add_front(req)
+                self._num_waiting_tokens += req.num_prompt_tokens
 
     def _preempt_batch(self, out: SchedulerOutput) -> int | None:
         """Preempt the lowest-priority, latest running batch-lane request; the budget it frees, None if none runs."""
@@ -637,6 +744,8 @@ class Scheduler:
             spec_token_ids=drafts,
         )
         req.num_computed_tokens = start + n + num_drafts
+        if start < req.num_prompt_tokens:
+            self.prompt_tokens_by_source["local_compute"] += min(start + n, req.num_prompt_tokens) - start
         return sr
 
     def _pick_victim(self) -> Request:
@@ -763,7 +872,14 @@ class Scheduler:
     def _finish(self, req: Request) -> None:
         """Free blocks and forget a request whose status is already a finished one."""
         req.finished_time = time.time()
-        self.kv_cache_manager.free(req)
+        delay_free = False
+        if self.kv_connector is not None and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+            delay_free, req.kv_transfer_params_out = self.kv_connector.request_finished(
+                req, self.kv_cache_manager.get_block_ids(req.request_id))
+        if delay_free:
+            self._kv_held[req.request_id] = req     # freed when the connector reports it sent
+        else:
+            self.kv_cache_manager.free(req)
         self.requests.pop(req.request_id, None)
         self._seq_of.pop(req.request_id, None)
         self._finished_req_ids.add(req.request_id)
@@ -787,6 +903,7 @@ class Scheduler:
             finished_time=req.finished_time,
             num_prompt_tokens=req.num_prompt_tokens,
             num_preemptions=req.num_preemptions,
+            kv_transfer_params=req.kv_transfer_params_out if req.is_finished else None,
         )
 
     def finish_requests(self, req_ids: str | Iterable[str], status: RequestStatus) -> None:
@@ -810,6 +927,17 @@ class Scheduler:
                 continue
             if req.status == RequestStatus.RUNNING:
                 removed_running = True
+            elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # its load may still write into its blocks: hold them until the connector reports
+                del self.waiting_for_remote[rid]
+                self.kv_connector.request_aborted_while_loading(req)
+                req.status = status
+                req.finished_time = time.time()
+                self._kv_held[rid] = req
+                self.requests.pop(rid, None)
+                self._seq_of.pop(rid, None)
+                self._finished_req_ids.add(rid)
+                continue
             else:
                 self.waiting.remove(req)
                 self._num_waiting_tokens -= req.num_prompt_tokens

@@ -141,7 +141,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             executor = executor_factory(config)
         else:   # the API process loads its own tokenizer; here it is only the EOS fallback
             executor = create_executor(config, with_tokenizer="eos")
-        core = EngineCore(config, executor=executor)
+        core = EngineCore(config, executor=executor, data_parallel_rank=data_parallel_rank)
         # the model runner set the intra-op threads (tokenmill.model.process_tuning.configure_threads)
         num_threads = torch_num_threads()
         info = CoreInfo(max_model_len=core.max_model_len, num_kv_blocks=core.executor.num_kv_blocks,

@@ -65,14 +65,25 @@ class EngineCore:
             unsupported architecture).
     """
 
-    def __init__(self, config: EngineConfig, executor: Executor | None = None) -> None:
+    def __init__(self, config: EngineConfig, executor: Executor | None = None,
+                 data_parallel_rank: int | None = None) -> None:
         self.config = config
+        kv_transfer = config.cache.kv_transfer
+        if kv_transfer is not None and config.parallel.world_size > 1:
+            raise ValueError("--kv-transfer-config needs one rank per engine (tensor and pipeline parallel size 1): "
+                             "the KV connectors read and write the engine core's own KV pool")
+        if kv_transfer is not None and config.cache.kv_cache_dtype != "auto":
+            raise ValueError(f"--kv-transfer-config needs --kv-cache-dtype auto (got {config.cache.kv_cache_dtype}): "
+                             "a quantised cache's per-layer scales differ between engines")
         if executor is None:
             executor = create_executor(config)
         self.executor = executor
         self.max_model_len = executor.max_model_len
+        self.kv_connector = None
+        if kv_transfer is not None:
+            self.kv_connector = self._make_kv_connector(kv_transfer.for_rank(data_parallel_rank or 0))
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks,
-                                   speculative_config=config.speculative)
+                                   speculative_config=config.speculative, kv_connector=self.kv_connector)
         self._pending: list[EngineCoreOutput] = []
         self._num_steps = 0
         self._last_step_time = 0.0
@@ -82,6 +93,23 @@ class EngineCore:
         self.step_time_model = StepTimeModel()
         # (decode requests, prefill tokens, start, end) of the last step, timed when the next one starts
         self._last_step: tuple[int, int, float, float] | None = None
+
+    def _make_kv_connector(self, kv_transfer: Any) -> Any:
+        """Build the ``--kv-transfer-config`` connector over the executor's KV pool.
+
+        Raises:
+            ValueError: the executor exposes no KV pool in this process (``kv_caches``).
+        """
+        kv_caches = getattr(self.executor, "kv_caches", None)
+        if kv_caches is None:
+            raise ValueError("--kv-transfer-config needs the uniproc executor (its KV pool lives in the engine core)")
+        from tokenmill.kv_transfer import create_connector
+
+        connector = create_connector(kv_transfer, self.config.cache.block_size)
+        connector.register_kv_caches(kv_caches)
+        logger.info("KV connector %s (%s), engine id %s", kv_transfer.kv_connector, kv_transfer.kv_role,
+                    connector.engine_id)
+        return connector
 
     # -- requests ------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -124,29 +152,45 @@ class EngineCore:
         self._time_last_step(t0)
         scheduler_output = self.scheduler.schedule()
         t1 = time.perf_counter()
+        if self.kv_connector is not None:
+            self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
         if scheduler_output.is_empty:
             # Nothing to run, but requests may still finish (e.g. max_tokens == 0 at admission).
             release = getattr(self.executor, "release_requests", None)
             if release is not None and scheduler_output.finished_req_ids:
                 release(scheduler_output.finished_req_ids)  # per-request state of the runner (spec decode)
-            return outputs + self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
+            outputs += self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
+            self._kv_connector_after_step()
+            return outputs
         try:
             runner_output = self.executor.execute_model(scheduler_output)
         except Exception as e:  # noqa: BLE001 - one bad batch must not take the engine down
-            if getattr(e, "fatal", False):   # e.g. a dead worker (WorkerDiedError): no later step can run
-                raise
             if getattr(e, "fatal", False):   # e.g. a dead worker (WorkerDiedError): no later step can run
                 raise
             logger.exception("model step failed; failing the %d requests of this step", len(scheduler_output.scheduled))
             return outputs + self._fail_step(scheduler_output, e)
         t2 = time.perf_counter()
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
+        self._kv_connector_after_step()
         t3 = time.perf_counter()
         self._num_steps += 1
         self._last_step_time = t3 - t0
         self._last_schedule_time = (t1 - t0) + (t3 - t2)
         self._last_step = (*_step_shape(scheduler_output), t0, t3)
         return outputs
+
+    def _kv_connector_after_step(self) -> None:
+        """Worker side after the step: publish the KV of requests kept for a consumer (this step's
+        finishes, before their outputs leave), finish saves, and hand finished transfers to the scheduler."""
+        c = self.kv_connector
+        if c is None:
+            return
+        c.start_load_kv(c.build_connector_meta())
+        c.wait_for_save()
+        done = c.get_finished()
+        if not done.is_empty:
+            self.scheduler.update_from_kv_connector(done.finished_sending, done.finished_recving,
+                                                    done.failed_recving)
 
     def _time_last_step(self, now: float) -> None:
         """Teach the step-time model the previous step's duration.
@@ -182,6 +226,8 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the executor's workers, if it has any (idempotent)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
@@ -214,6 +260,8 @@ class EngineCore:
             queue=s.queue_state(), step_timing=self.step_time_model.snapshot(),
             spec_decoding=s.spec_stats.copy() if s.spec_config is not None else None,
             eplb=getattr(self.executor, "eplb_stats", None),
+            kv_transfer=self.kv_connector.stats.copy() if self.kv_connector is not None else None,
+            prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
         )
 
 

@@ -61,6 +61,7 @@ class _RequestState:
     prompt_logprobs: list | None = None
     error: str | None = None
     error_code: int = 400
+    kv_transfer_params: dict | None = None
 
     @property
     def num_cached_tokens(self) -> int:
@@ -184,6 +185,8 @@ class OutputProcessor:
                 delta.text += tail
                 ch.finish_reason = out.finish_reason
                 ch.stop_reason = out.stop_reason
+                if out.kv_transfer_params is not None:
+                    st.kv_transfer_params = out.kv_transfer_params
                 if out.error:
                     st.error, st.error_code = out.error, out.error_code
             if ch.finish_reason is not None:
@@ -196,7 +199,8 @@ class OutputProcessor:
                 request_id=rid, prompt=st.prompt, prompt_token_ids=st.prompt_token_ids,
                 outputs=[deltas[i] for i in sorted(deltas)], finished=st.finished,
                 num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error,
-                error_code=st.error_code, prompt_logprobs=st.prompt_logprobs))
+                error_code=st.error_code, prompt_logprobs=st.prompt_logprobs,
+                kv_transfer_params=st.kv_transfer_params))
         return results, stop_ids
 
     def final_output(self, request_id: str) -> RequestOutput:
@@ -213,4 +217,5 @@ class OutputProcessor:
                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                      for c in sorted(st.choices.values(), key=lambda c: c.index)],
             finished=st.finished, num_cached_tokens=st.num_cached_tokens, metrics=st.metrics, error=st.error,
-            error_code=st.error_code, prompt_logprobs=st.prompt_logprobs)
+            error_code=st.error_code, prompt_logprobs=st.prompt_logprobs,
+            kv_transfer_params=st.kv_transfer_params)

@@ -38,6 +38,14 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   the placement chosen then), counters ``eplb_rebalances_total``,
   ``eplb_placement_changes_total``, ``eplb_moved_experts_total`` and
   ``eplb_rebalance_seconds_total``.
+* counter ``prompt_tokens_by_source_total{source}``: prompt tokens by where their K/V came from
+  (``local_compute``, ``local_cache_hit``, ``external_kv_transfer``), as vLLM's;
+* with ``--kv-transfer-config`` (prefill-decode disaggregation): counters
+  ``kv_transfer_bytes_total{direction}`` (``sent`` by a producer, ``received`` by a consumer),
+  ``kv_transfer_failed_total`` (loads that failed or timed out),
+  ``kv_transfer_recomputed_requests_total`` (requests that recomputed their prompt instead),
+  ``kv_transfer_expired_total`` (KV a producer kept that no consumer pulled in time), and the
+  histogram ``kv_transfer_time_seconds`` (one completed load, consumer side).
 
 Each exporter has its own :class:`prometheus_client.CollectorRegistry`, so
 several servers (or tests) in one process do not collide.
@@ -87,7 +95,7 @@ class _EngineSeries:
     def __init__(self, fams: dict, model_name: str, engine: str) -> None:
         lv = (model_name, engine)
         for name, fam in fams.items():
-            if name not in ("success",) and not name.startswith(("spec_", "eplb_")):
+            if name not in ("success",) and not name.startswith(("spec_", "eplb_", "kvx_")):
                 setattr(self, name, fam.labels(*lv))
         self.success = {r: fams["success"].labels(*lv, r) for r in ("stop", "length", "abort", "error")}
         self._success_fam, self._lv = fams["success"], lv
@@ -101,6 +109,32 @@ class _EngineSeries:
         self.last_eplb = (0, 0, 0, 0.0)
         self.last_spec = (0, 0, 0)
         self.last_spec_pos: list[int] = []
+        self.last_sources: dict[str, int] = {}
+        self.kvx: dict | None = None       # KV-transfer children, created on the first KV-transfer stats
+        self.last_kvx = (0, 0, 0, 0, 0)
+        self.last_kvx_transfers = 0
+
+    def record_sources(self, by_source: dict[str, int]) -> None:
+        """Advance ``prompt_tokens_by_source`` to the core's cumulative counts."""
+        for src, total in by_source.items():
+            self.last_sources[src] = _inc(self._fams["kvx_sources"].labels(*self._lv, src), total,
+                                          self.last_sources.get(src, 0))
+
+    def record_kv_transfer(self, kt) -> None:
+        """Advance the ``kv_transfer_*`` series to the core's cumulative :class:`KVTransferStats`."""
+        f, lv = self._fams, self._lv
+        if self.kvx is None:
+            self.kvx = {"sent": f["kvx_bytes"].labels(*lv, "sent"), "received": f["kvx_bytes"].labels(*lv, "received"),
+                        "failed": f["kvx_failed"].labels(*lv), "recomputed": f["kvx_recomputed"].labels(*lv),
+                        "expired": f["kvx_expired"].labels(*lv), "time": f["kvx_time"].labels(*lv)}
+        totals = (kt.bytes_sent, kt.bytes_received, kt.num_failed, kt.num_recomputed, kt.num_expired)
+        self.last_kvx = tuple(_inc(self.kvx[n], t, last) for n, t, last in
+                              zip(("sent", "received", "failed", "recomputed", "expired"), totals, self.last_kvx))
+        new = kt.num_transfers - self.last_kvx_transfers
+        if new > 0:
+            for v in kt.recent_times[-new:]:
+                self.kvx["time"].observe(v)
+        self.last_kvx_transfers = kt.num_transfers
 
     def record_spec(self, sd) -> None:
         """Advance the ``spec_decode_*`` counters to the core's cumulative :class:`SpecDecodingStats`."""
@@ -209,6 +243,18 @@ class PrometheusStatLogger:
             "eplb_changes": counter("eplb_placement_changes", "EPLB rebalances that changed the expert placement."),
             "eplb_moved": counter("eplb_moved_experts", "Expert replicas copied into a new slot by EPLB (all ranks)."),
             "eplb_seconds": counter("eplb_rebalance_seconds", "Seconds spent rebalancing (placement + weight moves)."),
+            "kvx_sources": Counter(PREFIX + "prompt_tokens_by_source",
+                                   "Prompt tokens by where their KV came from.",
+                                   ["model_name", "engine", "source"], registry=r),
+            "kvx_bytes": Counter(PREFIX + "kv_transfer_bytes", "KV cache bytes moved by the KV connector.",
+                                 ["model_name", "engine", "direction"], registry=r),
+            "kvx_failed": counter("kv_transfer_failed", "KV loads that failed or timed out."),
+            "kvx_recomputed": counter("kv_transfer_recomputed_requests",
+                                      "Requests that recomputed their prompt because their KV could not be loaded."),
+            "kvx_expired": counter("kv_transfer_expired",
+                                   "Requests whose kept KV no consumer pulled before the timeout."),
+            "kvx_time": hist("kv_transfer_time_seconds", "Histogram of the time of one KV load in seconds.",
+                             TTFT_BUCKETS),
             "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
                                ["model_name", "engine", "finished_reason"], registry=r),
             "ttft": hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -307,6 +353,10 @@ class PrometheusStatLogger:
                 e.record_spec(s.spec_decoding)
             if s.eplb is not None:
                 e.record_eplb(s.eplb)
+            if s.prompt_tokens_by_source is not None:
+                e.record_sources(s.prompt_tokens_by_source)
+            if s.kv_transfer is not None:
+                e.record_kv_transfer(s.kv_transfer)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)

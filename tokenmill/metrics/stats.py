@@ -16,6 +16,7 @@ from typing import Protocol
 from tokenmill.core.scheduler import QueueState
 from tokenmill.metrics.step_timing import StepTimingSnapshot
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
+from tokenmill.core.kv_transfer_stats import KVTransferStats
 
 
 @dataclass
@@ -95,6 +96,9 @@ class EngineStats:
         spec_decoding: cumulative speculative-decoding counters (None when
             speculative decoding is off).
         eplb: expert load balancing state (None without ``--enable-eplb``).
+        kv_transfer: cumulative KV-connector counters (None without ``--kv-transfer-config``).
+        prompt_tokens_by_source: cumulative prompt tokens by where their K/V came from:
+            ``local_compute``, ``local_cache_hit``, ``external_kv_transfer`` (None: not reported).
     """
 
     num_running: int = 0
@@ -113,6 +117,8 @@ class EngineStats:
     step_timing: StepTimingSnapshot | None = None
     spec_decoding: SpecDecodingStats | None = None
     eplb: EplbStats | None = None
+    kv_transfer: KVTransferStats | None = None
+    prompt_tokens_by_source: dict[str, int] | None = None
 
 
 @dataclass

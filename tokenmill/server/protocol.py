@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from tokenmill.kv_transfer.params import validate_kv_transfer_params
 from tokenmill.sampling_params import SamplingParams
 
 # Most log-probabilities per token a request may ask for (vLLM's default limit).
@@ -121,6 +122,12 @@ class _SamplingFields(_Base):
     cache_salt: str | None = Field(None, min_length=1)
     request_id: str | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="Not with stream: true.")
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None, description="Prefill-decode disaggregation (vLLM's extra): {do_remote_decode: true} asks a prefill "
+                          "server (--kv-transfer-config kv_producer) to keep the prompt's KV; the params it returns "
+                          "({do_remote_prefill: true, remote_engine_id, remote_block_ids, remote_host, remote_port, "
+                          "remote_request_id, ...}) make a decode server (kv_consumer) load it instead of computing "
+                          "the prompt.")
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "batch"] | None = Field(
         None, description="OpenAI's processing tier. 'batch' (tokenmill) or 'flex' (OpenAI's slower tier): the "
                           "batch lane, never refused with 429, served with the capacity interactive requests leave.")
@@ -160,6 +167,14 @@ class _SamplingFields(_Base):
                 raise APIError(f"stop strings may total at most {MAX_STOP_CHARS} characters", param="stop")
         elif isinstance(self.stop, str) and len(self.stop) > MAX_STOP_CHARS:
             raise APIError(f"stop strings may total at most {MAX_STOP_CHARS} characters", param="stop")
+        if self.kv_transfer_params is not None:
+            try:
+                self.kv_transfer_params = validate_kv_transfer_params(self.kv_transfer_params)
+            except ValueError as e:
+                raise APIError(str(e), param="kv_transfer_params") from None
+            if self.n != 1 and (self.kv_transfer_params.get("do_remote_decode")
+                                or self.kv_transfer_params.get("do_remote_prefill")):
+                raise APIError("kv_transfer_params needs n = 1", param="kv_transfer_params")
         if self.prompt_logprobs is not None:
             if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
                 raise APIError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}",
@@ -192,6 +207,7 @@ class _SamplingFields(_Base):
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=self.skip_special_tokens,
                 logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
+                kv_transfer_params=self.kv_transfer_params,
             )
         except ValueError as e:
             msg = str(e)

@@ -393,6 +393,7 @@ class Collected:
     logprobs: dict[int, list] = field(default_factory=dict)
     finish: dict[int, tuple[str | None, Any]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None
 
 
 async def collect(merged: AsyncIterator[tuple[int, RequestOutput]], usage: Usage, n: int) -> Collected:
@@ -413,6 +414,8 @@ async def collect(merged: AsyncIterator[tuple[int, RequestOutput]], usage: Usage
             usage.add(i, out)
             if out.prompt_logprobs is not None:
                 res.prompt_logprobs.setdefault(i, out.prompt_logprobs)
+            if out.kv_transfer_params is not None:
+                res.kv_transfer_params = out.kv_transfer_params
             for c in out.outputs:
                 gi = i * n + c.index
                 res.texts.setdefault(gi, []).append(c.text)

@@ -95,6 +95,8 @@ class OpenAIServingChat(OpenAIServing):
                             "logprobs": lp, "finish_reason": fr, "stop_reason": sr})
         resp: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
                                 "model": state.model_name, "choices": choices, "usage": usage.to_dict()}
+        if res.kv_transfer_params is not None:    # P/D disaggregation: where the prefill server keeps the KV
+            resp["kv_transfer_params"] = res.kv_transfer_params
         if body.prompt_logprobs is not None:   # vLLM puts them on the response, not the choice
             resp["prompt_logprobs"] = self.vllm_prompt_logprobs(ids, res.prompt_logprobs.get(0))
         return JSONResponse(resp)

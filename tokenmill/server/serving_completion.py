@@ -148,5 +148,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompts[i][1], res.prompt_logprobs.get(i))
             choices.append(choice)
-        return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
-                             "choices": choices, "usage": usage.to_dict()})
+        resp = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+                "choices": choices, "usage": usage.to_dict()}
+        if res.kv_transfer_params is not None:    # P/D disaggregation: where the prefill server keeps the KV
+            resp["kv_transfer_params"] = res.kv_transfer_params
+        return JSONResponse(resp)

@@ -85,6 +85,8 @@ def stream_response(merged: AsyncIterator[tuple[int, RequestOutput]], first: tup
                 if not choices:
                     continue
                 chunk: dict[str, Any] = {**head, "choices": choices}
+                if out.kv_transfer_params is not None and out.finished:
+                    chunk["kv_transfer_params"] = out.kv_transfer_params
                 if continuous:
                     chunk["usage"] = usage.to_dict()
                 yield sse(chunk)

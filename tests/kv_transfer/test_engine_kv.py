@@ -1,0 +1,131 @@
+"""Two engine cores in one process (tiny random Llama, float32): KV moved by each connector, greedy parity."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.distributed.conftest import save_tiny_llama
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine_core import EngineCore, EngineCoreRequest
+from tokenmill.sampling_params import SamplingParams
+
+CONNECTORS = ["TcpConnector", "SharedMemoryConnector"]
+PROMPT = list(range(5, 42))          # 37 tokens: 9 full blocks of 4 and a partial one
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_pd"))
+
+
+def _cfg(model, role=None, connector="TcpConnector", tmp=None, **extra):
+    kw = dict(model=model, dtype="float32", block_size=4, num_kv_blocks=64, max_model_len=256)
+    if role:
+        cfg = {"kv_connector": connector, "kv_role": role, "kv_port": 0,
+               "kv_connector_extra_config": {"shm_dir": str(tmp), **extra} if tmp else extra}
+        kw["kv_transfer_config"] = json.dumps(cfg)
+    return EngineConfig.from_kwargs(**kw)
+
+
+def _run(core, rid, sp, prompt=PROMPT, timeout=30.0):
+    core.add_request(EngineCoreRequest(rid, list(prompt), sp))
+    toks, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for o in core.step():
+            if o.req_id != rid:
+                continue
+            toks += o.new_token_ids
+            if o.finish_reason:
+                return toks, o
+        time.sleep(0.002)
+    raise AssertionError(f"request {rid} did not finish")
+
+
+def _settle(core, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while core.has_unfinished_requests() and time.monotonic() < deadline:
+        core.step()
+        time.sleep(0.005)
+
+
+GREEDY = dict(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_disaggregated_greedy_equals_colocated(tiny, tmp_path, connector):
+    ref = EngineCore(_cfg(tiny))
+    prod = EngineCore(_cfg(tiny, "kv_producer", connector, tmp_path))
+    cons = EngineCore(_cfg(tiny, "kv_consumer", connector, tmp_path))
+    try:
+        want, _ = _run(ref, "r", SamplingParams(**GREEDY))
+        first, out = _run(prod, "p", SamplingParams(max_tokens=1, temperature=0,
+                                                     kv_transfer_params={"do_remote_decode": True}))
+        params = out.kv_transfer_params
+        assert first == want[:1] and params["do_remote_prefill"] and len(params["remote_block_ids"]) == 10
+        assert prod.check_invariants()["num_free_blocks"] == 54        # held for the consumer
+        got, _ = _run(cons, "d", SamplingParams(**GREEDY, kv_transfer_params=params))
+        assert got == want
+        src = cons.get_stats().prompt_tokens_by_source
+        # the decode server computed only the last prompt token (for its logits)
+        assert src == {"local_compute": 1, "local_cache_hit": 0, "external_kv_transfer": len(PROMPT) - 1}
+        kt = cons.get_stats().kv_transfer
+        assert kt.num_transfers == 1 and kt.bytes_received == 4 * 2 * 10 * 4 * 2 * 16 * 4   # layers x K,V x blocks x ...
+        _settle(prod)
+        assert prod.check_invariants()["num_free_blocks"] == 64 and prod.check_invariants()["problems"] == []
+        assert prod.get_stats().kv_transfer.bytes_sent == kt.bytes_received
+        assert cons.check_invariants()["problems"] == []
+    finally:
+        for c in (ref, prod, cons):
+            c.shutdown()
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_producer_gone_before_the_pull_recomputes(tiny, tmp_path, connector):
+    ref = EngineCore(_cfg(tiny))
+    prod = EngineCore(_cfg(tiny, "kv_producer", connector, tmp_path))
+    cons = EngineCore(_cfg(tiny, "kv_consumer", connector, tmp_path, transfer_timeout_s=2))
+    try:
+        want, _ = _run(ref, "r", SamplingParams(**GREEDY))
+        _, out = _run(prod, "p", SamplingParams(max_tokens=1, temperature=0,
+                                                 kv_transfer_params={"do_remote_decode": True}))
+        time.sleep(0.1)
+        prod.shutdown()          # side channel closed, shared-memory file deleted
+        got, _ = _run(cons, "d", SamplingParams(**GREEDY, kv_transfer_params=out.kv_transfer_params))
+        assert got == want
+        kt = cons.get_stats().kv_transfer
+        assert kt.num_failed == 1 and kt.num_recomputed == 1 and kt.num_transfers == 0
+        assert cons.get_stats().prompt_tokens_by_source["local_compute"] == len(PROMPT)
+        assert cons.check_invariants()["problems"] == [] and cons.check_invariants()["num_free_blocks"] == 64
+    finally:
+        for c in (ref, prod, cons):
+            c.shutdown()
+
+
+def test_wrong_engine_or_request_is_refused_and_recomputed(tiny):
+    prod = EngineCore(_cfg(tiny, "kv_producer"))
+    cons = EngineCore(_cfg(tiny, "kv_consumer"))
+    try:
+        _, out = _run(prod, "p", SamplingParams(max_tokens=1, temperature=0,
+                                                 kv_transfer_params={"do_remote_decode": True}))
+        bad = dict(out.kv_transfer_params, remote_request_id="nope")
+        _run(cons, "d", SamplingParams(max_tokens=2, kv_transfer_params=bad))
+        assert cons.get_stats().kv_transfer.num_recomputed == 1
+        bad = dict(out.kv_transfer_params, remote_engine_id="other")
+        _run(cons, "e", SamplingParams(max_tokens=2, kv_transfer_params=bad))
+        assert cons.get_stats().kv_transfer.num_recomputed == 2
+        assert prod.check_invariants()["num_free_blocks"] == 54     # still held for the real consumer
+    finally:
+        prod.shutdown()
+        cons.shutdown()
+
+
+def test_start_up_errors(tiny):
+    with pytest.raises(ValueError, match="kv-cache-dtype"):
+        EngineCore(EngineConfig.from_kwargs(model=tiny, dtype="float32", kv_cache_dtype="int8", num_kv_blocks=8,
+                                            kv_transfer_config='{"kv_connector": "TcpConnector", "kv_port": 0}'))
+    with pytest.raises(ValueError, match="tensor and pipeline"):
+        EngineCore(EngineConfig.from_kwargs(model=tiny, tensor_parallel_size=2, num_kv_blocks=8,
+                                            kv_transfer_config='{"kv_connector": "TcpConnector", "kv_port": 0}'))

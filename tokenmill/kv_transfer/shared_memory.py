@@ -1,0 +1,160 @@
+"""``SharedMemoryConnector``: KV blocks between engines on one machine, through ``/dev/shm``.
+
+The producer copies a finished ``do_remote_decode`` request's prompt blocks, layer by layer, into a
+file in a RAM-backed directory (``kv_connector_extra_config.shm_dir``, default
+``/dev/shm/tokenmill-kv``; framing: :mod:`tokenmill.kv_transfer.framing`) on a background thread,
+then frees the blocks at once: the file holds the KV, not the pool. The consumer waits for the file
+(it is renamed into place only when complete), reads it layer by layer into its own blocks and
+deletes it. A file nobody reads is deleted after ``abort_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tokenmill.config import KVTransferConfig
+from tokenmill.kv_transfer.base import KVTransferError, LoadSpec, PullConnector
+from tokenmill.kv_transfer.framing import encode_msg, raw_header, read_msg, read_raw_into
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.002
+
+
+def default_shm_dir() -> str:
+    """``/dev/shm/tokenmill-kv`` where ``/dev/shm`` exists, else a folder in the temp directory."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(base, "tokenmill-kv")
+
+
+class SharedMemoryConnector(PullConnector):
+    """KV transfer through files in shared memory (see the module docstring).
+
+    Args:
+        config: ``--kv-transfer-config``; ``kv_connector_extra_config.shm_dir`` overrides the folder.
+        block_size: tokens per KV block.
+    """
+
+    def __init__(self, config: KVTransferConfig, block_size: int) -> None:
+        super().__init__(config, block_size)
+        self.shm_dir = os.path.join(config.kv_connector_extra_config.get("shm_dir") or default_shm_dir(),
+                                    self.engine_id)
+        if config.is_producer:
+            os.makedirs(self.shm_dir, mode=0o700, exist_ok=True)
+        self._files: dict[str, tuple[str, float]] = {}   # req id -> (path, deadline)
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm-save")
+
+    def path_for(self, req_id: str) -> str:
+        """The file of ``req_id``'s KV (request ids may hold any character: the name is a hash)."""
+        return os.path.join(self.shm_dir, hashlib.sha1(req_id.encode()).hexdigest() + ".kv")
+
+    def _remote_address(self, req_id: str) -> dict[str, Any]:
+        return {"remote_shm_path": self.path_for(req_id), "remote_host": None, "remote_port": None}
+
+    # -- producer --------------------------------------------------------------
+    def _publish(self, req_id: str, block_ids: list[int]) -> None:
+        # the copy runs on a thread: the blocks stay held (nothing overwrites them) until it is done
+        self._writer.submit(self._write, req_id, list(block_ids))
+
+    def _write(self, req_id: str, block_ids: list[int]) -> None:
+        path = self.path_for(req_id)
+        tmp = path + ".tmp"
+        nbytes = 0
+        try:
+            idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
+            with open(tmp, "wb") as f:
+                f.write(encode_msg({"geometry": self.geometry(), "block_ids": block_ids}))
+                for kv in self.kv_caches:
+                    data = kv.index_select(1, idx).cpu().contiguous().view(torch.uint8).numpy()
+                    f.write(raw_header(data.nbytes))
+                    f.write(memoryview(data).cast("B"))
+                    nbytes += data.nbytes
+            os.replace(tmp, path)
+            with self._lock:
+                self._files[req_id] = (path, time.monotonic() + self.abort_timeout_s)
+        except OSError as e:
+            logger.warning("writing the KV of request %s to %s failed: %s", req_id, path, e)
+            _unlink(tmp)
+        finally:
+            self._mark_sent(req_id, nbytes)    # the pool's blocks are no longer needed either way
+
+    def get_finished(self):  # noqa: ANN201 - see PullConnector.get_finished
+        now = time.monotonic()
+        with self._lock:
+            stale = [(rid, p) for rid, (p, d) in self._files.items() if d <= now]
+            for rid, _ in stale:
+                del self._files[rid]
+        for rid, p in stale:
+            if os.path.exists(p):
+                logger.warning("request %s: no consumer read its KV file within %.0f s; deleting it",
+                               rid, self.abort_timeout_s)
+                self.stats.num_expired += 1
+                _unlink(p)
+        return super().get_finished()
+
+    # -- consumer --------------------------------------------------------------
+    def _load(self, spec: LoadSpec, cancel: threading.Event, deadline: float) -> int:
+        path = spec.params.get("remote_shm_path")
+        if not path:
+            raise KVTransferError("kv_transfer_params lack remote_shm_path")
+        while not os.path.exists(path):
+            if cancel.is_set():
+                raise KVTransferError("cancelled")
+            if time.monotonic() > deadline:
+                raise KVTransferError(f"KV file {path} did not appear in time")
+            time.sleep(_POLL_S)
+        try:
+            with open(path, "rb") as f:
+                head = read_msg(f)
+                self.check_geometry(head.get("geometry") or {})
+                stored = head.get("block_ids") or []
+                pos = {b: i for i, b in enumerate(stored)}
+                try:
+                    rows = [pos[b] for b in spec.remote_block_ids]
+                except KeyError:
+                    raise KVTransferError("the KV file lacks some of the requested blocks") from None
+                kv0 = self.kv_caches[0]
+                buf = torch.empty((2, len(stored), *kv0.shape[2:]), dtype=kv0.dtype)
+                view = memoryview(buf.view(torch.uint8).numpy()).cast("B")
+                src = torch.tensor(rows, dtype=torch.long)
+                dst = torch.tensor(spec.local_block_ids, dtype=torch.long, device=kv0.device)
+                total = 0
+                for kv in self.kv_caches:
+                    if cancel.is_set():
+                        raise KVTransferError("cancelled")
+                    if time.monotonic() > deadline:
+                        raise KVTransferError("KV transfer timed out")
+                    read_raw_into(f, view)
+                    kv.index_copy_(1, dst, buf.index_select(1, src).to(kv.device))
+                    total += len(rows) * len(view) // max(1, len(stored))
+        finally:
+            _unlink(path)     # read once: the consumer owns it now
+        return total
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self._writer.shutdown(wait=True)
+        with self._lock:
+            files, self._files = list(self._files.values()), {}
+        for p, _ in files:
+            _unlink(p)
+        try:
+            os.rmdir(self.shm_dir)
+        except OSError:
+            pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
