@@ -65,7 +65,8 @@ def test_disaggregated_greedy_equals_colocated(tiny, tmp_path, connector):
                                                      kv_transfer_params={"do_remote_decode": True}))
         params = out.kv_transfer_params
         assert first == want[:1] and params["do_remote_prefill"] and len(params["remote_block_ids"]) == 10
-        assert prod.check_invariants()["num_free_blocks"] == 54        # held for the consumer
+        if connector == "TcpConnector":   # held for the consumer (shared memory: copied to a file, then freed)
+            assert prod.check_invariants()["num_free_blocks"] == 54
         got, _ = _run(cons, "d", SamplingParams(**GREEDY, kv_transfer_params=params))
         assert got == want
         src = cons.get_stats().prompt_tokens_by_source

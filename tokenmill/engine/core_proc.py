@@ -135,6 +135,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     out_sock.connect(output_addr)
     code = 0
     executor = None
+    core = None
     try:
         t0 = time.perf_counter()
         if executor_factory is not None:
@@ -165,6 +166,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         except zmq.ZMQError:
             pass
     finally:
+        if core is not None and getattr(core, "kv_connector", None) is not None:
+            core.kv_connector.shutdown()     # side channel, load threads, shared-memory files
         _stop_executor(executor)
         in_sock.close()
         out_sock.close()

@@ -74,6 +74,9 @@ class RouterConfig:
     seed: int | None = None
     load_source: str = "inflight"
     backend_api_key: str | None = None
+    pd_disaggregation: bool = False
+    prefill: list[BackendSpec] = field(default_factory=list)
+    decode: list[BackendSpec] = field(default_factory=list)
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -135,10 +138,18 @@ class Router:
     """State of the router process: backends, health checks, KV event subscribers, policies, HTTP client."""
 
     def __init__(self, config: RouterConfig, tokenizer: PromptTokenizer | None = None) -> None:
+        if config.pd_disaggregation:
+            if not config.prefill or not config.decode:
+                raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
+            if config.backends:
+                raise ValueError("--pd-disaggregation takes --prefill and --decode servers, not --backend")
+            config.backends = [*config.prefill, *config.decode]
         if not config.backends:
             raise ValueError("the router needs at least one backend (--backend URL or --backend-file)")
         self.config = config
         self.backends = [Backend(spec, i) for i, spec in enumerate(config.backends)]
+        # --pd-disaggregation: backend indices of the prefill pool; the rest decode
+        self.prefill_indices = set(range(len(config.prefill))) if config.pd_disaggregation else set()
         self.index = KVIndex()
         self.metrics = RouterMetrics()
         self.tokenizer = tokenizer
@@ -207,15 +218,28 @@ class Router:
                     seen.setdefault(m, None)
         return list(seen)
 
-    def pool(self, model: str | None) -> list[Backend] | JSONResponse:
-        """Healthy backends serving ``model`` (all healthy ones when None), or the error response."""
-        healthy = [b for b in self.backends if b.healthy]
+    def pool(self, model: str | None, role: str | None = None) -> list[Backend] | JSONResponse:
+        """Healthy backends serving ``model`` (all healthy ones when None), or the error response.
+
+        ``role`` (``"prefill"`` / ``"decode"``, with ``--pd-disaggregation``) restricts it to that pool.
+        """
+        backends = self.backends
+        if role is not None:
+            backends = [b for b in backends if (b.index in self.prefill_indices) == (role == "prefill")]
+            res = self._pool_of(backends, model)
+            if isinstance(res, JSONResponse) and res.status_code == 503:
+                return _error(503, f"no {role} server is available for this request", "model")
+            return res
+        return self._pool_of(backends, model)
+
+    def _pool_of(self, backends: list[Backend], model: str | None) -> list[Backend] | JSONResponse:
+        healthy = [b for b in backends if b.healthy]
         if model is None:
             return healthy or _error(503, "no backend is available", None)
         pool = [b for b in healthy if model in b.models]
         if pool:
             return pool
-        if any(model in b.models for b in self.backends):
+        if any(model in b.models for b in backends):
             return _error(503, f"every backend serving model `{model}` is down", "model")
         if not healthy:
             return _error(503, "no backend is available", None)
@@ -282,6 +306,15 @@ class Router:
         rin = await self.route_input(policy, path, body)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
         watcher = asyncio.create_task(_wait_disconnect(request))
+        return await self.send_to_pool(raw, headers, path, pool, policy, rin, watcher)
+
+    async def send_to_pool(self, raw: bytes, headers: dict[str, str], path: str, pool: list[Backend],
+                           policy: Policy, rin: RouteInput, watcher: asyncio.Task) -> Response:
+        """Send ``raw`` to the backend ``policy`` picks from ``pool`` (retrying unreachable ones) and relay it.
+
+        ``watcher`` ends when the client disconnects; the relay owns it afterwards (it is cancelled here
+        when no relay started).
+        """
         tried: set[int] = set()
         last_error = "no backend is available"
         try:
@@ -436,13 +469,21 @@ def build_app(router: Router) -> FastAPI:
     async def models() -> dict[str, Any]:
         return await router.list_models()
 
+    if router.config.pd_disaggregation:
+        from tokenmill.router.pd import proxy_pd
+
+        def forward(request: Request, path: str):  # noqa: ANN202 - a coroutine returning a Response
+            return proxy_pd(router, request, path)
+    else:
+        forward = router.proxy
+
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        return await router.proxy(request, "/v1/completions")
+        return await forward(request, "/v1/completions")
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
-        return await router.proxy(request, "/v1/chat/completions")
+        return await forward(request, "/v1/chat/completions")
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -454,6 +495,12 @@ def build_app(router: Router) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
+        if router.config.pd_disaggregation:
+            pre = any(b.healthy for b in router.backends if b.index in router.prefill_indices)
+            dec = any(b.healthy for b in router.backends if b.index not in router.prefill_indices)
+            if pre and dec:
+                return Response(status_code=200)
+            return _error(503, "no healthy " + ("prefill" if not pre else "decode") + " server")
         if any(b.healthy for b in router.backends):
             return Response(status_code=200)
         return _error(503, "no backend is healthy")
@@ -469,7 +516,9 @@ def build_app(router: Router) -> FastAPI:
     @app.get("/backends")
     async def backends() -> dict[str, Any]:
         return {"policy": router.config.policy, "backends": [
-            {"url": b.url, "healthy": b.healthy, "models": b.models, "in_flight": b.in_flight,
+            {"url": b.url, "healthy": b.healthy,
+             "role": ("prefill" if b.index in router.prefill_indices else "decode")
+             if router.config.pd_disaggregation else None, "models": b.models, "in_flight": b.in_flight,
              "kv_events": b.spec.kv_events, "kv_blocks": router.index.num_blocks(b.index),
              "last_error": b.last_error} for b in router.backends]}
 
@@ -488,7 +537,9 @@ def run_router(config: RouterConfig) -> None:
         tok = PromptTokenizer.load(config.tokenizer)
         logger.info("router tokenizer loaded in %.1fs", time.perf_counter() - t0)
     router = Router(config, tok)
-    logger.info("tokenmill router on http://%s:%d, policy %s, %d backends", config.host, config.port,
-                config.policy, len(router.backends))
+    logger.info("tokenmill router on http://%s:%d, policy %s, %d backends%s", config.host, config.port,
+                config.policy, len(router.backends),
+                f" (P/D disaggregation: {len(config.prefill)} prefill, {len(config.decode)} decode)"
+                if config.pd_disaggregation else "")
     uvicorn.run(build_app(router), host=config.host, port=config.port, log_level="warning",
                 timeout_keep_alive=30)

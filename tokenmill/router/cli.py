@@ -63,6 +63,15 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="Bearer key for the health checks' GET /v1/models on backends started with --api-key "
                         "(clients' own Authorization headers are forwarded unchanged).")
     g.add_argument("--seed", type=int, default=None, help="Seed of the softmax draw.")
+    g = p.add_argument_group("prefill-decode disaggregation (tokenmill/router/pd.py)")
+    g.add_argument("--pd-disaggregation", action="store_true",
+                   help="Send each request to a --prefill server (max_tokens 1, kv_transfer_params "
+                        "do_remote_decode) and then, with the KV it kept, to a --decode server whose response "
+                        "is streamed back. The servers need --kv-transfer-config (kv_producer / kv_consumer).")
+    g.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="A prefill server (repeat the flag); with --pd-disaggregation.")
+    g.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="A decode server (repeat the flag); with --pd-disaggregation.")
     p.set_defaults(func=run)
     return p
 
@@ -79,7 +88,16 @@ def config_from_args(args: argparse.Namespace):
     specs = [BackendSpec.parse(s) for s in args.backend]
     if args.backend_file:
         specs += load_backend_file(args.backend_file)
-    if not specs:
+    prefill = [BackendSpec.parse(s) for s in args.prefill]
+    decode = [BackendSpec.parse(s) for s in args.decode]
+    if args.pd_disaggregation:
+        if not prefill or not decode:
+            raise ValueError("--pd-disaggregation needs at least one --prefill URL and one --decode URL")
+        if specs:
+            raise ValueError("--pd-disaggregation takes --prefill and --decode servers, not --backend")
+    elif prefill or decode:
+        raise ValueError("--prefill / --decode need --pd-disaggregation")
+    elif not specs:
         raise ValueError("give at least one --backend URL or a --backend-file")
     return RouterConfig(
         backends=specs, policy=args.policy, host=args.host, port=args.port, cache_threshold=args.cache_threshold,
@@ -89,7 +107,8 @@ def config_from_args(args: argparse.Namespace):
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed,
-        load_source=args.load_source, backend_api_key=args.backend_api_key)
+        load_source=args.load_source, backend_api_key=args.backend_api_key,
+        pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,0 +1,147 @@
+"""Prefill-decode disaggregation in the router (``tokenmill router --pd-disaggregation``).
+
+Each completion or chat request goes through two servers (the flow of vLLM's disaggregated-serving
+proxy; DistServe, arXiv 2401.09670, §3):
+
+1. **Prefill**: a copy of the request with ``max_tokens: 1``, no streaming, and
+   ``kv_transfer_params: {"do_remote_decode": true}`` goes to a prefill server (one started with
+   ``--kv-transfer-config`` role ``kv_producer``). It computes the prompt, keeps the prompt's KV
+   blocks, and answers with ``kv_transfer_params`` saying where they are. Its one token is dropped.
+2. **Decode**: the original request plus those ``kv_transfer_params`` goes to a decode server
+   (``kv_consumer``), which loads the KV instead of computing the prompt (or recomputes it when the
+   load fails) and generates. Its response, streamed or not, is relayed to the client unbuffered.
+
+The prefill server frees the blocks once the decode server pulled them (or after its
+``abort_timeout_s``). Errors of either server (4xx/5xx) reach the client with their status and
+body. A client that disconnects during the prefill cancels it (the prefill server aborts the request
+and keeps nothing); during the decode it closes the decode stream, which aborts the request there.
+An unreachable server is retried on another of its pool (``--max-retries``). Both pools are routed
+with the router's ``--policy``, each pool by its own policy object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from tokenmill.router.app import _HOP_BY_HOP, _DROP_RESPONSE, Router, _error, _wait_disconnect
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The request the prefill server gets: one token, not streamed, KV kept for a decode server."""
+    pre = dict(body)
+    pre["max_tokens"] = 1
+    if "max_completion_tokens" in pre:
+        pre["max_completion_tokens"] = 1
+    pre["stream"] = False
+    pre.pop("stream_options", None)
+    pre.pop("min_tokens", None)
+    pre["n"] = 1
+    pre["kv_transfer_params"] = {"do_remote_decode": True}
+    return pre
+
+
+async def proxy_pd(router: Router, request: Request, path: str) -> Response:
+    """Serve one request through a prefill server and then a decode server (see the module docstring)."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw) if raw else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        router.metrics.errors.labels("bad_request").inc()
+        return _error(400, f"request body is not valid JSON: {e}")
+    if not isinstance(body, dict):
+        router.metrics.errors.labels("bad_request").inc()
+        return _error(400, "request body must be a JSON object")
+    model = body.get("model")
+    model = model if isinstance(model, str) else None
+    pools = {}
+    for role in ("prefill", "decode"):
+        pool = router.pool(model, role)
+        if isinstance(pool, JSONResponse):
+            router.metrics.errors.labels("unknown_model" if pool.status_code == 404 else "no_backend").inc()
+            return pool
+        pools[role] = pool
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+    watcher = asyncio.create_task(_wait_disconnect(request))
+    try:
+        pre = await _prefill(router, path, body, headers, pools["prefill"], model, watcher)
+    except BaseException:
+        watcher.cancel()
+        raise
+    if isinstance(pre, Response):
+        watcher.cancel()
+        return pre
+    dec = dict(body)
+    if pre is not None:
+        dec["kv_transfer_params"] = pre
+    policy = router.policy_for(("decode", model))  # type: ignore[arg-type]
+    rin = await router.route_input(policy, path, dec)
+    return await router.send_to_pool(json.dumps(dec).encode(), headers, path, pools["decode"], policy, rin, watcher)
+
+
+async def _prefill(router: Router, path: str, body: dict[str, Any], headers: dict[str, str], pool: list,
+                   model: str | None, watcher: asyncio.Task) -> dict[str, Any] | None | Response:
+    """Run the prefill step; the returned ``kv_transfer_params`` (None: the server kept no KV), or the
+    response to give the client (an error, or 499 when it disconnected)."""
+    policy = router.policy_for(("prefill", model))  # type: ignore[arg-type]
+    pre = prefill_body(body)
+    rin = await router.route_input(policy, path, pre)
+    raw = json.dumps(pre).encode()
+    tried: set[int] = set()
+    last_error = "no prefill server is available"
+    assert router.client is not None
+    for _ in range(router.config.max_retries + 1):
+        cands = [b for b in pool if b.healthy and b.index not in tried]
+        if not cands:
+            break
+        d = policy.select(cands, rin)
+        b = d.backend
+        tried.add(b.index)
+        router._begin(b, d)
+        send = asyncio.create_task(router.client.post(b.url + path, content=raw, headers=headers))
+        try:
+            done, _ = await asyncio.wait({send, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if send not in done:   # the client left: closing the connection aborts the prefill there
+                send.cancel()
+                try:
+                    await send
+                except BaseException:  # noqa: BLE001
+                    pass
+                return Response(status_code=499)
+            try:
+                resp = send.result()
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
+                last_error = f"prefill server {b.url} unreachable: {type(e).__name__}: {e}"
+                b.mark_down(last_error)
+                router._on_health_change(b)
+                router.metrics.retries.labels(b.name).inc()
+                continue
+            except httpx.HTTPError as e:
+                router.metrics.errors.labels("upstream").inc()
+                return _error(502, f"prefill server {b.url} failed: {type(e).__name__}: {e}")
+        finally:
+            router._end(b, d, policy)
+        router.metrics.requests.labels(b.name).inc()
+        router.metrics.routed.labels(policy.name, d.reason).inc()
+        if resp.status_code != 200:    # the client's error (400, 404, 429...) or the server's: pass it on
+            router.metrics.errors.labels("upstream").inc()
+            return Response(resp.content, status_code=resp.status_code,
+                            headers={k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE})
+        try:
+            params = resp.json().get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            params = None
+        if params is None:
+            logger.warning("prefill server %s returned no kv_transfer_params (is it started with "
+                           "--kv-transfer-config kv_producer?); the decode server computes the prompt", b.url)
+        return params
+    router.metrics.errors.labels("no_backend").inc()
+    return _error(503, f"no prefill server could take the request: {last_error}")
