@@ -117,7 +117,12 @@ def test_wrong_engine_or_request_is_refused_and_recomputed(tiny):
         bad = dict(out.kv_transfer_params, remote_engine_id="other")
         _run(cons, "e", SamplingParams(max_tokens=2, kv_transfer_params=bad))
         assert cons.get_stats().kv_transfer.num_recomputed == 2
+        _settle(prod, timeout=0.5)
         assert prod.check_invariants()["num_free_blocks"] == 54     # still held for the real consumer
+        good, _ = _run(cons, "f", SamplingParams(max_tokens=2, kv_transfer_params=out.kv_transfer_params))
+        assert cons.get_stats().kv_transfer.num_transfers == 1
+        _settle(prod)
+        assert prod.check_invariants()["num_free_blocks"] == 64
     finally:
         prod.shutdown()
         cons.shutdown()

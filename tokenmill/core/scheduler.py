@@ -869,11 +869,14 @@ class Scheduler:
             return True
         return False
 
-    def _finish(self, req: Request) -> None:
-        """Free blocks and forget a request whose status is already a finished one."""
+    def _finish(self, req: Request, notify_connector: bool = True) -> None:
+        """Free blocks and forget a request whose status is already a finished one.
+
+        With a KV connector (and ``notify_connector``) the connector may keep the blocks for a consumer.
+        """
         req.finished_time = time.time()
         delay_free = False
-        if self.kv_connector is not None and req.status != RequestStatus.WAITING_FOR_REMOTE_KVS:
+        if self.kv_connector is not None and notify_connector:
             delay_free, req.kv_transfer_params_out = self.kv_connector.request_finished(
                 req, self.kv_cache_manager.get_block_ids(req.request_id))
         if delay_free:
@@ -942,7 +945,7 @@ class Scheduler:
                 self.waiting.remove(req)
                 self._num_waiting_tokens -= req.num_prompt_tokens
             req.status = status
-            self._finish(req)
+            self._finish(req, notify_connector=False)   # no output carries params now: keep nothing
         if removed_running:
             self.running = [r for r in self.running if not r.is_finished]
 

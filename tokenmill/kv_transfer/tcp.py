@@ -87,6 +87,7 @@ class TcpConnector(PullConnector):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
         rid = None
         sent = 0
+        serving = False     # set once the pull was accepted: only then does its end free the blocks
         try:
             req = recv_msg(sock, time.monotonic() + 10.0)
             rid = req.get("req") if isinstance(req, dict) else None
@@ -108,6 +109,7 @@ class TcpConnector(PullConnector):
             if not isinstance(wanted, list) or not set(wanted) <= set(published):
                 sock.sendall(encode_msg({"ok": False, "error": "block_ids are not the request's blocks"}))
                 return
+            serving = True
             sock.sendall(encode_msg({"ok": True, "geometry": self.geometry(), "num_layers": len(self.kv_caches)}))
             idx = torch.tensor(wanted, dtype=torch.long, device=self.kv_caches[0].device)
             for kv in self.kv_caches:
@@ -122,7 +124,7 @@ class TcpConnector(PullConnector):
         except (OSError, ValueError) as e:
             logger.warning("KV side channel: serving request %s failed: %s", rid, e)
         finally:
-            if rid is not None and rid in self._published:
+            if serving:
                 # pulled (or the pull broke half way, after which the consumer recomputes): free the blocks
                 self._unpublish(rid)
                 self._mark_sent(rid, sent)
