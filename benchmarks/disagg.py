@@ -26,6 +26,7 @@ definition: TTFT and TPOT limits in ms). The router and the load generator run o
 from __future__ import annotations
 
 import argparse
+import functools
 import asyncio
 import json
 import os
@@ -47,6 +48,8 @@ sys.path.insert(0, str(REPO))
 from tokenmill.bench.client import EndpointConfig, send_request  # noqa: E402
 from tokenmill.bench.metrics import RequestRecord, is_good, parse_goodput  # noqa: E402
 from tokenmill.router.local import free_ports  # noqa: E402
+
+print = functools.partial(print, flush=True)  # noqa: A001 - progress shows while a run is under the bench lock
 
 WORDS = ("the of paged attention stores key value cache fixed size blocks memory scheduler batch decode "
          "prefill token latency goodput request step budget river mountain harbour ship lantern "
@@ -170,6 +173,7 @@ class ArmResult:
     chat: list[RequestRecord] = field(default_factory=list)
     long: list[RequestRecord] = field(default_factory=list)
     duration: float = 0.0
+    unfinished: int = 0     # requests still running at the end of the grace period (cancelled, never good)
 
 
 async def run_load(url: str, model: str, args: argparse.Namespace, arm: str) -> ArmResult:
@@ -185,12 +189,21 @@ async def run_load(url: str, model: str, args: argparse.Namespace, arm: str) -> 
         t0 = time.perf_counter()
         deadline = t0 + args.duration
 
+        inflight = [0]
+
+        async def timed(coro):
+            inflight[0] += 1
+            try:
+                return await coro
+            finally:
+                inflight[0] -= 1
+
         async def stream(k: int) -> None:
             rng = random.Random(args.seed * 1000 + k)
             i = 0
             while time.perf_counter() < deadline:
-                rec = await send_request(session, cfg, make_prompt(rng, args.chat_words, f"chat{k}", i),
-                                         args.chat_out)
+                rec = await timed(send_request(session, cfg, make_prompt(rng, args.chat_words, f"chat{k}", i),
+                                               args.chat_out))
                 res.chat.append(rec)
                 i += 1
 
@@ -203,12 +216,18 @@ async def run_load(url: str, model: str, args: argparse.Namespace, arm: str) -> 
                 if at >= deadline:
                     break
                 await asyncio.sleep(max(0.0, at - time.perf_counter()))
-                tasks.append(asyncio.ensure_future(
-                    send_request(session, cfg, make_prompt(rng, args.long_words, "long", i), args.long_out)))
+                tasks.append(asyncio.ensure_future(timed(
+                    send_request(session, cfg, make_prompt(rng, args.long_words, "long", i), args.long_out))))
                 i += 1
-            res.long.extend(await asyncio.gather(*tasks))
+            for t in tasks:
+                res.long.append(await t)
 
-        await asyncio.gather(longs(), *(stream(k) for k in range(args.streams)))
+        try:
+            await asyncio.wait_for(asyncio.gather(longs(), *(stream(k) for k in range(args.streams))),
+                                   args.duration + args.grace)
+        except asyncio.TimeoutError:
+            pass
+        res.unfinished = inflight[0]
         res.duration = time.perf_counter() - t0
     return res
 
@@ -224,6 +243,7 @@ def report(r: ArmResult, slos: dict[str, float]) -> dict:
     itl = [g for x in chat_ok for g in x.itl]
     out_tokens = sum(x.output_tokens for x in chat_ok + long_ok)
     good = sum(is_good(x, slos) for x in r.chat + r.long)
+    total = len(r.chat) + len(r.long) + r.unfinished
     return {
         "arm": r.arm, "chat_requests": len(r.chat), "chat_failed": len(r.chat) - len(chat_ok),
         "long_requests": len(r.long), "long_failed": len(r.long) - len(long_ok),
@@ -234,7 +254,7 @@ def report(r: ArmResult, slos: dict[str, float]) -> dict:
         "long_ttft_p50_ms": pct([x.ttft for x in long_ok], 50), "long_ttft_p99_ms": pct([x.ttft for x in long_ok], 99),
         "chat_tpot_p50_ms": pct([x.tpot for x in chat_ok], 50),
         "output_tok_s": out_tokens / r.duration, "goodput_req_s": good / r.duration,
-        "good_share": good / max(1, len(r.chat) + len(r.long)), "duration_s": r.duration,
+        "good_share": good / max(1, total), "unfinished": r.unfinished, "duration_s": r.duration,
     }
 
 
@@ -287,6 +307,9 @@ def main() -> None:
     ap.add_argument("--long-out", type=int, default=8)
     ap.add_argument("--long-every", type=float, default=15.0)
     ap.add_argument("--long-start", type=float, default=5.0)
+    ap.add_argument("--grace", type=float, default=30.0,
+                    help="Seconds after --duration to let requests finish; those still running are cancelled "
+                         "and counted as unfinished (never good).")
     ap.add_argument("--chunk", type=int, default=512, help="--max-num-batched-tokens of the colocated server "
                                                           "(chunked prefill) and of the decode server.")
     ap.add_argument("--max-num-seqs", type=int, default=16)

@@ -43,9 +43,12 @@ def reference(tiny):
     return [o.outputs[0].text for o in outs]
 
 
+ABORT_TIMEOUT_S = 15     # how long the prefill server keeps KV no decode server pulls
+
+
 def _kv(connector: str, role: str, shm_dir: str) -> str:
     return json.dumps({"kv_connector": connector, "kv_role": role, "kv_port": 0,
-                       "kv_connector_extra_config": {"shm_dir": shm_dir, "abort_timeout_s": 60,
+                       "kv_connector_extra_config": {"shm_dir": shm_dir, "abort_timeout_s": ABORT_TIMEOUT_S,
                                                      "transfer_timeout_s": 10}})
 
 
@@ -67,14 +70,18 @@ def _start_pair(tiny: str, connector: str, shm_dir: str):
     return servers
 
 
-@pytest.fixture(scope="module", params=["TcpConnector", "SharedMemoryConnector"])
+# the shared-memory connector's servers are the slow suite's (it is covered in-process by test_engine_kv.py)
+@pytest.fixture(scope="module", params=["TcpConnector", pytest.param("SharedMemoryConnector", marks=pytest.mark.slow)])
 def pd(request, tiny, tmp_path_factory):
     shm = str(tmp_path_factory.mktemp("shm"))
     prefill, decode = _start_pair(tiny, request.param, shm)
     router = None
     try:
         router = RouterThread(RouterConfig(pd_disaggregation=True, prefill=[BackendSpec(prefill.url)],
-                                           decode=[BackendSpec(decode.url)], health_check_interval=0.5)).start()
+                                           decode=[BackendSpec(decode.url)], health_check_interval=0.5,
+                                           # generous: this machine's load average reaches 25
+                                           connect_timeout=30.0, health_check_timeout=30.0)).start()
+        router.connector = request.param
         yield prefill, decode, router
     finally:
         if router is not None:
@@ -157,6 +164,7 @@ def test_errors_pass_through(pd):
     r = httpx.post(router.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "w5 w6",
                                                                      "temperature": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
+    # the prefill server accepts this one (it asks 1 token) and keeps its KV; the decode server refuses it
     r = httpx.post(router.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "w5",
                                                                      "max_tokens": 1000})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
@@ -165,6 +173,11 @@ def test_errors_pass_through(pd):
     r = httpx.post(decode.url + "/v1/completions", timeout=30, json={
         "model": model, "prompt": "w5", "kv_transfer_params": {"do_remote_prefill": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
+    # nobody pulls the refused request's KV: the prefill server frees it after abort_timeout_s
+    inv = _wait_free(prefill.url, timeout=ABORT_TIMEOUT_S + 30)
+    assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
+    if router.connector == "TcpConnector":   # (shared memory: the blocks were freed once copied to the file)
+        assert _metric(prefill.url, "tokenmill:kv_transfer_expired_total") == 1
 
 
 def test_client_disconnect_aborts_upstream(pd):
@@ -189,29 +202,36 @@ def test_client_disconnect_aborts_upstream(pd):
     assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
 
 
-def test_killed_prefill_server_before_the_pull_recomputes(tiny, reference, tmp_path):
-    prefill, decode = _start_pair(tiny, "TcpConnector", str(tmp_path))
-    try:
-        model = _model(decode.url)
-        r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": PROMPTS[2], "max_tokens": 1, "temperature": 0,
-            "kv_transfer_params": {"do_remote_decode": True}})
-        assert r.status_code == 200, r.text
-        params = r.json()["kv_transfer_params"]
-        assert params["do_remote_prefill"] and params["remote_port"] > 0
-        prefill.proc.send_signal(signal.SIGKILL)
-        prefill.proc.wait(30)
-        t0 = time.monotonic()
-        r = httpx.post(decode.url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
-            "kv_transfer_params": params})
-        assert r.status_code == 200, r.text
-        assert r.json()["choices"][0]["text"] == reference[2]
-        assert time.monotonic() - t0 < 30
-        assert _metric(decode.url, "tokenmill:kv_transfer_recomputed_requests_total") == 1
-        assert _metric(decode.url, "tokenmill:kv_transfer_failed_total") == 1
-        inv = _wait_free(decode.url)
-        assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
-    finally:
-        for s in (prefill, decode):
-            s.stop(signal.SIGKILL)
+def test_killed_prefill_server_before_the_pull_recomputes(pd, reference):
+    """Runs last for its pair: it kills the prefill server."""
+    prefill, decode, router = pd
+    if router.connector != "TcpConnector":
+        pytest.skip("shared-memory KV outlives its producer (it is a file), so killing the producer fails no load")
+    model = _model(decode.url)
+    r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPTS[2], "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert r.status_code == 200, r.text
+    params = r.json()["kv_transfer_params"]
+    assert params["do_remote_prefill"] and params["remote_port"] > 0
+    for proc in prefill.children():       # the engine core (it owns the side channel), then the API process
+        proc.kill()
+        proc.wait(30)
+    prefill.proc.send_signal(signal.SIGKILL)
+    prefill.proc.wait(30)
+    recomputed = _metric(decode.url, "tokenmill:kv_transfer_recomputed_requests_total")
+    t0 = time.monotonic()
+    r = httpx.post(decode.url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPTS[2], "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+        "kv_transfer_params": params})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference[2]
+    assert time.monotonic() - t0 < 30
+    assert _metric(decode.url, "tokenmill:kv_transfer_recomputed_requests_total") == recomputed + 1
+    assert _metric(decode.url, "tokenmill:kv_transfer_failed_total") >= 1
+    inv = _wait_free(decode.url)
+    assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
+    # through the router, with the prefill pool gone: a clear 503, no hang
+    r = httpx.post(router.url + "/v1/completions", timeout=60, json={"model": model, "prompt": PROMPTS[0],
+                                                                     "max_tokens": 4})
+    assert r.status_code == 503, r.text

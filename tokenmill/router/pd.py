@@ -16,7 +16,8 @@ The prefill server frees the blocks once the decode server pulled them (or after
 body. A client that disconnects during the prefill cancels it (the prefill server aborts the request
 and keeps nothing); during the decode it closes the decode stream, which aborts the request there.
 An unreachable server is retried on another of its pool (``--max-retries``). Both pools are routed
-with the router's ``--policy``, each pool by its own policy object.
+with the router's ``--policy``, each pool by its own policy object. Requests with ``n > 1``, or that
+carry their own ``kv_transfer_params``, go straight to a decode server (which then computes the prompt).
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
         pools[role] = pool
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
     watcher = asyncio.create_task(_wait_disconnect(request))
+    if body.get("n", 1) != 1 or body.get("kv_transfer_params") is not None:
+        # n > 1 choices share one prompt on the decode server (one KV load serves one request), and a
+        # client that manages kv_transfer_params itself is not second-guessed: straight to decode
+        policy = router.policy_for(("decode", model))  # type: ignore[arg-type]
+        rin = await router.route_input(policy, path, body)
+        return await router.send_to_pool(raw, headers, path, pools["decode"], policy, rin, watcher)
     try:
         pre = await _prefill(router, path, body, headers, pools["prefill"], model, watcher)
     except BaseException:
