@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import psutil
 import pytest
 
 from tests.distributed.conftest import save_tiny_llama
@@ -214,11 +215,12 @@ def test_killed_prefill_server_before_the_pull_recomputes(pd, reference):
     assert r.status_code == 200, r.text
     params = r.json()["kv_transfer_params"]
     assert params["do_remote_prefill"] and params["remote_port"] > 0
-    for proc in prefill.children():       # the engine core (it owns the side channel), then the API process
+    kids = prefill.children()
+    for proc in kids:                     # the engine core (it owns the side channel), then the API process
         proc.kill()
-        proc.wait(30)
     prefill.proc.send_signal(signal.SIGKILL)
     prefill.proc.wait(30)
+    psutil.wait_procs(kids, timeout=30)   # reparented and reaped once the API process is gone
     recomputed = _metric(decode.url, "tokenmill:kv_transfer_recomputed_requests_total")
     t0 = time.monotonic()
     r = httpx.post(decode.url + "/v1/completions", timeout=60, json={
