@@ -89,3 +89,28 @@ async def test_a_dead_core_fails_its_requests_and_the_engine_reports_it():
             await _run(engine, "y", 4)
     finally:
         engine.shutdown()
+
+
+def test_slo_view_is_the_core_the_request_would_run_on():
+    """--slo under data parallelism predicts from the queue of the core the request goes to."""
+    from tokenmill.metrics.stats import EngineStats
+
+    class Core:
+        def __init__(self, waiting, running, tag):
+            self._w, self._stats, self.tag = waiting, EngineStats(num_running=running, num_steps=tag), tag
+
+        def waiting_load(self):
+            return self._w, 100 * self._w
+
+        def get_stats(self):
+            return self._stats
+
+        def inflight_by_priority(self):
+            return {0: (self.tag, 10 * self.tag)}
+
+    dp = DPAsyncEngine.__new__(DPAsyncEngine)
+    dp.engines = [Core(2, 1, 1), Core(0, 3, 2), Core(1, 0, 3)]   # scores 9, 3, 4
+    assert dp.next_engine() == 1
+    stats, inflight = dp.slo_view()
+    assert stats.num_steps == 2 and inflight == {0: (2, 20)}
+    assert dp.inflight_by_priority() == {0: (6, 60)}

@@ -223,6 +223,18 @@ class DPAsyncEngine:
                 out[prio] = (k0 + k, t0 + t)
         return out
 
+    def next_engine(self) -> int:
+        """The core the next request goes to: the least ``4 × waiting + running`` (ties: the lowest index)."""
+        scores = self.load_scores()
+        return min(range(len(scores)), key=lambda k: (scores[k], k))
+
+    def slo_view(self) -> tuple[EngineStats, dict[int, tuple[int, int]]]:
+        """What ``--slo`` predicts a new request from: the snapshot (queue, step times) of the core it
+        would run on, and that core's requests sent but not yet seen (``{priority: (requests, tokens)}``)."""
+        i = self.next_engine()
+        e = self.engines[i]
+        return e.get_stats(), e.inflight_by_priority()
+
     def load_scores(self) -> list[int]:
         """``4 × waiting + running`` per core (waiting includes adds the core has not seen yet)."""
         out = []
@@ -256,8 +268,7 @@ class DPAsyncEngine:
         """
         if self.errored:
             raise EngineDeadError(self.dead_reason or "engine is not running")
-        scores = self.load_scores()
-        i = min(range(len(scores)), key=lambda k: (scores[k], k))
+        i = self.next_engine()
         self._owner[request_id] = i
         self.num_routed[i] += 1
         try:

@@ -214,9 +214,11 @@ class OpenAIServing:
                 state.prometheus.record_refusal(refusal.reason)
                 raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
         if state.slo is not None:
-            ticket.prediction, refusal = state.slo.check(
-                state.engine.get_stats(), InflightWork(state.engine.inflight_by_priority()), new_tokens,
-                priority, ticket.arrival)
+            view = getattr(state.engine, "slo_view", None)   # data parallel: the core it would run on
+            stats, inflight = view() if view is not None else (state.engine.get_stats(),
+                                                                 state.engine.inflight_by_priority())
+            ticket.prediction, refusal = state.slo.check(stats, InflightWork(inflight), new_tokens, priority,
+                                                         ticket.arrival)
             if refusal is not None:
                 state.prometheus.record_refusal(refusal.reason)
                 raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
