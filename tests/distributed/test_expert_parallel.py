@@ -113,13 +113,25 @@ def _run(llm):
     return [o.outputs[0].token_ids for o in outs], [[lp.logprob for lp in o.outputs[0].logprobs] for o in outs]
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """family -> (checkpoint folder, greedy tokens, logprobs) of the one-process engine, computed once."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            folder = save_tiny_moe(tmp_path_factory.mktemp(family), family, seed=3)
+            with LLM(folder, **ENGINE) as llm:
+                cache[family] = (folder, *_run(llm))
+        return cache[family]
+    return get
+
+
 @pytest.mark.parametrize("family,expert_parallel", [("qwen3_moe", True), ("qwen3_moe", False), ("mixtral", True)])
-def test_engine_ep2_matches_one_process(tmp_path_factory, family, expert_parallel):
+def test_engine_ep2_matches_one_process(one_process, family, expert_parallel):
     """tp=2 with --enable-expert-parallel (experts 0-3 on rank 0, 4-7 on rank 1) and tp=2 with every
     expert's columns split give the one-process greedy tokens (logprobs within 1e-4)."""
-    folder = save_tiny_moe(tmp_path_factory.mktemp(family), family, seed=3)
-    with LLM(folder, **ENGINE) as llm:
-        want_toks, want_lps = _run(llm)
+    folder, want_toks, want_lps = one_process(family)
     llm = LLM(folder, tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE)
     try:
         ex = llm.engine_core.executor
