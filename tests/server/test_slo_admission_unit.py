@@ -193,3 +193,22 @@ def test_ttft_margin_learnt_from_first_tokens_both_ways():
     big = stats(waiting_by_priority={0: (5, 5000)})
     assert SLOAdmission(slo).check(big, None, 500, 0, 0.0, 0.0)[1] is not None   # raw model refuses
     assert adm.check(big, None, 500, 0, 0.0, 0.0)[1] is None                     # calibrated admits
+
+
+def test_cold_engine_admits_one_batch_blind_not_a_whole_burst():
+    adm = SLOAdmission(SLO(ttft=0.5))
+    cold = EngineStats(queue=QueueState(max_num_seqs=2), step_timing=StepTimingSnapshot())
+    for rid in ("a", "b"):
+        pred, ref = adm.check(cold, None, 10, 0, 0.0, 0.0)
+        assert pred is None and ref is None
+        adm.track(rid, pred, 0, 0.0, 10, now=0.0)
+    pred, ref = adm.check(cold, None, 10, 0, 0.0, 0.0)
+    assert ref is not None and ref.reason == "slo" and "warming up" in ref.message and ref.retry_after == 1
+    it = IterationStats()
+    it.first_tokens = [("a", 0.3)]
+    adm.record(None, it)                       # one got its first token: room for one more
+    assert adm.check(cold, None, 10, 0, 0.0, 0.0)[1] is None
+    adm.forget("b")
+    assert not adm._blind
+    # once the engine has measured its steps, predictions take over
+    assert adm.check(stats(), None, 10, 0, 0.0, 0.0)[0] is not None

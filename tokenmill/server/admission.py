@@ -295,6 +295,9 @@ class SLOAdmission:
         self.ttft_margin = ErrorCalibration(self.CALIBRATION_QUANTILE, lo=-0.5 * bound, hi=0.5 * bound)
         self.tpot_factor = ErrorCalibration(self.CALIBRATION_QUANTILE, neutral=1.0, lo=0.5, hi=4.0)
         self._predicted_tpot: dict[str, float] = {}
+        # requests admitted before the engine had measured its step times (no prediction), until their
+        # first token: while the model is not ready at most one batch of them is admitted (see check())
+        self._blind: dict[str, float] = {}
         # recent prefix-cache hit rate (EWMA over the core's cumulative counters' increments)
         self.prefix_hit_rate = 0.0
         self._last_queries = 0
@@ -322,6 +325,16 @@ class SLOAdmission:
         now = time.time() if now is None else now
         q, t = engine_stats.queue, engine_stats.step_timing
         pred = predict(q, t, prompt_tokens, priority, self.policy, inflight, self.prefix_hit_rate)
+        if pred is None and q is not None:
+            # no basis for a prediction yet (a cold engine has not timed a prefill and a decode step):
+            # admit one batch (max_num_seqs requests) blind, not a whole burst
+            for rid in [r for r, a in self._blind.items() if now - a > PENDING_MAX_AGE_S]:
+                del self._blind[rid]
+            if len(self._blind) >= max(1, q.max_num_seqs):
+                return None, Refusal(
+                    f"server is warming up: {len(self._blind)} requests are running before the engine has "
+                    "measured its step times (--slo admits one batch until then); retry later",
+                    MIN_RETRY_AFTER, "slo")
         elapsed = max(0.0, now - arrival)
         if pred is not None and self.metrics is not None:
             self.metrics.observe_ttft_prediction(elapsed + pred.ttft)
@@ -345,8 +358,10 @@ class SLOAdmission:
 
     def track(self, request_id: str, pred: "Prediction | None", priority: int, arrival: float,
               prompt_tokens: int, now: float | None = None) -> PendingRequest | None:
-        """Remember an admitted request until its first token (for the error metric and displacement)."""
+        """Remember an admitted request until its first token (for the error metric and displacement;
+        one admitted without a prediction counts against the cold-start batch, see :meth:`check`)."""
         if pred is None:
+            self._blind[request_id] = time.time() if now is None else now
             return None
         now = time.time() if now is None else now
         elapsed = max(0.0, now - arrival)
@@ -399,6 +414,7 @@ class SLOAdmission:
         """Stop tracking a request (finished, aborted or refused)."""
         self.pending.pop(request_id, None)
         self._predicted_tpot.pop(request_id, None)
+        self._blind.pop(request_id, None)
 
     def record(self, engine_stats: EngineStats | None, iteration: IterationStats | None) -> None:
         """Observe the prediction error of requests that got their first token; forget finished ones;
@@ -414,6 +430,7 @@ class SLOAdmission:
         if iteration is None:
             return
         for rid, ttft in getattr(iteration, "first_tokens", ()):
+            self._blind.pop(rid, None)
             p = self.pending.pop(rid, None)
             if p is not None:
                 self.ttft_margin.add(ttft - p.predicted_ttft)
@@ -423,6 +440,7 @@ class SLOAdmission:
             rid = getattr(f, "request_id", "")
             if rid:
                 self.pending.pop(rid, None)
+                self._blind.pop(rid, None)
                 predicted = self._predicted_tpot.pop(rid, None)
                 # TPOT as the benchmark defines it: decode time over the tokens after the first
                 if predicted and f.finish_reason in ("stop", "length") and f.num_generation_tokens > 1:

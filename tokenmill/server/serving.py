@@ -229,7 +229,7 @@ class OpenAIServing:
         priority policy, answer 429 on the pending responses of queued lower-priority requests it pushes
         past their TTFT target (they are aborted in the engine)."""
         slo = self.state.slo
-        if slo is None or ticket.batch or ticket.prediction is None:
+        if slo is None or ticket.batch:
             return
         share = ticket.prompt_tokens // max(1, len(request_ids))
         for rid in request_ids:
