@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tokenmill.playbook.tune import (LEVER_ORDER, Measurement, TuneSettings, flags_to_argv, serve_options, tune,
-                                     write_report)
+                                     warm_then_search, write_report)
 
 GOODPUT = {  # synthetic goodput (req/s) per configuration
     "{}": [2.0, 2.1],
@@ -122,7 +122,7 @@ def test_end_to_end_short_mode_on_real_servers(tmp_path):
            f"{sys.executable} -m tests.playbook.fake_serve", "--serve-args", "--max-num-seqs 4",
            "--dataset", "random", "--input-len", "32", "--output-len", "16", "--num-prompts", "8",
            "--goodput", "ttft:400", "tpot:40", "--initial-rate", "8", "--max-probes", "3", "--noise-runs", "2",
-           "--levers", "max_num_seqs,max_num_batched_tokens", "--budget-minutes", "0.4",
+           "--levers", "max_num_seqs,max_num_batched_tokens", "--budget-minutes", "0.6", "--warmup-probes", "1",
            "--output-dir", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=repo)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -131,6 +131,7 @@ def test_end_to_end_short_mode_on_real_servers(tmp_path):
     assert [t["kind"] for t in trials[:2]] == ["noise", "noise"] and len(trials) >= 3
     assert all(t["measurement"]["error"] is None for t in trials), [t["measurement"]["error"] for t in trials]
     assert all(t["measurement"]["goodput"] > 0 and t["measurement"]["curve"] for t in trials)
+    assert all(len(t["measurement"]["warmup"]) == 1 for t in trials)    # one discarded warm-up probe per server
     assert {t["lever"] for t in trials[2:]} <= {"max_num_seqs", "max_num_batched_tokens"}
     kept = [t for t in trials if t["verdict"] == "kept"]
     for t in kept:
@@ -186,3 +187,27 @@ def test_final_command_replaces_overridden_base_flags():
     got = merge_serve_args(base, {"max_num_seqs": 8, "enable_prefix_caching": True, "block_size": 16},
                            serve_options())
     assert got == ["--dtype", "bfloat16", "--max-num-seqs", "8", "--enable-prefix-caching", "--block-size", "16"]
+
+
+def test_warmup_probes_run_first_at_the_start_rate_and_are_left_out_of_the_search():
+    """A cold server fails its first probe (real model: p99 TTFT 2-11 s, later probes ~0.5 s); without a warm-up
+    that failure caps the goodput below the start rate. The warm-up probe is discarded."""
+    from tokenmill.bench.goodput_search import Probe
+
+    events: list = []
+
+    def probe(rate: float) -> Probe:
+        cold = not any(isinstance(e, float) for e in events)
+        events.append(rate)
+        ok = rate <= 3.0 and not cold
+        return Probe(rate, 1.0 if ok else 0.2, 500.0 if ok else 9000.0, 50.0, rate, rate if ok else 0.0, 10.0,
+                     10, 0, passed=ok)
+
+    s = _settings(warmup_probes=1, initial_rate=2.0, max_probes=6)
+    result, warm = warm_then_search(probe, s, 2.0, after_warmup=lambda: events.append("after"))
+    assert events[:3] == [2.0, "after", 2.0] and len(warm) == 1 and not warm[0].passed
+    assert result.goodput >= 2.0 and all(c["request_rate"] != 2.0 or c["passed"] for c in result.curve())
+    events.clear()
+    cold, _ = warm_then_search(probe, _settings(warmup_probes=0, initial_rate=2.0, max_probes=6), 2.0)
+    assert cold.goodput < 2.0                      # the bias the warm-up removes
+    assert _settings(warmup_probes=0).fingerprint() != _settings(warmup_probes=1).fingerprint()

@@ -127,3 +127,11 @@ def test_packed_driver_matches_one_sequence_at_a_time(tiny_runner):
     res2, none = qa.evaluate(tiny_runner, prompts, held, 6, 3, 2, ref)
     assert none is None and res2["top1"] == 1.0 and res2["greedy"] == 1.0 and res2["kl"] < 1e-6
     assert res2["ppl_ratio"] == pytest.approx(1.0, abs=1e-4) and res2["lossless"]
+
+
+def test_results_merge_keeps_fields_written_by_the_other_mode(tmp_path):
+    path = str(tmp_path / "r.json")
+    qa.save_results(path, {"int8": {"format": "int8", "tok_s": {"1": 5.0}}}, ["int8"])     # --mode serve first
+    qa.save_results(path, {"int8": {"format": "int8", "ppl": 2.0, "top1": 0.9}}, ["int8"])  # then accuracy
+    assert qa.load_results(path)["int8"] == {"format": "int8", "tok_s": {"1": 5.0}, "ppl": 2.0, "top1": 0.9}
+    assert "int8" not in qa.table({"int8": {"format": "int8", "tok_s": {"1": 5.0}}}, 2048)  # no accuracy: no row

@@ -132,6 +132,7 @@ class Measurement:
         error: why the trial produced no goodput (server failed to start, ...), else None.
         load_avg: the machine's 1-minute load average at the end of the trial (other processes compete for
             the CPUs: compare trials only at similar load).
+        warmup: summaries of the discarded warm-up probes (see :func:`warm_then_search`).
     """
 
     goodput: float = 0.0
@@ -145,6 +146,38 @@ class Measurement:
     startup_s: float = 0.0
     error: str | None = None
     load_avg: float = math.nan
+    warmup: list[dict[str, Any]] = field(default_factory=list)
+
+
+def warm_then_search(probe: Callable[[float], Any], settings: "TuneSettings", initial_rate: float,
+                     on_probe: Callable[[Any], None] | None = None,
+                     after_warmup: Callable[[], None] | None = None) -> tuple[Any, list[Any]]:
+    """``settings.warmup_probes`` discarded probes at ``initial_rate``, then the goodput search.
+
+    A fresh server is slow on its first stretch of traffic (on CPU, e.g., oneDNN builds a primitive for each new
+    GEMM row count the first time a step of that many tokens runs; measured with the packaged model: the first
+    probe of every trial missed the SLO with p99 TTFT 2-11 s where later probes at the same or higher rates met
+    it with ~0.5 s). Without a warm-up that cold first probe fails and caps the search below the rate it started
+    at, so no lever could ever beat the baseline. The warm-up probes run the whole workload once at the rate the
+    search starts from; ``after_warmup`` runs between warm-up and search (e.g. to read counters).
+
+    Returns:
+        ``(SearchResult, warm-up probes)``.
+    """
+    from tokenmill.bench.goodput_search import search_goodput
+
+    warm = []
+    for _ in range(max(0, settings.warmup_probes)):
+        p = probe(initial_rate)
+        logger.info("  warm-up probe %.4g req/s (discarded): attainment %.1f%%, p99 TTFT %.0f ms, p99 TPOT %.1f ms",
+                    p.request_rate, 100 * p.slo_attainment, p.p99_ttft_ms, p.p99_tpot_ms)
+        warm.append(p)
+    if after_warmup is not None:
+        after_warmup()
+    result = search_goodput(probe, target=settings.attainment, initial_rate=initial_rate,
+                            precision=settings.precision, max_rate=settings.max_rate, min_rate=settings.min_rate,
+                            max_probes=settings.max_probes, on_probe=on_probe)
+    return result, warm
 
 
 def _free_port() -> int:
@@ -238,6 +271,7 @@ class TuneSettings:
         attainment: target share of requests meeting the SLO.
         initial_rate, precision, min_rate, max_rate, max_probes: goodput search settings (as bench goodput).
         noise_runs: measurements of the starting configuration.
+        warmup_probes: discarded probes of the whole workload on each fresh server before its search.
         levers: levers to try, in the playbook's order.
         budget_minutes: measuring time allowed (None: unbounded).
         startup_timeout_s: seconds a server may take to start.
@@ -257,6 +291,7 @@ class TuneSettings:
     max_rate: float = 1024.0
     max_probes: int = 8
     noise_runs: int = 2
+    warmup_probes: int = 1
     levers: list[str] = field(default_factory=lambda: list(LEVER_ORDER))
     budget_minutes: float | None = None
     startup_timeout_s: float = 300.0
@@ -299,7 +334,7 @@ class GoodputMeasurer:
 
     def __call__(self, flags: dict[str, Any], initial_rate: float) -> Measurement:
         from tokenmill.bench.client import EndpointConfig, normalize_endpoint
-        from tokenmill.bench.goodput_search import probe_from_metrics, search_goodput
+        from tokenmill.bench.goodput_search import probe_from_metrics
         from tokenmill.bench.loadgen import LoadConfig, fetch_models, run_benchmark
         from tokenmill.bench.report import json_safe
 
@@ -319,7 +354,7 @@ class GoodputMeasurer:
             cfg = EndpointConfig(base_url=srv.url, endpoint=normalize_endpoint(w.get("endpoint", "completions")),
                                  model=model_id, api_key=api_key, ignore_eos=bool(w.get("ignore_eos", False)),
                                  temperature=w.get("temperature"), timeout_s=600.0)
-            before = _scrape_preemptions(srv.url)
+            before = [0.0]
 
             warm = [min(4, len(self.samples))]  # the first probe on a fresh server starts with warm-up requests
 
@@ -335,10 +370,12 @@ class GoodputMeasurer:
                             p.request_rate, 100 * p.slo_attainment, p.p99_ttft_ms, p.p99_tpot_ms,
                             "pass" if p.passed else "miss")
 
-            result = search_goodput(probe, target=self.s.attainment, initial_rate=initial_rate,
-                                    precision=self.s.precision, max_rate=self.s.max_rate, min_rate=self.s.min_rate,
-                                    max_probes=self.s.max_probes, on_probe=on_probe)
-            m.preemptions = _scrape_preemptions(srv.url) - before
+            def after_warmup() -> None:
+                before[0] = _scrape_preemptions(srv.url)
+
+            result, warmups = warm_then_search(probe, self.s, initial_rate, on_probe, after_warmup)
+            m.warmup = [p.summary() for p in warmups]
+            m.preemptions = _scrape_preemptions(srv.url) - before[0]
             m.goodput = result.goodput
             m.lowest_failing_rate = result.lowest_failing_rate
             m.curve = result.curve()
@@ -857,7 +894,8 @@ def format_markdown(r: TuneResult, chart_name: str | None = None) -> str:
         f"- model: `{s.model or '(packaged default)'}`; base serve arguments: `{shlex.join(s.base_serve_args) or '(none)'}`",
         f"- workload: {wl}",
         f"- SLO: {slo}, attainment ≥ {100 * s.attainment:g}% (goodput: the highest Poisson request rate meeting it, "
-        f"bisected to {100 * s.precision:g}%)",
+        f"bisected to {100 * s.precision:g}%); each fresh server first serves {s.warmup_probes} discarded "
+        f"warm-up probe(s) of the whole workload",
         (f"- run-to-run noise: {100 * r.noise:.1f}% over {n_noise} runs of the starting configuration"
          if n_noise > 1 else f"- run-to-run noise: not measured ({n_noise} run of the starting configuration)")
         + f"; a change is kept when goodput rises more than {100 * r.threshold:.1f}% (max of noise and search "
@@ -972,6 +1010,9 @@ def add_tune_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--min-rate", type=float, default=1.0 / 64, help="Lowest rate probed, req/s.")
     s.add_argument("--noise-runs", type=int, default=2,
                    help="Measurements of the starting configuration to estimate noise [default: 2].")
+    s.add_argument("--warmup-probes", type=int, default=1,
+                   help="Discarded probes of the whole workload on each fresh server before its goodput search "
+                        "(a cold server is slow at first) [default: 1].")
     s.add_argument("--levers", default=",".join(LEVER_ORDER),
                    help="Levers to try (always in the playbook's order) [default: all: "
                         + ",".join(LEVER_ORDER) + "].")
@@ -1011,7 +1052,8 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
     return TuneSettings(model=args.model_path, base_serve_args=base, serve_command=cmd, workload=workload,
                         slos=slos, attainment=args.attainment, initial_rate=args.initial_rate,
                         precision=args.precision, min_rate=args.min_rate, max_rate=args.max_rate,
-                        max_probes=args.max_probes, noise_runs=args.noise_runs, levers=levers,
+                        max_probes=args.max_probes, noise_runs=args.noise_runs,
+                        warmup_probes=args.warmup_probes, levers=levers,
                         budget_minutes=args.budget_minutes, startup_timeout_s=args.startup_timeout,
                         accuracy_report=args.accuracy_report)
 
@@ -1020,6 +1062,14 @@ def run_tune_cli(args: argparse.Namespace) -> int:
     """``tokenmill tune``: 0 after writing the report; 2 on bad input."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+    def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: the trial's server is stopped, not orphaned
+        raise SystemExit(128 + signum)
+
+    try:
+        signal.signal(signal.SIGTERM, _terminate)
+    except ValueError:  # not the main thread
+        pass
     try:
         settings = settings_from_args(args)
         out = Path(args.output_dir)
