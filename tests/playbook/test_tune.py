@@ -122,7 +122,7 @@ def test_end_to_end_short_mode_on_real_servers(tmp_path):
            f"{sys.executable} -m tests.playbook.fake_serve", "--serve-args", "--max-num-seqs 4",
            "--dataset", "random", "--input-len", "32", "--output-len", "16", "--num-prompts", "8",
            "--goodput", "ttft:400", "tpot:40", "--initial-rate", "8", "--max-probes", "3", "--noise-runs", "2",
-           "--levers", "max_num_seqs,max_num_batched_tokens", "--budget-minutes", "0.6", "--warmup-probes", "1",
+           "--levers", "max_num_seqs,max_num_batched_tokens", "--budget-minutes", "0.4", "--warmup-probes", "1",
            "--output-dir", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=repo)
     assert out.returncode == 0, out.stderr[-3000:]
