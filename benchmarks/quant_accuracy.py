@@ -391,17 +391,19 @@ def table(rows: dict[str, dict], context: int) -> str:
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for label in [k for k in ROWS if k in rows] + [k for k in rows if k not in ROWS]:
         r = rows[label]
-        if "ppl" not in r:
-            continue                     # tok/s measured, accuracy not yet
         ref = label == "float32"
         ts = r.get("tok_s", {})
+        speed = [f"{ts['1']:.1f}" if "1" in ts else "-", f"{ts['64']:.1f}" if "64" in ts else "-"]
+        if "ppl" not in r:               # tok/s measured, accuracy not (yet)
+            lines.append("| " + " | ".join([label] + ["-"] * 7 + speed + ["not measured"]) + " |")
+            continue
         cells = [label,
                  "100% (ref)" if ref else f"{r['top1']:.2%} / {r['top1_held']:.2%}",
                  "0" if ref else f"{r['kl']:.4f} / {r['kl_held']:.4f}",
                  f"{r['ppl']:.3f} ({r.get('ppl_ratio', 1.0):.3f})",
                  "100%" if ref else (f"{r['greedy']:.1%}" if "greedy" in r else "-"),
                  f"{r['weight_mib']:.0f}", f"{r['kv_bytes_per_token']}", f"{r['requests_per_gib']:.1f}",
-                 f"{ts['1']:.1f}" if "1" in ts else "-", f"{ts['64']:.1f}" if "64" in ts else "-",
+                 *speed,
                  "reference" if ref else ("**yes**" if r.get("lossless") else "no")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
