@@ -7,7 +7,9 @@ down 1536->576, plus the 576->49152 LM head) at M = 1, 4, 8 rows:
   torch int8    aten._weight_int8pack_mm (float32 activations; torchao's int8 weight-only CPU path)
   torch int4    aten._weight_int4pack_mm_for_cpu (bfloat16 activations; torchao's Int4CPULayout)
   ours q4/q8    tokenmill's low-bit kernel (best ISA variant, and every other variant the CPU runs),
-                Q4_1-like 4-bit blocks (group 32 + min) for the block linears, Q8_0 for the LM head.
+                Q4_1-like 4-bit blocks (group 32 + min) for the block linears, Q8_0 for the LM head;
+                with bfloat16 activations on an AVX512-BF16 CPU both the dot-product path ("dot") and the
+                float32 FMA path ("FMA") of the avx512 variant.
 Times are medians of single calls (robust on a shared machine). Also prints the bytes each variant reads per step and the implied bandwidth.
 
     python benchmarks/lowbit_gemm.py [--threads 2] [--rows 1,4,8] [--reps 20]
@@ -30,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tokenmill.model.layers.cpu_build import ISAS, isa_supported  # noqa: E402
-from tokenmill.quantization.lowbit import LowBitWeight, load_kernel, lowbit_linear  # noqa: E402
+from tokenmill.quantization.lowbit import LowBitWeight, load_kernel, lowbit_linear, set_bf16_dot  # noqa: E402
 
 SHAPES = [(576, 960, 30), (576, 576, 30), (576, 3072, 30), (1536, 576, 30), (576, 49152, 1)]  # (K, N, count)
 
@@ -48,7 +50,10 @@ def bench(f, reps: int) -> float:
 
 
 def model_step(args) -> None:
-    """Decode-step ablation: low-bit codes on vs off, interleaved, medians."""
+    """Decode-step ablation: low-bit codes on vs off, interleaved, medians.
+
+    With ``--query-lens 1,5`` each of the ``--rows`` requests brings ``q`` new tokens and every row gets
+    logits: a speculative-decoding verify step (the request's last token and ``q - 1`` drafts)."""
     from tokenmill.config import EngineConfig
     from tokenmill.model.layers.attention import build_attention_metadata
     from tokenmill.model.runner import ModelRunner
@@ -61,22 +66,29 @@ def model_step(args) -> None:
             runners[(dtype, limit)] = ModelRunner.from_config(cfg, with_tokenizer=False)
     torch.set_num_threads(args.threads)
     print(f"decode step, context {args.context}, threads {args.threads}, load average {os.getloadavg()[0]:.1f}")
+    base: dict[str, float] = {}
     for b in (int(r) for r in args.rows.split(",")):
-        ctx = args.context
-        tables = [list(range(i * (ctx // 16 + 1), (i + 1) * (ctx // 16 + 1))) for i in range(b)]
-        md, pos = build_attention_metadata([ctx] * b, [1] * b, tables, 16)
-        ids = torch.randint(0, 49152, (b,))
-        times = {k: [] for k in runners}
-        with torch.inference_mode():
-            for _ in range(args.reps):
-                for k, r in runners.items():
-                    t = time.perf_counter()
-                    r.model.compute_logits(r.model(ids, pos, r.kv_caches, md))
-                    times[k].append(time.perf_counter() - t)
-        for dtype in args.dtypes.split(","):
-            on = sorted(times[(dtype, "8")])[args.reps // 2]
-            off = sorted(times[(dtype, "0")])[args.reps // 2]
-            print(f"B={b} {dtype}: low-bit codes {on * 1e3:.1f} ms, dense {off * 1e3:.1f} ms -> {off / on:.2f}x")
+        for q in (int(x) for x in args.query_lens.split(",")):
+            ctx = args.context
+            nb = (ctx + q) // 16 + 1
+            tables = [list(range(i * nb, (i + 1) * nb)) for i in range(b)]
+            md, pos = build_attention_metadata([ctx] * b, [q] * b, tables, 16)
+            ids = torch.randint(0, 49152, (b * q,))
+            times = {k: [] for k in runners}
+            with torch.inference_mode():
+                for _ in range(args.reps):
+                    for k, r in runners.items():
+                        t = time.perf_counter()
+                        r.model.compute_logits(r.model(ids, pos, r.kv_caches, md))
+                        times[k].append(time.perf_counter() - t)
+            for dtype in args.dtypes.split(","):
+                on = sorted(times[(dtype, "8")])[args.reps // 2]
+                off = sorted(times[(dtype, "0")])[args.reps // 2]
+                if b == 1 and q == 1:
+                    base[dtype] = on
+                rel = f", {on / base[dtype]:.2f}x the 1-token step" if dtype in base else ""
+                print(f"B={b} q={q} ({b * q} tokens) {dtype}: low-bit codes {on * 1e3:.1f} ms, "
+                      f"dense {off * 1e3:.1f} ms -> {off / on:.2f}x{rel}", flush=True)
 
 
 def main() -> None:
@@ -85,16 +97,18 @@ def main() -> None:
     ap.add_argument("--rows", default="1,4,8")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-torch-int8", action="store_true", help="skip the (slow, scalar) int8pack kernel")
+    ap.add_argument("--isas", default="", help="kernel variants to time, e.g. avx512 [default: every one the CPU runs]")
     ap.add_argument("--model-step", action="store_true", help="time whole decode steps of the real model instead")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--query-lens", default="1", help="--model-step: new tokens per request (verify steps: 1,5)")
     args = ap.parse_args()
     if args.model_step:
         model_step(args)
         return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    isas = [i for i in ISAS if isa_supported(i)]
+    isas = [i for i in ISAS if isa_supported(i) and (not args.isas or i in args.isas.split(","))]
     libs = {i: load_kernel(i) for i in isas}
     print(f"threads {args.threads}, kernel variants this CPU runs: {', '.join(isas)}; load average "
           f"{os.getloadavg()[0]:.1f}")
@@ -136,7 +150,13 @@ def main() -> None:
             bpw = lb.nbytes / (L["n"] * L["k"])
             for isa, lib in libs.items():
                 add(f"ours {isa} (fp32 act)", lambda: lowbit_linear(x, lb, lib=lib), L, bpw)
-                add(f"ours {isa} (bf16 act)", lambda: lowbit_linear(xb, lb, lib=lib), L, bpw)
+                if set_bf16_dot(lib, True):       # AVX512-BF16 dot products vs the float32 FMA path, side by side
+                    add(f"ours {isa} (bf16 act, dot)", lambda: lowbit_linear(xb, lb, lib=lib), L, bpw)
+                    set_bf16_dot(lib, False)
+                    add(f"ours {isa} (bf16 act, FMA)", lambda: lowbit_linear(xb, lb, lib=lib), L, bpw)
+                    set_bf16_dot(lib, True)
+                else:
+                    add(f"ours {isa} (bf16 act)", lambda: lowbit_linear(xb, lb, lib=lib), L, bpw)
         base = tot["fp32 packed"]
         print(f"\nM={m} rows: all weight GEMMs of one step")
         print(f"{'kernel':<26} {'ms':>9} {'vs fp32':>8} {'MB read':>8} {'GB/s':>6}")

@@ -22,9 +22,10 @@ tokens up to bfloat16 rounding):
   the prompt).
 
 The draft model (``--draft-layers N``) is the target's first ``N`` decoder
-layers with its final norm and tied LM head, saved as a Hugging Face folder
-(self-speculation by early exit, as LayerSkip, Elhoushi et al. arXiv
-2404.16710, without its training): no smaller checkpoint shares SmolLM2's
+layers with its final norm and tied LM head, saved as a GGUF with the
+target's own block formats (a Hugging Face folder for a non-GGUF target):
+self-speculation by early exit, as LayerSkip (Elhoushi et al. arXiv
+2404.16710) without its training; no smaller checkpoint shares SmolLM2's
 tokenizer here.
 
     .venv/bin/python benchmarks/spec_decode.py                       # everything (~30 min on 2 cores)
@@ -48,6 +49,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.spec_decode.early_exit import truncate_gguf  # noqa: E402
 
 MT_BENCH = Path("/work/shared/data/mt_bench_questions.jsonl")
 
@@ -102,19 +104,23 @@ def lookup_prompts(llm: LLM, n: int, seed: int) -> list[list[int]]:
 
 
 def build_draft(target: str | None, layers: int, folder: Path) -> str:
-    """The target's first ``layers`` decoder layers (+ final norm, tied head) saved as an HF folder."""
-    import transformers
+    """The target's first ``layers`` decoder layers (+ final norm, tied head) as a checkpoint of their own.
 
+    A GGUF target gives a GGUF draft: the same tensors in the same block formats (Q4_1 layers, Q8_0
+    embedding), metadata copied with ``block_count = layers``, so the draft runs on the same low-bit
+    kernels as the target. Any other target gives a Hugging Face folder.
+    """
     from tokenmill.model.loader import default_model_path
 
     path = target or default_model_path()
-    d, name = os.path.split(path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype="float32")
-    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=name)
+    if path.endswith(".gguf"):
+        return truncate_gguf(path, layers, folder / "draft.gguf")
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype="float32")
+    tok = transformers.AutoTokenizer.from_pretrained(path)
     cfg = model.config
     cfg.num_hidden_layers = layers
-    if hasattr(cfg, "quantization_config"):
-        del cfg.quantization_config                 # a GGUF-loaded model cannot be saved as is: copy its weights
     fresh = transformers.AutoModelForCausalLM.from_config(cfg, dtype="float32")
     keep = {k: v for k, v in model.state_dict().items()
             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.model.layers.cpu_build import ISAS, isa_supported
-from tokenmill.quantization.lowbit import LowBitWeight, load_kernel, lowbit_linear
+from tokenmill.quantization.lowbit import LowBitWeight, cpu_flags, load_kernel, lowbit_linear, set_bf16_dot
 
 # Tolerances (relative to the output's largest magnitude): float32 activations differ from the dequantised
 # reference only in summation order; bfloat16 outputs add one bfloat16 rounding (2^-8 relative).
@@ -56,6 +56,41 @@ def test_kernel_matches_dequantised_reference(isa, bits, group, with_min):
         assert (got_b.float() - want_b).abs().max().item() <= TOL_BF16_OUT * scale
         got_f = lowbit_linear(xb, w, bias, lib=lib, out_dtype=torch.float32)
         assert (got_f - want_b).abs().max().item() <= TOL_F32 * scale
+
+
+@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 4, False), (8, 32, False), (8, 96, True)])
+def test_bf16_dot_path_matches_the_fma_path_and_the_reference(bits, group, with_min):
+    """avx512's AVX512-BF16 path (VDPBF16PS) for bfloat16 activations: same sums as the float32 FMA path."""
+    lib = _lib("avx512")
+    if "avx512_bf16" not in cpu_flags():
+        pytest.skip("this CPU has no AVX512-BF16: the dot-product path cannot run (the FMA path serves bfloat16)")
+    n, k = 40, 192
+    w = _weight(bits, n, k, group, with_min, seed=5)
+    dense = w.dequantize()
+    try:
+        for m in (1, 2, 3, 4, 5, 6, 7, 8, 11):           # every row-count specialisation and a second row pass
+            xb = torch.randn(m, k).bfloat16()
+            xb[0, :8] = 0                                 # zeros and an exact pair, as real activations have
+            want = xb.float() @ dense.t()
+            scale = want.abs().max().item()
+            assert set_bf16_dot(lib, True)
+            dot = lowbit_linear(xb, w, lib=lib, out_dtype=torch.float32)
+            assert not set_bf16_dot(lib, False)
+            fma = lowbit_linear(xb, w, lib=lib, out_dtype=torch.float32)
+            assert (dot - want).abs().max().item() <= TOL_F32 * scale, m
+            assert (dot - fma).abs().max().item() <= TOL_F32 * scale, m
+            set_bf16_dot(lib, True)
+            strided = torch.randn(m, k + 10).bfloat16()[:, 3:3 + k]     # rows ldx apart, not 4-byte aligned
+            torch.testing.assert_close(lowbit_linear(strided, w, lib=lib, out_dtype=torch.float32),
+                                       strided.float() @ dense.t(), rtol=0, atol=TOL_F32 * 50)
+    finally:
+        set_bf16_dot(lib, True)
+
+
+def test_bf16_dot_is_never_on_without_its_instructions():
+    for isa in ("avx2", "scalar"):
+        if isa_supported(isa) and (lib := load_kernel(isa)) is not None:
+            assert not set_bf16_dot(lib, True)
 
 
 @pytest.mark.parametrize("isa", list(ISAS))

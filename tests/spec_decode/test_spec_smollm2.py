@@ -26,3 +26,30 @@ def test_ngram_greedy_identical_on_smollm2():
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] == want_batch
     st = llm.engine_core.scheduler.spec_stats
     assert st.num_accepted_tokens > 10 and st.acceptance_rate > 0.3
+
+
+def test_early_exit_gguf_draft_is_greedy_identical_and_runs_low_bit(tmp_path):
+    """The benchmark's draft: the target's first layers as a GGUF (same Q4_1/Q8_0 blocks), loaded with its
+    low-bit codes like the target; greedy output equals the target's alone."""
+    import gguf
+
+    from tokenmill.model.loader import default_model_path
+    from tokenmill.spec_decode.early_exit import truncate_gguf
+
+    path = truncate_gguf(default_model_path(), 3, tmp_path / "draft.gguf")
+    r = gguf.GGUFReader(path)
+    assert int(r.fields["llama.block_count"].contents()) == 3
+    assert {t.name.split(".")[1] for t in r.tensors if t.name.startswith("blk.")} == {"0", "1", "2"}
+    with pytest.raises(ValueError, match="layers must be"):
+        truncate_gguf(default_model_path(), 0, tmp_path / "bad.gguf")
+    prompt = f"Repeat this text exactly:\n{TEXT}\nRepeated:\n"
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    base = LLM(dtype="float32", num_kv_blocks=128)
+    want = base.generate(prompt, greedy)[0].outputs[0].token_ids
+    del base
+    llm = LLM(dtype="float32", num_kv_blocks=128,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3})
+    draft = llm.engine_core.executor.spec_decode.draft          # uniproc: the executor is the runner
+    assert draft.arch.num_hidden_layers == 3 and draft.lowbit_layers == 3 * 4 + 1
+    assert llm.generate(prompt, greedy)[0].outputs[0].token_ids == want
+    assert llm.engine_core.scheduler.spec_stats.num_draft_tokens > 0

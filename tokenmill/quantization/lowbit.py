@@ -21,6 +21,9 @@ One C source is compiled per ISA variant by
 x86-64-v3, ``scalar``); the process uses the best one the CPU runs
 (``TOKENMILL_CPU_ISA`` forces a lower one); ``TOKENMILL_CPU_LOWBIT_KERNEL=0``
 turns the kernel off (low-bit layers then dequantise per call with torch ops).
+The ``avx512`` variant also carries a bfloat16 dot-product path
+(``VDPBF16PS``, used for bfloat16 activations where the CPU has AVX512-BF16,
+checked at run time; :func:`set_bf16_dot`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 TILE = 16  # output rows per packed tile (the C kernel's NT)
 
 ENV_SWITCH = "TOKENMILL_CPU_LOWBIT_KERNEL"
+#: ``0`` keeps bfloat16 activations on the float32 FMA path even where AVX512-BF16 dot products exist.
+BF16_DOT_SWITCH = "TOKENMILL_CPU_LOWBIT_BF16_DOT"
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -68,7 +73,26 @@ def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
     if lib is not None:
         lib.tm_lowbit_isa.restype = ctypes.c_char_p
         lib.tm_lowbit_isa.argtypes = []
+        lib.tm_lowbit_set_bf16_dot.restype = ctypes.c_int
+        lib.tm_lowbit_set_bf16_dot.argtypes = [ctypes.c_int]
+        set_bf16_dot(lib, os.environ.get(BF16_DOT_SWITCH, "1") != "0")
     return lib
+
+
+def set_bf16_dot(lib: ctypes.CDLL, on: bool) -> bool:
+    """Switch the kernel's bfloat16 dot-product path (AVX512-BF16 ``VDPBF16PS``) on or off in ``lib``.
+
+    With bfloat16 activations that path multiplies pairs of bfloat16 values
+    per instruction (32 multiply-adds where a float32 FMA does 16): steps of
+    a few rows (speculative decoding's verify steps), which the float32 path
+    makes compute-bound, cost about half. Products of a bfloat16 activation
+    and a code are exact in float32, so results equal the float32 path's up
+    to summation order. ``TOKENMILL_CPU_LOWBIT_BF16_DOT=0`` keeps it off.
+
+    Returns:
+        whether it is on now (never on the avx2/scalar variants or a CPU without AVX512-BF16).
+    """
+    return bool(lib.tm_lowbit_set_bf16_dot(int(on)))
 
 
 @dataclass
@@ -224,7 +248,9 @@ def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = 
 def _default_kernel() -> ctypes.CDLL | None:
     lib = load_kernel()
     if lib is not None:
-        logger.info("low-bit GEMM kernel: %s path", lib.tm_lowbit_isa().decode())
+        dot = bool(lib.tm_lowbit_set_bf16_dot(int(os.environ.get(BF16_DOT_SWITCH, "1") != "0")))
+        logger.info("low-bit GEMM kernel: %s path%s", lib.tm_lowbit_isa().decode(),
+                    ", bfloat16 activations on AVX512-BF16 dot products" if dot else "")
     return lib
 
 

@@ -203,16 +203,24 @@ class DraftModel:
     """
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, runner) -> None:
-        from tokenmill.model.layers.linear import pack_linear_weights
+        from tokenmill.model.layers.linear import attach_lowbit_weights, lowbit_max_tokens, pack_linear_weights
         from tokenmill.model.loader import load_model
 
-        loaded = load_model(spec.model, dtype=runner.dtype, device=runner.device, with_tokenizer=False)
+        # A GGUF draft keeps its low-bit codes for small steps, as the target does (its k proposal steps are
+        # steps of one token per request: dense bfloat16 weights would make each cost more than the target's).
+        limit = lowbit_max_tokens(runner.device, runner.dtype) if config.model.enforce_eager else 0
+        loaded = load_model(spec.model, dtype=runner.dtype, device=runner.device, with_tokenizer=False,
+                            lowbit=limit > 0)
         if loaded.arch.vocab_size != runner.arch.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({loaded.arch.vocab_size} tokens) "
                              f"differs from the target's ({runner.arch.vocab_size}); it must share the tokenizer")
         self.model = loaded.model
         self.arch = loaded.arch
         pack_linear_weights(self.model)
+        self.lowbit_layers = 0
+        if limit and loaded.lowbit_weights:
+            self.lowbit_layers = attach_lowbit_weights(self.model, loaded.lowbit_weights, limit)[0]
+        loaded.lowbit_weights = None
         self.device = runner.device
         self.block_size = runner.block_size
         self.max_model_len = runner.max_model_len
@@ -221,9 +229,11 @@ class DraftModel:
         self.kv_caches = [torch.zeros(shape, dtype=runner.dtype, device=self.device)
                           for _ in range(self.arch.num_hidden_layers)]
         self._q: dict[str, torch.Tensor] = {}
-        logger.info("draft model %s: %d layers, KV pool %d blocks (%.1f MiB)", loaded.name,
+        logger.info("draft model %s: %d layers, KV pool %d blocks (%.1f MiB), %s", loaded.name,
                     self.arch.num_hidden_layers, runner.num_kv_blocks + 1,
-                    sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20)
+                    sum(t.numel() * t.element_size() for t in self.kv_caches) / 2**20,
+                    f"low-bit codes in {self.lowbit_layers} linears for steps <= {limit} tokens"
+                    if self.lowbit_layers else "dense weights")
 
     def has_q(self, req_id: str, k: int) -> bool:
         q = self._q.get(req_id)

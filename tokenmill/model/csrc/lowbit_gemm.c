@@ -13,7 +13,8 @@
  * for all M activation rows.
  *
  * One source, compiled per ISA variant by tokenmill/model/layers/cpu_build.py:
- *   AVX-512F (+BW/VL/DQ) path: one 16-lane zmm per tile, up to 8 activation rows per pass;
+ *   AVX-512F (+BW/VL/DQ) path: one 16-lane zmm per tile, up to 8 activation rows per pass; with bfloat16
+ *     activations on a CPU with AVX512-BF16 (checked at run time), the bf16 dot-product path below;
  *   AVX2+FMA path: two 8-lane halves per tile, up to 4 rows per pass;
  *   portable C path otherwise.
  */
@@ -199,6 +200,132 @@ AI void tile8(const int8_t *codes, const float *sc, const float *mn, const float
 }
 #endif
 
+#if defined(__AVX512F__)
+/* bfloat16-activation path (AVX512-BF16, Cooper Lake / Zen 4 and later).
+ * VDPBF16PS multiplies pairs of bfloat16 and adds both products to a float32 lane: 32 multiply-adds per
+ * instruction where the float32 path's FMA does 16, so a verify step of a few rows (speculative decoding),
+ * which is compute-bound on the float32 path, costs about half. Codes become bfloat16 pairs in registers:
+ * 4-bit codes 0..15 by a 32-entry word table (VPERMW reads 5 index bits, so the table repeats its 16
+ * entries and the bits above the nibble need no masking), 8-bit codes by int -> float32 -> the upper half
+ * (exact: |q| <= 128 fits bfloat16's 8 significant bits). Products of a bfloat16 activation and a code are
+ * exact in float32, so the result equals the widened path's up to summation order (VDPBF16PS flushes
+ * denormal inputs to zero). Activation pairs (x[k], x[k+1]) are one 32-bit broadcast straight from the
+ * bfloat16 rows. */
+#define TBF __attribute__((target("avx512bf16")))
+#define AIBF static inline __attribute__((always_inline, target("avx512bf16")))
+#define DP(acc, w, xp) _mm512_dpbf16_ps(acc, (__m512bh)(w), (__m512bh)_mm512_set1_epi32(*(const int32_t *)(xp)))
+
+/* 16 lanes of (bf16 q[k], bf16 q[k+1]) from the 16 code bytes at c (4-bit pairs). */
+AIBF __m512i dec4_bf16(const uint8_t *c, __m512i table) {
+    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(v, _mm512_slli_epi32(v, 12)), table);
+}
+/* 16 lanes of (bf16 q[k], bf16 q[k+1]) from the 16-byte code rows of k (c) and k+1 (c + NT), 8-bit. */
+AIBF __m512i dec8_bf16(const int8_t *c) {
+    __m512i f0 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))));
+    __m512i f1 = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+        _mm_loadu_si128((const __m128i *)(c + NT)))));
+    /* low word: f0's upper half; high word: f1's upper half (A | (B & C) = 0xF8) */
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(f0, 16), f1, _mm512_set1_epi32((int)0xFFFF0000u), 0xF8);
+}
+
+/* As tile4/tile8, with xb: bfloat16 rows K apart (pairs read as int32). */
+AIBF void tile_bf16(int bits, const void *codes, const float *sc, const float *mn, const uint16_t *xb,
+                    const float *xs, int64_t K, int64_t G, int MR, float *out) {
+    const int64_t ng = K / G, np = G / 2;      /* pairs per group (G is a multiple of 4: np even) */
+    const __m512i table = _mm512_set_epi16(
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+        0x4040, 0x4000, 0x3F80, 0x0000,
+        0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080,
+        0x4040, 0x4000, 0x3F80, 0x0000);
+    __m512 acc[MR_MAX];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < ng; g++) {
+        __m512 ga[4][MR_MAX];
+        for (int a = 0; a < NA(MR); a++)
+            for (int r = 0; r < MR; r++) ga[a][r] = _mm512_setzero_ps();
+        const uint16_t *xg = xb + g * G;
+        int64_t p = 0;
+        for (; p + 4 <= np; p += 4) {
+            __m512i w0, w1, w2, w3;
+            if (bits == 4) {
+                const uint8_t *c = (const uint8_t *)codes + (g * np + p) * NT;
+                w0 = dec4_bf16(c, table); w1 = dec4_bf16(c + NT, table);
+                w2 = dec4_bf16(c + 2 * NT, table); w3 = dec4_bf16(c + 3 * NT, table);
+            } else {
+                const int8_t *c = (const int8_t *)codes + (g * G + 2 * p) * NT;
+                w0 = dec8_bf16(c); w1 = dec8_bf16(c + 2 * NT); w2 = dec8_bf16(c + 4 * NT); w3 = dec8_bf16(c + 6 * NT);
+            }
+            for (int r = 0; r < MR; r++) {
+                const uint16_t *xr = xg + r * K + 2 * p;
+                ga[0][r] = DP(ga[0][r], w0, xr);
+                ga[1][r] = DP(ga[1][r], w1, xr + 2);
+                ga[2 % NA(MR)][r] = DP(ga[2 % NA(MR)][r], w2, xr + 4);
+                ga[3 % NA(MR)][r] = DP(ga[3 % NA(MR)][r], w3, xr + 6);
+            }
+        }
+        for (; p < np; p += 2) {
+            __m512i w0, w1;
+            if (bits == 4) {
+                const uint8_t *c = (const uint8_t *)codes + (g * np + p) * NT;
+                w0 = dec4_bf16(c, table); w1 = dec4_bf16(c + NT, table);
+            } else {
+                const int8_t *c = (const int8_t *)codes + (g * G + 2 * p) * NT;
+                w0 = dec8_bf16(c); w1 = dec8_bf16(c + 2 * NT);
+            }
+            for (int r = 0; r < MR; r++) {
+                const uint16_t *xr = xg + r * K + 2 * p;
+                ga[0][r] = DP(ga[0][r], w0, xr);
+                ga[1][r] = DP(ga[1][r], w1, xr + 2);
+            }
+        }
+        __m512 s = _mm512_loadu_ps(sc + g * NT);
+        for (int r = 0; r < MR; r++) {
+            __m512 t = _mm512_add_ps(ga[0][r], ga[1][r]);
+            if (NA(MR) == 4) t = _mm512_add_ps(t, _mm512_add_ps(ga[2][r], ga[3][r]));
+            acc[r] = _mm512_fmadd_ps(t, s, acc[r]);
+        }
+        if (mn) {
+            __m512 m = _mm512_loadu_ps(mn + g * NT);
+            for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * ng + g]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(out + r * NT, acc[r]);
+}
+
+TBF static void tile_rows_bf16(int bits, const void *codes, const float *sc, const float *mn, const uint16_t *xb,
+                               const float *xs, int64_t K, int64_t G, int mr, float *out) {
+    switch (mr) {
+        case 1: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 1, out); break;
+        case 2: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 2, out); break;
+        case 3: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 3, out); break;
+        case 4: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 4, out); break;
+        case 5: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 5, out); break;
+        case 6: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 6, out); break;
+        case 7: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 7, out); break;
+        case 8: tile_bf16(bits, codes, sc, mn, xb, xs, K, G, 8, out); break;
+        default: break;
+    }
+}
+#define HAVE_BF16_DOT 1
+static int bf16_dot_on = -1;       /* -1: not decided yet (on where the CPU has AVX512-BF16) */
+#else
+#define HAVE_BF16_DOT 0
+static int bf16_dot_on = 0;
+#endif
+
+/* Switch the bfloat16 dot-product path on (1) or off (0) for this process; returns whether it is on now
+ * (never on a variant without it or a CPU without AVX512-BF16). Ablations and tests switch it. */
+int tm_lowbit_set_bf16_dot(int on) {
+#if HAVE_BF16_DOT
+    __builtin_cpu_init();
+    bf16_dot_on = on && __builtin_cpu_supports("avx512bf16");
+#else
+    (void)on;
+#endif
+    return bf16_dot_on;
+}
+
 /* One tile for rows r0 .. r0+mr-1, dispatched to a constant row count so the accumulators stay in registers. */
 static void tile_rows(int bits, const void *codes, const float *sc, const float *mn, const float *xf,
                       const float *xs, int64_t K, int64_t G, int mr, float *out) {
@@ -225,12 +352,25 @@ void tm_lowbit_gemm(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
                     void *y, int y_bf16, int64_t ldy) {
     const int64_t ng = K / group, ntiles = (N + NT - 1) / NT;
     const int64_t tile_bytes = bits == 4 ? K / 2 * NT : K * NT;
+    if (bf16_dot_on < 0) tm_lowbit_set_bf16_dot(1);
+    const int dot = x_bf16 && bf16_dot_on;
+    /* xf: float32 rows (the float32 path) or the bfloat16 rows copied contiguously (the dot path) */
     float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K + M * ng));
     float *xs = xf + M * K;
     for (int64_t r = 0; r < M; r++) {
         float *dst = xf + r * K;
         if (x_bf16) {
             const uint16_t *src = (const uint16_t *)x + r * ldx;
+            if (dot) {
+                memcpy((uint16_t *)xf + r * K, src, sizeof(uint16_t) * (size_t)K);
+                if (min)
+                    for (int64_t g = 0; g < ng; g++) {
+                        float s = 0.f;
+                        for (int64_t k = 0; k < group; k++) s += bf16_to_f32(src[g * group + k]);
+                        xs[r * ng + g] = s;
+                    }
+                continue;
+            }
             for (int64_t k = 0; k < K; k++) dst[k] = bf16_to_f32(src[k]);
         } else {
             memcpy(dst, (const float *)x + r * ldx, sizeof(float) * (size_t)K);
@@ -250,6 +390,11 @@ void tm_lowbit_gemm(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
         const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
         for (int64_t r0 = 0; r0 < M; r0 += MR_MAX) {
             const int mr = (int)(M - r0 < MR_MAX ? M - r0 : MR_MAX);
+#if HAVE_BF16_DOT
+            if (dot)
+                tile_rows_bf16(bits, c, sc, mn, (const uint16_t *)xf + r0 * K, xs + r0 * ng, K, group, mr, out);
+            else
+#endif
             tile_rows(bits, c, sc, mn, xf + r0 * K, xs + r0 * ng, K, group, mr, out);
             for (int r = 0; r < mr; r++)
                 for (int64_t j = 0; j < nn; j++) {
