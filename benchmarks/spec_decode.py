@@ -153,11 +153,18 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
         rid = llm._add(queue.pop(0), params, 0, None)
         live[rid] = [time.perf_counter(), None, None, 0]
 
+    parts: dict[str, float] = {}
+    steps = 0
+    runner = getattr(core.executor, "last_timings", None) is not None and core.executor
     t0 = time.perf_counter()
     while queue and len(live) < concurrency:
         add()
     while live:
         deltas, stop_ids = proc.process_outputs(core.step())
+        if runner:
+            steps += 1
+            for k, v in runner.last_timings.items():
+                parts[k] = parts.get(k, 0.0) + v
         if stop_ids:
             core.stop_requests(stop_ids)
         now = time.perf_counter()
@@ -185,7 +192,8 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: SamplingParams, 
     return {"wall_s": wall, "output_tokens": out_tokens, "tok_s": out_tokens / wall,
             "tpot_p50_ms": 1e3 * pct(tpots, 50), "tpot_p99_ms": 1e3 * pct(tpots, 99),
             "acceptance_rate": acc / dtoks if dtoks else None,
-            "mean_acceptance_length": 1 + acc / drafts if drafts else None}
+            "mean_acceptance_length": 1 + acc / drafts if drafts else None,
+            "steps": steps, "step_ms": {k: 1e3 * v / max(steps, 1) for k, v in parts.items()}}
 
 
 def main() -> None:
@@ -222,7 +230,8 @@ def main() -> None:
     configs = [c for c in args.configs.split(",") if c in specs]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     print(f"# spec_decode benchmark {time.strftime('%Y-%m-%d %H:%M')} | load average {os.getloadavg()[0]:.1f} "
-          f"| dtype {args.dtype} | output_len {args.output_len} | ngram k={args.k} (n 2..4), dyn {args.dyn} | "
+          f"| dtype {args.dtype} | threads {os.environ.get('TOKENMILL_NUM_THREADS', 'all CPUs')} "
+          f"| output_len {args.output_len} | ngram k={args.k} (n 2..4), dyn {args.dyn} | "
           f"draft: first {args.draft_layers} layers, k={args.draft_k}", flush=True)
     results = []
     llms = {name: LLM(args.model, dtype=args.dtype, speculative_config=specs[name],
@@ -234,8 +243,9 @@ def main() -> None:
         prompts[w] = (lookup_prompts(first, n, args.seed) if w == "lookup"
                       else mtbench_prompts(first, Path(args.mt_bench), n, args.seed))
     for w in workloads:
-        print(f"\n## {w}\n| c | config | output tok/s | TPOT p50 ms | TPOT p99 ms | acceptance | mean acc. len | vs base |")
-        print("|---|---|---|---|---|---|---|---|", flush=True)
+        print(f"\n## {w}\n| c | config | output tok/s | TPOT p50 ms | TPOT p99 ms | acceptance | mean acc. len | vs base "
+              f"| ms per step: forward / sample / propose |")
+        print("|---|---|---|---|---|---|---|---|---|", flush=True)
         for c in concs:
             n = args.num_prompts or min(max(4, 2 * c), 64)
             # warm-up (kernels, allocator) off the clock, then the same prompts for every config
@@ -253,7 +263,9 @@ def main() -> None:
                 fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
                 print(f"| {c} | {name} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | "
                       f"{fmt(r['acceptance_rate'], '.2f')} | {fmt(r['mean_acceptance_length'], '.2f')} | "
-                      f"{fmt(r['tok_s'] / base_tps if base_tps else None, '.2f')}x |", flush=True)
+                      f"{fmt(r['tok_s'] / base_tps if base_tps else None, '.2f')}x | "
+                      f"{' / '.join(format(r['step_ms'].get(p, 0.0), '.1f') for p in ('forward', 'sample', 'propose'))}"
+                      f" |", flush=True)
     print(f"\n# load average at the end {os.getloadavg()[0]:.1f}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
