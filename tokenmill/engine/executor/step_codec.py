@@ -54,12 +54,14 @@ class StepDescription:
         total_num_scheduled_tokens: tokens in the flattened batch.
         preempted_req_ids, finished_req_ids: as in :class:`SchedulerOutput`;
             the worker drops their cached state.
+        num_spec_tokens: as in :class:`SchedulerOutput` (draft tokens to propose for the next step).
     """
 
     items: list = field(default_factory=list)
     total_num_scheduled_tokens: int = 0
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
+    num_spec_tokens: int = 0
 
     @property
     def num_new(self) -> int:
@@ -90,7 +92,7 @@ class StepEncoder:
         for rid in so.finished_req_ids:
             self._sent.pop(rid, None)
         return StepDescription(items, so.total_num_scheduled_tokens, list(so.preempted_req_ids),
-                               set(so.finished_req_ids))
+                               set(so.finished_req_ids), so.num_spec_tokens)
 
     @property
     def num_cached(self) -> int:
@@ -129,7 +131,8 @@ class StepDecoder:
             scheduled.append(req)
         return SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=desc.total_num_scheduled_tokens,
                                preempted_req_ids=list(desc.preempted_req_ids),
-                               finished_req_ids=set(desc.finished_req_ids))
+                               finished_req_ids=set(desc.finished_req_ids),
+                               num_spec_tokens=desc.num_spec_tokens)
 
     @property
     def num_cached(self) -> int:
