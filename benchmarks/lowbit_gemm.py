@@ -65,6 +65,11 @@ def model_step(args) -> None:
             cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=256, block_size=16, max_model_len=1024)
             runners[(dtype, limit)] = ModelRunner.from_config(cfg, with_tokenizer=False)
     torch.set_num_threads(args.threads)
+    from tokenmill.quantization.lowbit import _default_kernel
+
+    dot_lib = _default_kernel()
+    if dot_lib is not None and not set_bf16_dot(dot_lib, True):
+        dot_lib = None                      # no AVX512-BF16: nothing to ablate
     print(f"decode step, context {args.context}, threads {args.threads}, load average {os.getloadavg()[0]:.1f}")
     base: dict[str, float] = {}
     for b in (int(r) for r in args.rows.split(",")):
@@ -74,21 +79,33 @@ def model_step(args) -> None:
             tables = [list(range(i * nb, (i + 1) * nb)) for i in range(b)]
             md, pos = build_attention_metadata([ctx] * b, [q] * b, tables, 16)
             ids = torch.randint(0, 49152, (b * q,))
-            times = {k: [] for k in runners}
+            arms = [(k, True) for k in runners] + ([((d, "8"), False) for d in args.dtypes.split(",")
+                                                     if d == "bfloat16"] if dot_lib is not None else [])
+            times = {a: [] for a in arms}
             with torch.inference_mode():
                 for _ in range(args.reps):
-                    for k, r in runners.items():
+                    for arm in arms:
+                        r = runners[arm[0]]
+                        if dot_lib is not None:
+                            set_bf16_dot(dot_lib, arm[1])
+                        md.cache.clear()
                         t = time.perf_counter()
                         r.model.compute_logits(r.model(ids, pos, r.kv_caches, md))
-                        times[k].append(time.perf_counter() - t)
+                        times[arm].append(time.perf_counter() - t)
+            if dot_lib is not None:
+                set_bf16_dot(dot_lib, True)
+            med = lambda a: sorted(times[a])[args.reps // 2]  # noqa: E731
             for dtype in args.dtypes.split(","):
-                on = sorted(times[(dtype, "8")])[args.reps // 2]
-                off = sorted(times[(dtype, "0")])[args.reps // 2]
+                on, off = med(((dtype, "8"), True)), med(((dtype, "0"), True))
                 if b == 1 and q == 1:
                     base[dtype] = on
                 rel = f", {on / base[dtype]:.2f}x the 1-token step" if dtype in base else ""
+                fma = ""
+                if ((dtype, "8"), False) in times:
+                    f = med(((dtype, "8"), False))
+                    fma = f"; low-bit without the bf16 dot path {f * 1e3:.1f} ms ({f / on:.2f}x the dot path's)"
                 print(f"B={b} q={q} ({b * q} tokens) {dtype}: low-bit codes {on * 1e3:.1f} ms, "
-                      f"dense {off * 1e3:.1f} ms -> {off / on:.2f}x{rel}", flush=True)
+                      f"dense {off * 1e3:.1f} ms -> {off / on:.2f}x{rel}{fma}", flush=True)
 
 
 def main() -> None:
