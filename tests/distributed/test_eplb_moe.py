@@ -86,3 +86,23 @@ def test_rebalancing_mid_run_keeps_greedy_outputs_one_rank(skewed_moe, reference
             assert torch.equal(layer.w13[s], ref[i].w13[e]) and torch.equal(layer.w2[s], ref[i].w2[e]), (i, s, e)
     assert st.expert_imbalance_ratio > 2.0          # the router is skewed
     assert st.imbalance_ratio == 1.0                # one rank: nothing to balance, only the maps changed
+
+
+def test_two_ranks_rebalance_keeps_outputs_and_drops_measured_imbalance(skewed_moe, reference, monkeypatch):
+    """EP = 2 (mp workers, gloo): one rebalance at step 10 of ~16; greedy tokens equal one process's; the
+    imbalance measured after it (busiest / mean rank) is lower than the one measured before it."""
+    monkeypatch.setenv("TOKENMILL_EPLB_STATS_STEPS", "1")       # workers inherit it: fresh stats every step
+    eplb = {"window_size": 10, "step_interval": 10, "num_redundant_experts": 2}
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(skewed_moe, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True, eplb_config=eplb,
+             **ENGINE) as llm:
+        outs = llm.generate(_prompts(), params)
+        st = llm.engine_core.get_stats().eplb
+        steps = llm.engine_core.get_stats().num_steps
+    assert [o.outputs[0].token_ids for o in outs] == [r[:12] for r in reference]
+    assert 10 < steps < 20, steps
+    assert st.num_ranks == 2 and st.num_rebalances == 1 and st.num_placement_changes == 1
+    assert st.num_experts_moved >= 1
+    assert st.imbalance_before > 1.3, st                 # the hot experts start on one rank
+    assert st.imbalance_ratio < st.imbalance_before - 0.2, st
+    assert st.imbalance_after < st.imbalance_before

@@ -47,6 +47,7 @@ point-to-point operations).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -693,8 +694,8 @@ class EplbController:
             divide over ``ep_size``.
     """
 
-    # refresh the metrics snapshot (one small all-reduce) this often, in steps
-    STATS_EVERY = 32
+    # refresh the metrics snapshot (two small all-reduces) this often, in steps (TOKENMILL_EPLB_STATS_STEPS)
+    STATS_EVERY = int(os.environ.get("TOKENMILL_EPLB_STATS_STEPS", "32"))
 
     def __init__(self, layers: Sequence, config, ep_rank: int = 0, ep_size: int = 1, group=None,
                  global_ranks: Sequence[int] | None = None, num_groups: int = 1, num_nodes: int = 1) -> None:
@@ -860,7 +861,7 @@ class EplbController:
 def expert_parallel_size(parallel_config) -> int:
     """Ranks the experts are spread over: the tensor-parallel group of a pipeline stage with
     ``--enable-expert-parallel``, else 1 (every rank holds every expert)."""
-    return parallel_config.tensor_parallel_size if getattr(parallel_config, "enable_expert_parallel", False) else 1
+    return parallel_config.tensor_parallel_size if parallel_config.enable_expert_parallel else 1
 
 
 def check_eplb_startup(parallel_config, arch) -> None:
@@ -878,10 +879,10 @@ def check_eplb_startup(parallel_config, arch) -> None:
     """
     if not parallel_config.enable_eplb:
         return
-    num_experts = int(getattr(arch, "num_experts", 0) or 0)
-    if not num_experts:
+    num_experts = arch.num_experts
+    if not arch.is_moe:
         raise ValueError(f"--enable-eplb needs a mixture-of-experts model; {arch.architecture} has no experts")
-    if not getattr(parallel_config, "enable_expert_parallel", False):
+    if not parallel_config.enable_expert_parallel:
         raise ValueError("--enable-eplb needs --enable-expert-parallel (experts placed over the ranks)")
     ep = expert_parallel_size(parallel_config)
     r = parallel_config.eplb.num_redundant_experts

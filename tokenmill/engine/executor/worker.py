@@ -134,6 +134,13 @@ class Worker:
                                                 enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
         self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids)
+        if par.enable_eplb:
+            from tokenmill.distributed.eplb import build_controller, expert_parallel_size
+
+            ep, ctx = expert_parallel_size(par), self.ctx
+            self.runner.eplb = build_controller(
+                config, model, ep_rank=ctx.tp_rank if ep > 1 else 0, ep_size=ep, group=ctx.ep.group,
+                global_ranks=[ctx.pp_rank * ctx.tp_size + i for i in range(ctx.tp_size)])
         self.decoder = StepDecoder()
         self.is_output_rank = self.layout.is_last_stage and self.layout.tp_rank == 0
         self.info = WorkerInfo(rank=rank, pid=os.getpid(), layout=self.layout.describe(), weight_bytes=wb,
