@@ -714,7 +714,8 @@ class EplbController:
         p2l = torch.stack([layer.physical_to_logical.detach().to("cpu", torch.int64) for layer in self.layers])
         self.placement = ExpertPlacement.from_physical_to_logical(p2l, num_logical, ep_size)
         self.window = ExpertLoadWindow(len(self.layers), num_logical, config.window_size)
-        self._since = torch.zeros(len(self.layers), num_physical, dtype=torch.int64)   # this rank's counts
+        self._total = torch.zeros(len(self.layers), num_physical, dtype=torch.int64)   # this rank's counts
+        self._total_at_rebalance = torch.zeros_like(self._total)      # the group's totals at the last rebalance
         self.num_steps = 0
         self.num_rebalances = 0
         self.num_placement_changes = 0
@@ -739,7 +740,7 @@ class EplbController:
         """
         counts = torch.stack([layer.take_expert_load().detach().to("cpu", torch.int64) for layer in self.layers])
         self.window.record(logical_counts(counts, self.placement))
-        self._since += counts
+        self._total += counts
         self.num_steps += 1
         cfg = self.config
         if cfg.log_balancedness and self.num_steps % cfg.log_balancedness_interval == 0:
@@ -748,7 +749,7 @@ class EplbController:
             self.rebalance()
             return True
         if self.num_steps % self.STATS_EVERY == 0 or self._stats is None:
-            self._stats = self._snapshot(self._all_reduce(self._since), self._all_reduce(self.window.load()))
+            self._stats = self._snapshot(self._all_reduce(self._total), self._all_reduce(self.window.load()))
         return False
 
     def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
@@ -784,8 +785,9 @@ class EplbController:
         """
         t0 = time.perf_counter()
         load = self._all_reduce(self.window.load())                      # [L, E] over the group
-        measured = self._all_reduce(self._since)
-        self.imbalance_before = imbalance_ratio(self._rank_loads_measured(measured))
+        total = self._all_reduce(self._total)
+        self.imbalance_before = imbalance_ratio(self._rank_loads_measured(total - self._total_at_rebalance))
+        self._total_at_rebalance = total
         old = self.placement
         new = preserve_slots(rebalance_experts(load, old.num_physical, self.num_groups, self.num_nodes,
                                                self.ep_size), old)
@@ -805,10 +807,9 @@ class EplbController:
             self.num_experts_moved += self.last_move.num_moves
         self.imbalance_after = predicted_new if changed else predicted_old
         self.num_rebalances += 1
-        self._since.zero_()
         self.last_rebalance_seconds = time.perf_counter() - t0
         self.rebalance_seconds_total += self.last_rebalance_seconds
-        self._stats = self._snapshot(torch.zeros_like(measured), load)
+        self._stats = self._snapshot(total, load)
         if self.ep_rank == 0:
             logger.info(
                 "EPLB rebalance %d at step %d: imbalance %.3f measured -> %.3f predicted (%s; %d replicas moved, "
@@ -818,7 +819,17 @@ class EplbController:
         return changed
 
     # -- reporting -----------------------------------------------------------------------------------------------
-    def _snapshot(self, measured: torch.Tensor, load: torch.Tensor) -> EplbStats:
+    def _snapshot(self, total: torch.Tensor, load: torch.Tensor) -> EplbStats:
+        """Stats from the group's cumulative per-slot counts ``total`` ``[L, P]`` and the window ``load`` ``[L, E]``.
+
+        The measured imbalance covers the steps since the last rebalance; right
+        after one (no step yet) it stays the value measured before it.
+        """
+        since = total - self._total_at_rebalance
+        if int(since.sum()) > 0 or self.imbalance_before is None:
+            measured_ratio = imbalance_ratio(self._rank_loads_measured(since))
+        else:
+            measured_ratio = self.imbalance_before
         num_layers, num_logical = load.shape
         if num_layers * num_logical <= EPLB_MAX_LOAD_SERIES:
             labels, rows = [str(i) for i in range(num_layers)], load.tolist()
@@ -828,7 +839,8 @@ class EplbController:
             num_ranks=self.ep_size, num_moe_layers=num_layers, num_logical_experts=num_logical,
             num_physical_experts=self.placement.num_physical, window_steps=self.window.num_steps,
             load_layers=labels, expert_load=rows,
-            imbalance_ratio=imbalance_ratio(self._rank_loads_measured(measured)),
+            imbalance_ratio=measured_ratio,
+            rank_load_total=self._rank_loads_measured(total).to(torch.int64).tolist(),
             expert_imbalance_ratio=expert_imbalance_ratio(load),
             imbalance_before=self.imbalance_before, imbalance_after=self.imbalance_after,
             num_rebalances=self.num_rebalances, num_placement_changes=self.num_placement_changes,
@@ -840,7 +852,7 @@ class EplbController:
         and at each rebalance; local, no communication)."""
         if self._stats is None:
             z = torch.zeros(len(self.layers), self.placement.num_logical, dtype=torch.int64)
-            self._stats = self._snapshot(torch.zeros_like(self._since), z)
+            self._stats = self._snapshot(self._total.clone(), z)
         return self._stats
 
     def describe(self) -> str:

@@ -38,7 +38,11 @@ class EplbStats:
             routed to each logical expert over the window.
         imbalance_ratio: measured since the last rebalance: sum over layers of
             the busiest rank's assignments / sum over layers of the mean rank's
-            (1.0 = balanced; always 1.0 with one rank).
+            (1.0 = balanced; always 1.0 with one rank). Until a step has run
+            after a rebalance it stays the value measured before it.
+        rank_load_total: ``[num_moe_layers][num_ranks]`` assignments each rank
+            computed since start (measured; differences between two snapshots
+            give the imbalance over any range of steps).
         expert_imbalance_ratio: the same over logical experts (routing skew).
         imbalance_before: measured ``imbalance_ratio`` just before the last
             rebalance (None before the first).
@@ -59,6 +63,7 @@ class EplbStats:
     load_layers: list[str] = field(default_factory=list)
     expert_load: list[list[int]] = field(default_factory=list)
     imbalance_ratio: float = 1.0
+    rank_load_total: list[list[int]] = field(default_factory=list)
     expert_imbalance_ratio: float = 1.0
     imbalance_before: float | None = None
     imbalance_after: float | None = None
