@@ -106,3 +106,16 @@ def test_two_ranks_rebalance_keeps_outputs_and_drops_measured_imbalance(skewed_m
     assert st.imbalance_before > 1.3, st                 # the hot experts start on one rank
     assert st.imbalance_ratio < st.imbalance_before - 0.2, st
     assert st.imbalance_after < st.imbalance_before
+
+
+def test_eplb_refused_at_start_up_where_it_cannot_run(skewed_moe):
+    import psutil
+
+    with pytest.raises(ValueError, match="--enable-eplb needs --enable-expert-parallel"):
+        LLM(skewed_moe, enable_eplb=True, **ENGINE)
+    before = set(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match=r"8 experts \+ 1 redundant slots do not divide over 2 expert-parallel "
+                                         r"ranks; use e.g. \[2, 4\]"):
+        LLM(skewed_moe, tensor_parallel_size=2, enable_expert_parallel=True, enable_eplb=True,
+            eplb_config={"num_redundant_experts": 1}, **ENGINE)
+    assert set(psutil.Process().children(recursive=True)) == before
