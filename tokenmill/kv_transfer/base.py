@@ -245,7 +245,8 @@ class PullConnector(KVConnectorBase):
     # -- scheduler side ------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.sampling_params.kv_transfer_params
-        if not self.config.is_consumer or not wants_remote_prefill(params) or request.num_preemptions:
+        if (not self.config.is_consumer or not wants_remote_prefill(params) or request.num_preemptions
+                or request.sampling_params.prompt_logprobs is not None):   # prompt logprobs need the prompt computed
             return 0, False
         num_remote = min(int(params.get("remote_num_tokens") or request.num_prompt_tokens),
                          len(params["remote_block_ids"]) * self.block_size, request.num_prompt_tokens)
