@@ -36,7 +36,7 @@ def _core(tmp, connector=None, role=None):
 
 def _ids(core, rid, prompt_ids, sp):
     core.add_request(EngineCoreRequest(rid, prompt_ids, sp))
-    toks, deadline = [], time.monotonic() + 120
+    toks, deadline = [], time.monotonic() + 900
     while time.monotonic() < deadline:
         for o in core.step():
             if o.req_id == rid:
