@@ -319,6 +319,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="Also write the results here.")
     args = ap.parse_args()
+    # `timeout` (or Ctrl-C) must not orphan the servers: SystemExit unwinds through run_arm's finally
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     arms = args.arms.split(",")
     log_dir = tempfile.mkdtemp(prefix="disagg-bench-")
     load0 = os.getloadavg()[0]
