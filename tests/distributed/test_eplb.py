@@ -364,3 +364,20 @@ def test_controller_refuses_no_layers():
 
     with pytest.raises(ValueError, match="mixture-of-experts"):
         EplbController([], EplbConfig())
+
+
+def test_controller_logs_balancedness(caplog):
+    import logging
+
+    from tokenmill.config import EplbConfig
+    from tokenmill.distributed.eplb import EplbController
+
+    layers = [_FakeMoE(4, 0)]
+    ctl = EplbController(layers, EplbConfig(window_size=2, step_interval=100, log_balancedness=True,
+                                            log_balancedness_interval=2))
+    with caplog.at_level(logging.INFO, logger="tokenmill.distributed.eplb"):
+        for _ in range(4):
+            layers[0].route(torch.tensor([0, 0, 1, 2]))
+            ctl.after_step()
+    lines = [r.getMessage() for r in caplog.records if "balancedness" in r.getMessage()]
+    assert len(lines) == 2 and "balancedness 1.0000" in lines[0]      # one rank: always balanced
