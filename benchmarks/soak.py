@@ -190,15 +190,21 @@ async def soak(url: str, args: argparse.Namespace, api_pid: int | None) -> dict:
         model = (await client.get("/v1/models")).json()["data"][0]["id"]
         base = await _wait_idle(client, 5)
         core_pid0 = base["core_pid"]
+        start_rss = (_rss_mib(api_pid), _rss_mib(core_pid0))
         tally = Tally()
         sem = asyncio.Semaphore(args.concurrency)
         done = 0
         warm_rss: tuple[float, float] | None = None
         t0 = time.monotonic()
 
+        skipped = 0
+
         async def run(i: int) -> None:
-            nonlocal done, warm_rss
+            nonlocal done, warm_rss, skipped
             async with sem:
+                if args.max_duration and time.monotonic() - t0 > args.max_duration:
+                    skipped += 1      # the time budget is spent: the rest are not sent
+                    return
                 try:
                     await _one(client, random.Random(rng.random()), model, tally, args)
                 except httpx.HTTPError as e:
@@ -235,10 +241,11 @@ async def soak(url: str, args: argparse.Namespace, api_pid: int | None) -> dict:
         if g == g and g > args.max_rss_growth_mib:   # nan: not measurable (remote server)
             failures.append(f"{name} RSS grew {g:.1f} MiB after warm-up (limit {args.max_rss_growth_mib})")
     running = [ln for ln in metrics.splitlines() if ln.startswith("tokenmill:num_requests_running")]
-    return {"requests": args.requests, "elapsed_s": round(elapsed, 1), "ok": tally.ok,
+    return {"requests": args.requests - skipped, "not_sent_time_budget": skipped, "elapsed_s": round(elapsed, 1),
+            "ok": tally.ok,
             "disconnected": tally.disconnected, "bad_rejected": tally.bad_rejected, "busy_429": tally.busy_429,
             "server_errors": tally.server_errors, "kv_free_blocks": [base["num_free_blocks"], end["num_free_blocks"]],
-            "kv_blocks": end["num_kv_blocks"], "rss_warm_mib": warm_rss, "rss_end_mib": end_rss,
+            "kv_blocks": end["num_kv_blocks"], "rss_start_mib": start_rss, "rss_warm_mib": warm_rss, "rss_end_mib": end_rss,
             "rss_growth_mib": growth, "metrics_running": running, "failures": failures}
 
 
@@ -284,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600)
     p.add_argument("--drain-timeout", type=float, default=60)
     p.add_argument("--max-rss-growth-mib", type=float, default=64)
+    p.add_argument("--max-duration", type=float, default=0,
+                   help="stop sending new requests after this many seconds (0: send all), then drain and check")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p

@@ -112,9 +112,10 @@ def _config_or_exit(args: argparse.Namespace, command: str):
     try:
         int4_max_tokens_from_env()
         config = config_from_args(args)
-        from tokenmill.quantization.methods import check_startup
+        if config.model.quantization is not None:   # (imports torch, which the API process otherwise never needs)
+            from tokenmill.quantization.methods import check_startup
 
-        check_startup(config.model.quantization, config.model.device)
+            check_startup(config.model.quantization, config.model.device)
         return config
     except ValueError as e:
         print(f"tokenmill {command}: error: {e}", file=sys.stderr)
@@ -122,11 +123,11 @@ def _config_or_exit(args: argparse.Namespace, command: str):
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from tokenmill.server.launch import run_server
-
     config = _config_or_exit(args, "serve")
     if config is None:
         return 2
+    from tokenmill.server.launch import run_server
+
     return run_server(config)   # non-zero when the engine core died, so a supervisor restarts it
 
 

@@ -41,19 +41,21 @@ def load_tokenizer(path: str, use_cache: bool = True):
         FileNotFoundError: ``path`` does not exist.
         OSError / ValueError: transformers cannot build a tokenizer from it.
     """
-    from transformers import AutoTokenizer
-
     if not os.path.exists(path):
         raise FileNotFoundError(f"tokenizer path {path!r} does not exist")
     gg = _split_gguf(path)
     if gg is None:
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     cache = _tokenizer_cache_dir(path) if use_cache else None
     if cache and os.path.isfile(os.path.join(cache, "tokenizer.json")):
         try:
-            return AutoTokenizer.from_pretrained(cache, local_files_only=True)
+            return _load_fast_tokenizer(cache)
         except Exception:  # a corrupt cache entry: rebuild below
             pass
+    from transformers import AutoTokenizer
+
     folder, name = gg
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name, local_files_only=True)
     if not getattr(tok, "chat_template", None):
@@ -68,6 +70,27 @@ def load_tokenizer(path: str, use_cache: bool = True):
         except OSError:  # read-only home, race with another process: the cache is optional
             pass
     return tok
+
+
+def _load_fast_tokenizer(folder: str):
+    """A tokenizer we saved (``tokenizer.json`` + config), without ``AutoTokenizer`` when its class allows.
+
+    ``AutoTokenizer`` imports transformers' model configuration code, which imports torch (~2-4 s of the
+    API process's start-up, which otherwise never needs torch). A converted GGUF tokenizer is saved with
+    transformers' generic fast class (``TokenizersBackend`` / ``PreTrainedTokenizerFast``), which loads
+    directly from ``tokenization_utils_fast``; any other class goes through ``AutoTokenizer``.
+    """
+    import json
+
+    with open(os.path.join(folder, "tokenizer_config.json")) as f:
+        cls_name = json.load(f).get("tokenizer_class")
+    if cls_name in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+        from transformers.tokenization_utils_fast import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(folder, local_files_only=True)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 def _tokenizer_cache_dir(path: str) -> str | None:

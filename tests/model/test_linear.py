@@ -141,3 +141,41 @@ def test_attach_lowbit_weights_serves_a_tied_head_and_counts_bytes_per_format():
     count, by_fmt = attach_lowbit_weights(model, {"proj": w, "model.embed_tokens": head_w, "absent": w}, 8)
     assert count == 2 and by_fmt == {"Q4_1": w.nbytes + head_w.nbytes}
     assert model._logits_head.lowbit is head_w and model.proj.lowbit_max_rows == 8
+
+
+def test_background_packing_gives_the_synchronous_results():
+    """Packing in the background thread, or on the spot when a layer is needed first, gives the same outputs
+    as packing before the first step (the result never depends on the timing)."""
+    import threading
+
+    from tokenmill.model.layers import linear
+    from tokenmill.model.layers.attention import build_attention_metadata
+    from tokenmill.model.layers.linear import wait_for_packing
+
+    arch = tiny_arch("qwen2")
+    ids = torch.arange(3, 12)
+    caches = lambda: [torch.zeros(2, 8, 4, arch.num_key_value_heads, arch.head_dim)  # noqa: E731
+                      for _ in range(arch.num_hidden_layers)]
+    md, pos = build_attention_metadata([0], [len(ids)], [[0, 1, 2]], 4)
+    sync = build_model_from_config(arch, seed=1)
+    pack_linear_weights(sync)
+    with torch.inference_mode():
+        want = sync.compute_logits(sync(ids, pos, caches(), md))
+    # the step runs while the thread is held back: every layer is packed on the spot by the step itself
+    held = build_model_from_config(arch, seed=1)
+    with linear._PACK_LOCK:
+        n = pack_linear_weights(held, background=True)
+        assert any(m.packed_weight is None for m in held.modules() if isinstance(m, PackedLinear))
+        results = []
+        t = threading.Thread(target=lambda: results.append(held.compute_logits(held(ids, pos, caches(), md))))
+        with torch.inference_mode():
+            t.start()
+            t.join(0.2)                   # blocked on the lock the packer needs too
+    t.join(30)
+    assert n == arch.num_hidden_layers * 4 + 1 and len(results) == 1
+    assert torch.equal(results[0], want)
+    assert wait_for_packing(held, 30)
+    assert all(m.packed_weight is not None and m.weight_unpacked is None
+               for m in held.modules() if isinstance(m, PackedLinear))
+    with torch.inference_mode():
+        assert torch.equal(held.compute_logits(held(ids, pos, caches(), md)), want)

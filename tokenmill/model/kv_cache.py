@@ -95,6 +95,25 @@ def plan_kv_cache(cache: CacheConfig, arch, dtype: torch.dtype, max_model_len: i
     return layout
 
 
-def allocate_kv_caches(layout: KVCacheLayout, device: torch.device) -> list[torch.Tensor]:
-    """One zeroed tensor of :attr:`KVCacheLayout.shape` per layer, on ``device``."""
-    return [torch.zeros(layout.shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+def allocate_kv_caches(layout: KVCacheLayout, device: torch.device, zero: bool = False) -> list[torch.Tensor]:
+    """One tensor of :attr:`KVCacheLayout.shape` per layer, on ``device``, left uninitialised unless ``zero``.
+
+    No zeroing pass is needed (it took ~1.1 s of start-up for the default 1 GiB pool, and on CPU an
+    untouched allocation costs no memory until a block is written): attention reads only the
+    positions ``< seq_len`` of each request, all written before they are read (this step's K/V are
+    written before attention runs), and the padding rows of a compiled step write to the scratch
+    block, which no request reads. The CPU decode and prefill kernels loop over exactly those
+    positions; SDPA prefill gathers exactly them; the torch decode path, which gathers up to the
+    longest context of the batch, zeroes V past each request's length before the probability-weighted
+    sum (a masked position has probability 0, and 0 x NaN would be NaN). ``tests/model/test_kv_cache_nan.py``
+    fills the pool with NaN and checks every path against a zeroed pool.
+    ``TOKENMILL_KV_CACHE_ZERO=1`` (or ``zero=True``) zeroes it anyway.
+    """
+    import os
+
+    zero = zero or os.environ.get("TOKENMILL_KV_CACHE_ZERO", "0") == "1"
+    make = torch.zeros if zero else torch.empty
+    per_layer = torch.Size(layout.shape).numel() * torch.empty((), dtype=layout.dtype).element_size()
+    logger.info("allocating the KV cache: %d layers x %.1f MiB%s", layout.num_layers, per_layer / 2**20,
+                " (zeroed)" if zero else " (not zeroed: untouched pages cost nothing until written)")
+    return [make(layout.shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]

@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
-import logging
 import importlib.util
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -165,8 +165,40 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
     backend = attn_backend or get_attention_backend(device)
     with torch.device("meta"), _no_weight_init():
         model = cls(arch, attn_backend=backend)
-    # dtype first, on meta (free), so the real storage is allocated once in the final dtype
-    return model.to(dtype).to_empty(device=device)
+    return _materialize(model, dtype, device)
+
+
+def _build_on_meta(arch: ModelArchConfig, device: torch.device, attn_backend: AttentionBackend | None) -> nn.Module:
+    """The module with every parameter on the meta device (no storage), for :func:`weight_cache.install`."""
+    cls = get_model_class(arch.architecture)
+    with torch.device("meta"), _no_weight_init():
+        return cls(arch, attn_backend=attn_backend or get_attention_backend(device))
+
+
+def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Give every meta parameter and buffer uninitialised storage on ``device`` (floating ones in ``dtype``).
+
+    Does what ``model.to(dtype).to_empty(device)`` does, without torch's meta-tensor reference
+    implementations: their first use imports ``torch.fx.experimental.symbolic_shapes`` and sympy
+    (measured 1.7 s of start-up on the loaded 2-core machine). Shared tensors stay shared.
+    """
+    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(original) -> (original, replacement)
+
+    def fresh(t: torch.Tensor, param: bool) -> torch.Tensor:
+        if id(t) not in memo:
+            dt = dtype if t.is_floating_point() else t.dtype
+            new = torch.empty(t.shape, dtype=dt, device=device)
+            memo[id(t)] = (t, nn.Parameter(new, requires_grad=t.requires_grad) if param else new)
+        return memo[id(t)][1]
+
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = fresh(p, True)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = fresh(b, False)
+    return model
 
 
 @contextlib.contextmanager
@@ -295,10 +327,87 @@ def resolve_tokenizer(path: str, arch, template: str | None,
     return tokenizer, template, eos
 
 
+def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], total: int | None,
+                   every_s: float = 1.0) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass ``weights`` through, logging ``loading weights: x/N tensors (MiB)`` at INFO about every
+    ``every_s`` seconds and at the end, so a slow first start shows it is not hung."""
+    import time
+
+    t0 = last = time.perf_counter()
+    count, nbytes = 0, 0
+    for name, t in weights:
+        count += 1
+        nbytes += t.numel() * t.element_size()
+        yield name, t
+        now = time.perf_counter()
+        if now - last >= every_s or count == total:
+            last = now
+            logger.info("loading weights: %d/%s tensors, %.0f MiB converted, %.1f s", count,
+                        total if total is not None else "?", nbytes / 2**20, now - t0)
+
+
+def _weight_cache_entry(enabled: bool, kind: str, path: str, dtype: torch.dtype, device: torch.device,
+                        lowbit: bool, quantization: str | None, num_redundant_experts: int = 0
+                        ) -> tuple[str, str] | None:
+    """``(cache file, key)`` when the processed-weight cache applies (CPU, no load-time quantisation)."""
+    from tokenmill.model import weight_cache
+
+    if not weight_cache.cache_enabled(enabled) or device.type != "cpu" or quantization is not None:
+        return None
+    recipe = {"kind": kind, "dtype": str(dtype), "device": str(device), "lowbit": bool(lowbit),
+              "redundant_experts": int(num_redundant_experts)}
+    if lowbit:
+        from tokenmill.model.layers.cpu_build import cpu_isa
+
+        recipe["isa"] = cpu_isa()
+    try:
+        return weight_cache.cache_key(kind, path, recipe)
+    except (OSError, ValueError) as e:
+        logger.warning("processed-weight cache off for %s: %s", path, e)
+        return None
+
+
+def _load_cached(entry: tuple[str, str] | None, arch: ModelArchConfig, device: torch.device,
+                 attn_backend: AttentionBackend | None) -> tuple[nn.Module, dict | None] | None:
+    """The model (and low-bit weights) from the cache entry, or None (no entry, or a corrupt one: warned)."""
+    from tokenmill.model import weight_cache
+
+    if entry is None or not os.path.exists(entry[0]):
+        return None
+    try:
+        cached = weight_cache.load(*entry)
+        model = _build_on_meta(arch, device, attn_backend)
+        weight_cache.install(model, cached)
+    except FileNotFoundError:
+        return None
+    except (weight_cache.CorruptCacheError, OSError) as e:
+        logger.warning("processed-weight cache entry %s is unusable (%s): rebuilding it", entry[0], e)
+        return None
+    logger.info("weights mapped from the processed-weight cache %s (%.0f MiB)", entry[0], cached.nbytes / 2**20)
+    return model, cached.lowbit
+
+
+def _save_cached(entry: tuple[str, str] | None, model: nn.Module, lowbit: dict | None) -> None:
+    from tokenmill.model import weight_cache
+
+    if entry is None:
+        return
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        n = weight_cache.save(entry[0], entry[1], model, lowbit)
+    except (OSError, ValueError) as e:
+        logger.warning("could not write the processed-weight cache %s: %s", entry[0], e)
+        return
+    logger.info("wrote the processed-weight cache %s (%.0f MiB) in %.1f s; the next start maps it",
+                entry[0], n / 2**20, time.perf_counter() - t0)
+
+
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                *, with_tokenizer: bool | str = True, attn_backend: AttentionBackend | None = None,
                lowbit: bool = False, quantization: str | None = None,
-               num_redundant_experts: int = 0) -> LoadedModel:
+               num_redundant_experts: int = 0, weight_cache: bool = True) -> LoadedModel:
     """Load a checkpoint into a :class:`LoadedModel`.
 
     Args:
@@ -321,6 +430,10 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             (see :mod:`tokenmill.quantization`).
         num_redundant_experts: for a mixture-of-experts model, extra physical
             expert slots (replicas for EPLB; see :mod:`tokenmill.model.layers.moe`).
+        weight_cache: use the processed-weight cache (:mod:`tokenmill.model.weight_cache`; CPU and no
+            ``quantization`` only; ``TOKENMILL_WEIGHT_CACHE=0`` also turns it off): a hit maps the
+            weights (and low-bit codes) from disk instead of converting the checkpoint; a miss converts
+            and writes the entry.
 
     Raises:
         FileNotFoundError: the path (or the default package) is missing.
@@ -346,12 +459,21 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
 
         reader = open_gguf(path)
         arch = with_redundant_experts(read_arch_config(reader), num_redundant_experts)
-        model = _instantiate(arch, dt, device, attn_backend)
-        model.load_weights(iter_gguf_weights(reader, arch))
-        if lowbit and quantization is None:
-            from tokenmill.quantization.gguf import gguf_lowbit_weights
+        want_lowbit = lowbit and quantization is None
+        entry = _weight_cache_entry(weight_cache, kind, path, dt, device, want_lowbit, quantization,
+                                    num_redundant_experts)
+        hit = _load_cached(entry, arch, device, attn_backend)
+        if hit is not None:
+            model, lowbit_weights = hit
+        else:
+            model = _instantiate(arch, dt, device, attn_backend)
+            model.load_weights(_with_progress(iter_gguf_weights(reader, arch), len(reader.tensors)))
+            if want_lowbit:
+                from tokenmill.quantization.gguf import gguf_lowbit_weights
 
-            lowbit_weights = gguf_lowbit_weights(reader, arch, getattr(model, "_STACKED", {})) or None
+                logger.info("preparing the GGUF's low-bit codes for the small-step kernel")
+                lowbit_weights = gguf_lowbit_weights(reader, arch, getattr(model, "_STACKED", {})) or None
+            _save_cached(entry, model, lowbit_weights)
         template = chat_template(reader)
         name = os.path.splitext(os.path.basename(path))[0]
         del reader
@@ -373,7 +495,14 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             if quantization in ("awq", "gptq"):
                 raise ValueError(f"--quantization {quantization} needs a checkpoint with a {quantization} "
                                  f"quantization_config; {path} has none")
-            model.load_weights(iter_hf_weights(path))
+            entry = _weight_cache_entry(weight_cache, kind, path, dt, device, False, quantization,
+                                        num_redundant_experts)
+            hit = _load_cached(entry, arch, device, attn_backend)
+            if hit is not None:
+                model = hit[0]
+            else:
+                model.load_weights(_with_progress(iter_hf_weights(path), None))
+                _save_cached(entry, model, None)
         template = None
         name = os.path.basename(os.path.normpath(path))
     if applied in ("int8", "w8a8", "int4"):

@@ -29,6 +29,7 @@ the same hook is where CUDA graphs (``mode="reduce-overhead"``) would go.
 from __future__ import annotations
 
 import bisect
+import os
 import logging
 import time
 from itertools import chain
@@ -199,7 +200,11 @@ class ModelRunner:
         sched = config.scheduler
         self.buffers = InputBuffers(max(sched.max_num_batched_tokens, sched.max_num_seqs),
                                     sched.max_num_seqs, blocks_per_seq, device)
-        self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager)
+        # eager: the oneDNN packing runs in a background thread (start-up does not wait for it; a layer needed
+        # packed earlier is packed on the spot); TOKENMILL_CPU_PACK_BACKGROUND=0 packs before the runner is ready
+        background = config.model.enforce_eager and os.environ.get("TOKENMILL_CPU_PACK_BACKGROUND", "1") != "0"
+        self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager,
+                                                     background=background)
         self.lowbit_max_tokens = 0
         if lowbit_weights:
             limit = lowbit_max_tokens(device, dtype)
@@ -260,6 +265,7 @@ class ModelRunner:
         want_lowbit = config.model.enforce_eager and quant is None and lowbit_max_tokens(device, dtype) > 0
         loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, lowbit=want_lowbit,
                             quantization=quant, num_redundant_experts=config.parallel.eplb.num_redundant_experts,
+                            weight_cache=config.model.weight_cache,
                             with_tokenizer=with_tokenizer)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)

@@ -309,8 +309,8 @@ def weight_bytes_by_format(model: nn.Module) -> dict[str, int]:
                 seen.add(id(low))
                 add(f"{low.fmt} (small steps)", low.nbytes)
             packed = getattr(mod, "packed_weight", None)
-            if isinstance(packed, torch.Tensor):
-                add(str(getattr(mod, "dtype", packed.dtype)).removeprefix("torch."),
+            if isinstance(packed, torch.Tensor) or isinstance(getattr(mod, "weight_unpacked", None), torch.Tensor):
+                add(str(getattr(mod, "dtype", None) or packed.dtype).removeprefix("torch."),
                     mod.in_features * mod.out_features * torch.empty((), dtype=mod.dtype).element_size())
         for p in mod.parameters(recurse=False):
             add(str(p.dtype).removeprefix("torch."), p.numel() * p.element_size())

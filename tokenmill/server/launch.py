@@ -1,4 +1,10 @@
-"""Process launch: start the engine core, load the tokenizer, serve HTTP with uvicorn until a signal."""
+"""Process launch: start the engine core, load the tokenizer, serve HTTP with uvicorn until a signal.
+
+Start-up order (docs/architecture.md, "Start-up"): the engine core process is spawned first, before
+this process imports the HTTP stack (FastAPI, uvicorn, prometheus_client) and loads the tokenizer, so
+the two processes' imports and loading overlap. That is why the server modules are imported inside
+the functions below rather than at the top.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,13 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.async_engine import AsyncEngine
-from tokenmill.metrics.log_stats import LoggingStatLogger
-from tokenmill.metrics.prometheus import PrometheusStatLogger
-from tokenmill.server.admission import AdmissionController, SLOAdmission
-from tokenmill.server.app import build_app
-from tokenmill.server.serving import ServerState
-from tokenmill.server.slo_predictor import SLO
-from tokenmill.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from tokenmill.engine.async_engine import AsyncEngine
+    from tokenmill.server.serving import ServerState
 
 logger = logging.getLogger("tokenmill.server")
 
@@ -40,6 +42,12 @@ def resolve_model_path(config: EngineConfig) -> str:
 
 def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: Any, model_path: str) -> ServerState:
     """Assemble the :class:`ServerState` for a started engine (registers the stat loggers)."""
+    from tokenmill.metrics.log_stats import LoggingStatLogger
+    from tokenmill.metrics.prometheus import PrometheusStatLogger
+    from tokenmill.server.admission import AdmissionController, SLOAdmission
+    from tokenmill.server.serving import ServerState
+    from tokenmill.server.slo_predictor import SLO
+
     assert engine.info is not None, "engine must be started"
     name = served_model_name(config, model_path)
     prom = PrometheusStatLogger(name, engine.info.max_model_len)
@@ -89,8 +97,13 @@ def run_server(config: EngineConfig) -> int:
     engine.launch()
     try:
         t0 = time.perf_counter()
+        import tokenmill.server.app  # noqa: F401 - the HTTP stack, imported while the core boots
+        from tokenmill.tokenizer import load_tokenizer
+
+        t1 = time.perf_counter()
         tokenizer = load_tokenizer(tok_path)
-        logger.info("tokenizer loaded in %.1fs", time.perf_counter() - t0)
+        logger.info("API process: HTTP stack imported in %.1f s, tokenizer loaded in %.1f s (while the engine "
+                    "core starts)", t1 - t0, time.perf_counter() - t1)
         if "torch" in sys.modules:
             # The API process does no tensor work; keep it from competing with the core.
             import torch
@@ -123,6 +136,8 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) ->
     import asyncio
 
     import uvicorn
+
+    from tokenmill.server.app import build_app
 
     state = create_server_state(config, engine, tokenizer, model_path)
     app = build_app(state)

@@ -15,6 +15,8 @@ and take the sampled tokens from the output rank.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any, Protocol
 
 from tokenmill.config import EngineConfig
@@ -22,6 +24,8 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import WorkerDiedError
 
 __all__ = ["Executor", "WorkerDiedError", "create_executor"]
+
+logger = logging.getLogger(__name__)
 
 
 class Executor(Protocol):
@@ -65,8 +69,10 @@ def create_executor(config: EngineConfig, **kwargs: Any) -> Executor:
     """
     backend = config.parallel.executor_backend
     if backend == "uniproc":
+        t0 = time.perf_counter()
         from tokenmill.model.runner import ModelRunner  # torch stays out of processes that never run a model
 
+        logger.info("imported torch and the model runner in %.1f s", time.perf_counter() - t0)
         return ModelRunner.from_config(config, **kwargs)
     if backend == "mp":
         from tokenmill.engine.executor.mp import MultiprocExecutor

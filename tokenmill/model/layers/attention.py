@@ -193,6 +193,7 @@ class _DecodePlan:
     kernel: bool                 # served by the fused CPU kernel (no gather indices built)
     kv_rows: torch.Tensor | None = None  # [B * KVH * L] int64 rows of the cache viewed as [slots * KVH, D]
     pad: torch.Tensor | None = None      # [B, 1, 1, L] bool, True past the request's context
+    has_pad: bool = False                # some request of the group is shorter than L
 
 
 @dataclass
@@ -412,6 +413,7 @@ class TorchAttentionBackend(AttentionBackend):
                 kvh = torch.arange(num_kv_heads, device=device)
                 dplan.kv_rows = (slots[:, None, :] * num_kv_heads + kvh[None, :, None]).reshape(-1)  # [B*KVH*L]
                 dplan.pad = (pos[None, :] >= sl[:, None].to(torch.long))[:, None, None, :]
+                dplan.has_pad = min(md.seq_lens_list[i] for i in dec) < length
         return dplan, prefills, int(starts[-1])
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float,
@@ -426,6 +428,8 @@ class TorchAttentionBackend(AttentionBackend):
         kc, vc = kv[0], kv[1]
         if is_quantized(kv_cache.dtype):
             kc, vc = dequantize(kc, ks, q.dtype), dequantize(vc, vs, q.dtype)
+        if plan.has_pad:   # positions past a request's context were never written (the pool is not zeroed)
+            vc = vc.masked_fill(plan.pad.reshape(b, 1, plan.length, 1), 0)
         scores = torch.matmul(q.view(b, kvh, h // kvh, d), kc.transpose(-1, -2)).float() * scale
         scores.masked_fill_(plan.pad, float("-inf"))                     # [B, KVH, G, L]
         probs = scores.softmax(dim=-1).to(q.dtype)

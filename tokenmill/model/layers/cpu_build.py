@@ -35,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 import threading
 from typing import Sequence
 
@@ -184,7 +185,11 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
             path = os.path.join(cache_dir(), f"{name}_{isa}_{digest}.so")
             try:
                 if not os.path.exists(path):
+                    logger.info("building CPU %s kernels (%s) with the C compiler (first start only; cached in %s)",
+                                name, isa, cache_dir())
+                    t0 = time.perf_counter()
                     _build(sources, isa, path)
+                    logger.info("built CPU %s kernels (%s) in %.1f s", name, isa, time.perf_counter() - t0)
                 lib = ctypes.CDLL(path)
                 for fn_name, argtypes in functions.items():
                     fn = getattr(lib, fn_name)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import torch
 from torch import nn
@@ -34,6 +36,8 @@ from tokenmill.quantization.lowbit import LowBitWeight, lowbit_linear
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "TOKENMILL_CPU_PACKED_LINEAR"
+_PACK_LOCK = threading.Lock()
+_PACKING_THREADS: dict[int, threading.Thread] = {}   # id(model) -> background packing thread
 
 
 def packed_linear_available(device: torch.device | str, dtype: torch.dtype) -> bool:
@@ -65,20 +69,38 @@ class PackedLinear(nn.Module):
         ValueError: the weight is not a 2-D CPU float32/bfloat16 tensor.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, defer: bool = False) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"PackedLinear needs a 2-D CPU float32/bfloat16 weight, got "
                              f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
-        self.register_buffer("packed_weight", packed, persistent=False)
+        self.register_buffer("packed_weight", None, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
-
+        # The plain weight until it is packed (a plain attribute: never moved or saved), then None.
+        self.weight_unpacked: torch.Tensor | None = weight.detach()
         self.lowbit_max_rows = 0
         self.lowbit: LowBitWeight | None = None
+        if not defer:
+            self.ensure_packed()
+
+    def ensure_packed(self) -> torch.Tensor:
+        """The oneDNN-packed weight, packing it now if that has not happened yet (thread-safe).
+
+        With ``defer=True`` the packing runs on first use of the packed path or in
+        :func:`pack_linear_weights`' background thread, whichever comes first; the
+        result is the same either way, so outputs do not depend on the timing.
+        """
+        packed = self.packed_weight
+        if packed is not None:
+            return packed
+        with _PACK_LOCK:
+            if self.packed_weight is None:
+                with torch.no_grad():
+                    self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight_unpacked.contiguous())
+                self.weight_unpacked = None
+            return self.packed_weight
 
     def attach_lowbit(self, weight: LowBitWeight, max_rows: int) -> int:
         """Also keep the weight as low-bit codes, used for inputs of at most ``max_rows`` rows.
@@ -111,16 +133,24 @@ class PackedLinear(nn.Module):
         """``x`` ``[..., in_features]`` (weight dtype) -> ``[..., out_features]``."""
         if self.lowbit_max_rows and x.dim() == 2 and x.shape[0] <= self.lowbit_max_rows:
             return lowbit_linear(x, self.lowbit, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, self.ensure_packed(), self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         extra = f", {self.lowbit.fmt} codes for rows<={self.lowbit_max_rows}" if self.lowbit_max_rows else ""
+        state = "oneDNN" if self.packed_weight is not None else "oneDNN (pending)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
-                f"packed=oneDNN{extra}")
+                f"packed={state}{extra}")
 
 
-def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
+def pack_linear_weights(model: nn.Module, include_layers: bool = True, background: bool = False) -> int:
     """Replace every CPU ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place.
+
+    ``background=True`` returns at once and packs the layers in a daemon thread (oneDNN's reorder
+    releases the GIL): the start-up does not wait for it (~1 s for SmolLM2-135M on the 2-core
+    machine). A layer that is needed on the packed path before the thread reached it is packed
+    right then by the caller (:meth:`PackedLinear.ensure_packed`), so results never depend on the
+    timing; small steps that run on the low-bit codes do not need the packed weight at all.
+    :func:`wait_for_packing` joins the thread.
 
     ``include_layers=False`` packs only the LM head: the compiled step
     (``torch.compile`` of the decoder blocks) passes weights as graph inputs,
@@ -141,19 +171,51 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True) -> int:
     p0 = params[0]
     if not packed_linear_available(p0.device, p0.dtype):
         return 0
-    count = 0
+    count, layers = 0, []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and (include_layers or child is getattr(model, "lm_head", None)):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
+                layers.append(PackedLinear(child.weight, child.bias, defer=background))
+                setattr(parent, name, layers[-1])
                 count += 1
     tied = getattr(model, "tied_logits_weight", None)
     head = tied() if tied is not None else None
     if head is not None and hasattr(model, "set_logits_head") and getattr(model, "_logits_head", None) is None:
-        model.set_logits_head(PackedLinear(head))
+        layers.append(PackedLinear(head, defer=background))
+        model.set_logits_head(layers[-1])
         count += 1
-    logger.info("packed %d linear layers for oneDNN (%s)", count, p0.dtype)
+    if not background:
+        logger.info("packed %d linear layers for oneDNN (%s)", count, p0.dtype)
+        return count
+
+    def pack_all() -> None:
+        t0 = time.perf_counter()
+        for layer in layers:
+            layer.ensure_packed()
+        logger.info("packed %d linear layers for oneDNN (%s) in the background in %.1f s", len(layers), p0.dtype,
+                    time.perf_counter() - t0)
+
+    thread = threading.Thread(target=pack_all, name="tokenmill-onednn-pack", daemon=True)
+    _PACKING_THREADS[id(model)] = thread
+    logger.info("packing %d linear layers for oneDNN (%s) in the background", count, p0.dtype)
+    thread.start()
     return count
+
+
+def wait_for_packing(model: nn.Module, timeout: float | None = None) -> bool:
+    """Wait until :func:`pack_linear_weights` (``background=True``) has packed every layer of ``model``.
+
+    Returns:
+        True when no packing is running for ``model`` any more.
+    """
+    thread = _PACKING_THREADS.get(id(model))
+    if thread is None:
+        return True
+    thread.join(timeout)
+    if thread.is_alive():
+        return False
+    _PACKING_THREADS.pop(id(model), None)
+    return True
 
 
 def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
