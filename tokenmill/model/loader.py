@@ -165,7 +165,8 @@ def _instantiate(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
     backend = attn_backend or get_attention_backend(device)
     with torch.device("meta"), _no_weight_init():
         model = cls(arch, attn_backend=backend)
-    return _materialize(model, dtype, device)
+    # dtype first, on meta (free), so the real storage is allocated once in the final dtype
+    return model.to(dtype).to_empty(device=device)
 
 
 def _build_on_meta(arch: ModelArchConfig, device: torch.device, attn_backend: AttentionBackend | None) -> nn.Module:
@@ -173,32 +174,6 @@ def _build_on_meta(arch: ModelArchConfig, device: torch.device, attn_backend: At
     cls = get_model_class(arch.architecture)
     with torch.device("meta"), _no_weight_init():
         return cls(arch, attn_backend=attn_backend or get_attention_backend(device))
-
-
-def _materialize(model: nn.Module, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """Give every meta parameter and buffer uninitialised storage on ``device`` (floating ones in ``dtype``).
-
-    Does what ``model.to(dtype).to_empty(device)`` does, without torch's meta-tensor reference
-    implementations: their first use imports ``torch.fx.experimental.symbolic_shapes`` and sympy
-    (measured 1.7 s of start-up on the loaded 2-core machine). Shared tensors stay shared.
-    """
-    memo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}   # id(original) -> (original, replacement)
-
-    def fresh(t: torch.Tensor, param: bool) -> torch.Tensor:
-        if id(t) not in memo:
-            dt = dtype if t.is_floating_point() else t.dtype
-            new = torch.empty(t.shape, dtype=dt, device=device)
-            memo[id(t)] = (t, nn.Parameter(new, requires_grad=t.requires_grad) if param else new)
-        return memo[id(t)][1]
-
-    for mod in model.modules():
-        for name, p in list(mod._parameters.items()):
-            if p is not None:
-                mod._parameters[name] = fresh(p, True)
-        for name, b in list(mod._buffers.items()):
-            if b is not None:
-                mod._buffers[name] = fresh(b, False)
-    return model
 
 
 @contextlib.contextmanager
