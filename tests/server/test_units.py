@@ -236,3 +236,24 @@ def test_cli_config_errors_are_one_line_and_exit_2(capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "tokenmill generate: error: TOKENMILL_CPU_INT4_MAX_TOKENS must be a non-negative integer" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("message, param", [
+    ({"role": "wizard", "content": "hi"}, "messages[0].role"),
+    ({"role": "user"}, "messages[0].content"),
+    ({"role": "system", "content": None}, "messages[0].content"),
+])
+def test_chat_message_role_and_content_are_checked(message, param):
+    with pytest.raises(ValidationError) as e:
+        ChatCompletionRequest(model="m", messages=[message])
+    assert param in {error_param_from_loc(err["loc"]) for err in e.value.errors()}
+    # an assistant message may have null content (OpenAI allows it with tool calls)
+    ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "q"}, {"role": "assistant"}])
+
+
+@pytest.mark.parametrize("prompt", [[-1], [[3, -2]]])
+def test_negative_token_id_names_the_problem(prompt):
+    with pytest.raises(ValidationError) as e:
+        CompletionRequest(model="m", prompt=prompt)
+    msgs = [err["msg"] for err in e.value.errors()]
+    assert any("out of range" in m for m in msgs), msgs

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tokenmill.kv_transfer.params import validate_kv_transfer_params
 from tokenmill.sampling_params import SamplingParams
@@ -226,6 +226,18 @@ class CompletionRequest(_SamplingFields):
         | Annotated[list[TokenId], Field(min_length=1)] \
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]], Field(min_length=1)] = Field(
             description="Text, texts, token ids or lists of token ids (each yields n choices).")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _negative_token_ids(cls, v: Any) -> Any:
+        # Without this a negative id fails every union branch and pydantic reports "should be a valid string".
+        if isinstance(v, list):
+            for item in v:
+                ids = item if isinstance(item, list) else [item]
+                for t in ids:
+                    if isinstance(t, int) and not isinstance(t, bool) and t < 0:
+                        raise ValueError(f"token id {t} is out of range (token ids are >= 0)")
+        return v
     max_tokens: int | None = Field(16, ge=0, description="0 only with echo: true; prompt + max_tokens <= max_model_len.")
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -281,13 +293,29 @@ class ContentPart(_Base):
     text: str | None = None
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(_Base):
-    """One chat message. ``content`` may be a string or a list of text parts."""
+    """One chat message. ``content`` may be a string or a list of text parts.
+
+    ``role`` is one of OpenAI's (:data:`CHAT_ROLES`); ``content`` may be null only for ``assistant``
+    (OpenAI allows it there, with tool calls). Anything else is refused with 400 naming
+    ``messages[i].role`` / ``messages[i].content``.
+    """
 
     model_config = ConfigDict(extra="allow")
-    role: str
-    content: str | list[ContentPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _content_required(cls, v: Any, info: ValidationInfo) -> Any:
+        role = info.data.get("role")
+        if v is None and role is not None and role != "assistant":
+            raise ValueError(f"content is required for a {role!r} message")
+        return v
 
     def text(self) -> str:
         """The content as one string (text parts joined by newlines).
