@@ -401,6 +401,33 @@ class EngineConfig:
         return EngineConfig.from_kwargs(**flat)
 
 
+def _json_object_flag(text: "str | dict[str, Any]", flag: str, known: set[str],
+                      ignored: frozenset[str] = frozenset()) -> dict[str, Any]:
+    """Parse a JSON-object flag (``--kv-events-config`` and the like) into its known keys.
+
+    Args:
+        text: the flag's JSON text, or an already-parsed dict (from ``LLM(...)``).
+        flag: the flag's name, for messages.
+        known: the accepted keys; ``ignored`` keys are accepted and dropped.
+
+    Raises:
+        ValueError: invalid JSON, not an object, or an unknown key (the message names the flag).
+    """
+    if isinstance(text, dict):
+        data = dict(text)
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    extra = sorted(set(data) - known - ignored)
+    if extra:
+        raise ValueError(f"{flag}: unknown keys {extra}; known: {sorted(known)}")
+    return {k: v for k, v in data.items() if k in known}
+
+
 @dataclass(frozen=True)
 class KVEventsConfig:
     """``--kv-events-config`` (vLLM's ``KVEventsConfig`` keys).
@@ -444,20 +471,7 @@ class KVEventsConfig:
         """
         if text is None:
             return cls()
-        if isinstance(text, dict):
-            data = text
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        extra = sorted(set(data) - known - {"max_queue_size"})
-        if extra:
-            raise ValueError(f"--kv-events-config: unknown keys {extra}; known: {sorted(known)}")
-        data = {k: v for k, v in data.items() if k in known}
+        data = _json_object_flag(text, "--kv-events-config", set(cls.__dataclass_fields__), frozenset({"max_queue_size"}))
         if "enable_kv_cache_events" in data and "publisher" not in data:
             data["publisher"] = "zmq"
         return cls(**data)
@@ -535,19 +549,7 @@ class EplbConfig:
         """
         if text is None:
             return cls()
-        if isinstance(text, dict):
-            data = text
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--eplb-config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("--eplb-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
-        extra = sorted(set(data) - known)
-        if extra:
-            raise ValueError(f"--eplb-config: unknown keys {extra}; known: {sorted(known)}")
+        data = _json_object_flag(text, "--eplb-config", set(cls.__dataclass_fields__))
         return cls(**data)
 
 
@@ -618,22 +620,10 @@ class KVTransferConfig:
         """
         if text is None:
             return None
-        if isinstance(text, dict):
-            data = dict(text)
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-transfer-config is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise ValueError("--kv-transfer-config must be a JSON object")
-        known = set(cls.__dataclass_fields__)
         # vLLM keys tokenmill accepts and ignores (buffer sizing of its NCCL connectors)
         ignored = {"kv_buffer_device", "kv_buffer_size", "kv_rank", "kv_parallel_size", "kv_load_failure_policy"}
-        extra = sorted(set(data) - known - ignored)
-        if extra:
-            raise ValueError(f"--kv-transfer-config: unknown keys {extra}; known: {sorted(known)}")
-        return cls(**{k: v for k, v in data.items() if k in known})
+        data = _json_object_flag(text, "--kv-transfer-config", set(cls.__dataclass_fields__), frozenset(ignored))
+        return cls(**data)
 
     def for_rank(self, rank: int) -> "KVTransferConfig":
         """The config of data-parallel engine ``rank``: ``kv_port`` shifted by ``rank`` (0 stays 0)."""
