@@ -46,7 +46,7 @@ from tokenmill.bench.datasets import SampleRequest  # noqa: E402
 from tokenmill.bench.loadgen import LoadConfig, run_benchmark  # noqa: E402
 from tokenmill.router.local import LocalReplica, free_ports  # noqa: E402
 
-POLICIES = ["round_robin", "prefix_aware", "kv_aware", "kv_aware:1:0", "kv_aware:4"]
+POLICIES = ["round_robin", "prefix_aware", "kv_aware", "kv_aware:1:0:0", "kv_aware:1:1:0", "kv_aware:1:0:1"]
 WORDS = ("harbour ship tide berth cargo crane pilot anchor hull deck mast sail rope knot chart compass "
          "lighthouse buoy quay dock storm wave current reef channel manifest customs ledger clerk watch "
          "mountain snow glacier valley river forest meadow stone bridge tower castle village market").split()
@@ -135,6 +135,55 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
+def summarize_decisions(path: Path, block_size: int = 16) -> dict[str, object]:
+    """What a kv_aware router's ``--decision-log`` says about its run.
+
+    Returns counts: ``decisions``; ``off_best`` (requests sent to a backend with less overlap than the best
+    one's) split by the cost term that made the best-overlap backend dearer (``decode``, ``prefill`` (its
+    queued prefills), ``evicted``); ``off_cheapest`` (the softmax temperature chose a costlier backend);
+    ``overestimated`` / ``underestimated`` (the router's overlap vs the backend's ``cached_tokens`` differ by a
+    block or more), ``est_cached`` / ``cached`` token sums; ``group_backends`` (per shared prefix, how many
+    times its requests changed backend); ``lag_p50_ms`` / ``lag_max_ms`` (KV event lag at the end of a request).
+    """
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    out: dict[str, object] = {"decisions": len(recs)}
+    if not recs:
+        return out
+    off = {"decode": 0, "prefill": 0, "evicted": 0}
+    n_off = n_temp = over = under = est = got = 0
+    last: dict[str, int] = {}
+    switches = 0
+    lags = []
+    for r in sorted(recs, key=lambda r: r.get("t", 0.0)):
+        c = {int(k): v for k, v in r["candidates"].items()}
+        ch = r["chosen"]
+        if r["best_overlap"] and ch not in r["best_overlap"]:
+            n_off += 1
+            b = c[r["best_overlap"][0]]
+            diffs = {"decode": b["decode"] - c[ch]["decode"], "prefill": b["queued_prefill"] - c[ch]["queued_prefill"],
+                     "evicted": b["evicted"] - c[ch]["evicted"]}
+            off[max(diffs, key=diffs.get)] += 1
+        if ch not in r["cheapest"]:
+            n_temp += 1
+        if r.get("cached_tokens") is not None:
+            e, a = r["est_cached_tokens"], r["cached_tokens"]
+            est += e
+            got += a
+            over += e >= a + block_size
+            under += a >= e + block_size
+        if r["prefix"] in last and last[r["prefix"]] != ch:
+            switches += 1
+        last[r["prefix"]] = ch
+        if r.get("event_lag_s") is not None:
+            lags.append(r["event_lag_s"])
+    lags.sort()
+    out.update(off_best=n_off, off_best_by=off, off_cheapest=n_temp, overestimated=over, underestimated=under,
+               est_cached=est, cached=got, group_switches=switches,
+               lag_p50_ms=round(1000 * lags[len(lags) // 2], 1) if lags else None,
+               lag_max_ms=round(1000 * lags[-1], 1) if lags else None)
+    return out
+
+
 def start_router(policy: str, replicas: list[LocalReplica], log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     (port,) = free_ports(1)
     cmd = [sys.executable, "-m", "tokenmill.cli", "router", "--port", str(port), "--policy", policy,
@@ -189,7 +238,8 @@ def main() -> int:
     ap.add_argument("--max-num-seqs", type=int, default=8)
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="Comma list; 'kv_aware:W' runs kv_aware with --kv-overlap-score-weight W, 'kv_aware:W:E' "
-                         "also with --kv-eviction-weight E ('kv_aware:1:0' is Dynamo's cost).")
+                         "also with --kv-eviction-weight E, 'kv_aware:W:E:R' also with --kv-recompute-weight R "
+                         "('kv_aware:1:0:0' is Dynamo's cost).")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="Runs per policy (order rotated each repeat); the table shows medians.")
@@ -249,13 +299,20 @@ def main() -> int:
             order = pols[rep % len(pols):] + pols[:rep % len(pols)]
             plan += [(w, p, rep) for w in workloads.items() for p in order]
         for (wname, (samples, _)), policy, rep in plan:
-            # "kv_aware:W[:E]" = kv_aware with --kv-overlap-score-weight W [and --kv-eviction-weight E] (ablations)
+            # "kv_aware:W[:E[:R]]" = kv_aware with --kv-overlap-score-weight W [--kv-eviction-weight E
+            # [--kv-recompute-weight R]] (ablations)
             name, _, weights = policy.partition(":")
             weight, _, evw = weights.partition(":")
+            evw, _, rcw = evw.partition(":")
             extra = args.router_args.split() + (["--kv-overlap-score-weight", weight] if weight else []) \
                 + (["--kv-eviction-weight", evw] if evw else []) \
+                + (["--kv-recompute-weight", rcw] if rcw else []) \
                 + ["--log-level", args.router_log_level]
-            router, url = start_router(name, reps, tmp / f"router-{wname.replace(':', '_')}-{policy.replace(':', '_')}-{rep}.log", extra)
+            tag = f"{wname.replace(':', '_')}-{policy.replace(':', '_')}-{rep}"
+            dlog = tmp / f"decisions-{tag}.jsonl"
+            if name == "kv_aware":
+                extra += ["--decision-log", str(dlog)]
+            router, url = start_router(name, reps, tmp / f"router-{tag}.log", extra)
             try:
                 before = [scrape(r.url, names) for r in reps]
                 cpu0, wall0 = [cpu_seconds(r.proc.pid) for r in reps], time.monotonic()
@@ -289,6 +346,8 @@ def main() -> int:
                    "failed": d["failed"], "ttft_p50_ms": d["p50_ttft_ms"], "ttft_p90_ms": d["p90_ttft_ms"],
                    "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "reasons": reasons,
                    "duration_s": d["duration"], "per_replica": per_replica}
+            if name == "kv_aware":
+                row["decisions"] = summarize_decisions(dlog)
             results.append(row)
             print(f"  {wname:8s} {policy:13s} {row['output_tok_s']:7.1f} tok/s  TTFT p50/p90/p99 "
                   f"{row['ttft_p50_ms']:6.0f}/{row['ttft_p90_ms']:6.0f}/{row['ttft_p99_ms']:6.0f} ms  "
@@ -296,6 +355,8 @@ def main() -> int:
                   f"replicas " + "; ".join(f"{p['requests']} req ttft {p['ttft_mean_s']:.1f}s "
                                            f"preempt {p['preemptions']} prompt {p['prompt_tokens']} cpu {p['cpu_share']:.2f}"
                                            for p in per_replica), flush=True)
+            if "decisions" in row:
+                print(f"    decisions: {row['decisions']}", flush=True)
     finally:
         for r in reps:
             r.stop()

@@ -167,8 +167,13 @@ def test_kv_aware_prefers_the_backend_holding_the_prefix():
     d = p.select(bs, RouteInput(block_hashes=chain, num_prompt_tokens=64))
     assert d.backend.index == 2 and d.reason == "kv_overlap"
     assert d.matched == 48 and d.total == 64 and d.new_prefill_blocks == 4 and d.request_blocks == 16
-    # cost = 1 * prefill + decode: 2 -> 4 + 16 = 20, others 16 + 16 = 32
-    assert d.costs == {0: 32.0, 1: 32.0, 2: 20.0}
+    # cost = 1 * (prefill + recomputed) + decode: 2 -> (4 + 0) + 16 = 20, others (16 + 12) + 16 = 44
+    assert d.costs == {0: 44.0, 1: 44.0, 2: 20.0}
+    assert d.detail["candidates"][0]["recomputed"] == 12 and d.detail["best_overlap"] == [2]
+    # Dynamo's cost alone: others 16 + 16 = 32
+    dyn = _kv_policy(idx, eviction_weight=0.0, recompute_weight=0.0).select(bs, RouteInput(block_hashes=chain,
+                                                                                          num_prompt_tokens=64))
+    assert dyn.costs == {0: 32.0, 1: 32.0, 2: 20.0}
 
 
 def test_kv_aware_load_outweighs_a_small_overlap():
@@ -320,20 +325,20 @@ def test_kv_aware_eviction_term_keeps_a_prefix_off_a_pool_full_of_reused_blocks(
         idx.touch(1, [blk])                              # B was reused on 1: evicting it costs a recompute
     rin = RouteInput(block_hashes=a, num_prompt_tokens=40)
     # Dynamo's cost (eviction weight 0): 0 -> (14 + 1) + 10 = 25, 1 -> 10 + 10 = 20: A moves to 1
-    dyn = _kv_policy(idx, eviction_weight=0.0).select(bs, rin)
+    dyn = _kv_policy(idx, eviction_weight=0.0, recompute_weight=0.0).select(bs, rin)
     assert dyn.backend.index == 1 and dyn.costs == {0: 25.0, 1: 20.0} and dyn.evicted_blocks == 0
     # with the eviction term: 1 would evict 8 reused blocks of B (its pool holds 8): 20 + 8 = 28 > 25
-    p = _kv_policy(idx)
+    p = _kv_policy(idx, recompute_weight=0.0)       # (the eviction term alone)
     d = p.select(bs, rin)
     assert d.backend.index == 0 and d.reason == "kv_overlap"
     assert d.costs == {0: 25.0, 1: 28.0}
     # weight 0.5: half a prefill block per eviction -> 24 < 25, A moves
-    assert _kv_policy(idx, eviction_weight=0.5).select(bs, rin).backend.index == 1
+    assert _kv_policy(idx, eviction_weight=0.5, recompute_weight=0.0).select(bs, rin).backend.index == 1
 
 
 def test_kv_aware_eviction_term_ignores_blocks_nobody_reused():
     bs, idx, a, b = _two_replicas_one_busy()              # B stored on 1 but never reused
-    d = _kv_policy(idx).select(bs, RouteInput(block_hashes=a, num_prompt_tokens=40))
+    d = _kv_policy(idx, recompute_weight=0.0).select(bs, RouteInput(block_hashes=a, num_prompt_tokens=40))
     assert d.backend.index == 1 and d.costs == {0: 25.0, 1: 20.0} and d.evicted_blocks == 0
 
 
@@ -361,3 +366,91 @@ def test_kv_aware_routing_touches_the_chosen_backends_blocks():
 def test_make_policy_rejects_negative_eviction_weight():
     with pytest.raises(ValueError):
         make_policy("kv_aware", eviction_weight=-1)
+
+
+def _begin(d):  # what the proxy does when it forwards a request
+    d.backend.in_flight += 1
+    d.backend.active_blocks += d.request_blocks
+    d.backend.prefill_blocks += d.new_prefill_blocks
+
+
+def test_kv_aware_recompute_term_keeps_a_new_prefix_group_together():
+    """The burst measured in benchmarks/routing.py: three new prefixes A, B, C (10 blocks each) arrive at
+    once; a second request of A comes while 0 still has A and C to prefill. Dynamo's cost sends it to 1
+    (its queue is shorter by C's prefill), which then computes A a second time and keeps a copy of it;
+    with the recompute term A stays on 0."""
+    a = block_hash_chain(list(range(40)) + [7000], 4)       # 10 full blocks + a partial one
+    b = block_hash_chain(list(range(500, 540)) + [7001], 4)
+    c = block_hash_chain(list(range(900, 940)) + [7002], 4)
+    a2 = block_hash_chain(list(range(40)) + [7003], 4)      # a second question of A
+    rin = lambda chain: RouteInput(block_hashes=chain, num_prompt_tokens=41)  # noqa: E731
+
+    def burst(**kw):
+        bs = backends(2)
+        p = _kv_policy(KVIndex(), **kw)
+        for chain in (a, b, c):
+            _begin(p.select(bs, rin(chain)))
+        assert [bk.prefill_blocks for bk in bs] == [22, 11]   # A and C on 0, B on 1 (11 blocks each)
+        return p.select(bs, rin(a2))
+
+    dyn = burst(eviction_weight=0.0, recompute_weight=0.0)
+    # 0: prefill 22 + 1, decode 20 distinct + 2 in flight + 1 = 46; 1: prefill 11 + 11, decode 10 + 1 + 11 = 44
+    assert dyn.backend.index == 1 and dyn.costs == {0: 46.0, 1: 44.0} and dyn.new_prefill_blocks == 11
+    d = burst()
+    # 1 would recompute A's 10 blocks that 0 is computing: 44 + 10 = 54 > 46
+    assert d.backend.index == 0 and d.reason == "kv_overlap" and d.costs == {0: 46.0, 1: 54.0}
+    assert d.new_prefill_blocks == 1 and d.detail["candidates"][1]["recomputed"] == 10
+
+
+def test_kv_aware_recompute_term_is_a_threshold_not_a_lock():
+    """A group still moves when its replica's cost exceeds the other's by more than the recomputed prefix."""
+    bs = backends(2)
+    idx = KVIndex()
+    a = block_hash_chain(list(range(40)) + [7000], 4)       # 10 full blocks
+    idx.apply(0, KVEventBatch(ts=0.0, events=[stored(a[:10])]))
+    idx.apply(1, KVEventBatch(ts=0.0, events=[stored(block_hash_chain(list(range(300, 304)), 4))]))
+    rin = RouteInput(block_hashes=a, num_prompt_tokens=41)
+    p = _kv_policy(idx)
+    bs[0].prefill_blocks = 15                    # 0: (15 + 1) + 11 = 27; 1: (11 + 10) + 11 = 32
+    assert p.select(bs, rin).backend.index == 0
+    bs[0].prefill_blocks = 25                    # 0: 37 > 32: a queue this long moves the request
+    d = p.select(bs, rin)
+    assert d.backend.index == 1 and d.reason == "kv_load" and d.costs == {0: 37.0, 1: 32.0}
+    # a 12-block queue: Dynamo's cost moves the group for a 2-block gap (0 at 13 + 11 = 24, 1 at 11 + 11 = 22)
+    bs[0].prefill_blocks = 12
+    assert _kv_policy(idx, recompute_weight=0.0).select(bs, rin).backend.index == 1   # 24 > 22
+    assert _kv_policy(idx).select(bs, rin).backend.index == 0                         # 24 < 32
+
+
+def test_make_policy_rejects_negative_recompute_weight():
+    with pytest.raises(ValueError):
+        make_policy("kv_aware", recompute_weight=-0.5)
+
+
+def test_decision_log_summary_counts_moves_and_estimates(tmp_path):
+    import importlib.util
+    import json
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location(
+        "routing_bench", pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "routing.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cand = lambda ov, dec, q=0, ev=0: {"ov": ov, "decode": dec, "queued_prefill": q, "evicted": ev}  # noqa: E731
+    recs = [
+        {"t": 0.0, "prefix": "a", "chosen": 0, "best_overlap": [], "cheapest": [0, 1],
+         "candidates": {"0": cand(0, 5), "1": cand(0, 5)}, "est_cached_tokens": 0, "cached_tokens": 0,
+         "event_lag_s": 0.001},
+        {"t": 1.0, "prefix": "a", "chosen": 1, "best_overlap": [0], "cheapest": [1],        # off its best: decode
+         "candidates": {"0": cand(10, 40), "1": cand(0, 20)}, "est_cached_tokens": 0, "cached_tokens": 0,
+         "event_lag_s": 0.003},
+        {"t": 2.0, "prefix": "a", "chosen": 0, "best_overlap": [0, 1], "cheapest": [1],     # temperature
+         "candidates": {"0": cand(10, 20), "1": cand(10, 10)}, "est_cached_tokens": 160, "cached_tokens": 64,
+         "event_lag_s": 0.002},
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = mod.summarize_decisions(path, block_size=16)
+    assert s["decisions"] == 3 and s["off_best"] == 1 and s["off_best_by"]["decode"] == 1
+    assert s["off_cheapest"] == 1 and s["overestimated"] == 1 and s["underestimated"] == 0
+    assert s["group_switches"] == 2 and s["lag_p50_ms"] == 2.0 and s["lag_max_ms"] == 3.0

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -63,6 +64,7 @@ class RouterConfig:
     max_tree_size: int = 2**26
     kv_overlap_score_weight: float = 1.0
     kv_eviction_weight: float = 1.0
+    kv_recompute_weight: float = 1.0
     router_temperature: float = 0.0
     block_size: int = 16
     tokenizer: str | None = None
@@ -77,6 +79,7 @@ class RouterConfig:
     pd_disaggregation: bool = False
     prefill: list[BackendSpec] = field(default_factory=list)
     decode: list[BackendSpec] = field(default_factory=list)
+    decision_log: str | None = None
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -156,10 +159,12 @@ class Router:
         self.policies: dict[str | None, Policy] = {}
         make_policy(config.policy, index=self.index, load_source=config.load_source,  # validate now
                     overlap_weight=config.kv_overlap_score_weight, temperature=config.router_temperature,
-                    eviction_weight=config.kv_eviction_weight)
+                    eviction_weight=config.kv_eviction_weight, recompute_weight=config.kv_recompute_weight)
         self.subscribers: dict[int, KVEventSubscriber] = {}
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
+        self._decision_log = open(config.decision_log, "a", buffering=1) if config.decision_log else None
+        self._t0 = time.monotonic()
 
     # -- life cycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -190,6 +195,9 @@ class Router:
             await s.stop()
         if self.client is not None:
             await self.client.aclose()
+        if self._decision_log is not None:
+            self._decision_log.close()
+            self._decision_log = None
 
     def _on_health_change(self, b: Backend) -> None:
         if not b.healthy:
@@ -207,7 +215,7 @@ class Router:
                 balance_abs_threshold=c.balance_abs_threshold, balance_rel_threshold=c.balance_rel_threshold,
                 max_tree_size=c.max_tree_size, overlap_weight=c.kv_overlap_score_weight,
                 temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source,
-                eviction_weight=c.kv_eviction_weight)
+                eviction_weight=c.kv_eviction_weight, recompute_weight=c.kv_recompute_weight)
         return p
 
     def all_models(self, healthy_only: bool = True) -> list[str]:
@@ -262,6 +270,8 @@ class Router:
 
     def _begin(self, b: Backend, d: RouteDecision) -> None:
         d.started = time.monotonic()
+        if d.detail is not None:
+            d.detail["t"] = d.started - self._t0
         logger.debug("route -> %s (%s): overlap %d/%d tokens, costs %s, evicts %d reused blocks, in flight %d, "
                      "queued prefill %d blocks", b.url, d.reason, d.matched, d.total, d.costs, d.evicted_blocks,
                      b.in_flight, b.prefill_blocks)
@@ -270,6 +280,8 @@ class Router:
         b.prefill_blocks += d.new_prefill_blocks
 
     def _first_byte(self, b: Backend, d: RouteDecision) -> None:
+        if d.started and d.detail is not None:
+            d.detail["ttft_s"] = round(time.monotonic() - d.started, 4)
         if d.started:
             logger.debug("first byte from %s after %.2f s (%d new prefill blocks)", b.url,
                          time.monotonic() - d.started, d.new_prefill_blocks)
@@ -277,13 +289,33 @@ class Router:
         b.prefill_blocks -= d.new_prefill_blocks
         d.new_prefill_blocks = 0
 
-    def _end(self, b: Backend, d: RouteDecision, policy: Policy | None = None) -> None:
+    def _end(self, b: Backend, d: RouteDecision, policy: Policy | None = None,
+             cached_tokens: int | None = None) -> None:
+        if self._decision_log is not None and d.detail is not None:
+            self._write_decision(b, d, cached_tokens)
         if policy is not None:
             policy.on_finish(d)
         self._first_byte(b, d)
         b.in_flight -= 1
         b.active_blocks -= d.request_blocks
         d.request_blocks = 0
+
+    def _write_decision(self, b: Backend, d: RouteDecision, cached_tokens: int | None) -> None:
+        """One JSON line of ``--decision-log``: the policy's record plus what happened.
+
+        Added here: ``t`` (s since the router started), ``prompt_tokens``, ``est_cached_tokens`` (the
+        policy's overlap estimate) and ``cached_tokens`` (the backend's ``usage.prompt_tokens_details``,
+        when the response carried one), the event lag of the chosen backend's last KV batch (s).
+        """
+        rec = dict(d.detail or {})
+        rec.update(t=round(rec.get("t", 0.0), 4), backend=b.index, prompt_tokens=d.total,
+                   est_cached_tokens=d.matched, cached_tokens=cached_tokens,
+                   event_lag_s=round(self.index.last_lag[b.index], 4) if b.index in self.index.last_lag else None)
+        d.detail = None
+        try:
+            self._decision_log.write(json.dumps(rec) + "\n")  # type: ignore[union-attr]
+        except (OSError, ValueError) as e:
+            logger.warning("decision log write failed: %s", e)
 
     async def proxy(self, request: Request, path: str) -> Response:
         """Route one POST request and relay the answer (see module docstring)."""
@@ -419,6 +451,8 @@ class _Relay(Response):
         self.background = None
         self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.multi_items()
                             if k.lower() not in _DROP_RESPONSE]
+        # --decision-log: the tail of the stream, to read usage.prompt_tokens_details.cached_tokens
+        self._tail: bytes | None = b"" if router._decision_log is not None and decision.detail is not None else None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         first = True
@@ -442,6 +476,8 @@ class _Relay(Response):
                 if first:
                     first = False
                     self.router._first_byte(self.backend, self.decision)
+                if self._tail is not None:
+                    self._tail = (self._tail + chunk)[-2048:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (httpx.HTTPError, OSError) as e:
@@ -449,7 +485,18 @@ class _Relay(Response):
         finally:
             self.watcher.cancel()
             await self.resp.aclose()
-            self.router._end(self.backend, self.decision, self.policy)
+            self.router._end(self.backend, self.decision, self.policy, _cached_tokens(self._tail))
+
+
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def _cached_tokens(tail: bytes | None) -> int | None:
+    """The last ``"cached_tokens": N`` in a response's tail (None when absent)."""
+    if not tail:
+        return None
+    found = _CACHED_TOKENS.findall(tail)
+    return int(found[-1]) if found else None
 
 
 def build_app(router: Router) -> FastAPI:

@@ -40,10 +40,17 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g = p.add_argument_group("kv_aware (Dynamo's KV router cost)")
     g.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
                    help="Weight of prefill blocks in cost = weight x (prefill_blocks + eviction_weight x "
-                        "evicted_blocks) + decode_blocks (Dynamo's flag) [default: 1].")
+                        "evicted_blocks + recompute_weight x recomputed_blocks) + decode_blocks (Dynamo's flag) "
+                        "[default: 1].")
     g.add_argument("--kv-eviction-weight", type=float, default=1.0,
                    help="Weight, relative to a prefill block, of each reused cached block a placement would "
-                        "evict from the backend's pool (tokenmill's term; 0 gives Dynamo's cost) [default: 1].")
+                        "evict from the backend's pool (tokenmill's term; 0 here and in --kv-recompute-weight "
+                        "gives Dynamo's cost) [default: 1].")
+    g.add_argument("--kv-recompute-weight", type=float, default=1.0,
+                   help="Weight, relative to a prefill block, of each prompt block the backend would prefill "
+                        "although another backend holds it or is computing it: a prefix group leaves its "
+                        "replica only when the cost gap exceeds the prefix it recomputes (tokenmill's term; "
+                        "0: Dynamo's cost) [default: 1].")
     g.add_argument("--router-temperature", type=float, default=0.0,
                    help="Softmax temperature over normalised costs (0: always the cheapest) [default: 0].")
     g.add_argument("--block-size", type=int, default=16,
@@ -63,6 +70,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="Bearer key for the health checks' GET /v1/models on backends started with --api-key "
                         "(clients' own Authorization headers are forwarded unchanged).")
     g.add_argument("--seed", type=int, default=None, help="Seed of the softmax draw.")
+    g.add_argument("--decision-log", default=None, metavar="PATH",
+                   help="kv_aware: append one JSON line per routed request to PATH (every candidate's overlap "
+                        "from events and from in-flight requests, each cost term, the chosen and cheapest "
+                        "backends, the TTFT the router saw, the backend's cached_tokens, the KV event lag), "
+                        "to see why it routed where it did.")
     g = p.add_argument_group("prefill-decode disaggregation (tokenmill/router/pd.py)")
     g.add_argument("--pd-disaggregation", action="store_true",
                    help="Send each request to a --prefill server (max_tokens 1, kv_transfer_params "
@@ -103,12 +115,12 @@ def config_from_args(args: argparse.Namespace):
         backends=specs, policy=args.policy, host=args.host, port=args.port, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
         max_tree_size=args.max_tree_size, kv_overlap_score_weight=args.kv_overlap_score_weight,
-        kv_eviction_weight=args.kv_eviction_weight,
+        kv_eviction_weight=args.kv_eviction_weight, kv_recompute_weight=args.kv_recompute_weight,
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed,
         load_source=args.load_source, backend_api_key=args.backend_api_key,
-        pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode)
+        pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode, decision_log=args.decision_log)
 
 
 def run(args: argparse.Namespace) -> int:

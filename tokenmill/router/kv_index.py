@@ -57,6 +57,10 @@ class KVIndex:
         # (the engine keeps a freed block's hash until the block is reused, so a full pool stays full)
         self.capacity: dict[int, int] = {}
         self._num_reused: dict[int, int] = {}
+        # per backend: the last event batch's lag (s): router wall clock at apply minus the batch's ts
+        # (publisher wall clock; both on one host in the benchmark), and the worst seen
+        self.last_lag: dict[int, float] = {}
+        self.max_lag: dict[int, float] = {}
 
     def has_events(self, backend: int) -> bool:
         """True once any event of ``backend`` was applied (the index knows something about it)."""
@@ -71,6 +75,10 @@ class KVIndex:
         for ev in batch.events:
             self.apply_event(backend, ev)
         self.last_event_time[backend] = time.monotonic()
+        lag = time.time() - batch.ts
+        self.last_lag[backend] = lag
+        if lag > self.max_lag.get(backend, float("-inf")):
+            self.max_lag[backend] = lag
 
     def apply_event(self, backend: int, ev: object) -> None:
         held = self._held.get(backend)

@@ -57,6 +57,9 @@ class RouteDecision:
         new_prefill_blocks, request_blocks: kv_aware's load bookkeeping (blocks).
         evicted_blocks: kv_aware's estimate of reused cached blocks the placement evicts.
         costs: kv_aware's cost per backend index (for logs and tests).
+        detail: kv_aware's decision record for ``--decision-log``: per candidate the overlap from
+            events and from in-flight requests, each cost term, load; the best-overlap and cheapest
+            backends (JSON-serialisable).
     """
 
     backend: Backend
@@ -70,6 +73,7 @@ class RouteDecision:
     block_hashes: list[bytes] | None = None
     started: float = 0.0
     evicted_blocks: int = 0
+    detail: dict | None = None
 
 
 class Policy(abc.ABC):
@@ -213,7 +217,7 @@ class PrefixAware(Policy):
 
 
 class KVAware(Policy):
-    """Dynamo's KV-aware routing: lowest ``overlap_weight × prefill_blocks + decode_blocks``.
+    """Dynamo's KV-aware routing: lowest ``overlap_weight × prefill_blocks + decode_blocks``, plus two terms.
 
     For candidate ``w`` and a request of ``n`` blocks of which ``overlap(w)``
     leading blocks are in ``w``'s prefix cache (from its KV events):
@@ -237,7 +241,25 @@ class KVAware(Policy):
       term (``eviction_weight = 0`` is Dynamo's rule); without it a move to a
       replica whose pool is full of other live prefixes looks as cheap as its
       own prefill, and the next requests of the evicted prefixes miss too;
-    * ``cost(w) = overlap_weight * (prefill_blocks(w) + eviction_weight * evicted(w)) + decode_blocks(w)``.
+    * ``recomputed(w) = max_v overlap(v) - overlap(w)``: blocks of the request
+      that another candidate already holds or is computing (for a request in
+      flight there) and that ``w`` would prefill again. Dynamo's cost has no
+      such term (``recompute_weight = 0``). Its prefill term prices a
+      placement by this request's wait only: a replica whose queue holds
+      other cold prefills looks as dear as a second replica computing the
+      whole prefix again, so a group of requests sharing a prefix is split
+      over replicas (measured in ``benchmarks/routing.py``: in a burst of 8
+      requests of 4 new 24-block prefixes, the second request of the first
+      prefix went to the other replica at cost 100 vs 102, and the group
+      then lived on both, evicting a third prefix). Splitting does the
+      prefix's prefill twice and keeps two copies, which the next requests
+      of every prefix on the new replica pay for. With the term, a group
+      leaves the replica that holds it only when that replica's cost exceeds
+      the other's by more than the prefix it would recompute (a minimum
+      cost gap, like SGLang's balance thresholds but in blocks of work);
+      a load imbalance of that size still moves it;
+    * ``cost(w) = overlap_weight * (prefill_blocks(w) + eviction_weight * evicted(w)
+      + recompute_weight * recomputed(w)) + decode_blocks(w)``.
 
     ``overlap(w)`` is the longer of two matches: the blocks ``w``'s KV events
     say it holds, and the blocks of requests this router sent to ``w`` that
@@ -257,7 +279,9 @@ class KVAware(Policy):
         index: the pool's :class:`KVIndex`.
         overlap_weight: weight of prefill blocks (Dynamo's ``--kv-overlap-score-weight``, default 1).
         eviction_weight: weight of evicted reused blocks relative to prefill blocks
-            (``--kv-eviction-weight``; 0: Dynamo's cost).
+            (``--kv-eviction-weight``; 0 and ``recompute_weight`` 0: Dynamo's cost).
+        recompute_weight: weight of recomputed blocks (held or being computed by another
+            candidate) relative to prefill blocks (``--kv-recompute-weight``).
         temperature: softmax temperature (0: deterministic).
         block_size: tokens per block when the index has not learnt it from events.
         seed: RNG seed for the softmax draw.
@@ -267,13 +291,17 @@ class KVAware(Policy):
     needs_tokens = True
 
     def __init__(self, index: KVIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
-                 block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0) -> None:
+                 block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0,
+                 recompute_weight: float = 1.0) -> None:
         if temperature < 0:
             raise ValueError(f"router temperature must be >= 0, got {temperature}")
         if overlap_weight < 0:
             raise ValueError(f"overlap weight must be >= 0, got {overlap_weight}")
         if eviction_weight < 0:
             raise ValueError(f"eviction weight must be >= 0, got {eviction_weight}")
+        if recompute_weight < 0:
+            raise ValueError(f"recompute weight must be >= 0, got {recompute_weight}")
+        self.recompute_weight = recompute_weight
         self.index = index
         self.overlap_weight = overlap_weight
         self.eviction_weight = eviction_weight
@@ -296,27 +324,39 @@ class KVAware(Policy):
         n = -(-ntok // bs)
         hashes = req.block_hashes or []
         have_events = any(self.index.has_events(b.index) for b in candidates)
-        overlaps = self.index.match(hashes, [b.index for b in candidates]) if have_events else {}
+        ev_overlaps = self.index.match(hashes, [b.index for b in candidates]) if have_events else {}
+        overlaps = dict(ev_overlaps)
+        pend_overlaps: dict[int, int] = {}
         for b in candidates:
             pend = self.pending.get(b.index)
             if pend:
                 k = 0
                 while k < len(hashes) and hashes[k] in pend:
                     k += 1
+                pend_overlaps[b.index] = k
                 if k > overlaps.get(b.index, 0):
                     overlaps[b.index] = k
         # the engine always computes a prompt's last token, so at most (ntok - 1) // bs blocks hit
         max_hit = max(0, (ntok - 1) // bs)
         costs: dict[int, float] = {}
         evicted: dict[int, int] = {}
+        cands: dict[int, dict] = {}
+        best_ov = max((min(overlaps.get(b.index, 0), max_hit) for b in candidates), default=0)
         for b in candidates:
             ov = min(overlaps.get(b.index, 0), max_hit)
+            recomputed = best_ov - ov
             prefill = b.prefill_blocks + (n - ov)
             pend = self.pending.get(b.index) or {}
             shared = sum(1 for h in hashes if h in pend)
             decode = len(pend) + b.in_flight + (n - shared)
             evicted[b.index] = self.evicted_reused(b.index, n - ov, hashes, pend) if self.eviction_weight else 0
-            costs[b.index] = self.overlap_weight * (prefill + self.eviction_weight * evicted[b.index]) + decode
+            costs[b.index] = self.overlap_weight * (prefill + self.eviction_weight * evicted[b.index]
+                                                    + self.recompute_weight * recomputed) + decode
+            cands[b.index] = {"ov_events": ev_overlaps.get(b.index, 0), "ov_pending": pend_overlaps.get(b.index, 0),
+                              "ov": ov, "queued_prefill": b.prefill_blocks, "prefill": prefill, "decode": decode,
+                              "distinct": len(pend), "in_flight": b.in_flight, "evicted": evicted[b.index],
+                              "recomputed": recomputed,
+                              "cost": costs[b.index]}
         chosen = self._pick(candidates, costs)
         ov = min(overlaps.get(chosen.index, 0), max_hit)
         if ov > 0:
@@ -325,13 +365,17 @@ class KVAware(Policy):
             reason = "load_fallback"
         else:
             reason = "kv_load"
+        lo = min(costs.values())
+        detail = {"prefix": hashes[0].hex()[:12] if hashes else "", "blocks": n, "chosen": chosen.index,
+                  "reason": reason, "best_overlap": [i for i, c in cands.items() if c["ov"] == best_ov] if best_ov else [],
+                  "cheapest": [i for i, c in costs.items() if c == lo], "candidates": cands}
         pend = self.pending.setdefault(chosen.index, {})
         for h in hashes:
             pend[h] = pend.get(h, 0) + 1
         self.index.touch(chosen.index, hashes)
         return RouteDecision(chosen, reason, matched=ov * bs, total=ntok, unit="tokens",
                              new_prefill_blocks=n - ov, request_blocks=n, costs=costs, block_hashes=list(hashes),
-                             evicted_blocks=evicted.get(chosen.index, 0))
+                             evicted_blocks=evicted.get(chosen.index, 0), detail=detail)
 
     def evicted_reused(self, backend: int, new_blocks: int, hashes: Sequence[bytes], pending: dict) -> int:
         """Reused cached blocks ``backend`` would evict to take a request with ``new_blocks`` uncached blocks.
@@ -380,7 +424,7 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                 max_tree_size: int = 2**26, overlap_weight: float = 1.0, temperature: float = 0.0,
                 block_size: int = 16, seed: int | None = None, load_source: str = "inflight",
-                eviction_weight: float = 1.0) -> Policy:
+                eviction_weight: float = 1.0, recompute_weight: float = 1.0) -> Policy:
     """Build a policy by name.
 
     Raises:
@@ -393,5 +437,6 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
     if name == "prefix_aware":
         return PrefixAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
     if name == "kv_aware":
-        return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed, eviction_weight)
+        return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed, eviction_weight,
+                       recompute_weight)
     raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
