@@ -316,6 +316,7 @@ def main() -> int:
             try:
                 before = [scrape(r.url, names) for r in reps]
                 cpu0, wall0 = [cpu_seconds(r.proc.pid) for r in reps], time.monotonic()
+                rcpu0 = cpu_seconds(router.pid)
                 ep = EndpointConfig(base_url=url, endpoint="completions", model=model, ignore_eos=True,
                                     temperature=0.0, extra_body={"cache_salt": f"routing-{wname}-{policy}-{args.seed}-{rep}"})
                 res = asyncio.run(run_benchmark(samples, ep, LoadConfig(max_concurrency=args.max_concurrency,
@@ -324,6 +325,8 @@ def main() -> int:
                 after = [scrape(r.url, names) for r in reps]
                 wall = time.monotonic() - wall0
                 cpu_share = [(cpu_seconds(r.proc.pid) - c) / wall for r, c in zip(reps, cpu0)]
+                # the router shares the replicas' CPUs here (it is not pinned): its CPU time is taken from them
+                router_cpu = (cpu_seconds(router.pid) - rcpu0) / wall
                 reasons = routed_reasons(url)
             finally:
                 stop(router)
@@ -345,13 +348,14 @@ def main() -> int:
             row = {"workload": wname, "policy": policy, "repeat": rep, "output_tok_s": d["output_throughput"], "completed": d["completed"],
                    "failed": d["failed"], "ttft_p50_ms": d["p50_ttft_ms"], "ttft_p90_ms": d["p90_ttft_ms"],
                    "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "reasons": reasons,
-                   "duration_s": d["duration"], "per_replica": per_replica}
+                   "duration_s": d["duration"], "per_replica": per_replica, "router_cpu_share": router_cpu}
             if name == "kv_aware":
                 row["decisions"] = summarize_decisions(dlog)
             results.append(row)
             print(f"  {wname:8s} {policy:13s} {row['output_tok_s']:7.1f} tok/s  TTFT p50/p90/p99 "
                   f"{row['ttft_p50_ms']:6.0f}/{row['ttft_p90_ms']:6.0f}/{row['ttft_p99_ms']:6.0f} ms  "
                   f"hit {row['hit_rate']:5.1%}  failed {row['failed']}  {reasons}  {row['duration_s']:.0f} s  "
+                  f"router cpu {router_cpu:.2f}  "
                   f"replicas " + "; ".join(f"{p['requests']} req ttft {p['ttft_mean_s']:.1f}s "
                                            f"preempt {p['preemptions']} prompt {p['prompt_tokens']} cpu {p['cpu_share']:.2f}"
                                            for p in per_replica), flush=True)
