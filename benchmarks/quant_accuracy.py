@@ -61,7 +61,9 @@ ROWS: dict[str, tuple[dict, dict]] = {
     "int8": ({"dtype": "float32", "quantization": "int8"}, {}),
     "w8a8": ({"dtype": "float32", "quantization": "w8a8"}, {}),
     "int4": ({"dtype": "float32", "quantization": "int4"}, {}),
-    "int4-g32": ({"dtype": "float32", "quantization": "int4"}, {"TOKENMILL_INT4_GROUP_SIZE": "32"}),
+    # int4's default groups are 32 inputs; a larger TOKENMILL_INT4_GROUP_SIZE is the largest group a layer takes
+    # (SmolLM2's 576-input layers take 64 under 128: 128 does not divide 576)
+    "int4-g64": ({"dtype": "float32", "quantization": "int4"}, {"TOKENMILL_INT4_GROUP_SIZE": "64"}),
     "int4-g128": ({"dtype": "float32", "quantization": "int4"}, {"TOKENMILL_INT4_GROUP_SIZE": "128"}),
     "kv-fp8": ({"dtype": "float32", "kv_cache_dtype": "fp8"}, _DENSE),
     "kv-fp8+scales": ({"dtype": "float32", "kv_cache_dtype": "fp8", "calculate_kv_scales": True}, _DENSE),

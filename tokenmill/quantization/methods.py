@@ -7,8 +7,9 @@ int8       int8, one float32 scale per output channel (symmetric)  CPU: our low-
 w8a8       int8 per channel + int8 activations, one scale per      ``torch._int_mm`` (oneDNN VNNI on CPU,
            token computed each step (dynamic, symmetric)           cuBLASLt on CUDA), float rescale after
 int4       4-bit codes, float32 scale and minimum per group of     CPU: our low-bit kernel
-           ``TOKENMILL_INT4_GROUP_SIZE`` inputs (default: the
-           largest of 128/64/32 dividing the layer's inputs)
+           32 inputs (``TOKENMILL_INT4_GROUP_SIZE`` sets a larger
+           group; a layer it does not divide takes the largest
+           of 128/64/32 below it that does)
 awq, gptq  a checkpoint's own 4-bit AutoAWQ / GPTQ tensors         CPU: our low-bit kernel
            (``quantization_config`` in config.json), kept as codes
 =========  =====================================================  ==========================================
@@ -25,6 +26,15 @@ for the logits head, as llama.cpp keeps its output layer at >= 6 bits); the
 embedding table stays dense (a lookup reads one row per token). On devices
 other than CPU, int8/int4/awq/gptq weights are dequantised per call (correct,
 not fast); w8a8 runs ``torch._int_mm`` there too.
+
+Why groups of 32 by default (vLLM/torchao users may expect 128): accuracy
+decides. On SmolLM2-135M, groups of 64/128 leave 8.0-10.1% relative weight
+error per layer (``benchmarks/int4_group_error.py``) and cost top-1 agreement
+66.7%, perplexity +31% (README "Accuracy of each format"); groups of 32 follow
+the grid of a Q4_0/Q4_1 GGUF exactly, and on float weights cut the rounding
+error (the step is ``(max - min) / 15`` of a smaller group). The price is
+bytes: float32 scale and minimum per 32 weights are 2 bits per weight (6 bits
+in all) where groups of 128 take 4.5.
 
 Errors (raised at start-up, one line): an unknown method, ``w8a8`` on a CPU
 without VNNI (AVX512-VNNI, AVX-VNNI or AMX-INT8), a group size that does not
@@ -45,21 +55,21 @@ logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "w8a8", "int4", "awq", "gptq")
 GROUP_ENV = "TOKENMILL_INT4_GROUP_SIZE"
-DEFAULT_INT4_GROUP = 128
+DEFAULT_INT4_GROUP = 32
 DENSE_ABOVE_ROWS = 64  # larger steps dequantise the layer once and run one dense GEMM
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
-def int4_group_size() -> int | None:
-    """``TOKENMILL_INT4_GROUP_SIZE``: inputs per int4 scale, a multiple of 4 from 32 to 128; None when unset
-    (each layer then takes the largest of 128, 64, 32 that divides its inputs: :func:`int4_group_for`).
+def int4_group_size() -> int:
+    """The int4 group size: ``TOKENMILL_INT4_GROUP_SIZE`` (a multiple of 4 from 32 to 128), default
+    :data:`DEFAULT_INT4_GROUP` (32). It is the largest group a layer takes (:func:`int4_group_for`).
 
     Raises:
         ValueError: not an integer in 32..128 divisible by 4.
     """
     raw = os.environ.get(GROUP_ENV, "").strip()
     if not raw:
-        return None
+        return DEFAULT_INT4_GROUP
     try:
         g = int(raw)
     except ValueError:
@@ -70,20 +80,19 @@ def int4_group_size() -> int | None:
 
 
 def int4_group_for(in_features: int) -> int:
-    """The int4 group size of a layer with ``in_features`` inputs (see :func:`int4_group_size`).
+    """The int4 group size of a layer with ``in_features`` inputs: :func:`int4_group_size`, or where that does
+    not divide ``in_features`` the largest of 128, 64, 32 below it that does (SmolLM2's 576-input layers take
+    64 under ``TOKENMILL_INT4_GROUP_SIZE=128``).
 
     Raises:
-        ValueError: the configured group does not divide ``in_features``, or none of 128/64/32 does.
+        ValueError: none of those groups divides ``in_features``.
     """
     g = int4_group_size()
-    if g is not None:
-        if in_features % g:
-            raise ValueError(f"int4 group size {g} does not divide a layer's {in_features} inputs; set {GROUP_ENV}")
-        return g
-    for g in (DEFAULT_INT4_GROUP, 64, 32):
-        if in_features % g == 0:
-            return g
-    raise ValueError(f"no int4 group size of 128, 64 or 32 divides a layer's {in_features} inputs")
+    for c in (g, *(c for c in (128, 64, 32) if c < g)):
+        if in_features % c == 0:
+            return c
+    raise ValueError(f"no int4 group size of {g} or less (128/64/32) divides a layer's {in_features} inputs; "
+                     f"int4 needs layers whose inputs are a multiple of 32")
 
 
 def check_method(method: str | None, device: torch.device | str) -> None:
