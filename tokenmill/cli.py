@@ -115,7 +115,7 @@ def _config_or_exit(args: argparse.Namespace, command: str):
         if config.model.quantization is not None:   # (imports torch, which the API process otherwise never needs)
             from tokenmill.quantization.methods import check_startup
 
-            check_startup(config.model.quantization, config.model.device)
+            check_startup(config.model.quantization, config.model.device, config.model.model, check_model=True)
         return config
     except ValueError as e:
         print(f"tokenmill {command}: error: {e}", file=sys.stderr)

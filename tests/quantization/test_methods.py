@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -33,6 +35,25 @@ def test_int4_round_trip_within_half_a_step(group):
     assert lw.fmt == f"int4-g{group}" and int(lw.unpacked_codes().max()) <= 15
     with pytest.raises(ValueError, match="does not divide"):
         quantize_int4(torch.randn(16, 96), 64)
+
+
+def test_w8a8_product_within_the_bound_of_both_roundings():
+    """w8a8's result against the float product: each weight is off by at most half its channel's step
+    (max|w_n| / 254) and each activation by half its token's step (max|x_m| / 254), so
+    |y - x·wᵀ| <= sum_k |x_k| dw/2 + |w_k| dx/2 + dx dw / 4 per output (float32 rescale error aside)."""
+    if not HAS_VNNI:
+        pytest.skip("this CPU has no VNNI: w8a8 is refused at start-up")
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 256, generator=g) * 0.05
+    x = torch.randn(7, 256, generator=g) * torch.tensor([1.0, 3.0, 0.1, 10.0, 1.0, 1.0, 0.5])[:, None]
+    lin = Int8DynamicLinear(w)
+    got = lin(x)
+    dw = (w.abs().amax(1) / 127)[None, :]                       # [1, N] per output channel
+    dx = (x.abs().amax(1) / 127)[:, None]                       # [M, 1] per token
+    bound = x.abs().sum(1, keepdim=True) * dw / 2 + dx / 2 * w.abs().sum(1)[None, :] + dx * dw / 4 * 256
+    err = (got - x @ w.t()).abs()
+    assert (err <= bound * 1.001 + 1e-5).all(), float((err / bound).max())
+    assert err.max() > 0                                        # really quantised
 
 
 def _logits(lm, ids):
@@ -110,18 +131,46 @@ def test_cli_refuses_w8a8_without_vnni_in_one_line(monkeypatch, capsys):
     assert len(err) == 1 and "w8a8 needs int8 dot-product instructions" in err[0]
 
 
+def test_cli_refuses_model_mismatches_in_one_line(tmp_path, capsys):
+    """int4 on a model whose layers no group divides, awq on a dense checkpoint, int8 on an AWQ checkpoint, a
+    missing path: one line from the CLI before any process starts (the config is read, never the weights)."""
+    import tests.quantization.conftest as c
+    from tokenmill import cli
+
+    dense = c.write_checkpoint(tmp_path / "dense", c.hf_tensors())
+    awq = c.write_checkpoint(tmp_path / "awq", c.hf_tensors(),
+                             {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm"})
+    (tmp_path / "odd").mkdir()
+    cfg = json.loads((tmp_path / "dense" / "config.json").read_text())
+    cfg.update(hidden_size=48, head_dim=12)                 # 48 inputs: no int4 group of 32..128 divides them
+    (tmp_path / "odd" / "config.json").write_text(json.dumps(cfg))
+    cases = [(str(tmp_path / "odd"), "int4", "int4 needs layers whose inputs are a multiple of 32"),
+             (dense, "awq", "needs a checkpoint with a awq quantization_config"),
+             (awq, "int8", "is a awq checkpoint; --quantization int8 cannot apply"),
+             (awq, "gptq", "has a awq one"),
+             (str(tmp_path / "missing"), "int4", "does not exist")]
+    parser = cli.build_parser()
+    for path, method, msg in cases:
+        args = parser.parse_args(["serve", path, "--quantization", method, "--device", "cpu"])
+        assert cli._config_or_exit(args, "serve") is None, (path, method)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and msg in err[0], (method, err)
+    ok = parser.parse_args(["serve", awq, "--quantization", "awq", "--device", "cpu"])
+    assert cli._config_or_exit(ok, "serve") is not None
+
+
 def test_int4_default_group_is_32_and_a_larger_one_falls_back_where_it_does_not_divide(monkeypatch):
     from tokenmill.quantization.methods import int4_group_for
 
     monkeypatch.delenv("TOKENMILL_INT4_GROUP_SIZE", raising=False)
     assert (int4_group_for(1536), int4_group_for(576), int4_group_for(96)) == (32, 32, 32)
-    with pytest.raises(ValueError, match="no int4 group size"):
+    with pytest.raises(ValueError, match="needs layers whose inputs are a multiple of 32"):
         int4_group_for(100)
     monkeypatch.setenv("TOKENMILL_INT4_GROUP_SIZE", "128")
     assert (int4_group_for(1536), int4_group_for(576), int4_group_for(96)) == (128, 64, 32)
     monkeypatch.setenv("TOKENMILL_INT4_GROUP_SIZE", "96")
     assert (int4_group_for(1536), int4_group_for(576), int4_group_for(64), int4_group_for(160)) == (96, 96, 64, 32)
-    with pytest.raises(ValueError, match="no int4 group size"):
+    with pytest.raises(ValueError, match="needs layers whose inputs are a multiple of 32"):
         int4_group_for(100)
 
 

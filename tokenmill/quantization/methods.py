@@ -91,8 +91,8 @@ def int4_group_for(in_features: int) -> int:
     for c in (g, *(c for c in (128, 64, 32) if c < g)):
         if in_features % c == 0:
             return c
-    raise ValueError(f"no int4 group size of {g} or less (128/64/32) divides a layer's {in_features} inputs; "
-                     f"int4 needs layers whose inputs are a multiple of 32")
+    raise ValueError(f"--quantization int4 needs layers whose inputs are a multiple of 32 (groups of {g}"
+                     + (" or 128/64/32 below it" if g > 32 else "") + f"); this model has a layer with {in_features}")
 
 
 def check_method(method: str | None, device: torch.device | str) -> None:
@@ -112,16 +112,44 @@ def check_method(method: str | None, device: torch.device | str) -> None:
         int4_group_size()
 
 
-def check_startup(method: str | None, device: str) -> None:
-    """:func:`check_method` for a config's device setting (``auto`` -> cuda when available), for the CLI.
+def check_startup(method: str | None, device: str, model_path: str | None = None, *,
+                  check_model: bool = False) -> None:
+    """:func:`check_method` for a config's device setting (``auto`` -> cuda when available), for the CLI; with
+    ``check_model``, also the checkpoint ``model_path`` (None: the default model) against the method, reading
+    only its config (no weights), so that a bad combination is one line at start-up rather than an engine-core
+    traceback: ``int4`` on layers whose inputs no group of 32..128 divides, ``awq``/``gptq`` on a checkpoint
+    without that ``quantization_config``, a weight method on an AWQ/GPTQ checkpoint.
 
     Raises:
-        ValueError: as :func:`check_method`.
+        ValueError: as :func:`check_method`, or one of the mismatches above.
     """
     if method is None:
         return
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     check_method(method, dev)
+    if not check_model:
+        return
+    from tokenmill.model.loader import _resolve_checkpoint, load_arch_config
+    from tokenmill.quantization.prequantized import check_quant_config, read_quant_config
+
+    try:
+        kind, path = _resolve_checkpoint(model_path)
+    except FileNotFoundError as e:
+        raise ValueError(str(e)) from None
+    qcfg = read_quant_config(path) if kind == "hf" else None
+    ckpt_method = check_quant_config(qcfg) if qcfg is not None else None
+    if method in ("awq", "gptq") and ckpt_method != method:
+        raise ValueError(f"--quantization {method} needs a checkpoint with a {method} quantization_config; "
+                         f"{path} has " + (f"a {ckpt_method} one" if ckpt_method else "none"))
+    if ckpt_method is not None and method != ckpt_method:
+        raise ValueError(f"{path} is a {ckpt_method} checkpoint; --quantization {method} cannot apply to it")
+    if method == "int4":
+        arch = load_arch_config(path)
+        inputs = {arch.hidden_size, arch.num_attention_heads * arch.head_dim}
+        if arch.num_experts == 0:
+            inputs.add(arch.intermediate_size)
+        for k in sorted(inputs):
+            int4_group_for(k)
 
 
 def quantize_int8(w: torch.Tensor) -> LowBitWeight:
