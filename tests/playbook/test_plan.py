@@ -82,11 +82,11 @@ def test_quantized_weight_bytes_hand_computed():
     assert weight_bytes(shape, PlanOptions(quantization="int8"))[0] == 2 * per_layer + 2 * 100 * 64 * 2 + 64 * 2
     dense = weight_bytes(shape, PlanOptions())[0]
     assert dense == 2 * (36864 * 2 + 2 * 64 * 2) + 2 * 100 * 64 * 2 + 64 * 2
-    # int4: half a byte per weight + a 4-byte (scale, zero) pair per group of inputs per output row; the group
-    # is the largest of 128/64/32 dividing the inputs (64 for the 64-wide inputs, 128 for down_proj's 128).
-    groups = 64 * 1 + 32 * 1 + 32 * 1 + 64 * 1 + 128 * 1 + 128 * 1 + 64 * 1
+    # int4: half a byte per weight + a float32 (scale, minimum) pair, 8 bytes, per group of 32 inputs per output
+    # row (the engine's default groups: inputs 64 -> 2 groups, down_proj's 128 -> 4).
+    groups = 64 * 2 + 32 * 2 + 32 * 2 + 64 * 2 + 128 * 2 + 128 * 2 + 64 * 4
     assert weight_bytes(shape, PlanOptions(quantization="int4"))[0] == \
-        2 * (36864 // 2 + groups * 4 + 2 * 64 * 2) + 2 * 100 * 64 * 2 + 64 * 2
+        2 * (36864 // 2 + groups * 8 + 2 * 64 * 2) + 2 * 100 * 64 * 2 + 64 * 2
 
 
 def test_mla_kv_is_one_latent_per_layer_and_not_split_by_tp():

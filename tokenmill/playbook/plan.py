@@ -47,11 +47,12 @@ KV_DTYPE_BYTES = {**DTYPE_BYTES, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8":
 
 # --quantization formats for linear weights: (bits per weight, group size, scale bytes per group).
 # int8 / w8a8 / fp8: per-output-channel float32 scale (group = a whole row, see _linear_bytes);
-# int4: groups of 128, 64 or 32 (the largest dividing the inputs, as the engine) with a bfloat16 scale and zero; awq / gptq: 4-bit codes, groups of
-# 128, float16 scale + 4-bit zero per group (the checkpoints' layout).
+# int4: groups of 32 inputs (the engine's default, tokenmill.quantization.methods) with a float32 scale and minimum
+# (8 bytes per group); awq / gptq: 4-bit codes, groups of 128, held as the engine holds them (float32 scale and
+# minimum per group, converted from the checkpoint's float16 scale + 4-bit zero).
 QUANT_BITS: dict[str, tuple[float, int | None, float]] = {
     "int8": (8, None, 4), "w8a8": (8, None, 4), "fp8": (8, None, 4),
-    "int4": (4, 32, 4), "awq": (4, 128, 2.5), "gptq": (4, 128, 2.5),
+    "int4": (4, 32, 8), "awq": (4, 128, 8), "gptq": (4, 128, 8),
 }
 QUANTIZATIONS = (*QUANT_BITS, "gguf")
 
@@ -514,8 +515,6 @@ def _linear_bytes(n_in: int, n_out: int, quantization: str | None, dtype_bytes: 
     if quantization is None:
         return n_in * n_out * dtype_bytes
     bits, group, scale_bytes = QUANT_BITS[quantization]
-    if quantization == "int4":  # the engine's rule: the largest of 128 / 64 / 32 that divides the inputs
-        group = next((g for g in (128, 64, 32) if n_in % g == 0), 32)
     groups = n_out * (1 if group is None else math.ceil(n_in / group))
     return n_in * n_out * bits / 8 + groups * scale_bytes
 
