@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import Any
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -68,8 +69,67 @@ def _flat(config) -> dict:
     return flat
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full ``tokenmill`` argument parser."""
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.server.cli_args import add_serve_args
+
+    serve = sub.add_parser("serve", help="Run the OpenAI-compatible API server.",
+                           description="Serve a model behind an OpenAI-compatible HTTP API.")
+    add_serve_args(serve)
+    serve.set_defaults(func=_run_serve)
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.router.cli import add_router_parser
+
+    add_router_parser(sub)
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.bench.cli import add_bench_subparsers
+
+    add_bench_subparsers(sub)
+
+
+def _add_playbook(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.playbook.cli import add_playbook_subparsers
+
+    add_playbook_subparsers(sub)
+
+
+# Sub-command name -> the function that registers it (several names may share one). Each registration
+# imports its own module: the router's pulls in httpx/rich and the benchmark's numpy (~1 s together), which
+# ``tokenmill serve`` must not pay before it spawns the engine core (start-up time, issue 10).
+_SUBCOMMANDS: dict[str, Any] = {
+    "serve": _add_serve, "generate": _add_generate, "router": _add_router, "bench": _add_bench,
+    "plan": _add_playbook, "top": _add_playbook, "run-batch": _add_playbook, "tune": _add_playbook,
+}
+
+
+def _chosen_subcommand(argv: list[str] | None) -> str | None:
+    """The sub-command named in ``argv`` (the first word that is one), or None (help, or a typo)."""
+    args = sys.argv[1:] if argv is None else argv
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == "--log-level":
+            skip = True
+            continue
+        if a.startswith("-"):
+            continue
+        return a if a in _SUBCOMMANDS else None
+    return None
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The ``tokenmill`` argument parser.
+
+    Args:
+        only: register only this sub-command (``main`` passes the one named on the command line, so
+            that e.g. ``serve`` does not import the router's and benchmark's modules); None registers
+            every sub-command (``--help``, a missing or unknown command).
+    """
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--log-level", default=argparse.SUPPRESS,
                         help="Logging level: DEBUG, INFO, WARNING, ERROR [default: INFO].")
@@ -82,25 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         return _orig_add_parser(name, parents=[common, *kw.pop("parents", [])], **kw)
 
     sub.add_parser = add_parser  # type: ignore[method-assign]
-    from tokenmill.server.cli_args import add_serve_args
-
-    serve = sub.add_parser("serve", help="Run the OpenAI-compatible API server.",
-                           description="Serve a model behind an OpenAI-compatible HTTP API.")
-    add_serve_args(serve)
-    serve.set_defaults(func=_run_serve)
-    _add_generate(sub)
-    from tokenmill.router.cli import add_router_parser
-
-    add_router_parser(sub)
-    try:
-        from tokenmill.bench.cli import add_bench_subparsers
-    except ImportError:  # pragma: no cover - bench is part of the package
-        add_bench_subparsers = None
-    if add_bench_subparsers is not None:
-        add_bench_subparsers(sub)
-    from tokenmill.playbook.cli import add_playbook_subparsers
-
-    add_playbook_subparsers(sub)
+    adders = [_SUBCOMMANDS[only]] if only in _SUBCOMMANDS else list(dict.fromkeys(_SUBCOMMANDS.values()))
+    for add in adders:
+        add(sub)
     return parser
 
 
@@ -133,7 +177,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``tokenmill`` console script."""
-    parser = build_parser()
+    parser = build_parser(_chosen_subcommand(argv))
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, str(getattr(args, "log_level", "INFO")).upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

