@@ -180,9 +180,19 @@ async def _wait_idle(client: httpx.AsyncClient, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         rep = (await client.get("/debug/invariants")).json()
-        if rep["num_requests"] == 0 and rep["api_unfinished_requests"] == 0 or time.monotonic() > deadline:
+        idle = rep["num_requests"] == 0 and rep["api_unfinished_requests"] == 0 and not rep.get("api_detokenizing_requests")
+        if idle or time.monotonic() > deadline:
             return rep
         await asyncio.sleep(0.2)
+
+
+def _site_growth(warm: list[dict], end: list[dict], k: int = 5) -> list[str]:
+    """Python allocation sites (tracemalloc, see tokenmill/metrics/memory.py) that grew most since warm-up."""
+    before = {s["site"]: s for s in warm}
+    rows = [(e["size_kib"] - before.get(e["site"], {}).get("size_kib", 0.0),
+             e["count"] - before.get(e["site"], {}).get("count", 0), e["site"]) for e in end]
+    rows.sort(reverse=True)
+    return [f"{site}: +{dk:.1f} KiB, +{dc} objects" for dk, dc, site in rows[:k] if dk > 0]
 
 
 async def soak(url: str, args: argparse.Namespace, api_pid: int | None) -> dict:
@@ -198,6 +208,7 @@ async def soak(url: str, args: argparse.Namespace, api_pid: int | None) -> dict:
         sem = asyncio.Semaphore(args.concurrency)
         done = 0
         warm_rss: tuple[float, float] | None = None
+        warm_sites: dict = {}
         t0 = time.monotonic()
 
         skipped = 0
@@ -215,6 +226,8 @@ async def soak(url: str, args: argparse.Namespace, api_pid: int | None) -> dict:
             done += 1
             if done == max(1, args.requests // 10) and warm_rss is None:
                 warm_rss = (_rss_mib(api_pid), _rss_mib(core_pid0))
+                if args.tracemalloc:
+                    warm_sites.update((await client.get("/debug/invariants")).json())
             if args.progress and done % max(1, args.requests // 10) == 0:
                 print(f"  {done}/{args.requests} requests, {time.monotonic() - t0:.0f} s, ok {tally.ok}, "
                       f"disconnected {tally.disconnected}, bad {tally.bad_rejected}, 5xx {tally.server_errors}",
@@ -230,8 +243,9 @@ async def soak(url: str, args: argparse.Namespace, api_pid: int | None) -> dict:
     failures = []
     if end["problems"]:
         failures.append(f"invariants: {end['problems'][:5]}")
-    if end["num_requests"] or end["api_unfinished_requests"]:
-        failures.append(f"requests left: engine {end['num_requests']}, API {end['api_unfinished_requests']}")
+    if end["num_requests"] or end["api_unfinished_requests"] or end.get("api_detokenizing_requests"):
+        failures.append(f"requests left: engine {end['num_requests']}, API {end['api_unfinished_requests']}, "
+                        f"API output processor {end.get('api_detokenizing_requests')}")
     if end["num_free_blocks"] != base["num_free_blocks"]:
         failures.append(f"KV blocks free {end['num_free_blocks']} != baseline {base['num_free_blocks']}")
     if end["core_pid"] != core_pid0:
@@ -244,7 +258,11 @@ async def soak(url: str, args: argparse.Namespace, api_pid: int | None) -> dict:
         if g == g and g > args.max_rss_growth_mib:   # nan: not measurable (remote server)
             failures.append(f"{name} RSS grew {g:.1f} MiB after warm-up (limit {args.max_rss_growth_mib})")
     running = [ln for ln in metrics.splitlines() if ln.startswith("tokenmill:num_requests_running")]
-    return {"requests": args.requests - skipped, "not_sent_time_budget": skipped, "elapsed_s": round(elapsed, 1),
+    site_growth = {proc: _site_growth(warm_sites.get(f"{proc}_allocation_sites", []),
+                                      end.get(f"{proc}_allocation_sites", []))
+                   for proc in ("api", "core")} if args.tracemalloc else None
+    return {"allocation_site_growth_kib": site_growth,
+            "requests": args.requests - skipped, "not_sent_time_budget": skipped, "elapsed_s": round(elapsed, 1),
             "ok": tally.ok,
             "disconnected": tally.disconnected, "bad_rejected": tally.bad_rejected, "busy_429": tally.busy_429,
             "server_errors": tally.server_errors, "kv_free_blocks": [base["num_free_blocks"], end["num_free_blocks"]],
@@ -256,6 +274,8 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]
     port = _free_port()
     env = dict(os.environ, TOKENMILL_DEBUG_ENDPOINTS="1", TOKENMILL_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
     env.setdefault("TOKENMILL_KV_CACHE_ZERO", "1")  # the whole KV pool resident from the start (docstring)
+    if args.tracemalloc:
+        env["TOKENMILL_TRACEMALLOC"] = "1"
     if args.fake:
         env["TOKENMILL_FAKE_EXECUTOR"] = "make_fake_executor"
         cmd = [sys.executable, "-m", "tests.server.fake_serve"]
@@ -297,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rss-growth-mib", type=float, default=64)
     p.add_argument("--max-duration", type=float, default=0,
                    help="stop sending new requests after this many seconds (0: send all), then drain and check")
+    p.add_argument("--tracemalloc", action="store_true",
+                   help="trace Python allocations in both server processes (slower) and report the sites that "
+                        "grew after warm-up (a leak's source line)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--no-progress", dest="progress", action="store_false")
     return p

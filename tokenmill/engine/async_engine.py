@@ -392,6 +392,11 @@ class AsyncEngine:
         """Requests this process still tracks (sent and not finished/aborted); 0 when idle."""
         return len(self._queues)
 
+    @property
+    def num_detokenizing_requests(self) -> int:
+        """Requests whose detokenizer state the output processor still holds; 0 when idle (a leak otherwise)."""
+        return self.processor.num_requests
+
     async def check_invariants(self, timeout: float = 10.0) -> dict[str, Any]:
         """Ask the core to check its bookkeeping (:meth:`EngineCore.check_invariants`): for tests and soaks.
 
@@ -465,6 +470,7 @@ class AsyncEngine:
                     q.put_nowait(d)
                 if d.finished:
                     self._tracks.pop(d.request_id, None)
+                    self.processor.remove_request(d.request_id)   # its last delta is out: forget its state
         self._emit(stats, it)
 
     def _account(self, tr: _Track, d: RequestOutput, now: float, it: IterationStats) -> None:

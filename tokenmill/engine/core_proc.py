@@ -44,6 +44,7 @@ import zmq
 
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.executor import create_executor
+from tokenmill.metrics.memory import maybe_start_tracemalloc, top_allocation_sites
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             logger.warning("could not pin the engine core to CPUs %s: %s", cpu_affinity, e)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    maybe_start_tracemalloc()   # TOKENMILL_TRACEMALLOC=1: soak diagnostics (tokenmill/metrics/memory.py)
     ctx = zmq.Context(1)
     in_sock = ctx.socket(zmq.PULL)
     in_sock.setsockopt(zmq.LINGER, 0)
@@ -246,7 +248,11 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
             elif kind == "stop":
                 core.stop_requests(payload)
             elif kind == "check_invariants":   # tests and soak runs: answered at once, in order
-                out_sock.send(dumps(("invariants", payload, core.check_invariants())))
+                report = core.check_invariants()
+                sites = top_allocation_sites()
+                if sites:
+                    report["core_allocation_sites"] = sites
+                out_sock.send(dumps(("invariants", payload, report)))
             elif kind == "shutdown":
                 logger.info("engine core shutting down")
                 return

@@ -198,6 +198,11 @@ class DPAsyncEngine:
     def num_unfinished_requests(self) -> int:
         return sum(e.num_unfinished_requests for e in self.engines)
 
+    @property
+    def num_detokenizing_requests(self) -> int:
+        """Requests whose detokenizer state the engines' output processors still hold (0 when idle)."""
+        return sum(e.num_detokenizing_requests for e in self.engines)
+
     async def check_invariants(self, timeout: float = 10.0) -> dict[str, Any]:
         """Every core's :meth:`AsyncEngine.check_invariants`, summed; problems prefixed with the rank."""
         reports = [await e.check_invariants(timeout) for e in self.engines]

@@ -115,6 +115,11 @@ class OutputProcessor:
         st = self._requests.get(request_id)
         return list(st.choices) if st else []
 
+    @property
+    def num_requests(self) -> int:
+        """Live requests (added, not yet removed)."""
+        return len(self._requests)
+
     def has_request(self, request_id: str) -> bool:
         return request_id in self._requests
 
@@ -133,8 +138,10 @@ class OutputProcessor:
             whose choices carry only the *new* text / token ids / logprobs of
             this batch (``finish_reason`` set on the final delta of a choice);
             and the child ids whose stop string matched, which the caller must
-            finish in the core (``EngineCore.stop_requests``). Finished
-            requests are removed from the processor after their last delta.
+            finish in the core (``EngineCore.stop_requests``). A finished request
+            stays here (for :meth:`final_output`) until the caller calls
+            :meth:`remove_request`; the async engine does so as it delivers the
+            last delta (forgetting it leaked every finished request's state).
         """
         touched: dict[str, dict[int, CompletionOutput]] = {}
         stop_ids: list[str] = []

@@ -246,8 +246,14 @@ def build_app(state: ServerState) -> FastAPI:
         @app.get("/debug/invariants", include_in_schema=False)
         async def invariants() -> dict[str, Any]:
             """The engine's bookkeeping check (leaked blocks, stray requests) for tests and soak runs."""
+            from tokenmill.metrics.memory import top_allocation_sites
+
             report = await state.engine.check_invariants()
             report["api_unfinished_requests"] = state.engine.num_unfinished_requests
+            report["api_detokenizing_requests"] = getattr(state.engine, "num_detokenizing_requests", 0)
+            sites = top_allocation_sites()
+            if sites:
+                report["api_allocation_sites"] = sites
             return report
 
     @app.get("/version")

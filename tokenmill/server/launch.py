@@ -89,6 +89,9 @@ def run_server(config: EngineConfig) -> int:
     """
     level = os.environ.get("TOKENMILL_LOG_LEVEL", "INFO").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tokenmill.metrics.memory import maybe_start_tracemalloc
+
+    maybe_start_tracemalloc()   # TOKENMILL_TRACEMALLOC=1: soak diagnostics
     model_path = resolve_model_path(config)
     tok_path = config.model.tokenizer or model_path
     from tokenmill.engine.dp_engine import make_async_engine
@@ -137,7 +140,10 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) ->
 
     import uvicorn
 
+    from tokenmill.metrics.memory import maybe_start_tracemalloc
     from tokenmill.server.app import build_app
+
+    maybe_start_tracemalloc()
 
     state = create_server_state(config, engine, tokenizer, model_path)
     app = build_app(state)
