@@ -14,6 +14,11 @@ check (``GET /debug/invariants``, served with ``TOKENMILL_DEBUG_ENDPOINTS=1``):
   (unless set): the KV pool is allocated unzeroed by default, so its pages would become resident only
   as the block allocator first hands each block out, and the core's RSS would climb by up to the
   pool's size over the run (711 MiB of a 1.07 GB pool in the first real-model run) without any leak.
+  It also gets ``ONEDNN_PRIMITIVE_CACHE_CAPACITY=64`` and ``LRU_CACHE_CAPACITY=64`` (unless set): oneDNN's
+  primitive cache and ideep's computation cache (torch's CPU linear layers) keep one entry per GEMM
+  shape, 1024 each by default, and a mixed workload brings a new token count almost every step, so
+  the core's RSS climbs for hours until both fill (+564-841 MiB over 10,000 real-model requests, still
+  climbing; flat with both capped: README "Soak"). Capped, growth measures leaks, not cache fill.
 
 Usage::
 
@@ -274,6 +279,8 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]
     port = _free_port()
     env = dict(os.environ, TOKENMILL_DEBUG_ENDPOINTS="1", TOKENMILL_LOG_LEVEL="WARNING", PYTHONUNBUFFERED="1")
     env.setdefault("TOKENMILL_KV_CACHE_ZERO", "1")  # the whole KV pool resident from the start (docstring)
+    env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")  # per-shape caches bounded small (docstring)
+    env.setdefault("LRU_CACHE_CAPACITY", "64")
     if args.tracemalloc:
         env["TOKENMILL_TRACEMALLOC"] = "1"
     if args.fake:
