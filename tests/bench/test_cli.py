@@ -78,14 +78,16 @@ def test_serve_bad_arguments_return_2(fake_server, capsys):
 
 
 def test_goodput_search_end_to_end(fake_server, tmp_path, capsys):
-    # One generation slot: 4 tokens take ~25 ms, so queueing pushes TTFT over
-    # 30 ms as the rate approaches ~40 req/s.
-    srv = fake_server(ttft_s=0.01, itl_s=0.005, max_num_seqs=1)
+    # One generation slot: 4 tokens take ~50 ms (capacity ~20 req/s); 16 near-regular arrivals at 64 req/s
+    # queue ~0.5 s behind one another, so the p90 TTFT passes 300 ms somewhere between 16 and 64 req/s.
+    # 300 ms leaves a loaded 2-core machine's HTTP/tokenizer overhead room at the low rates (a 30 ms SLO
+    # failed every rate at load 18); if 8 req/s still misses, the search halves, hence the lower bound 2.
+    srv = fake_server(ttft_s=0.02, itl_s=0.01, max_num_seqs=1)
     out = tmp_path / "g.json"
     png = tmp_path / "g.png"
     rc = cli.main(["goodput", "--base-url", srv.base_url, "--tokenizer", str(default_gguf_path()),
                    "--num-prompts", "16", "--input-len", "8", "--output-len", "4", "--ignore-eos",
-                   "--goodput", "ttft:30", "--initial-rate", "8", "--burstiness", "100", "--precision", "0.25",
+                   "--goodput", "ttft:300", "--initial-rate", "8", "--burstiness", "100", "--precision", "0.25",
                    "--max-probes", "8", "--disable-tqdm", "--save-result", str(out), "--plot", str(png)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -94,8 +96,8 @@ def test_goodput_search_end_to_end(fake_server, tmp_path, capsys):
     curve = d["curve"]
     assert 3 <= len(curve) <= 8 and len(d["probes"]) == len(curve)
     assert all(c["completed"] + c["failed"] == 16 for c in curve)
-    assert 8 <= d["goodput_request_rate"] < 128
+    assert 2 <= d["goodput_request_rate"] < 64
     passing = [c for c in curve if c["passed"]]
     assert max(c["request_rate"] for c in passing) == d["goodput_request_rate"]
-    assert d["goodput_config"] == {"ttft": 30.0} and d["target_attainment"] == 0.9
+    assert d["goodput_config"] == {"ttft": 300.0} and d["target_attainment"] == 0.9
     assert png.stat().st_size > 10_000
