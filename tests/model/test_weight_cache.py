@@ -128,6 +128,19 @@ def test_key_follows_the_file_and_recipe_and_old_entries_go(cache_dir, gguf_path
     assert weight_cache.cache_key("gguf", gguf_path, recipe)[0] not in entries()
 
 
+def test_entries_of_deleted_checkpoints_are_pruned_on_the_next_write(cache_dir, gguf_path, tmp_path):
+    other = tmp_path / "other.gguf"
+    write_tiny_gguf(other, with_tokenizer=True)
+    load_model(str(other), dtype="float32", with_tokenizer=False)
+    (cache_dir / "foreign.tmw").write_bytes(b"not a cache entry")          # unreadable: left alone
+    assert len(_entries(cache_dir)) == 2
+    os.remove(other)                                                        # its entry is now an orphan
+    load_model(gguf_path, dtype="float32", with_tokenizer=False)            # a write prunes it
+    entries = _entries(cache_dir)
+    assert len(entries) == 2 and "foreign.tmw" in entries
+    assert weight_cache._orphaned(str(cache_dir / [e for e in entries if e != "foreign.tmw"][0])) is False
+
+
 def test_concurrent_writers_leave_one_complete_entry(cache_dir, gguf_path):
     loaded = load_model(gguf_path, dtype="float32", with_tokenizer=False, weight_cache=False)
     file, key = weight_cache.cache_key("gguf", gguf_path, {"test": 1})

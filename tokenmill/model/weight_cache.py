@@ -14,7 +14,9 @@ Location: ``$TOKENMILL_CACHE_DIR/weights`` or ``~/.cache/tokenmill/weights``. On
 and recipe, named ``<checkpoint hash>-<key hash>.tmw``; the key covers the checkpoint files' identity
 (absolute path, size, mtime in ns), the recipe (dtype, device, low-bit codes on/off, kernel ISA variant,
 the environment switches that change the weights) and the versions of tokenmill, torch and this format.
-A new entry for a checkpoint removes that checkpoint's older entries.
+A new entry for a checkpoint removes that checkpoint's older entries, and every entry whose checkpoint
+files are gone (a deleted or moved model, a test's temporary checkpoint): without that rule the folder
+only grew (6.3 GB of orphans after a few weeks of test runs on one machine).
 
 File layout (little-endian)::
 
@@ -190,9 +192,31 @@ def save(file: str, key: str, model: nn.Module, lowbit: dict[str, Any] | None) -
                 os.unlink(full)           # an older entry of this checkpoint
             elif other.startswith(".tmp-") and now - os.stat(full).st_mtime > _STALE_TMP_S:
                 os.unlink(full)           # left by a writer that was killed
+            elif other.endswith(".tmw") and other != os.path.basename(file) and _orphaned(full):
+                os.unlink(full)           # its checkpoint files no longer exist
         except OSError:
             pass
     return start + offset
+
+
+def _orphaned(file: str) -> bool:
+    """True when ``file`` is a cache entry whose checkpoint files are all gone (reads its header only).
+
+    An unreadable or foreign file is not called orphaned (left alone).
+    """
+    try:
+        with open(file, "rb") as f:
+            head = f.read(len(MAGIC) + 8)
+            if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+                return False
+            (hlen,) = struct.unpack("<Q", head[len(MAGIC):])
+            if hlen > 1 << 26:
+                return False
+            key = json.loads(json.loads(f.read(hlen))["key"])
+        files = [entry[0] for entry in key["files"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        return False
+    return bool(files) and not any(os.path.exists(p) for p in files)
 
 
 def load(file: str, key: str) -> CachedWeights:
