@@ -21,6 +21,9 @@ check (``GET /debug/invariants``, served with ``TOKENMILL_DEBUG_ENDPOINTS=1``):
   shape, 1024 each by default, and a mixed workload brings a new token count almost every step, so
   the core's RSS climbs for hours until both fill (+564-841 MiB over 10,000 real-model requests, still
   climbing; flat with both capped: README "Soak"). Capped, growth measures leaks, not cache fill.
+  And ``MALLOC_ARENA_MAX=1`` (unless set): glibc gives each thread its own heap arena, and torch's
+  temporaries of ever-new sizes fragment them (second-half growth +79 MiB with 2 arenas per core,
+  +23 MiB with one).
 
 Usage::
 
@@ -290,6 +293,7 @@ def _start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str, str]
     env.setdefault("TOKENMILL_KV_CACHE_ZERO", "1")  # the whole KV pool resident from the start (docstring)
     env.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "64")  # per-shape caches bounded small (docstring)
     env.setdefault("LRU_CACHE_CAPACITY", "64")
+    env.setdefault("MALLOC_ARENA_MAX", "1")   # one glibc heap: fragmentation is not mistaken for a leak
     if args.tracemalloc:
         env["TOKENMILL_TRACEMALLOC"] = "1"
     if args.fake:
