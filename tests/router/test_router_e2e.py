@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import httpx
@@ -62,9 +63,10 @@ def test_router_tokenizes_like_the_server(replicas, prompt_tokenizer):
     assert prompt_tokenizer.token_ids("/v1/chat/completions", {"messages": msgs}) == srv
 
 
-def test_kv_aware_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas, prompt_tokenizer):
+def test_kv_aware_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas, prompt_tokenizer, tmp_path):
+    log = tmp_path / "decisions.jsonl"
     router = RouterThread(RouterConfig(backends=[r.spec for r in replicas], policy="kv_aware",
-                                       health_check_interval=0.5), prompt_tokenizer).start()
+                                       health_check_interval=0.5, decision_log=str(log)), prompt_tokenizer).start()
     try:
         rt = router.router
         deadline = time.monotonic() + 10
@@ -99,6 +101,15 @@ def test_kv_aware_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas,
         assert 'tokenmill:router_routed_total{policy="kv_aware",reason="kv_overlap"} 2.0' in metrics
     finally:
         router.stop()
+    # --decision-log: one line per request; the router's overlap estimate is what the backend found cached
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert len(recs) == 4
+    assert [r["backend"] for r in recs[2:]] == [holder_a[0]] * 2 and recs[2]["best_overlap"] == [holder_a[0]]
+    for r in recs:
+        assert r["cached_tokens"] is not None and r["est_cached_tokens"] == r["cached_tokens"], r
+        assert r["ttft_s"] > 0 and set(r["candidates"]) == {"0", "1"}
+    assert recs[0]["cached_tokens"] == 0 and recs[3]["cached_tokens"] > 0
+    assert all(r["event_lag_s"] is not None for r in recs[2:])
 
 
 def _requests(router_url: str, backend_url: str) -> float:
