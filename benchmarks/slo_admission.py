@@ -158,14 +158,29 @@ def summarize(name: str, res: dict, slo_ms: dict[str, float]) -> dict:
 
 
 def prediction_error(metrics_text: str) -> str:
-    """Mean absolute TTFT prediction error from the server's /metrics (histogram sum / count)."""
-    s = c = None
+    """Mean absolute TTFT and TPOT prediction errors from the server's /metrics (histogram sum / count),
+    and the TPOT decode-batch cap and margin factor at the end of the run."""
+    vals: dict[str, float] = {}
     for line in metrics_text.splitlines():
-        if line.startswith("tokenmill:ttft_prediction_abs_error_seconds_sum"):
-            s = float(line.rsplit(" ", 1)[1])
-        elif line.startswith("tokenmill:ttft_prediction_abs_error_seconds_count"):
-            c = float(line.rsplit(" ", 1)[1])
-    return f"{1000 * s / c:.0f} ms over {int(c)}" if s is not None and c else "n/a"
+        if line.startswith("tokenmill:") and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            try:
+                vals[name] = float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                pass
+
+    def mean_abs(kind: str, unit: float, fmt: str) -> str:
+        s = vals.get(f"tokenmill:{kind}_prediction_abs_error_seconds_sum")
+        c = vals.get(f"tokenmill:{kind}_prediction_abs_error_seconds_count")
+        return f"{fmt.format(unit * s / c)} ms over {int(c)}" if s is not None and c else "n/a"
+
+    out = f"mean |TTFT prediction error| {mean_abs('ttft', 1000, '{:.0f}')}, " \
+          f"mean |TPOT prediction error| {mean_abs('tpot', 1000, '{:.1f}')}"
+    if "tokenmill:slo_decode_batch_limit" in vals:
+        out += f"; decode batch cap {vals['tokenmill:slo_decode_batch_limit']:.0f}"
+    if "tokenmill:slo_tpot_margin_factor" in vals:
+        out += f", TPOT margin factor {vals['tokenmill:slo_tpot_margin_factor']:.2f}"
+    return out
 
 
 def main() -> None:
@@ -237,7 +252,7 @@ def main() -> None:
               f"{r['ttft_p90']:>8.0f}/{r['ttft_p99']:>8.0f} {r['tpot_p99']:>11.1f} {r['other_failures']:>10}")
     for r in rows:
         if r["prediction"]:
-            print(f"{r['name']}: mean |TTFT prediction error| {r['prediction']}")
+            print(f"{r['name']}: {r['prediction']}")
     print(f"load average at the end {load_average():.2f}")
     (out_dir / "summary.json").write_text(json.dumps({"reference_rate": ref, "rate": rate, "cap": cap,
                                                       "slo_ms": slo_ms, "rows": rows}, indent=1))

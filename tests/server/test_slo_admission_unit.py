@@ -212,3 +212,51 @@ def test_cold_engine_admits_one_batch_blind_not_a_whole_burst():
     assert not adm._blind
     # once the engine has measured its steps, predictions take over
     assert adm.check(stats(), None, 10, 0, 0.0, 0.0)[0] is not None
+
+
+@dataclass
+class TPOTSink(Sink):
+    tpot_predicted: list = field(default_factory=list)
+    tpot_errors: list = field(default_factory=list)
+    caps: list = field(default_factory=list)
+
+    def observe_tpot_prediction(self, v):
+        self.tpot_predicted.append(v)
+
+    def observe_tpot_prediction_error(self, v):
+        self.tpot_errors.append(v)
+
+    def set_slo_decode_batch_limit(self, v):
+        self.caps.append(v)
+
+
+def test_tpot_model_learns_workload_means_and_exports_its_prediction_and_error():
+    sink = TPOTSink()
+    adm = SLOAdmission(SLO(tpot=0.020), metrics=sink, calibrate=False)
+    st = stats(num_decoding=4)
+    pred, ref = adm.check(st, None, 40, 0, 0.0, 0.0, num_seqs=1, max_tokens=16)
+    assert ref is None and sink.tpot_predicted == [pred.tpot] and sink.caps and sink.caps[-1] >= 5
+    assert pred.decode_tokens == 16                       # before any finish: its own max_tokens
+    adm.note_admitted(400, 2)                             # 2 sequences of 200 prompt tokens
+    assert adm.mean_prompt_tokens == 200
+    adm.track("a", pred, 0, 0.0, 40, now=0.0)
+    it = IterationStats()
+    it.finished = [_finish("a", decode_time=2 * pred.tpot * 9, tokens=10)]
+    adm.record(None, it)
+    assert adm.mean_decode_tokens == 10
+    assert sink.tpot_errors == [pytest.approx(pred.tpot)]    # measured 2x predicted: error = +predicted
+    # the learnt means enter the next prediction: 200-token prompts over 10-token lifetimes
+    p2, _ = adm.check(st, None, 40, 0, 0.0, 0.0, max_tokens=16)
+    assert p2.decode_tokens == 10 and p2.prefill_per_seq == pytest.approx(200 / 10 * TP)
+
+
+def test_tpot_refuses_a_request_that_would_slow_the_running_batch():
+    # 12 decoding at 10 ms + 1 ms per extra sequence; a 13th is predicted over 22 ms: refused even
+    # though the queue is empty (TTFT fine); with 10 decoding it is admitted
+    adm = SLOAdmission(SLO(ttft=1.0, tpot=0.0215), calibrate=False)
+    _, ref = adm.check(stats(num_decoding=12, remaining_output_tokens=[5] * 12), None, 10, 0, 0.0, 0.0,
+                       max_tokens=16)
+    assert ref is not None and ref.reason == "slo" and "time per output token" in ref.message
+    _, ref = adm.check(stats(num_decoding=10, remaining_output_tokens=[5] * 10), None, 10, 0, 0.0, 0.0,
+                       max_tokens=16)
+    assert ref is None

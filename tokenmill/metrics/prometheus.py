@@ -16,7 +16,10 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
 * histograms ``predicted_ttft_seconds``, ``ttft_prediction_error_seconds``
   (measured − predicted, signed) and ``ttft_prediction_abs_error_seconds``, gauges
   ``slo_ttft_margin_seconds`` and ``slo_tpot_margin_factor`` (the learnt safety
-  margins) (tokenmill-specific: SLO admission control, ``--slo``);
+  margins), histograms ``predicted_tpot_seconds``, ``tpot_prediction_error_seconds``
+  and ``tpot_prediction_abs_error_seconds`` (TPOT of finished requests), gauge
+  ``slo_decode_batch_limit`` (the largest decode batch predicted to meet the TPOT
+  target) (tokenmill-specific: SLO admission control, ``--slo``);
 * histograms ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``,
   ``request_prefill_time_seconds``, ``request_decode_time_seconds``,
@@ -298,6 +301,21 @@ class PrometheusStatLogger:
         self.ttft_pred_abs_error = api_hist("ttft_prediction_abs_error_seconds",
                                             "Histogram of |measured - predicted| TTFT of admitted requests "
                                             "(--slo), in seconds.", TTFT_BUCKETS)
+        self.predicted_tpot = api_hist("predicted_tpot_seconds",
+                                       "Histogram of the TPOT predicted by SLO admission control (--slo) for "
+                                       "each request it judged (the decode batch it would run in), in seconds.",
+                                       ITL_BUCKETS)
+        self.tpot_pred_error = api_hist("tpot_prediction_error_seconds",
+                                        "Histogram of measured minus predicted TPOT of admitted requests at "
+                                        "finish (--slo), in seconds (negative: the prediction was pessimistic).",
+                                        PREDICTION_ERROR_BUCKETS)
+        self.tpot_pred_abs_error = api_hist("tpot_prediction_abs_error_seconds",
+                                            "Histogram of |measured - predicted| TPOT of admitted requests "
+                                            "(--slo), in seconds.", ITL_BUCKETS)
+        self.slo_decode_batch_limit = Gauge(PREFIX + "slo_decode_batch_limit",
+                                            "Largest decode batch (sequences) whose predicted TPOT meets the "
+                                            "--slo target, at the latest prediction.",
+                                            ["model_name"], registry=r).labels(model_name)
         self.slo_ttft_margin = Gauge(PREFIX + "slo_ttft_margin_seconds",
                                      "Safety margin --slo adds to TTFT predictions, learnt from their observed "
                                      "error (seconds; negative when the model is pessimistic).",
@@ -324,6 +342,19 @@ class PrometheusStatLogger:
         """Measured minus predicted TTFT of one admitted request, seconds."""
         self.ttft_pred_error.observe(seconds)
         self.ttft_pred_abs_error.observe(abs(seconds))
+
+    def observe_tpot_prediction(self, seconds: float) -> None:
+        """One TPOT prediction of SLO admission control (admitted or refused request), seconds."""
+        self.predicted_tpot.observe(max(0.0, seconds))
+
+    def observe_tpot_prediction_error(self, seconds: float) -> None:
+        """Measured minus predicted TPOT of one finished admitted request, seconds."""
+        self.tpot_pred_error.observe(seconds)
+        self.tpot_pred_abs_error.observe(abs(seconds))
+
+    def set_slo_decode_batch_limit(self, sequences: int) -> None:
+        """The largest decode batch predicted to meet the TPOT target (sequences)."""
+        self.slo_decode_batch_limit.set(sequences)
 
     def set_slo_margins(self, ttft_margin: float, tpot_factor: float) -> None:
         """The safety margins --slo currently judges with (TTFT: + seconds; TPOT: × factor)."""

@@ -45,6 +45,7 @@ class Admission:
         batch: batch lane.
         arrival: ``time.time()`` of arrival.
         prompt_tokens: prompt tokens it adds (prompts × n).
+        num_seqs: engine sequences it adds (prompts × n).
         prediction: the SLO predictor's TTFT/TPOT prediction (None without ``--slo`` or before
             the engine measured its step times).
     """
@@ -53,6 +54,7 @@ class Admission:
     batch: bool
     arrival: float
     prompt_tokens: int
+    num_seqs: int = 1
     prediction: Prediction | None = None
 
 
@@ -180,7 +182,7 @@ class OpenAIServing:
         return requested
 
     def admit(self, new_requests: int, new_tokens: int, priority: int = 0, batch: bool = False,
-              arrival: float | None = None) -> Admission:
+              arrival: float | None = None, max_tokens: int | None = None) -> Admission:
         """Admission: the engine must be alive, the request within the caps, the queue not full, the
         SLO (``--slo``) predicted to be met. Batch-lane requests are never refused: they wait.
 
@@ -188,6 +190,8 @@ class OpenAIServing:
             new_requests: engine requests it adds (prompts × ``n``).
             new_tokens: prompt tokens it adds.
             priority: its priority; batch: batch lane; arrival: ``time.time()`` of arrival.
+            max_tokens: tokens each sequence may generate (the TPOT model's lifetime before any
+                request finished; None: unknown).
 
         Returns:
             the :class:`Admission` to pass to :meth:`admitted` once the engine requests exist.
@@ -200,7 +204,7 @@ class OpenAIServing:
         state = self.state
         if not state.engine.is_healthy:
             raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
-        ticket = Admission(priority, batch, time.time() if arrival is None else arrival, new_tokens)
+        ticket = Admission(priority, batch, time.time() if arrival is None else arrival, new_tokens, new_requests)
         if batch:
             return ticket
         adm = state.admission
@@ -218,7 +222,8 @@ class OpenAIServing:
             stats, inflight = view() if view is not None else (state.engine.get_stats(),
                                                                  state.engine.inflight_by_priority())
             ticket.prediction, refusal = state.slo.check(stats, InflightWork(inflight), new_tokens, priority,
-                                                         ticket.arrival)
+                                                         ticket.arrival, num_seqs=new_requests,
+                                                         max_tokens=max_tokens)
             if refusal is not None:
                 state.prometheus.record_refusal(refusal.reason)
                 raise APIError(refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)})
@@ -232,6 +237,7 @@ class OpenAIServing:
         if slo is None or ticket.batch:
             return
         share = ticket.prompt_tokens // max(1, len(request_ids))
+        slo.note_admitted(ticket.prompt_tokens, ticket.num_seqs)
         for rid in request_ids:
             pending = slo.track(rid, ticket.prediction, ticket.priority, ticket.arrival, share)
             if pending is None:

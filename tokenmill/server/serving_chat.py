@@ -51,7 +51,7 @@ class OpenAIServingChat(OpenAIServing):
         mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
         params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs)
         n = body.n
-        ticket = self.admit(n, n * len(ids), body.priority, body.is_batch, arrival)
+        ticket = self.admit(n, n * len(ids), body.priority, body.is_batch, arrival, max_tokens=mt)
         rid = request_id("chatcmpl", body.request_id)
         created = int(time.time())
         merged = merge_streams([state.engine.generate(rid, prompt, ids, params, body.priority, body.cache_salt,

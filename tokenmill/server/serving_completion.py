@@ -84,7 +84,7 @@ class OpenAIServingCompletion(OpenAIServing):
             params_list.append(body.sampling_params(mt, body.logprobs, plp))
         n = body.n
         ticket = self.admit(n * len(prompts), n * sum(len(ids) for _, ids in prompts), body.priority,
-                            body.is_batch, arrival)
+                            body.is_batch, arrival, max_tokens=max((p.max_tokens or 0) for p in params_list) or None)
         rid = request_id("cmpl", body.request_id)
         created = int(time.time())
         engine_ids = [rid if len(prompts) == 1 else f"{rid}-p{i}" for i in range(len(prompts))]
