@@ -212,6 +212,13 @@ def test_cold_engine_admits_one_batch_blind_not_a_whole_burst():
     assert not adm._blind
     # once the engine has measured its steps, predictions take over
     assert adm.check(stats(), None, 10, 0, 0.0, 0.0)[0] is not None
+    # a large max_num_seqs still admits only a few blind (a burst on a cold engine)
+    big = SLOAdmission(SLO(ttft=0.5))
+    cold64 = EngineStats(queue=QueueState(max_num_seqs=64), step_timing=StepTimingSnapshot())
+    for k in range(8):
+        assert big.check(cold64, None, 10, 0, 0.0, 0.0)[1] is None
+        big.track(f"c{k}", None, 0, 0.0, 10, now=0.0)
+    assert big.check(cold64, None, 10, 0, 0.0, 0.0)[1] is not None
 
 
 @dataclass
