@@ -267,3 +267,21 @@ def test_tpot_refuses_a_request_that_would_slow_the_running_batch():
     _, ref = adm.check(stats(num_decoding=10, remaining_output_tokens=[5] * 10), None, 10, 0, 0.0, 0.0,
                        max_tokens=16)
     assert ref is None
+
+
+def test_slow_start_admits_only_into_batches_near_the_measured_range():
+    # the engine has measured decode batches of 1-3 only: at most max(8, 2 x 3) sequences are trusted
+    adm = SLOAdmission(SLO(ttft=5.0, tpot=1.0), calibrate=False)
+    t = StepTimingSnapshot(decode_points=[(1.0, 0.010), (3.0, 0.012)], prefill_seconds_per_token=TP,
+                           num_steps_observed=10)
+    q = dict(max_num_seqs=64, max_num_batched_tokens=1000)
+    ok = EngineStats(queue=QueueState(num_decoding=7, **q), step_timing=t)
+    assert adm.check(ok, None, 10, 0, 0.0, 0.0)[1] is None                # a batch of 8
+    far = EngineStats(queue=QueueState(num_decoding=8, **q), step_timing=t)
+    _, ref = adm.check(far, None, 10, 0, 0.0, 0.0)
+    assert ref is not None and "warming up" in ref.message and ref.retry_after == 1
+    # once batches of 20 were measured, a batch of 9 is trusted (up to 40)
+    t20 = StepTimingSnapshot(decode_points=[(1.0, 0.010), (20.0, 0.030)], prefill_seconds_per_token=TP,
+                             num_steps_observed=50)
+    assert adm.check(EngineStats(queue=QueueState(num_decoding=8, **q), step_timing=t20), None, 10, 0, 0.0,
+                     0.0)[1] is None
