@@ -280,8 +280,19 @@ def test_slow_start_admits_only_into_batches_near_the_measured_range():
     far = EngineStats(queue=QueueState(num_decoding=8, **q), step_timing=t)
     _, ref = adm.check(far, None, 10, 0, 0.0, 0.0)
     assert ref is not None and "warming up" in ref.message and ref.retry_after == 1
+    # a batch already running (8 decoding + 4 batch-lane prefills, all 12 seats) is trusted: the next steps
+    # measure it, and a request that waits for a seat does not grow it
+    seats12 = dict(max_num_seqs=12, max_num_batched_tokens=1000)
+    busy = EngineStats(queue=QueueState(num_decoding=8, batch_running_prefill=(4, 400), **seats12), step_timing=t)
+    assert adm.check(busy, None, 10, 0, 0.0, 0.0)[1] is None
+    # with free seats, growing it past both the running batch and twice the measured one is refused
+    busy64 = EngineStats(queue=QueueState(num_decoding=8, batch_running_prefill=(4, 400), **q), step_timing=t)
+    assert "warming up" in adm.check(busy64, None, 10, 0, 0.0, 0.0)[1].message
     # once batches of 20 were measured, a batch of 9 is trusted (up to 40)
     t20 = StepTimingSnapshot(decode_points=[(1.0, 0.010), (20.0, 0.030)], prefill_seconds_per_token=TP,
                              num_steps_observed=50)
     assert adm.check(EngineStats(queue=QueueState(num_decoding=8, **q), step_timing=t20), None, 10, 0, 0.0,
                      0.0)[1] is None
+    # without a TPOT target there is no slow start (a TTFT prediction rests on the measured prefill rate)
+    ttft_only = SLOAdmission(SLO(ttft=5.0), calibrate=False)
+    assert ttft_only.check(far, None, 10, 0, 0.0, 0.0)[1] is None

@@ -177,10 +177,11 @@ PENDING_MAX_AGE_S = 600.0
 # time a prefill and a decode step.
 BLIND_MAX_REQUESTS = 8
 # Slow start: a request is admitted into a decode batch of at most this many times the largest batch
-# the engine has measured (or BLIND_MAX_REQUESTS), so the step-time model is never trusted far beyond
+# the engine has measured (or BLIND_MAX_REQUESTS, or the batch running now), so the step-time model is never trusted far beyond
 # what it measured: right after start-up it knows batches of one or two, and extrapolating their step
 # time to a burst's 30 sequences under-predicted TPOT 4x (the cold engine's first loaded steps also pay
-# one-time costs). The measured range doubles as the batch grows, as TCP's slow start (Jacobson,
+# one-time costs). Only with a TPOT target (a TTFT prediction is dominated by the prefill rate,
+# measured from the first prefill step). The measured range doubles as the batch grows, as TCP's slow start (Jacobson,
 # "Congestion Avoidance and Control", SIGCOMM'88, §2) grows its window.
 SLOW_START_FACTOR = 2.0
 # EWMA weight of one request in the TPOT model's workload means (P̄: prompt tokens of admitted
@@ -365,9 +366,11 @@ class SLOAdmission:
                     f"measured its step times (--slo admits {blind_cap} until then); retry later",
                     MIN_RETRY_AFTER, "slo")
         elapsed = max(0.0, now - arrival)
-        if pred is not None and t.decode_points:
+        if pred is not None and t.decode_points and self.slo.tpot is not None:
             measured = max(b for b, _ in t.decode_points)
-            trusted = max(BLIND_MAX_REQUESTS, int(SLOW_START_FACTOR * measured))
+            # the batch already running is measured within a step (batch-lane decodes, say): trusted too
+            running = q.num_decoding + q.running_prefill[0] + q.batch_running_prefill[0]
+            trusted = max(BLIND_MAX_REQUESTS, int(SLOW_START_FACTOR * measured), running)
             if pred.decode_batch > trusted:
                 return pred, Refusal(
                     f"server is warming up: this request would make a decode batch of {pred.decode_batch} "
