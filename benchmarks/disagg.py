@@ -274,6 +274,7 @@ async def run_arm(arm: str, args: argparse.Namespace, log_dir: str) -> dict:
         rep = report(res, parse_goodput(args.slo))
         if arm == "disagg":
             rep["decode_prompt_tokens_by_source"] = await _sources(procs[1].url)
+            rep["kv_transfer"] = await _transfers(procs[1].url)
         return rep
     finally:
         for p in reversed(procs):
@@ -290,6 +291,28 @@ async def _sources(url: str) -> dict[str, float]:
             src = line.split('source="')[1].split('"')[0]
             out[src] = out.get(src, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+async def _transfers(url: str) -> dict[str, float]:
+    """The decode server's KV loads: count, mean time (ms) and size (MB), from its /metrics.
+
+    What a layer-wise transfer overlapped with the prefill forward could at most take off a TTFT is
+    the load time (docs/architecture.md, "Why block-wise after the step")."""
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url + "/metrics") as r:
+            text = await r.text()
+    tot: dict[str, float] = {}
+    for line in text.splitlines():
+        for name in ("tokenmill:kv_transfer_time_seconds_sum", "tokenmill:kv_transfer_time_seconds_count"):
+            if line.startswith(name + "{"):
+                tot[name] = tot.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+        if line.startswith("tokenmill:kv_transfer_bytes_total{") and 'direction="received"' in line:
+            tot["bytes"] = tot.get("bytes", 0.0) + float(line.rsplit(" ", 1)[1])
+    n = tot.get("tokenmill:kv_transfer_time_seconds_count", 0.0)
+    secs = tot.get("tokenmill:kv_transfer_time_seconds_sum", 0.0)
+    return {"loads": n, "mean_ms": 1000 * secs / n if n else 0.0,
+            "mean_mb": tot.get("bytes", 0.0) / n / 1e6 if n else 0.0,
+            "mb_per_s": tot.get("bytes", 0.0) / secs / 1e6 if secs else 0.0}
 
 
 def main() -> None:

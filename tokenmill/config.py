@@ -626,8 +626,10 @@ class KVTransferConfig:
         return cls(**data)
 
     def for_rank(self, rank: int) -> "KVTransferConfig":
-        """The config of data-parallel engine ``rank``: ``kv_port`` shifted by ``rank`` (0 stays 0)."""
-        if rank == 0 or self.kv_port == 0:
+        """The config of data-parallel engine ``rank``: ``kv_port`` shifted by ``rank`` (0 stays 0: each
+        engine picks a free port) and a given ``engine_id`` suffixed ``-dp{rank}`` (each engine core has
+        its own connector, so its own id)."""
+        if rank == 0:
             return self
-        return dataclasses.replace(self, kv_port=self.kv_port + rank,
+        return dataclasses.replace(self, kv_port=self.kv_port + rank if self.kv_port else 0,
                                    engine_id=f"{self.engine_id}-dp{rank}" if self.engine_id else None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -126,6 +127,60 @@ def test_wrong_engine_or_request_is_refused_and_recomputed(tiny):
     finally:
         prod.shutdown()
         cons.shutdown()
+
+
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_release_frees_the_kept_kv_at_once(tiny, tmp_path, connector):
+    """The router's release (decode leg failed) frees the producer's hold now, not after abort_timeout_s;
+    a consumer that comes anyway recomputes."""
+    ref = EngineCore(_cfg(tiny))
+    prod = EngineCore(_cfg(tiny, "kv_producer", connector, tmp_path, abort_timeout_s=600))
+    cons = EngineCore(_cfg(tiny, "kv_consumer", connector, tmp_path, transfer_timeout_s=2))
+    try:
+        want, _ = _run(ref, "r", SamplingParams(**GREEDY))
+        _, out = _run(prod, "p", SamplingParams(max_tokens=1, temperature=0,
+                                                 kv_transfer_params={"do_remote_decode": True}))
+        params = out.kv_transfer_params
+        assert prod.release_kv([("another-engine", "p"), (None, "unknown")]) == 0
+        if connector == "SharedMemoryConnector":   # the file exists before it is released
+            deadline = time.monotonic() + 10
+            while not os.path.exists(params["remote_shm_path"]) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert os.path.exists(params["remote_shm_path"])
+        assert prod.release_kv([(params["remote_engine_id"], "p")]) == 1
+        assert prod.release_kv([(None, "p")]) == 0          # once
+        _settle(prod, timeout=5)
+        inv = prod.check_invariants()
+        assert inv["num_free_blocks"] == 64 and inv["problems"] == [] and not prod.has_unfinished_requests()
+        kt = prod.get_stats().kv_transfer
+        assert kt.num_released == 1 and kt.num_expired == 0
+        if connector == "SharedMemoryConnector":
+            assert not os.path.exists(params["remote_shm_path"])
+        got, _ = _run(cons, "d", SamplingParams(**GREEDY, kv_transfer_params=params))
+        assert got == want
+        assert cons.get_stats().kv_transfer.num_recomputed == 1
+    finally:
+        for c in (ref, prod, cons):
+            c.shutdown()
+
+
+def test_release_during_a_pull_frees_nothing_the_pull_reads(tiny):
+    prod = EngineCore(_cfg(tiny, "kv_producer", abort_timeout_s=600))
+    try:
+        _run(prod, "p", SamplingParams(max_tokens=1, temperature=0, kv_transfer_params={"do_remote_decode": True}))
+        c = prod.kv_connector
+        with c._lock:                                   # what the side channel does when a pull is accepted
+            assert c._begin_transfer_locked("p")
+            assert not c._begin_transfer_locked("p")    # a second pull of the same KV is refused
+        assert prod.release_kv([(None, "p")]) == 0
+        _settle(prod, timeout=0.3)
+        assert prod.check_invariants()["num_free_blocks"] == 54    # still held: the pull reads the blocks
+        c._end_transfer("p", 123)
+        _settle(prod)
+        assert prod.check_invariants()["num_free_blocks"] == 64
+        assert prod.get_stats().kv_transfer.num_released == 0 and prod.get_stats().kv_transfer.bytes_sent == 123
+    finally:
+        prod.shutdown()
 
 
 def test_start_up_errors(tiny):

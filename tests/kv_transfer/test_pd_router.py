@@ -3,7 +3,8 @@
 Greedy outputs equal the colocated engine's for both connectors; the decode server computes only the
 last prompt token of a transferred request (``prompt_tokens_by_source{source="local_compute"}`` grows
 by 1 per request, ``external_kv_transfer`` by the rest); the prefill server frees its blocks once the
-KV was pulled; errors pass through; a client that disconnects aborts upstream; a prefill server
+KV was pulled, and at once when the decode server refused the request (the router's release); errors
+pass through; a client that disconnects aborts upstream; a prefill server
 killed before the pull makes the decode server recompute. Every server is killed even on failure.
 """
 
@@ -83,6 +84,7 @@ def pd(request, tiny, tmp_path_factory):
                                            # generous: this machine's load average reaches 25
                                            connect_timeout=30.0, health_check_timeout=30.0)).start()
         router.connector = request.param
+        router.shm_dir = shm
         yield prefill, decode, router
     finally:
         if router is not None:
@@ -174,11 +176,20 @@ def test_errors_pass_through(pd):
     r = httpx.post(decode.url + "/v1/completions", timeout=30, json={
         "model": model, "prompt": "w5", "kv_transfer_params": {"do_remote_prefill": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
-    # nobody pulls the refused request's KV: the prefill server frees it after abort_timeout_s
+    # nobody will pull the refused request's KV: the router tells the prefill server, which frees it at
+    # once (blocks, or the shared-memory file), not after abort_timeout_s
+    t0 = time.monotonic()
     inv = _wait_free(prefill.url, timeout=ABORT_TIMEOUT_S + 30)
     assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
-    if router.connector == "TcpConnector":   # (shared memory: the blocks were freed once copied to the file)
-        assert _metric(prefill.url, "tokenmill:kv_transfer_expired_total") == 1
+    assert _metric(prefill.url, "tokenmill:kv_transfer_released_total") == 1
+    assert _metric(prefill.url, "tokenmill:kv_transfer_expired_total") == 0
+    assert time.monotonic() - t0 < ABORT_TIMEOUT_S
+    if router.connector == "SharedMemoryConnector":
+        shm = router.shm_dir
+        deadline = time.monotonic() + 10
+        while any(f.endswith(".kv") for _, _, fs in os.walk(shm) for f in fs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [f for _, _, fs in os.walk(shm) for f in fs if f.endswith(".kv")]
 
 
 def test_client_disconnect_aborts_upstream(pd):

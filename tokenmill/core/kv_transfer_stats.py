@@ -19,6 +19,8 @@ class KVTransferStats:
         num_failed: loads that failed or timed out (each falls back to recomputing the prompt).
         num_recomputed: requests whose prompt was recomputed because their remote KV could not be loaded.
         num_expired: producer-side holds that ended by timeout (no consumer pulled the KV).
+        num_released: producer-side holds ended early by a release (``POST /kv_transfer/release``: the
+            router saw the decode leg fail, so no consumer will pull the KV).
         recent_times: durations of the last :data:`MAX_RECENT_TRANSFERS` completed loads (s), oldest first;
             the ``len(recent_times)`` most recent of ``num_transfers``.
     """
@@ -29,6 +31,7 @@ class KVTransferStats:
     num_failed: int = 0
     num_recomputed: int = 0
     num_expired: int = 0
+    num_released: int = 0
     recent_times: list[float] = field(default_factory=list)
 
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
@@ -41,4 +44,4 @@ class KVTransferStats:
 
     def copy(self) -> "KVTransferStats":
         return KVTransferStats(self.bytes_sent, self.bytes_received, self.num_transfers, self.num_failed,
-                               self.num_recomputed, self.num_expired, list(self.recent_times))
+                               self.num_recomputed, self.num_expired, self.num_released, list(self.recent_times))

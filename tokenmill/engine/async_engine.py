@@ -416,6 +416,17 @@ class AsyncEngine:
         finally:
             self._invariant_waiters.pop(token, None)
 
+    def release_kv(self, request_id: str, engine_id: str | None = None) -> None:
+        """Tell the core to free the KV it keeps for a consumer of ``request_id`` (the core's request id
+        from ``kv_transfer_params.remote_request_id``); fire and forget, a no-op where nothing is held.
+
+        Raises:
+            EngineDeadError: the core is not running.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        self._send(("release_kv", [(engine_id, request_id)]))
+
     async def abort(self, request_id: str) -> None:
         """Abort a request and all its child ids in the core."""
         self.abort_nowait(request_id)

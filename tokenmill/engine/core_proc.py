@@ -10,7 +10,8 @@ Transport: two ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temp
 directory, both bound by the API process:
 
 * input (API → core): ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
-  ``("stop", [ids])``, ``("check_invariants", token)``, ``("shutdown", None)``.
+  ``("stop", [ids])``, ``("check_invariants", token)``, ``("release_kv", [(engine_id, request_id)])``
+  (free KV kept for a consumer that will not come), ``("shutdown", None)``.
 * output (core → API): ``("ready", CoreInfo)`` once after the model loaded,
   then ``("outputs", [EngineCoreOutput], EngineStats, num_adds_received)``
   after every step (and after inputs that change the state while idle), and
@@ -247,6 +248,8 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                 core.abort_requests(payload)
             elif kind == "stop":
                 core.stop_requests(payload)
+            elif kind == "release_kv":
+                core.release_kv(payload)
             elif kind == "check_invariants":   # tests and soak runs: answered at once, in order
                 report = core.check_invariants()
                 sites = top_allocation_sites()
@@ -260,12 +263,16 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                 logger.error("unknown message kind %r", kind)
         outputs: list = []
         steps_before = core.get_stats().num_steps if handled == 0 else -1
+        went_idle = False
         if core.has_unfinished_requests():
             outputs = core.step()
             if on_step is not None:
                 on_step()
+            # the last step before idling (e.g. one that freed KV kept for a consumer) reports its stats:
+            # an idle core sends nothing until its next input
+            went_idle = not core.has_unfinished_requests()
         now = time.monotonic()
-        if outputs or handled or now - last_send > _STATS_INTERVAL_S:
+        if outputs or handled or went_idle or now - last_send > _STATS_INTERVAL_S:
             # Stats ride along with every batch, and at least every _STATS_INTERVAL_S
             # while busy (e.g. during a long chunked prefill that samples nothing).
             out_sock.send(dumps(("outputs", outputs, core.get_stats(), num_adds)))

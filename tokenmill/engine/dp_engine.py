@@ -292,6 +292,14 @@ class DPAsyncEngine:
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
+    def release_kv(self, request_id: str, engine_id: str | None = None) -> None:
+        """:meth:`AsyncEngine.release_kv` on every core (the one whose connector has ``engine_id`` and
+        keeps ``request_id`` frees it; the request finished, so no owner is tracked any more)."""
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        for e in self.engines:
+            e.release_kv(request_id, engine_id)
+
 
 def make_async_engine(config: EngineConfig, tokenizer: Any = None, **kw: Any) -> AsyncEngine | DPAsyncEngine:
     """An :class:`AsyncEngine`, or a :class:`DPAsyncEngine` when ``--data-parallel-size`` > 1."""

@@ -137,6 +137,17 @@ class EngineCore:
         """Abort requests anywhere in the engine; their blocks return to the pool."""
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
 
+    def release_kv(self, items: list[tuple[str | None, str]]) -> int:
+        """Free the KV a producer keeps for requests no consumer will pull (``(engine_id, request_id)``
+        pairs, ``engine_id`` None: any); the blocks return to the pool at the end of the next step.
+
+        Returns:
+            how many holds were released (unknown, pulled or other engines' requests are skipped).
+        """
+        if self.kv_connector is None:
+            return 0
+        return sum(bool(self.kv_connector.release(rid, eid)) for eid, rid in items)
+
     def stop_requests(self, req_ids: list[str]) -> None:
         """Finish requests as 'stop' (the front end matched a stop string)."""
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)

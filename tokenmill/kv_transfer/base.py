@@ -164,6 +164,16 @@ class KVConnectorBase(ABC):
     def request_aborted_while_loading(self, request: Request) -> None:
         """A request in ``WAITING_FOR_REMOTE_KVS`` was aborted: stop its load (reported as failed)."""
 
+    def release(self, req_id: str, engine_id: str | None = None) -> bool:
+        """No consumer will take ``req_id``'s kept KV (producer side): free it now, not at the timeout.
+
+        Called on ``POST /kv_transfer/release`` (the router's decode leg failed: refused, unreachable,
+        or the client left). A no-op (False) when ``engine_id`` names another engine, the request's
+        KV is not held (already pulled, expired, never kept) or a pull is copying it right now (that
+        pull's end frees it).
+        """
+        return False
+
     # -- worker side ---------------------------------------------------------
     @abstractmethod
     def register_kv_caches(self, kv_caches: list[Any]) -> None:
@@ -215,6 +225,7 @@ class PullConnector(KVConnectorBase):
         # producer: req id -> deadline (monotonic s) of the blocks held for a consumer
         self._held: dict[str, float] = {}
         self._sent: set[str] = set()
+        self._in_transfer: set[str] = set()   # held KV a transport is copying out now: never freed under it
         # consumer
         self._pool = ThreadPoolExecutor(max_workers=int(extra.get("num_load_threads", 2)),
                                         thread_name_prefix="kv-load")
@@ -347,7 +358,7 @@ class PullConnector(KVConnectorBase):
             self._sent, self._recv_done, self._recv_failed = set(), set(), set()
             for rid in out.finished_sending:
                 self._held.pop(rid, None)
-            expired = [rid for rid, d in self._held.items() if d <= now]
+            expired = [rid for rid, d in self._held.items() if d <= now and rid not in self._in_transfer]
             for rid in expired:
                 del self._held[rid]
                 self.stats.num_expired += 1
@@ -372,7 +383,36 @@ class PullConnector(KVConnectorBase):
     def is_held(self, req_id: str) -> bool:
         """The producer still holds ``req_id``'s blocks for a consumer."""
         with self._lock:
-            return req_id in self._held and req_id not in self._sent
+            return self._is_held_locked(req_id)
+
+    def _is_held_locked(self, req_id: str) -> bool:
+        return req_id in self._held and req_id not in self._sent
+
+    def _begin_transfer_locked(self, req_id: str) -> bool:
+        """Claim ``req_id``'s held KV for one copy-out (caller holds ``self._lock``); False when it is not
+        held or another copy-out has it. End the claim with :meth:`_end_transfer`."""
+        if not self._is_held_locked(req_id) or req_id in self._in_transfer:
+            return False
+        self._in_transfer.add(req_id)
+        return True
+
+    def _end_transfer(self, req_id: str, nbytes: int) -> None:
+        """The copy-out of ``req_id`` ended (``nbytes`` bytes out): its blocks may be freed."""
+        with self._lock:
+            self._in_transfer.discard(req_id)
+        self._mark_sent(req_id, nbytes)
+
+    def release(self, req_id: str, engine_id: str | None = None) -> bool:
+        if engine_id is not None and engine_id != self.engine_id:
+            return False
+        with self._lock:
+            if not self._is_held_locked(req_id) or req_id in self._in_transfer:
+                return False
+            self._sent.add(req_id)
+            self.stats.num_released += 1
+        logger.info("request %s: KV released (no consumer will pull it); freeing its blocks", req_id)
+        self._unpublish(req_id)
+        return True
 
     def shutdown(self) -> None:
         if self._closed:

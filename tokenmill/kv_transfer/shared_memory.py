@@ -5,7 +5,8 @@ file in a RAM-backed directory (``kv_connector_extra_config.shm_dir``, default
 ``/dev/shm/tokenmill-kv``; framing: :mod:`tokenmill.kv_transfer.framing`) on a background thread,
 then frees the blocks at once: the file holds the KV, not the pool. The consumer waits for the file
 (it is renamed into place only when complete), reads it layer by layer into its own blocks and
-deletes it. A file nobody reads is deleted after ``abort_timeout_s``.
+deletes it. A file nobody reads is deleted after ``abort_timeout_s``, or at once on a release
+(:meth:`SharedMemoryConnector.release`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ class SharedMemoryConnector(PullConnector):
         if config.is_producer:
             os.makedirs(self.shm_dir, mode=0o700, exist_ok=True)
         self._files: dict[str, tuple[str, float]] = {}   # req id -> (path, deadline)
+        self._drop_after_write: set[str] = set()          # released while its file was being written
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-shm-save")
 
     def path_for(self, req_id: str) -> str:
@@ -69,6 +71,9 @@ class SharedMemoryConnector(PullConnector):
         path = self.path_for(req_id)
         tmp = path + ".tmp"
         nbytes = 0
+        with self._lock:
+            if not self._begin_transfer_locked(req_id):
+                return      # released before the copy started: the blocks are already being freed
         try:
             idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
             with open(tmp, "wb") as f:
@@ -80,12 +85,38 @@ class SharedMemoryConnector(PullConnector):
                     nbytes += data.nbytes
             os.replace(tmp, path)
             with self._lock:
-                self._files[req_id] = (path, time.monotonic() + self.abort_timeout_s)
+                drop = req_id in self._drop_after_write
+                self._drop_after_write.discard(req_id)
+                if not drop:
+                    self._files[req_id] = (path, time.monotonic() + self.abort_timeout_s)
+            if drop:
+                _unlink(path)
         except OSError as e:
             logger.warning("writing the KV of request %s to %s failed: %s", req_id, path, e)
             _unlink(tmp)
+            with self._lock:
+                self._drop_after_write.discard(req_id)
         finally:
-            self._mark_sent(req_id, nbytes)    # the pool's blocks are no longer needed either way
+            self._end_transfer(req_id, nbytes)    # the pool's blocks are no longer needed either way
+
+    def release(self, req_id: str, engine_id: str | None = None) -> bool:
+        """Free ``req_id``'s kept KV now: its blocks if the copy to the file has not started, else the
+        file (deleted now, or as soon as the copy ends). See :meth:`PullConnector.release`."""
+        if engine_id is not None and engine_id != self.engine_id:
+            return False
+        if super().release(req_id, engine_id):
+            return True
+        with self._lock:
+            entry = self._files.pop(req_id, None)
+            if entry is None:
+                if req_id not in self._in_transfer:
+                    return False
+                self._drop_after_write.add(req_id)
+            self.stats.num_released += 1
+        if entry is not None:
+            _unlink(entry[0])
+        logger.info("request %s: KV released (no consumer will read it); deleting its file", req_id)
+        return True
 
     def get_finished(self):  # noqa: ANN201 - see PullConnector.get_finished
         now = time.monotonic()

@@ -98,18 +98,22 @@ class TcpConnector(PullConnector):
                 sock.sendall(encode_msg({"ok": False, "error": f"this is engine {self.engine_id}, "
                                                               f"not {req.get('engine')}"}))
                 return
+            wanted = req.get("block_ids")
             with self._pub_cv:
                 self._pub_cv.wait_for(lambda: rid in self._published, timeout=PUBLISH_WAIT_S)
                 published = self._published.get(rid)
-            if published is None or not self.is_held(rid):
-                sock.sendall(encode_msg({"ok": False, "error": f"no KV held for request {rid!r} (finished "
-                                                              "sending, expired, or never produced)"}))
-                return
-            wanted = req.get("block_ids")
-            if not isinstance(wanted, list) or not set(wanted) <= set(published):
+                bad_ids = (published is not None
+                           and (not isinstance(wanted, list) or not set(wanted) <= set(published)))
+                # claimed under the lock: a release or the expiry cannot free the blocks while they are read
+                serving = published is not None and not bad_ids and self._begin_transfer_locked(rid)
+            if bad_ids:
                 sock.sendall(encode_msg({"ok": False, "error": "block_ids are not the request's blocks"}))
                 return
-            serving = True
+            if not serving:
+                sock.sendall(encode_msg({"ok": False, "error": f"no KV held for request {rid!r} (finished "
+                                                              "sending, released, expired, being sent, or "
+                                                              "never produced)"}))
+                return
             sock.sendall(encode_msg({"ok": True, "geometry": self.geometry(), "num_layers": len(self.kv_caches)}))
             idx = torch.tensor(wanted, dtype=torch.long, device=self.kv_caches[0].device)
             for kv in self.kv_caches:
@@ -127,7 +131,7 @@ class TcpConnector(PullConnector):
             if serving:
                 # pulled (or the pull broke half way, after which the consumer recomputes): free the blocks
                 self._unpublish(rid)
-                self._mark_sent(rid, sent)
+                self._end_transfer(rid, sent)
             try:
                 sock.close()
             except OSError:

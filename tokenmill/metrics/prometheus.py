@@ -47,7 +47,8 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   ``kv_transfer_bytes_total{direction}`` (``sent`` by a producer, ``received`` by a consumer),
   ``kv_transfer_failed_total`` (loads that failed or timed out),
   ``kv_transfer_recomputed_requests_total`` (requests that recomputed their prompt instead),
-  ``kv_transfer_expired_total`` (KV a producer kept that no consumer pulled in time), and the
+  ``kv_transfer_expired_total`` (KV a producer kept that no consumer pulled in time),
+  ``kv_transfer_released_total`` (KV a producer kept and freed early on ``POST /kv_transfer/release``), and the
   histogram ``kv_transfer_time_seconds`` (one completed load, consumer side).
 
 Each exporter has its own :class:`prometheus_client.CollectorRegistry`, so
@@ -114,7 +115,7 @@ class _EngineSeries:
         self.last_spec_pos: list[int] = []
         self.last_sources: dict[str, int] = {}
         self.kvx: dict | None = None       # KV-transfer children, created on the first KV-transfer stats
-        self.last_kvx = (0, 0, 0, 0, 0)
+        self.last_kvx = (0, 0, 0, 0, 0, 0)
         self.last_kvx_transfers = 0
 
     def record_sources(self, by_source: dict[str, int]) -> None:
@@ -129,10 +130,12 @@ class _EngineSeries:
         if self.kvx is None:
             self.kvx = {"sent": f["kvx_bytes"].labels(*lv, "sent"), "received": f["kvx_bytes"].labels(*lv, "received"),
                         "failed": f["kvx_failed"].labels(*lv), "recomputed": f["kvx_recomputed"].labels(*lv),
-                        "expired": f["kvx_expired"].labels(*lv), "time": f["kvx_time"].labels(*lv)}
-        totals = (kt.bytes_sent, kt.bytes_received, kt.num_failed, kt.num_recomputed, kt.num_expired)
+                        "expired": f["kvx_expired"].labels(*lv), "released": f["kvx_released"].labels(*lv),
+                        "time": f["kvx_time"].labels(*lv)}
+        totals = (kt.bytes_sent, kt.bytes_received, kt.num_failed, kt.num_recomputed, kt.num_expired, kt.num_released)
         self.last_kvx = tuple(_inc(self.kvx[n], t, last) for n, t, last in
-                              zip(("sent", "received", "failed", "recomputed", "expired"), totals, self.last_kvx))
+                              zip(("sent", "received", "failed", "recomputed", "expired", "released"), totals,
+                                  self.last_kvx))
         new = kt.num_transfers - self.last_kvx_transfers
         if new > 0:
             for v in kt.recent_times[-new:]:
@@ -256,6 +259,8 @@ class PrometheusStatLogger:
                                       "Requests that recomputed their prompt because their KV could not be loaded."),
             "kvx_expired": counter("kv_transfer_expired",
                                    "Requests whose kept KV no consumer pulled before the timeout."),
+            "kvx_released": counter("kv_transfer_released",
+                                    "Requests whose kept KV was freed early because no consumer would pull it."),
             "kvx_time": hist("kv_transfer_time_seconds", "Histogram of the time of one KV load in seconds.",
                              TTFT_BUCKETS),
             "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",

@@ -11,10 +11,15 @@ proxy; DistServe, arXiv 2401.09670, §3):
    (``kv_consumer``), which loads the KV instead of computing the prompt (or recomputes it when the
    load fails) and generates. Its response, streamed or not, is relayed to the client unbuffered.
 
-The prefill server frees the blocks once the decode server pulled them (or after its
-``abort_timeout_s``). Errors of either server (4xx/5xx) reach the client with their status and
-body. A client that disconnects during the prefill cancels it (the prefill server aborts the request
-and keeps nothing); during the decode it closes the decode stream, which aborts the request there.
+The prefill server frees the blocks once the decode server pulled them. When the decode leg fails
+(the decode server refuses the request with a 4xx/5xx, no decode server is reachable, the relay
+breaks, or the client leaves before the decode finished) the router tells the prefill server at once
+(``POST /kv_transfer/release`` with the ``kv_transfer_params``, in the background): the kept blocks
+are freed then, not after the prefill server's ``abort_timeout_s`` (a release that comes after the
+pull, or during it, frees nothing the pull still needs). Errors of either server (4xx/5xx) reach the
+client with their status and body. A client that disconnects during the prefill cancels it (the
+prefill server aborts the request and keeps nothing); during the decode it closes the decode stream,
+which aborts the request there.
 An unreachable server is retried on another of its pool (``--max-retries``). Both pools are routed
 with the router's ``--policy``, each pool by its own policy object. Requests with ``n > 1``, or that
 carry their own ``kv_transfer_params``, go straight to a decode server (which then computes the prompt).
@@ -31,7 +36,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.router.app import _HOP_BY_HOP, _DROP_RESPONSE, Router, _error, _wait_disconnect
+from tokenmill.router.app import _HOP_BY_HOP, _DROP_RESPONSE, Router, _Relay, _error, _wait_disconnect
 
 logger = logging.getLogger(__name__)
 
@@ -79,25 +84,91 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
         rin = await router.route_input(policy, path, body)
         return await router.send_to_pool(raw, headers, path, pools["decode"], policy, rin, watcher)
     try:
-        pre = await _prefill(router, path, body, headers, pools["prefill"], model, watcher)
+        got = await _prefill(router, path, body, headers, pools["prefill"], model, watcher)
     except BaseException:
         watcher.cancel()
         raise
-    if isinstance(pre, Response):
+    if isinstance(got, Response):
         watcher.cancel()
-        return pre
+        return got
+    pre, prefill_url = got
     dec = dict(body)
     if pre is not None:
         dec["kv_transfer_params"] = pre
     policy = router.policy_for(("decode", model))  # type: ignore[arg-type]
-    rin = await router.route_input(policy, path, dec)
-    return await router.send_to_pool(json.dumps(dec).encode(), headers, path, pools["decode"], policy, rin, watcher)
+    try:
+        rin = await router.route_input(policy, path, dec)
+        resp = await router.send_to_pool(json.dumps(dec).encode(), headers, path, pools["decode"], policy, rin,
+                                         watcher)
+    except BaseException:
+        if pre is not None:
+            _release_soon(router, prefill_url, pre, headers)
+        raise
+    if pre is None:
+        return resp
+    if isinstance(resp, _Relay) and resp.status_code == 200:
+        return _ReleasingRelay(resp, lambda: _release_soon(router, prefill_url, pre, headers))
+    # refused (4xx/5xx), unreachable (503), or the client left before the decode answered (499)
+    _release_soon(router, prefill_url, pre, headers)
+    return resp
+
+
+class _ReleasingRelay(Response):
+    """A decode relay that asks the prefill server to free the kept KV when it does not end cleanly."""
+
+    def __init__(self, relay: _Relay, on_broken) -> None:  # noqa: ANN001 - a callable of no argument
+        super().__init__(status_code=relay.status_code)
+        self.relay = relay
+        self.on_broken = on_broken
+        self.raw_headers = relay.raw_headers
+        self.background = None
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        ended = False
+
+        async def watch(msg: dict) -> None:
+            nonlocal ended
+            await send(msg)
+            if msg.get("type") == "http.response.body" and not msg.get("more_body", False):
+                ended = True
+
+        try:
+            await self.relay(scope, receive, watch)
+        finally:
+            if not ended:     # client gone or upstream broke: the decode server may never pull the KV
+                self.on_broken()
+
+
+_release_tasks: set[asyncio.Task] = set()
+
+
+def _release_soon(router: Router, prefill_url: str, params: dict[str, Any], headers: dict[str, str]) -> None:
+    """In the background: ``POST /kv_transfer/release`` to the prefill server that keeps ``params``' KV."""
+    task = asyncio.create_task(_release(router, prefill_url, params, headers))
+    _release_tasks.add(task)            # keep a reference until it is done
+    task.add_done_callback(_release_tasks.discard)
+
+
+async def _release(router: Router, prefill_url: str, params: dict[str, Any], headers: dict[str, str]) -> None:
+    """Ask the prefill server to free the KV it keeps for ``params``; failures are logged (the prefill
+    server's ``abort_timeout_s`` frees it then)."""
+    assert router.client is not None
+    auth = {k: v for k, v in headers.items() if k.lower() == "authorization"}
+    try:
+        r = await router.client.post(prefill_url + "/kv_transfer/release", json={"kv_transfer_params": params},
+                                     headers=auth, timeout=10.0)
+        if r.status_code != 200:
+            logger.warning("prefill server %s refused to release the KV of %s: %s %s", prefill_url,
+                           params.get("remote_request_id"), r.status_code, r.text[:200])
+    except httpx.HTTPError as e:
+        logger.warning("could not ask prefill server %s to release the KV of %s (%s: %s); it frees it after "
+                       "its abort_timeout_s", prefill_url, params.get("remote_request_id"), type(e).__name__, e)
 
 
 async def _prefill(router: Router, path: str, body: dict[str, Any], headers: dict[str, str], pool: list,
-                   model: str | None, watcher: asyncio.Task) -> dict[str, Any] | None | Response:
-    """Run the prefill step; the returned ``kv_transfer_params`` (None: the server kept no KV), or the
-    response to give the client (an error, or 499 when it disconnected)."""
+                   model: str | None, watcher: asyncio.Task) -> tuple[dict[str, Any] | None, str] | Response:
+    """Run the prefill step; ``(kv_transfer_params, prefill server URL)`` (params None: the server kept
+    no KV), or the response to give the client (an error, or 499 when it disconnected)."""
     policy = router.policy_for(("prefill", model))  # type: ignore[arg-type]
     pre = prefill_body(body)
     rin = await router.route_input(policy, path, pre)
@@ -149,6 +220,6 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], headers: dic
         if params is None:
             logger.warning("prefill server %s returned no kv_transfer_params (is it started with "
                            "--kv-transfer-config kv_producer?); the decode server computes the prompt", b.url)
-        return params
+        return params, b.url
     router.metrics.errors.labels("no_backend").inc()
     return _error(503, f"no prefill server could take the request: {last_error}")

@@ -2,7 +2,7 @@
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``,
 ``POST /tokenize``, ``POST /detokenize``, ``GET /health``, ``GET /version``,
-``GET /metrics``. The API process owns HTTP, tokenization, the chat template,
+``GET /metrics``, and ``POST /kv_transfer/release`` (prefill-decode disaggregation). The API process owns HTTP, tokenization, the chat template,
 detokenization and SSE; the engine core runs in its own process
 (:class:`~tokenmill.engine.async_engine.AsyncEngine`). The endpoints' work is
 in :mod:`~tokenmill.server.serving_completion` and
@@ -34,7 +34,8 @@ import tokenmill
 from tokenmill.metrics.prometheus import CONTENT_TYPE_LATEST
 from tokenmill.server.body_limit import BodySizeLimitMiddleware
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       ErrorResponse, TokenizeRequest, error_param_from_loc)
+                                       ErrorResponse, KVTransferReleaseRequest, TokenizeRequest,
+                                       error_param_from_loc)
 from tokenmill.server.serving import OpenAIServing, ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
@@ -212,6 +213,20 @@ def build_app(state: ServerState) -> FastAPI:
     @v1.post("/v1/chat/completions", responses={**GENERATION_OK, **V1_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
         return await with_disconnect(raw, chat.create_chat_completion(body))
+
+    @v1.post("/kv_transfer/release", responses=_errors(400, 401, 503))
+    async def kv_transfer_release(body: KVTransferReleaseRequest) -> dict[str, Any]:
+        """Prefill-decode disaggregation: free the KV kept for a decode server that will not pull it
+        (a no-op when it was pulled, expired or is being pulled; the answer does not say which)."""
+        rid, eid = body.target()
+        kvt = state.config.cache.kv_transfer
+        if kvt is None or not kvt.is_producer:
+            raise APIError("this server keeps no KV for other servers (no --kv-transfer-config with kv_role "
+                           "kv_producer or kv_both)", param="kv_transfer_params")
+        if not state.engine.is_healthy:
+            raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
+        state.engine.release_kv(rid, eid)
+        return {"object": "kv_transfer.release", "remote_request_id": rid, "status": "accepted"}
 
     app.include_router(v1)
 

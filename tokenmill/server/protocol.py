@@ -413,6 +413,33 @@ class TokenizeRequest(_Base):
             raise APIError("give exactly one of prompt or messages", param="prompt")
 
 
+class KVTransferReleaseRequest(_Base):
+    """``POST /kv_transfer/release``: free the KV a prefill server keeps for a decode server that will not
+    come (sent by ``tokenmill router --pd-disaggregation`` when the decode leg fails).
+
+    ``kv_transfer_params`` is the object the prefill server returned; ``remote_request_id`` (required)
+    and ``remote_engine_id`` name the hold.
+    """
+
+    kv_transfer_params: dict[str, Any]
+
+    def target(self) -> tuple[str, str | None]:
+        """``(remote_request_id, remote_engine_id)``.
+
+        Raises:
+            APIError: 400 when ``remote_request_id`` is missing or a key has the wrong type.
+        """
+        try:
+            p = validate_kv_transfer_params(self.kv_transfer_params) or {}
+        except ValueError as e:
+            raise APIError(str(e), param="kv_transfer_params") from None
+        rid = p.get("remote_request_id")
+        if not rid:
+            raise APIError("kv_transfer_params.remote_request_id is required",
+                           param="kv_transfer_params.remote_request_id")
+        return rid, p.get("remote_engine_id")
+
+
 class DetokenizeRequest(_Base):
     """``POST /detokenize``."""
 
