@@ -238,3 +238,5 @@ def test_kv_transfer_config_validation():
     c = KVTransferConfig.from_json('{"kv_connector": "SharedMemoryConnector", "kv_role": "kv_consumer", '
                                    '"kv_buffer_device": "cpu"}')
     assert c.is_consumer and not c.is_producer and c.for_rank(2).kv_port == c.kv_port + 2
+    z = KVTransferConfig.from_json('{"kv_port": 0, "engine_id": "pf"}')
+    assert z.for_rank(0) is z and (z.for_rank(1).kv_port, z.for_rank(1).engine_id) == (0, "pf-dp1")
