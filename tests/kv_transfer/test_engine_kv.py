@@ -31,7 +31,7 @@ def _cfg(model, role=None, connector="TcpConnector", tmp=None, **extra):
     return EngineConfig.from_kwargs(**kw)
 
 
-def _run(core, rid, sp, prompt=PROMPT, timeout=30.0):
+def _run(core, rid, sp, prompt=PROMPT, timeout=90.0):   # generous: load averages reach 65
     core.add_request(EngineCoreRequest(rid, list(prompt), sp))
     toks, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
