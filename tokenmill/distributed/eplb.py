@@ -870,13 +870,15 @@ class EplbController:
 # Start-up
 
 
-def expert_parallel_size(parallel_config) -> int:
-    """Ranks the experts are spread over: the tensor-parallel group of a pipeline stage with
-    ``--enable-expert-parallel``, else 1 (every rank holds every expert)."""
-    return parallel_config.tensor_parallel_size if parallel_config.enable_expert_parallel else 1
+def expert_parallel_size(parallel_config, data_parallel_size: int = 1) -> int:
+    """Ranks the experts are spread over with ``--enable-expert-parallel``: the tensor-parallel group of a
+    pipeline stage times the data-parallel engine cores; else 1 (every rank holds every expert)."""
+    if not parallel_config.enable_expert_parallel:
+        return 1
+    return parallel_config.tensor_parallel_size * data_parallel_size
 
 
-def check_eplb_startup(parallel_config, arch) -> None:
+def check_eplb_startup(parallel_config, arch, data_parallel_size: int = 1) -> None:
     """Refuse at start-up what ``--enable-eplb`` cannot do (before any weight or worker is loaded).
 
     Args:
@@ -896,7 +898,7 @@ def check_eplb_startup(parallel_config, arch) -> None:
         raise ValueError(f"--enable-eplb needs a mixture-of-experts model; {arch.architecture} has no experts")
     if not parallel_config.enable_expert_parallel:
         raise ValueError("--enable-eplb needs --enable-expert-parallel (experts placed over the ranks)")
-    ep = expert_parallel_size(parallel_config)
+    ep = expert_parallel_size(parallel_config, data_parallel_size)
     r = parallel_config.eplb.num_redundant_experts
     if (num_experts + r) % ep:
         fits = [k for k in range(r, r + 2 * ep) if (num_experts + k) % ep == 0][:2]

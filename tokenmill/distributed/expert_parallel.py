@@ -26,8 +26,18 @@ states. Per MoE layer (:meth:`ExpertParallel.forward`):
    as one process);
 6. an all-gather of the slices restores the replicated ``[T, H]``.
 
-All collectives run on ``ParallelContext.ep`` (the tensor-parallel group,
-own timers: ``seconds`` is the MoE communication time). gloo in torch 2.13
+All collectives run on ``ParallelContext.ep`` (own timers: ``seconds`` is
+the MoE communication time).
+
+**Across data-parallel engine cores** (``--data-parallel-size N
+--enable-expert-parallel``, tensor-parallel size 1): the expert-parallel group
+is the ``N`` engine cores (:func:`~tokenmill.distributed.parallel_state.init_data_parallel_ep`).
+Their tokens are not replicated: each core routes all of its own step's
+tokens (``token_comm`` of size 1: no slicing, no final all-gather); the
+dispatch and combine are the same. Every core must enter every MoE layer's
+collectives in every step, so a core with nothing to run takes part with zero
+tokens (:func:`dummy_forward`), and the engine cores agree before each step
+whether anyone has work (:class:`StepSync`; vLLM's data-parallel "waves"). gloo in torch 2.13
 supports ``all_to_all_single`` with uneven and empty splits, float32 and
 bfloat16 (exercised by ``tests/distributed/test_expert_parallel.py``), so
 there is no all-gather fallback; NCCL does too.
@@ -35,7 +45,10 @@ there is no all-gather fallback; NCCL does too.
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 
 from tokenmill.distributed.communicator import Communicator
 
@@ -45,16 +58,22 @@ class ExpertParallel:
 
     Args:
         comm: the group (size ``n`` = the layer's ``ep_size``; this rank's ``rank`` = ``ep_rank``).
+        token_comm: the ranks that hold the same tokens (the tensor-parallel group): each routes its
+            slice and an all-gather over it rebuilds the output. None: ``comm`` itself (expert
+            parallelism over the tensor-parallel group); a size-1 communicator: every rank has its own
+            tokens (data-parallel engine cores).
 
     Raises:
         ValueError: from :meth:`forward` when the layer's expert group does not match ``comm``.
     """
 
-    def __init__(self, comm: Communicator) -> None:
+    def __init__(self, comm: Communicator, token_comm: Communicator | None = None) -> None:
         self.comm = comm
+        self.token_comm = comm if token_comm is None else token_comm
 
     def forward(self, layer, x: torch.Tensor) -> torch.Tensor:
-        """``x`` ``[T, H]`` (the same on every rank) -> the MoE output ``[T, H]`` (the same on every rank).
+        """``x`` ``[T, H]`` (the same on every rank of ``token_comm``; ``T`` may be 0) -> the MoE output
+        ``[T, H]`` (the same on every rank of ``token_comm``).
 
         Args:
             layer: a :class:`~tokenmill.model.layers.moe.FusedMoE` holding this rank's slots.
@@ -65,8 +84,9 @@ class ExpertParallel:
                              f"{comm.rank}/{n}")
         t, h = x.shape
         k, s, p = layer.top_k, layer.num_local_experts, layer.num_physical_experts
-        chunk = -(-t // n)
-        lo, hi = min(comm.rank * chunk, t), min((comm.rank + 1) * chunk, t)
+        tc = self.token_comm
+        chunk = -(-t // tc.size)
+        lo, hi = min(tc.rank * chunk, t), min((tc.rank + 1) * chunk, t)
         weights, phys = layer.route(x[lo:hi], token_offset=lo)            # [ts, k]
         flat = phys.flatten()
         order = torch.argsort(flat, stable=True)                            # grouped by slot, so by owner
@@ -85,6 +105,71 @@ class ExpertParallel:
         y[regroup] = y_sorted
         back = comm.all_to_all_single(y, send_rank, recv_rank)              # combine
         out = layer.combine(back, order, weights)                           # [ts, H]
+        if tc.size == 1:
+            return out
         if out.shape[0] < chunk:
             out = torch.cat([out, out.new_zeros(chunk - out.shape[0], h)])
-        return comm.all_gather(out, dim=0)[:t]
+        return tc.all_gather(out, dim=0)[:t]
+
+
+def moe_layers(model: torch.nn.Module) -> list:
+    """The model's expert-parallel MoE layers (:class:`FusedMoE` with a dispatcher), in forward order."""
+    from tokenmill.model.layers.moe import FusedMoE
+
+    return [m for m in model.modules() if isinstance(m, FusedMoE) and m.ep is not None]
+
+
+@torch.inference_mode()
+def dummy_forward(layers: list, hidden_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Take part in one step's expert-parallel collectives with zero tokens of one's own.
+
+    An engine core with nothing scheduled still holds experts the other cores' tokens go to: it
+    runs every MoE layer's dispatch, its experts on the rows it receives, and the combine, in the
+    order of a real forward (attention and dense layers are skipped: they exchange nothing across
+    data-parallel cores). vLLM runs "dummy batches" for the same reason.
+
+    Args:
+        layers: :func:`moe_layers` of the model.
+    """
+    x = torch.empty(0, hidden_size, dtype=dtype, device=device)
+    for layer in layers:
+        layer.ep.forward(layer, x)
+
+
+class StepSync:
+    """The data-parallel engine cores agree, before every step, whether to run it (lockstep "waves").
+
+    Each core contributes ``(has_work, wakes_seen, stop)``; one all-reduce (MAX) of
+    ``[has_work, wakes_seen, -wakes_seen, stop]`` gives every core the same answer:
+
+    * ``run``: some core has work, or the cores have not all seen the same wake-ups yet (an add is
+      on its way to one of them): every core runs one step, a real one or :func:`dummy_forward`;
+    * otherwise the wave ends: every core goes back to blocking on its input. The API process sends
+      every core a numbered wake-up after each request it adds (to whichever core), so all of them
+      join the next wave; because a wave only ends when all have seen the same wake-ups, no core can
+      be left waiting in a collective for a peer that is blocked on its input.
+    * ``stop``: some core is leaving (shutdown, its parent gone).
+
+    Args:
+        comm: a communicator over all the engine cores (a group of its own: its time is not MoE time).
+
+    Raises:
+        RuntimeError: from ``torch.distributed`` in :meth:`sync` when a peer died (gloo: connection
+            closed) or did not arrive within the group's timeout (``TOKENMILL_DIST_TIMEOUT`` s).
+    """
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.num_syncs = 0
+
+    def sync(self, has_work: bool, wakes_seen: int, stop: bool = False) -> tuple[bool, bool, int]:
+        """``(run, stop, max wakes seen)`` agreed by every core (see the class docstring)."""
+        t = torch.tensor([int(has_work), wakes_seen, -wakes_seen, int(stop)], dtype=torch.int64,
+                         device=self.comm.device)
+        if self.comm.size > 1:
+            t0 = time.perf_counter()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.comm.group)
+            self.comm._tick(t0)
+        self.num_syncs += 1
+        work, hi, neg_lo, stop_any = t.tolist()
+        return bool(work) or hi != -neg_lo, bool(stop_any), hi

@@ -29,13 +29,15 @@ _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 def check_parallel_arch(arch: ModelArchConfig, tp_size: int, pp_size: int,
-                        enable_expert_parallel: bool = False) -> None:
+                        enable_expert_parallel: bool = False, dp_size: int = 1) -> None:
     """Refuse a layout the model cannot be split into, with the reason.
 
     Mixture-of-experts models: with ``enable_expert_parallel`` the physical
     expert slots (experts + redundant) are shared out whole over the
-    ``tp_size`` ranks and must divide evenly; without it every expert's
-    columns are cut like a dense FFN (``moe_intermediate_size`` must divide).
+    ``tp_size * dp_size`` ranks of the expert-parallel group (``dp_size``:
+    data-parallel engine cores, ``--data-parallel-size``) and must divide
+    evenly; without it every expert's columns are cut like a dense FFN
+    (``moe_intermediate_size`` must divide).
 
     Raises:
         ValueError: ``tp_size`` does not divide the query heads or the FFN
@@ -56,10 +58,12 @@ def check_parallel_arch(arch: ModelArchConfig, tp_size: int, pp_size: int,
     has_dense_ffn = not arch.is_moe or arch.moe_layer_mask is not None
     if has_dense_ffn and i % tp_size:
         raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the FFN width {i}")
-    if arch.is_moe and enable_expert_parallel and arch.num_physical_experts % tp_size:
+    ep = tp_size * dp_size
+    if arch.is_moe and enable_expert_parallel and arch.num_physical_experts % ep:
         raise ValueError(f"--enable-expert-parallel: {arch.num_physical_experts} experts (with "
-                         f"{arch.num_redundant_experts} redundant) cannot be shared evenly by {tp_size} ranks; "
-                         f"choose num_redundant_experts to make the total a multiple of {tp_size}")
+                         f"{arch.num_redundant_experts} redundant) cannot be shared evenly by {ep} ranks "
+                         f"(tensor-parallel {tp_size} x data-parallel {dp_size}); "
+                         f"choose num_redundant_experts to make the total a multiple of {ep}")
     if arch.is_moe and not enable_expert_parallel and arch.moe_intermediate_size % tp_size:
         raise ValueError(f"--tensor-parallel-size {tp_size} does not divide the expert width "
                          f"{arch.moe_intermediate_size}; use --enable-expert-parallel or another size")
@@ -82,8 +86,9 @@ class RankLayout:
         vocab_size: the real vocabulary size.
         head_dim: per-head width.
         moe_ffn: ``(first, end)`` columns of every expert (the whole width under expert parallelism).
-        ep_size, ep_rank: expert-parallel group (the tensor-parallel group with
-            ``--enable-expert-parallel``, else 1 / 0).
+        ep_size, ep_rank: expert-parallel group (with ``--enable-expert-parallel``
+            the tensor-parallel group times the data-parallel engine cores,
+            ``ep_rank = dp_rank * tp_size + tp_rank``; else 1 / 0).
         expert_slots: ``(first, end)`` physical expert slots held (all of them without expert parallelism).
         num_experts, num_redundant_experts: of the whole model (0 for a dense one).
     """
@@ -146,13 +151,19 @@ def stage_layers(num_layers: int, pp_size: int, pp_rank: int) -> tuple[int, int]
 
 
 def rank_layout(arch: ModelArchConfig, tp_size: int, pp_size: int, rank: int,
-                enable_expert_parallel: bool = False) -> RankLayout:
-    """The :class:`RankLayout` of global ``rank`` (``pp_rank * tp_size + tp_rank``).
+                enable_expert_parallel: bool = False, dp_size: int = 1, dp_rank: int = 0) -> RankLayout:
+    """The :class:`RankLayout` of global ``rank`` (``pp_rank * tp_size + tp_rank``) of data-parallel
+    engine ``dp_rank`` of ``dp_size`` (only the expert slots depend on it: with
+    ``enable_expert_parallel`` the experts are shared over ``tp_size * dp_size`` ranks).
 
     Raises:
         ValueError: from :func:`check_parallel_arch`, or a rank outside the world.
     """
-    check_parallel_arch(arch, tp_size, pp_size, enable_expert_parallel)
+    if not enable_expert_parallel:
+        dp_size, dp_rank = 1, 0
+    check_parallel_arch(arch, tp_size, pp_size, enable_expert_parallel, dp_size)
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data-parallel rank {dp_rank} outside {dp_size}")
     if not 0 <= rank < tp_size * pp_size:
         raise ValueError(f"rank {rank} outside a world of {tp_size * pp_size}")
     t, p = rank % tp_size, rank // tp_size
@@ -168,12 +179,13 @@ def rank_layout(arch: ModelArchConfig, tp_size: int, pp_size: int, rank: int,
     fi = i // tp_size
     moe: dict = {}
     if arch.is_moe:
-        ep = tp_size if enable_expert_parallel else 1
+        ep = tp_size * dp_size if enable_expert_parallel else 1
+        er = dp_rank * tp_size + t if ep > 1 else 0
         per = arch.num_physical_experts // ep
-        first = (t if ep > 1 else 0) * per
+        first = er * per
         mi = arch.moe_intermediate_size // (1 if ep > 1 else tp_size)
         mt = 0 if ep > 1 else t
-        moe = dict(moe_ffn=(mt * mi, (mt + 1) * mi), ep_size=ep, ep_rank=t if ep > 1 else 0,
+        moe = dict(moe_ffn=(mt * mi, (mt + 1) * mi), ep_size=ep, ep_rank=er,
                    expert_slots=(first, first + per), num_experts=arch.num_experts,
                    num_redundant_experts=arch.num_redundant_experts)
     return RankLayout(rank=rank, tp_rank=t, tp_size=tp_size, pp_rank=p, pp_size=pp_size,

@@ -43,7 +43,8 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
         dtype: weight dtype.
         weights: the full checkpoint's ``(hf_name, tensor)`` pairs.
         enable_expert_parallel: MoE layers hold whole experts (a share of the
-            slots per rank, all-to-all dispatch: :mod:`~tokenmill.distributed.expert_parallel`)
+            slots per rank of the tensor-parallel group, or of the data-parallel engine cores when
+            ``ctx.dp_size > 1``; all-to-all dispatch: :mod:`~tokenmill.distributed.expert_parallel`)
             instead of every expert's columns (all-reduce after the experts).
 
     Returns:
@@ -62,7 +63,7 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
     if normalize_architecture(arch.architecture) not in PARALLEL_ARCHITECTURES:
         raise ValueError(f"tensor/pipeline parallelism supports {', '.join(PARALLEL_ARCHITECTURES)}, "
                          f"not {arch.architecture}")
-    lay = rank_layout(arch, ctx.tp_size, ctx.pp_size, ctx.rank, enable_expert_parallel)
+    lay = rank_layout(arch, ctx.tp_size, ctx.pp_size, ctx.rank, enable_expert_parallel, ctx.dp_size, ctx.dp_rank)
     larch = local_arch(arch, lay)
     tied = arch.tie_word_embeddings
     keep_embedding = lay.is_first_stage or (lay.is_last_stage and tied)
@@ -83,8 +84,8 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
     for layer in inner.layers:
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, ctx.tp)
         if isinstance(layer.mlp, FusedMoE):
-            if lay.ep_size > 1:
-                layer.mlp.ep = ExpertParallel(ctx.ep)
+            if lay.ep_size > 1:   # over data-parallel cores each has its own tokens (ctx.tp: size 1)
+                layer.mlp.ep = ExpertParallel(ctx.ep, None if ctx.dp_size == 1 else ctx.tp)
             elif ctx.tp_size > 1:
                 layer.mlp.tp_comm = ctx.tp
         else:

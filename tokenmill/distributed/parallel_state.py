@@ -24,6 +24,8 @@ logger = logging.getLogger(__name__)
 # once (gloo raises "connection closed"; the executor sees the process exit); this only bounds a peer that is
 # alive but stuck. Generous: a loaded 2-core machine can stall a rank for tens of seconds.
 DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENMILL_DIST_TIMEOUT", "600"))
+# How long the data-parallel engine cores wait for each other to join their group at start-up (s).
+RENDEZVOUS_TIMEOUT_S = float(os.environ.get("TOKENMILL_WORKER_START_TIMEOUT", "600"))
 
 
 @dataclass
@@ -37,7 +39,11 @@ class ParallelContext:
         tp: communicator of this rank's tensor-parallel group (the stage).
         pp: communicator of the whole world, used for stage-to-stage send/recv.
         ep: the tensor-parallel group again, with its own timers, for the expert-parallel
-            all-to-all dispatch and combine (:mod:`~tokenmill.distributed.expert_parallel`).
+            all-to-all dispatch and combine (:mod:`~tokenmill.distributed.expert_parallel`); across
+            data-parallel engine cores, the group of the cores (:func:`init_data_parallel_ep`).
+        dp: the data-parallel engine cores' group for their per-step agreement
+            (:class:`~tokenmill.distributed.expert_parallel.StepSync`); size 1 otherwise.
+        dp_size, dp_rank: data-parallel engine cores in the expert-parallel group, this one's index.
     """
 
     rank: int = 0
@@ -47,6 +53,9 @@ class ParallelContext:
     tp: Communicator = field(default_factory=Communicator)
     pp: Communicator = field(default_factory=Communicator)
     ep: Communicator = field(default_factory=Communicator)
+    dp: Communicator = field(default_factory=Communicator)
+    dp_size: int = 1
+    dp_rank: int = 0
 
     @property
     def world_size(self) -> int:
@@ -128,6 +137,44 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
                 rank, world, backend, rank % tp_size, tp_size, rank // tp_size, pp_size)
     ep = Communicator(tp_group, tp_size, rank % tp_size, device) if tp_size > 1 else Communicator(device=device)
     return ParallelContext(rank=rank, tp_size=tp_size, pp_size=pp_size, device=device, tp=tp, pp=pp, ep=ep)
+
+
+def init_data_parallel_ep(dp_rank: int, dp_size: int, init_method: str, device: torch.device | str = "cpu",
+                          timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
+    """Join the expert-parallel group of ``dp_size`` data-parallel engine cores (tensor and pipeline size 1).
+
+    Every engine core calls this with the same ``init_method`` (the API process picks it). The world is
+    the cores: ``ep`` (MoE dispatch/combine) is the whole world, ``dp`` a second group over the same
+    ranks for the per-step agreement (separate timers), ``tp``/``pp`` are size 1.
+
+    Raises:
+        ValueError: a rank outside ``dp_size``.
+        RuntimeError: from ``torch.distributed`` (rendezvous failed or timed out).
+    """
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data-parallel rank {dp_rank} outside {dp_size}")
+    device = torch.device(device)
+    if dp_size == 1:
+        return ParallelContext(device=device)
+    backend = collective_backend(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # The rendezvous waits up to the start-up timeout (a loaded machine starts one core tens of seconds after
+    # the other); collectives then use ``timeout_s``.
+    start = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
+    if init_method.startswith("tcp://"):
+        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), dp_size, is_master=dp_rank == 0, timeout=start)
+        dist.init_process_group(backend, store=store, rank=dp_rank, world_size=dp_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=dp_rank, world_size=dp_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    sync_group = dist.new_group(list(range(dp_size)), backend=backend)
+    logger.info("data-parallel engine %d/%d joined the expert-parallel group (%s, collective timeout %.0f s)",
+                dp_rank, dp_size, backend, timeout_s)
+    return ParallelContext(device=device, ep=Communicator(dist.group.WORLD, dp_size, dp_rank, device),
+                           dp=Communicator(sync_group, dp_size, dp_rank, device), dp_size=dp_size, dp_rank=dp_rank)
 
 
 def destroy_distributed() -> None:

@@ -70,6 +70,12 @@ class AsyncEngine:
         start_timeout: seconds to wait for the core to load the model.
         data_parallel_rank: the core's rank under ``--data-parallel-size`` (None: single core).
         cpus: CPUs the core process pins itself to (None: inherit this process's).
+        dp_ep_init_method: the ``torch.distributed`` rendezvous of data-parallel cores that share
+            their experts (set by :class:`~tokenmill.engine.dp_engine.DPAsyncEngine`; None otherwise).
+
+    Attributes:
+        on_add: called after each request (child) is sent to the core (the data-parallel engine
+            wakes the other cores with it); None by default.
 
     Call :meth:`start` (blocking; or :meth:`launch` then :meth:`wait_ready`)
     before serving, and :meth:`shutdown` at exit.
@@ -78,8 +84,11 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, tokenizer: Any = None, *,
                  executor_factory: Callable[[Any], Any] | None = None,
                  stat_loggers: list[StatLogger] | None = None, start_timeout: float = 900.0,
-                 data_parallel_rank: int | None = None, cpus: list[int] | None = None) -> None:
+                 data_parallel_rank: int | None = None, cpus: list[int] | None = None,
+                 dp_ep_init_method: str | None = None) -> None:
         self.config = config
+        self.dp_ep_init_method = dp_ep_init_method
+        self.on_add: Callable[[], None] | None = None
         self.data_parallel_rank = data_parallel_rank
         self.cpus = cpus
         self.tokenizer = tokenizer
@@ -149,7 +158,8 @@ class AsyncEngine:
             target=run_engine_core, name="tokenmill-engine-core", daemon=True,
             args=(self.config, in_addr, out_addr, os.getpid(), self.executor_factory,
                   logging.getLogger().getEffectiveLevel()),
-            kwargs={"data_parallel_rank": self.data_parallel_rank, "cpu_affinity": self.cpus})
+            kwargs={"data_parallel_rank": self.data_parallel_rank, "cpu_affinity": self.cpus,
+                    "dp_ep_init_method": self.dp_ep_init_method})
         self._proc.start()
         logger.info("started engine core process pid %d", self._proc.pid)
 
@@ -345,6 +355,8 @@ class AsyncEngine:
                                                      arrival_time, priority, cache_salt, batch)))
                 self._num_adds_sent += 1
                 self._inflight.append((self._num_adds_sent, len(prompt_token_ids), priority, batch))
+                if self.on_add is not None:
+                    self.on_add()
             while True:
                 item = await queue.get()
                 if isinstance(item, BaseException):

@@ -11,7 +11,9 @@ directory, both bound by the API process:
 
 * input (API → core): ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
   ``("stop", [ids])``, ``("check_invariants", token)``, ``("release_kv", [(engine_id, request_id)])``
-  (free KV kept for a consumer that will not come), ``("shutdown", None)``.
+  (free KV kept for a consumer that will not come), ``("shutdown", None)``; with experts shared across
+  data-parallel cores also ``("wake", n)``: the API process's n-th request was added (to this core or
+  another), see :func:`_lockstep_core_loop`.
 * output (core → API): ``("ready", CoreInfo)`` once after the model loaded,
   then ``("outputs", [EngineCoreOutput], EngineStats, num_adds_received)``
   after every step (and after inputs that change the state while idle), and
@@ -68,6 +70,8 @@ class CoreInfo:
         pid: the core process id.
         num_threads: torch intra-op threads of the core (0 if torch is not loaded).
         load_time: seconds spent building the engine core (model load included).
+        parallel: the executor's one-line layout (``describe()``; e.g. the experts a core holds
+            when data-parallel cores share them), empty when it has none.
     """
 
     max_model_len: int
@@ -77,6 +81,7 @@ class CoreInfo:
     pid: int = 0
     num_threads: int = 0
     load_time: float = 0.0
+    parallel: str = ""
 
 
 def dumps(obj: Any) -> bytes:
@@ -98,7 +103,7 @@ def torch_num_threads() -> int:
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
                     executor_factory: Callable[[Any], Any] | None = None,
                     log_level: int = logging.INFO, data_parallel_rank: int | None = None,
-                    cpu_affinity: list[int] | None = None) -> None:
+                    cpu_affinity: list[int] | None = None, dp_ep_init_method: str | None = None) -> None:
     """Entry point of the engine core process.
 
     Args:
@@ -114,6 +119,10 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             shifts its KV event ports and stamps its event batches.
         cpu_affinity: CPUs to pin this process to before torch starts (its intra-op threads
             then default to that many); None: inherit.
+        dp_ep_init_method: with ``--data-parallel-size N --enable-expert-parallel``, the
+            ``torch.distributed`` rendezvous of the N cores, which then share their experts
+            (:class:`~tokenmill.engine.executor.dp_ep.DataParallelEPExecutor`) and step in lockstep
+            (:func:`_lockstep_core_loop`).
 
     Exits with status 0 after a ``shutdown`` message or when the parent died,
     1 after an exception (reported on the output socket first).
@@ -143,6 +152,10 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         t0 = time.perf_counter()
         if executor_factory is not None:
             executor = executor_factory(config)
+        elif dp_ep_init_method is not None:
+            from tokenmill.engine.executor.dp_ep import DataParallelEPExecutor
+
+            executor = DataParallelEPExecutor(config, data_parallel_rank or 0, dp_ep_init_method, with_tokenizer="eos")
         else:   # the API process loads its own tokenizer; here it is only the EOS fallback
             executor = create_executor(config, with_tokenizer="eos")
         core = EngineCore(config, executor=executor, data_parallel_rank=data_parallel_rank)
@@ -151,13 +164,17 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         info = CoreInfo(max_model_len=core.max_model_len, num_kv_blocks=core.executor.num_kv_blocks,
                         block_size=config.cache.block_size,
                         eos_token_ids=list(core.executor.eos_token_ids or []), pid=os.getpid(),
-                        num_threads=num_threads, load_time=time.perf_counter() - t0)
+                        num_threads=num_threads, load_time=time.perf_counter() - t0,
+                        parallel=executor.describe() if hasattr(executor, "describe") else "")
         logger.info("engine core ready in %.1fs: pid %d, torch threads %d, %d KV blocks of %d tokens, "
                     "max_model_len %d", info.load_time, info.pid, num_threads, info.num_kv_blocks,
                     info.block_size, info.max_model_len)
         on_step = _kv_event_hook(core, config, data_parallel_rank)
         out_sock.send(dumps(("ready", info)))
-        _core_loop(core, in_sock, out_sock, parent_pid, on_step)
+        if hasattr(executor, "step_sync"):
+            _lockstep_core_loop(core, in_sock, out_sock, parent_pid, on_step)
+        else:
+            _core_loop(core, in_sock, out_sock, parent_pid, on_step)
     except SystemExit:
         pass
     except BaseException as e:  # noqa: BLE001 - report anything, then exit
@@ -281,3 +298,92 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
             # Nothing could be scheduled and nothing arrived: wait briefly for input
             # instead of spinning.
             in_sock.poll(5)
+
+
+def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int,
+                        on_step: Callable[[], None] | None = None) -> None:
+    """The core loop of data-parallel engine cores that share their experts (``core.executor.step_sync``).
+
+    Every MoE layer is a collective over all cores, so they run their steps together, in "waves"
+    (vLLM's data-parallel waves): before each step every core in a wave calls
+    ``executor.step_sync(has_work, wakes_seen, stop)`` (one all-reduce,
+    :class:`~tokenmill.distributed.expert_parallel.StepSync`); if any core has work (or the wake-ups
+    seen differ: a request is still on its way), each runs one step: its own batch
+    (:meth:`EngineCore.step`), or, with nothing it could schedule, ``executor.execute_dummy()``. When
+    no core has work the wave ends and each core blocks on its input again. The API process sends
+    every core a numbered ``("wake", n)`` after each request it adds, so every core joins the next
+    wave. A core leaving (shutdown, parent gone) says so in the sync and every core leaves with it
+    (the group cannot run without it; a server shutdown stops them all anyway). A dead or stuck peer makes the sync or a step raise (connection
+    closed, or the group's timeout): the exception ends this core too (its requests fail).
+    """
+    ex = core.executor
+    num_adds = 0
+    wakes_seen = 0          # the highest wake-up number received
+    wave_end = 0            # wakes seen by every core when the last wave ended
+    in_wave = False
+    last_parent_check = time.monotonic()
+    last_send = 0.0
+
+    def parent_alive() -> bool:
+        return os.getppid() == parent_pid
+
+    while True:
+        stop = False
+        if not in_wave and wakes_seen == wave_end and not core.has_unfinished_requests():
+            while not in_sock.poll(_PARENT_CHECK_MS):
+                if not parent_alive():
+                    logger.warning("API process %d is gone; engine core exits", parent_pid)
+                    return
+        elif time.monotonic() - last_parent_check > _PARENT_CHECK_MS / 1000:
+            last_parent_check = time.monotonic()
+            if not parent_alive():
+                logger.warning("API process %d is gone; engine core exits", parent_pid)
+                stop = True
+        handled = 0
+        while True:
+            try:
+                kind, payload = loads(in_sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+            handled += 1
+            if kind == "add":
+                num_adds += 1
+                core.add_request(payload)
+            elif kind == "wake":
+                wakes_seen = max(wakes_seen, int(payload))
+            elif kind == "abort":
+                core.abort_requests(payload)
+            elif kind == "stop":
+                core.stop_requests(payload)
+            elif kind == "check_invariants":
+                out_sock.send(dumps(("invariants", payload, core.check_invariants())))
+            elif kind == "shutdown":
+                logger.info("engine core shutting down")
+                stop = True
+            else:  # pragma: no cover - protocol error
+                logger.error("unknown message kind %r", kind)
+        has_work = core.has_unfinished_requests()
+        outputs: list = []
+        if in_wave or wakes_seen != wave_end or has_work:
+            run, stop_any, hi = ex.step_sync(has_work, wakes_seen, stop)
+            if stop_any:        # this core or a peer is leaving: the group ends, every core leaves with it
+                logger.info("engine core leaves the expert-parallel group (%s)",
+                            "shutdown" if stop else "a peer engine core is shutting down")
+                return
+            in_wave = run
+            if run:
+                before = ex.num_forwards
+                if has_work:
+                    outputs = core.step()
+                    if on_step is not None:
+                        on_step()
+                if ex.num_forwards == before:       # nothing of its own ran: serve the peers' tokens
+                    ex.execute_dummy()
+            else:
+                wave_end = hi
+        elif stop:
+            return
+        now = time.monotonic()
+        if outputs or handled or (has_work and now - last_send > _STATS_INTERVAL_S):
+            out_sock.send(dumps(("outputs", outputs, core.get_stats(), num_adds)))
+            last_send = now

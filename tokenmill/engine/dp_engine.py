@@ -10,6 +10,15 @@ balancing rule), where ``waiting`` includes requests sent but not yet seen by
 the core; ties go to the lowest rank. All choices of one request (n > 1) run
 on the same core.
 
+With ``--enable-expert-parallel`` the cores also share their experts
+(tensor and pipeline size 1): they join one ``torch.distributed`` group at a
+rendezvous this process picks, each holds ``1/N`` of every MoE layer's
+experts, and tokens cross between cores by all-to-all inside each MoE layer
+(:mod:`tokenmill.engine.executor.dp_ep`). Since every MoE layer is then a
+collective, the cores step in lockstep waves (:func:`tokenmill.engine.core_proc._lockstep_core_loop`):
+after sending a request to its core, this process sends every core a
+numbered ``("wake", n)`` so that all of them join the wave.
+
 Stats: stat loggers that implement ``record_engine(engine_index, stats,
 iteration)`` (the Prometheus exporter: every series labelled
 ``engine="i"``) get each core's own stats; the others (log line, admission
@@ -90,13 +99,34 @@ class DPAsyncEngine:
         self.tokenizer = tokenizer
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.shares = cpu_shares(cpus, n)
+        from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
+
+        self.expert_parallel = n > 1 and uses_dp_expert_parallel(config)
+        init_method = None
+        if self.expert_parallel:
+            check_dp_expert_parallel(config)       # before any process starts
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
         self.engines = [AsyncEngine(config, tokenizer, executor_factory=executor_factory,
                                     stat_loggers=[_EngineRelay(self, i)], start_timeout=start_timeout,
-                                    data_parallel_rank=i, cpus=self.shares[i]) for i in range(n)]
+                                    data_parallel_rank=i, cpus=self.shares[i], dp_ep_init_method=init_method)
+                        for i in range(n)]
+        self.num_wakes = 0
+        if self.expert_parallel:
+            for e in self.engines:
+                e.on_add = self._wake_all
         self._stats = [EngineStats() for _ in range(n)]
         self._owner: dict[str, int] = {}
         self.info: CoreInfo | None = None
         self.num_routed = [0] * n
+
+    def _wake_all(self) -> None:
+        """After a request was sent to one core: tell every core (expert parallelism across the cores)."""
+        self.num_wakes += 1
+        for e in self.engines:
+            try:
+                e._send(("wake", self.num_wakes))
+            except Exception:  # noqa: BLE001 - a dead core fails its own requests; the others still wake
+                logger.debug("could not wake engine %s", e.data_parallel_rank)
 
     # -- life cycle --------------------------------------------------------------
     def set_tokenizer(self, tokenizer: Any) -> None:
@@ -121,6 +151,9 @@ class DPAsyncEngine:
         except BaseException:
             self.shutdown()
             raise
+        for i in infos:
+            if i.parallel:
+                logger.info("%s", i.parallel)
         self.info = CoreInfo(max_model_len=min(i.max_model_len for i in infos),
                              num_kv_blocks=sum(i.num_kv_blocks for i in infos), block_size=infos[0].block_size,
                              eos_token_ids=list(infos[0].eos_token_ids), pid=infos[0].pid,
@@ -299,6 +332,15 @@ class DPAsyncEngine:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         for e in self.engines:
             e.release_kv(request_id, engine_id)
+
+
+def _free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the engine cores' ``torch.distributed`` rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def make_async_engine(config: EngineConfig, tokenizer: Any = None, **kw: Any) -> AsyncEngine | DPAsyncEngine:

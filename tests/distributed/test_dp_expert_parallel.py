@@ -1,0 +1,152 @@
+"""Expert parallelism across data-parallel engine cores (``--data-parallel-size 2 --enable-expert-parallel``).
+
+Two engine core processes, each with its own scheduler, KV pool and attention, each holding half of every
+MoE layer's experts; tokens cross between the cores by all-to-all inside every MoE layer, and the cores
+step in lockstep waves (an idle core runs dummy steps). Checked on the tiny random-weight Mixtral and
+Qwen3-MoE in float32: the greedy tokens equal the one-process engine's (EP = 1), with one core busy and
+the other idle, and with both busy; a dead or stuck core fails the other core's requests with an error
+(never a hang); every process started is gone afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.model.tiny_moe import save_tiny_moe
+from tests.server.fakes import CharTokenizer
+from tokenmill import LLM, SamplingParams
+from tokenmill.config import EngineConfig
+from tokenmill.engine.async_engine import EngineDeadError
+from tokenmill.engine.dp_engine import DPAsyncEngine
+
+ENGINE = dict(dtype="float32", block_size=4, num_kv_blocks=32, max_num_batched_tokens=16, max_num_seqs=4,
+              enable_prefix_caching=True, max_model_len=128)
+PROMPTS = [list(range(10, 26)) + [30, 31], list(range(40, 69)), [5, 6, 7], list(range(60, 80))]
+PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """family -> (checkpoint folder, greedy tokens of the one-process engine), computed once."""
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            folder = save_tiny_moe(tmp_path_factory.mktemp(family), family, seed=3)
+            with LLM(folder, **ENGINE) as llm:
+                cache[family] = (folder, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)])
+        return cache[family]
+    return get
+
+
+def _engine(folder: str, **kw) -> DPAsyncEngine:
+    cfg = EngineConfig.from_kwargs(model=folder, data_parallel_size=2, enable_expert_parallel=True,
+                                   **{**ENGINE, **kw})
+    return DPAsyncEngine(cfg, CharTokenizer(), start_timeout=240)
+
+
+async def _generate(engine: DPAsyncEngine, rid: str, prompt: list[int], params: SamplingParams = PARAMS) -> list[int]:
+    toks: list[int] = []
+    async for out in engine.generate(rid, None, prompt, params):
+        if out.error:
+            raise RuntimeError(out.error)
+        toks.extend(out.outputs[0].token_ids)
+    return toks
+
+
+def _pids(engine: DPAsyncEngine) -> list[int]:
+    return [e.info.pid for e in engine.engines if e.info is not None]
+
+
+def _assert_gone(pids: list[int]) -> None:
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:        # never leave a core behind, even when the assertion fails
+        p.kill()
+    assert not alive, f"engine core processes left running: {[p.pid for p in alive]}"
+
+
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_moe", marks=pytest.mark.slow)])
+async def test_dp2_expert_parallel_matches_one_process(reference, family):
+    folder, want = reference(family)
+    engine = _engine(folder)
+    pids: list[int] = []
+    try:
+        engine.start()
+        pids = _pids(engine)
+        assert "experts per rank 4 (physical slots 0-3 of 8, expert-parallel rank 0/2), redundant experts 0" \
+            in engine.engines[0].info.parallel
+        assert "physical slots 4-7 of 8, expert-parallel rank 1/2" in engine.engines[1].info.parallel
+        await engine.start_background()
+        # one request: core 0 runs it, core 1 has nothing and serves core 0's tokens with dummy steps
+        assert await _generate(engine, "solo", PROMPTS[0]) == want[0]
+        assert engine.num_routed == [1, 0]
+        # all at once: both cores busy, batches of different sizes on each
+        got = await asyncio.gather(*(_generate(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        assert got == want
+        assert min(engine.num_routed) >= 1, engine.num_routed
+        for e in engine.engines:            # no KV block leaked on either core
+            assert (await e.check_invariants())["problems"] == []
+    finally:
+        engine.shutdown()
+        _assert_gone(pids)
+
+
+async def _wait_dead(engine: DPAsyncEngine, task: asyncio.Task, timeout: float) -> BaseException:
+    t0 = time.monotonic()
+    with pytest.raises((EngineDeadError, RuntimeError)) as info:
+        await asyncio.wait_for(task, timeout)
+    assert time.monotonic() - t0 < timeout
+    return info.value
+
+
+@pytest.mark.parametrize("how", ["kill", pytest.param("stop", marks=pytest.mark.slow)])
+async def test_dead_or_stuck_core_fails_requests(reference, monkeypatch, how):
+    """Core 1 killed (its sockets close: the peer's next collective fails at once) or stopped (SIGSTOP:
+    the peer's collective times out after TOKENMILL_DIST_TIMEOUT s): core 0's request fails with an
+    error, the engine reports itself unhealthy, and no process is left behind."""
+    folder, _ = reference("mixtral")
+    monkeypatch.setenv("TOKENMILL_DIST_TIMEOUT", "8")
+    engine = _engine(folder)
+    pids: list[int] = []
+    try:
+        engine.start()
+        pids = _pids(engine)
+        await engine.start_background()
+        long = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+        first = asyncio.Event()
+
+        async def run() -> None:
+            async for out in engine.generate("long", None, PROMPTS[1], long):
+                first.set()
+                if out.error:
+                    raise RuntimeError(out.error)
+
+        task = asyncio.ensure_future(run())
+        await asyncio.wait_for(first.wait(), 120)
+        os.kill(pids[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
+        await _wait_dead(engine, task, 90)
+        deadline = time.monotonic() + 30
+        while engine.engines[0].is_healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not engine.is_healthy
+        assert not engine.engines[0].is_healthy        # the surviving core left too: its collectives failed
+    finally:
+        if pids and how == "stop":
+            try:
+                os.kill(pids[1], signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        engine.shutdown()
+        _assert_gone(pids)
