@@ -28,7 +28,18 @@ per step the communication share (time inside ``torch.distributed`` calls /
 worker forward time: the expert-parallel all-to-all dispatch/combine plus the
 attention all-reduces; EP 1 has none).
 
-Usage: ``python benchmarks/moe.py [--ep 1,2] [--requests 16] [--prompt-len 48] [--max-tokens 32]``
+**Expert parallelism across data-parallel engine cores** (``--dp 2``): the same
+workload sent at once to a :class:`~tokenmill.engine.dp_engine.DPAsyncEngine`
+(two engine core processes, one CPU each), arms ``dp`` (each core holds every
+expert, no communication), ``dp-ep`` (``--enable-expert-parallel``: each core
+holds half the experts, all-to-all inside every MoE layer, lockstep steps) and
+``dp-ep+eplb`` (the same with EPLB rebalancing every ``--interval`` steps).
+Reported per core: the all-to-all share of its step time (seconds inside the
+MoE dispatch/combine collectives, waiting for the other core included /
+seconds in its forwards, dummy steps included), the share of the per-step
+agreement, and how many of its steps were dummy (no tokens of its own).
+
+Usage: ``python benchmarks/moe.py [--ep 1,2] [--dp 2] [--requests 16] [--prompt-len 48] [--max-tokens 32]``
 (measurement runs go under the bench lock: ``flock /work/bench.lock .venv/bin/python benchmarks/moe.py``).
 """
 
@@ -142,6 +153,75 @@ def run_arm(path: str, ep: int, arm: str, args) -> dict:
             "comm_share": statistics.median(shares) if shares else 0.0, "tokens": tokens}
 
 
+def run_dp_arm(path: str, dp: int, arm: str, args) -> dict:
+    """``dp`` engine core processes (one CPU each) behind a :class:`DPAsyncEngine`, the whole workload at once."""
+    import asyncio
+    import random
+
+    import transformers
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.dp_engine import DPAsyncEngine
+    from tokenmill import SamplingParams
+
+    kw: dict = dict(model=path, dtype="float32", num_kv_blocks=512, block_size=16, max_num_seqs=args.requests,
+                    max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=256,
+                    data_parallel_size=dp)
+    if arm.startswith("dp-ep"):
+        kw["enable_expert_parallel"] = True
+    if arm == "dp-ep+eplb":
+        kw.update(enable_eplb=True, eplb_config={"window_size": args.interval, "step_interval": args.interval,
+                                                 "num_redundant_experts": 0})
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(3, MODEL["vocab"]) for _ in range(args.prompt_len)] for _ in range(args.requests)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    tok = transformers.PreTrainedTokenizerFast.from_pretrained(path)
+    t_load = time.perf_counter()
+    engine = DPAsyncEngine(EngineConfig.from_kwargs(**kw), tok, start_timeout=600)
+
+    async def one(rid: str, prompt: list[int], p) -> list[int]:
+        out: list[int] = []
+        async for o in engine.generate(rid, None, prompt, p):
+            if o.error:
+                raise RuntimeError(o.error)
+            out.extend(o.outputs[0].token_ids)
+        return out
+
+    async def main() -> tuple[float, list[list[int]]]:
+        await engine.start_background()
+        warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        await asyncio.gather(*(one(f"w{i}", prompts[i], warm) for i in range(2)))
+        t0 = time.perf_counter()
+        toks = await asyncio.gather(*(one(f"r{i}", p, params) for i, p in enumerate(prompts)))
+        wall = time.perf_counter() - t0
+        await asyncio.sleep(1.0)          # the cores' stats after the last wave
+        return wall, toks
+
+    try:
+        engine.start()
+        t_load = time.perf_counter() - t_load
+        wall, tokens = asyncio.run(main())
+        per_core = [e.get_stats() for e in engine.engines]
+    finally:
+        engine.shutdown()
+    gen = sum(len(t) for t in tokens)
+    eps = [s.expert_parallel for s in per_core]
+    row = {"dp": dp, "arm": arm, "tok_s": gen / wall, "wall_s": wall, "load_s": t_load, "tokens": tokens,
+           "routed": list(engine.num_routed), "a2a_share": None, "sync_share": None, "dummy_frac": None,
+           "steps": [s.num_steps for s in per_core]}
+    if all(eps):
+        row["a2a_share"] = [e["all_to_all_seconds"] / e["step_seconds"] for e in eps]
+        row["sync_share"] = [e["sync_seconds"] / e["step_seconds"] for e in eps]
+        row["dummy_frac"] = [e["dummy_steps"] / max(1, e["steps"]) for e in eps]
+        row["steps"] = [int(e["steps"]) for e in eps]
+    es = [s.eplb for s in per_core if s.eplb is not None]
+    if es:
+        row["rebalances"] = es[0].num_placement_changes
+        row["imbalance_before"] = es[0].imbalance_before
+        row["imbalance_after"] = es[0].imbalance_after
+    return row
+
+
 def _imbalance_split(trace: list[tuple[int, list]]) -> tuple[float | None, float | None]:
     """Measured rank imbalance over the steps before the first placement change (the default placement) and
     over the steps after it (None when there are none); from the cumulative per-rank loads of every step."""
@@ -174,6 +254,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1,
                     help="torch threads per process (TOKENMILL_NUM_THREADS; 1: EP 1 has one core, EP 2 one per rank)")
+    ap.add_argument("--dp", type=int, default=0,
+                    help="also run the data-parallel arms with this many engine cores (0: none)")
+    ap.add_argument("--dp-arms", default="dp,dp-ep,dp-ep+eplb")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     if args.threads:
@@ -186,9 +269,24 @@ def main() -> int:
           f"{args.requests} requests x {args.prompt_len} prompt + {args.max_tokens} output tokens, greedy; "
           f"{args.threads} thread(s) per process; EPLB window = interval = {args.interval} steps")
     rows = []
+    dp_rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(tmp, [int(h) for h in args.hot.split(",")], args.skew, args.seed)
-        for ep in [int(e) for e in args.ep.split(",")]:
+        for arm in (args.dp_arms.split(",") if args.dp > 1 else []):
+            r = run_dp_arm(path, args.dp, arm, args)
+            dp_rows.append(r)
+            pct = (lambda xs: "/".join(f"{100 * x:.1f}%" for x in xs) if xs else "  -  ")
+            extra = ""
+            if "rebalances" in r:
+                extra = (f"  placement changes {r['rebalances']} (imbalance {_f(r['imbalance_before'])} -> "
+                         f"{_f(r['imbalance_after'])} predicted)")
+            print(f"dp {args.dp} {r['arm']:10s} {r['tok_s']:8.1f} tok/s  requests per core {r['routed']}  "
+                  f"steps per core {r['steps']}  all-to-all share of step time {pct(r['a2a_share'])}  "
+                  f"sync share {pct(r['sync_share'])}  dummy steps {pct(r['dummy_frac'])}{extra}", flush=True)
+        if dp_rows:
+            same = all(r["tokens"] == dp_rows[0]["tokens"] for r in dp_rows)
+            print(f"dp {args.dp}: greedy outputs identical across arms: {same}", flush=True)
+        for ep in [int(e) for e in args.ep.split(",") if e]:
             for arm in args.arms.split(","):
                 r = run_arm(path, ep, arm, args)
                 rows.append(r)
@@ -206,7 +304,7 @@ def main() -> int:
     print(f"# load after: {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows], f, indent=1)
+            json.dump([{k: v for k, v in r.items() if k != "tokens"} for r in rows + dp_rows], f, indent=1)
     return 0
 
 

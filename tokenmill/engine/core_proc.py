@@ -381,6 +381,7 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
                     ex.execute_dummy()
             else:
                 wave_end = hi
+                handled += 1            # the wave ended: report the final stats once
         elif stop:
             return
         now = time.monotonic()

@@ -273,6 +273,7 @@ class EngineCore:
             eplb=getattr(self.executor, "eplb_stats", None),
             kv_transfer=self.kv_connector.stats.copy() if self.kv_connector is not None else None,
             prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
+            expert_parallel=getattr(self.executor, "expert_parallel_stats", None),
         )
 
 

@@ -104,6 +104,10 @@ class EngineStats:
         kv_transfer: cumulative KV-connector counters (None without ``--kv-transfer-config``).
         prompt_tokens_by_source: cumulative prompt tokens by where their K/V came from:
             ``local_compute``, ``local_cache_hit``, ``external_kv_transfer`` (None: not reported).
+        expert_parallel: with experts shared across data-parallel engine cores, this core's cumulative
+            ``steps``, ``dummy_steps`` (no tokens of its own), ``step_seconds`` (its forwards, dummy ones
+            included), ``all_to_all_seconds`` (inside the MoE dispatch/combine collectives, waiting for
+            the peers included) and ``sync_seconds`` (the per-step agreement); None otherwise.
     """
 
     num_running: int = 0
@@ -124,6 +128,7 @@ class EngineStats:
     eplb: EplbStats | None = None
     kv_transfer: KVTransferStats | None = None
     prompt_tokens_by_source: dict[str, int] | None = None
+    expert_parallel: dict[str, float] | None = None
 
 
 @dataclass

@@ -141,6 +141,7 @@ class DataParallelEPExecutor:
         self.num_forwards = 0
         self.num_dummy_steps = 0
         self.last_step_stats: dict[str, float] = {}
+        self._step_seconds = 0.0
         logger.info("data-parallel engine %d/%d, expert parallel: %s (loaded in %.1f s)", dp_rank, dp,
                     describe_shard(self.layout, 0, self.num_kv_blocks, self.runner.bytes_per_token),
                     time.perf_counter() - t0)
@@ -166,7 +167,7 @@ class DataParallelEPExecutor:
         except Exception as e:  # noqa: BLE001 - a half-done collective cannot be resumed
             raise LockstepStepError(f"data-parallel engine {self.dp_rank}: step failed: {type(e).__name__}: {e}") from e
         self.num_forwards += 1
-        self.last_step_stats = {"forward": time.perf_counter() - t0, "comm": self.ctx.comm_seconds() - c0}
+        self._record(t0, c0)
         return out
 
     def execute_dummy(self) -> None:
@@ -187,7 +188,12 @@ class DataParallelEPExecutor:
             raise LockstepStepError(f"data-parallel engine {self.dp_rank}: dummy step failed: "
                                     f"{type(e).__name__}: {e}") from e
         self.num_dummy_steps += 1
-        self.last_step_stats = {"forward": time.perf_counter() - t0, "comm": self.ctx.comm_seconds() - c0}
+        self._record(t0, c0)
+
+    def _record(self, t0: float, c0: float) -> None:
+        dt = time.perf_counter() - t0
+        self._step_seconds += dt
+        self.last_step_stats = {"forward": dt, "comm": self.ctx.comm_seconds() - c0}
 
     def release_requests(self, req_ids) -> None:
         self.runner.release_requests(req_ids)
@@ -197,9 +203,13 @@ class DataParallelEPExecutor:
         """This core's EPLB state (the placement and loads are the whole group's; None without EPLB)."""
         return self.runner.eplb_stats
 
-    def comm_seconds(self) -> dict[str, float]:
-        """Cumulative seconds in the MoE all-to-all exchanges (``ep``) and the per-step agreement (``sync``)."""
-        return {"ep": self.ctx.ep.seconds, "sync": self.ctx.dp.seconds}
+    @property
+    def expert_parallel_stats(self) -> dict[str, float]:
+        """Cumulative figures for :attr:`EngineStats.expert_parallel <tokenmill.metrics.stats.EngineStats>`:
+        steps, dummy steps, seconds in steps, in the all-to-all exchanges and in the per-step sync."""
+        return {"steps": self.num_forwards + self.num_dummy_steps, "dummy_steps": self.num_dummy_steps,
+                "step_seconds": self._step_seconds, "all_to_all_seconds": self.ctx.ep.seconds,
+                "sync_seconds": self.ctx.dp.seconds}
 
     def shutdown(self) -> None:
         """Leave the process group (idempotent)."""
