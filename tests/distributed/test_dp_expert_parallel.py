@@ -150,3 +150,33 @@ async def test_dead_or_stuck_core_fails_requests(reference, monkeypatch, how):
                 pass
         engine.shutdown()
         _assert_gone(pids)
+
+
+@pytest.mark.slow
+async def test_dp2_expert_parallel_eplb_rebalances_without_changing_outputs(reference):
+    """EPLB over the data-parallel expert group: per-expert loads of both cores are gathered (all-reduced)
+    every 3 steps, the placement changes, weights move between the core processes (with 2 redundant
+    slots: replicas), and the greedy tokens stay those of the one-process engine."""
+    folder, want = reference("mixtral")
+    engine = _engine(folder, enable_eplb=True,
+                     eplb_config={"window_size": 3, "step_interval": 3, "num_redundant_experts": 2})
+    pids: list[int] = []
+    try:
+        engine.start()
+        pids = _pids(engine)
+        assert "experts per rank 5 (physical slots 0-4 of 10, expert-parallel rank 0/2), redundant experts 2" \
+            in engine.engines[0].info.parallel
+        await engine.start_background()
+        got = await asyncio.gather(*(_generate(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        assert got == want
+        await asyncio.sleep(1.0)           # the stats sent when the wave ended
+        stats = [e.get_stats() for e in engine.engines]
+        for s in stats:
+            assert s.eplb is not None and s.eplb.num_rebalances >= 2, s.eplb
+            assert s.expert_parallel["steps"] >= s.num_steps > 0
+        # both cores computed the same placement from the same all-reduced loads
+        assert stats[0].eplb.num_placement_changes == stats[1].eplb.num_placement_changes >= 1
+        assert stats[0].eplb.num_experts_moved == stats[1].eplb.num_experts_moved
+    finally:
+        engine.shutdown()
+        _assert_gone(pids)
