@@ -39,7 +39,7 @@ slots that hold replicas of busy experts); expert-parallel rank ``r`` of
 
 ``expert_load`` ``[P]`` int64 counts the assignments this rank routed to each
 physical slot since the last :meth:`FusedMoE.take_expert_load` (one
-``bincount`` per forward). See ``/work/wt/COORD-moe.md`` for how EPLB uses them.
+``bincount`` per forward). :mod:`tokenmill.distributed.eplb` and docs/architecture.md say how EPLB uses them.
 """
 
 from __future__ import annotations
