@@ -351,6 +351,8 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
                 core.add_request(payload)
             elif kind == "wake":
                 wakes_seen = max(wakes_seen, int(payload))
+            elif kind == "release_kv":
+                core.release_kv(payload)
             elif kind == "abort":
                 core.abort_requests(payload)
             elif kind == "stop":
