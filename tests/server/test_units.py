@@ -257,3 +257,15 @@ def test_negative_token_id_names_the_problem(prompt):
         CompletionRequest(model="m", prompt=prompt)
     msgs = [err["msg"] for err in e.value.errors()]
     assert any("out of range" in m for m in msgs), msgs
+
+
+def test_gemm_shape_caches_bounded_unless_the_user_set_them(monkeypatch):
+    from tokenmill.server.launch import GEMM_SHAPE_CACHE_CAPACITY, bound_gemm_shape_caches
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "512")
+    bound_gemm_shape_caches()
+    import os
+
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(GEMM_SHAPE_CACHE_CAPACITY)
+    assert os.environ["LRU_CACHE_CAPACITY"] == "512"
