@@ -100,6 +100,29 @@ def torch_num_threads() -> int:
     return torch.get_num_threads() if torch is not None else 0
 
 
+def _handle_request_message(core: EngineCore, out_sock: Any, kind: str, payload: Any) -> None:
+    """The messages both core loops (plain and expert-parallel lockstep) handle alike.
+
+    ``abort``/``stop``/``release_kv`` act on request ids; ``check_invariants`` is answered at once, in
+    order (tests and soak runs), with the top Python allocation sites when ``TOKENMILL_TRACEMALLOC`` is on.
+    ``add``, ``wake`` and ``shutdown`` differ between the loops and are theirs to handle.
+    """
+    if kind == "abort":
+        core.abort_requests(payload)
+    elif kind == "stop":
+        core.stop_requests(payload)
+    elif kind == "release_kv":
+        core.release_kv(payload)
+    elif kind == "check_invariants":
+        report = core.check_invariants()
+        sites = top_allocation_sites()
+        if sites:
+            report["core_allocation_sites"] = sites
+        out_sock.send(dumps(("invariants", payload, report)))
+    else:  # pragma: no cover - protocol error
+        logger.error("unknown message kind %r", kind)
+
+
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
                     executor_factory: Callable[[Any], Any] | None = None,
                     log_level: int = logging.INFO, data_parallel_rank: int | None = None,
@@ -261,23 +284,11 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
             if kind == "add":
                 num_adds += 1
                 core.add_request(payload)
-            elif kind == "abort":
-                core.abort_requests(payload)
-            elif kind == "stop":
-                core.stop_requests(payload)
-            elif kind == "release_kv":
-                core.release_kv(payload)
-            elif kind == "check_invariants":   # tests and soak runs: answered at once, in order
-                report = core.check_invariants()
-                sites = top_allocation_sites()
-                if sites:
-                    report["core_allocation_sites"] = sites
-                out_sock.send(dumps(("invariants", payload, report)))
             elif kind == "shutdown":
                 logger.info("engine core shutting down")
                 return
-            else:  # pragma: no cover - protocol error
-                logger.error("unknown message kind %r", kind)
+            else:
+                _handle_request_message(core, out_sock, kind, payload)
         outputs: list = []
         steps_before = core.get_stats().num_steps if handled == 0 else -1
         went_idle = False
@@ -351,19 +362,11 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
                 core.add_request(payload)
             elif kind == "wake":
                 wakes_seen = max(wakes_seen, int(payload))
-            elif kind == "release_kv":
-                core.release_kv(payload)
-            elif kind == "abort":
-                core.abort_requests(payload)
-            elif kind == "stop":
-                core.stop_requests(payload)
-            elif kind == "check_invariants":
-                out_sock.send(dumps(("invariants", payload, core.check_invariants())))
             elif kind == "shutdown":
                 logger.info("engine core shutting down")
                 stop = True
-            else:  # pragma: no cover - protocol error
-                logger.error("unknown message kind %r", kind)
+            else:
+                _handle_request_message(core, out_sock, kind, payload)
         has_work = core.has_unfinished_requests()
         outputs: list = []
         if in_wave or wakes_seen != wave_end or has_work:
