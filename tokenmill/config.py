@@ -365,6 +365,22 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
 
+    def __post_init__(self) -> None:
+        """Checks that span sections, so the CLI refuses them in one line before any process starts.
+
+        Raises:
+            ValueError: ``--kv-transfer-config`` with more than one rank per engine (tensor or pipeline
+                parallel) or with a quantised KV cache (``--kv-cache-dtype`` other than ``auto``).
+        """
+        if self.cache.kv_transfer_config is not None:
+            if self.parallel.world_size > 1:
+                raise ValueError("--kv-transfer-config needs one rank per engine (tensor and pipeline parallel "
+                                 "size 1): the KV connectors read and write the engine core's own KV pool")
+            if self.cache.kv_cache_dtype != "auto":
+                raise ValueError(f"--kv-transfer-config needs --kv-cache-dtype auto (got "
+                                 f"{self.cache.kv_cache_dtype}): a quantised cache's per-layer scales differ "
+                                 "between engines")
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
         """Build from flat keyword arguments (``max_num_seqs=8, block_size=16, ...``).

@@ -190,3 +190,19 @@ def test_start_up_errors(tiny):
     with pytest.raises(ValueError, match="tensor and pipeline"):
         EngineCore(EngineConfig.from_kwargs(model=tiny, tensor_parallel_size=2, num_kv_blocks=8,
                                             kv_transfer_config='{"kv_connector": "TcpConnector", "kv_port": 0}'))
+
+
+def test_cli_refuses_kv_transfer_combinations_in_one_line(capsys):
+    """A quantised KV cache or TP with ``--kv-transfer-config`` is refused by the CLI in one line, before any
+    process starts (it used to get as far as the engine core and print its traceback)."""
+    from tokenmill import cli
+
+    kvt = '{"kv_connector": "TcpConnector", "kv_role": "kv_producer", "kv_port": 0}'
+    for extra, needle in ((["--kv-cache-dtype", "fp8"], "needs --kv-cache-dtype auto"),
+                          (["--tensor-parallel-size", "2"], "needs one rank per engine")):
+        args = cli.build_parser().parse_args(["serve", "--kv-transfer-config", kvt, *extra])
+        assert cli._config_or_exit(args, "serve") is None
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and needle in err[0], err
+    ok = cli.build_parser().parse_args(["serve", "--kv-transfer-config", kvt])
+    assert cli._config_or_exit(ok, "serve") is not None

@@ -68,13 +68,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
                  data_parallel_rank: int | None = None) -> None:
         self.config = config
-        kv_transfer = config.cache.kv_transfer
-        if kv_transfer is not None and config.parallel.world_size > 1:
-            raise ValueError("--kv-transfer-config needs one rank per engine (tensor and pipeline parallel size 1): "
-                             "the KV connectors read and write the engine core's own KV pool")
-        if kv_transfer is not None and config.cache.kv_cache_dtype != "auto":
-            raise ValueError(f"--kv-transfer-config needs --kv-cache-dtype auto (got {config.cache.kv_cache_dtype}): "
-                             "a quantised cache's per-layer scales differ between engines")
+        kv_transfer = config.cache.kv_transfer   # (its cross-section checks are EngineConfig's)
         if executor is None:
             executor = create_executor(config)
         self.executor = executor
