@@ -269,3 +269,18 @@ def test_gemm_shape_caches_bounded_unless_the_user_set_them(monkeypatch):
 
     assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(GEMM_SHAPE_CACHE_CAPACITY)
     assert os.environ["LRU_CACHE_CAPACITY"] == "512"
+
+
+def test_offline_llm_bounds_gemm_shape_caches_too(monkeypatch, tmp_path):
+    """``LLM(...)`` sets the same bound as ``tokenmill serve`` before its engine core loads."""
+    import os
+
+    from tokenmill import LLM
+    from tokenmill.config import GEMM_SHAPE_CACHE_CAPACITY
+
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.delenv("LRU_CACHE_CAPACITY", raising=False)
+    with pytest.raises((ValueError, FileNotFoundError)):
+        LLM(str(tmp_path / "missing.gguf"))   # the bound is set before the model loads (and fails here)
+    assert os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == str(GEMM_SHAPE_CACHE_CAPACITY)
+    assert os.environ["LRU_CACHE_CAPACITY"] == str(GEMM_SHAPE_CACHE_CAPACITY)

@@ -10,7 +10,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, bound_gemm_shape_caches
 from tokenmill.engine.engine_core import EngineCore, EngineCoreRequest
 from tokenmill.engine.output_processor import OutputProcessor, child_params
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -37,6 +37,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(model=model, **engine_kwargs)
+        bound_gemm_shape_caches()   # as `tokenmill serve` does: bounded RSS under mixed step shapes
         self.engine_core = EngineCore(self.config)
         loaded = self.engine_core.executor.loaded
         self.tokenizer = loaded.tokenizer

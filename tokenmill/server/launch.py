@@ -14,7 +14,7 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import GEMM_SHAPE_CACHE_CAPACITY, EngineConfig, bound_gemm_shape_caches  # noqa: F401
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_engine import AsyncEngine
@@ -65,24 +65,6 @@ def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: An
                        chat_template=template if isinstance(template, str) else None, model_name=name,
                        model_path=model_path, max_model_len=engine.info.max_model_len, admission=admission,
                        prometheus=prom, log_stats=log_stats, slo=slo)
-
-
-# Entries of oneDNN's primitive cache and ideep's computation cache (torch's CPU GEMMs), each keyed by
-# shape. Their defaults (1024 each) let a mixed workload, which brings a new token count almost every
-# step, grow the engine core's RSS by 564-841 MiB per 10,000 requests before they fill (README "Soak").
-# 64 costs no measured speed: c=16, random 128 -> 32, alternating runs, 199.7 / 194.3 tok/s at 1024 vs
-# 191.9 / 200.3 at 64 (2026-12-01, quiet 2-core AVX-512 machine).
-GEMM_SHAPE_CACHE_CAPACITY = 64
-
-
-def bound_gemm_shape_caches(capacity: int = GEMM_SHAPE_CACHE_CAPACITY) -> None:
-    """Set ``ONEDNN_PRIMITIVE_CACHE_CAPACITY`` and ``LRU_CACHE_CAPACITY`` to ``capacity`` unless already set.
-
-    Called in the API process before the engine core (and its workers) are spawned, so that they
-    read it when torch first runs a GEMM; a value the user exported wins.
-    """
-    for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-        os.environ.setdefault(name, str(capacity))
 
 
 # Seconds the API process keeps answering (/health 503, requests 503) after the engine core died,
