@@ -219,12 +219,28 @@ class ModelRunner:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
         self._setup_kv_scales(config.cache.calculate_kv_scales)   # after capture: its warm-up steps are no batch
         log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
+        self.step_graph = None   # a CpuStepGraph for small decode steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None
         if config.speculative is not None:
             from tokenmill.spec_decode.worker import SpecDecodeWorker
 
             self.spec_decode = SpecDecodeWorker(config.speculative, config, self)
+        self._setup_step_graph()
+
+    def _setup_step_graph(self) -> None:
+        """Build the :class:`~tokenmill.model.step_graph.CpuStepGraph` for small decode steps where the
+        model, dtype, KV cache and device allow it (logged either way; ``TOKENMILL_CPU_STEP_GRAPH=0``: off)."""
+        from tokenmill.model.step_graph import CpuStepGraph, unsupported_reason
+
+        reason = unsupported_reason(self.model, self.device, self.dtype, self.kv_cache_dtype, self.lowbit_max_tokens,
+                                    spec_decode=self.spec_decode is not None)
+        if reason is None and not self.config.model.enforce_eager:
+            reason = "compiled step"
+        if reason is not None:
+            logger.info("CPU step graph off: %s", reason)
+            return
+        self.step_graph = CpuStepGraph(self.model, self.kv_caches, self.lowbit_max_tokens)
 
     def _setup_kv_scales(self, calculate: bool) -> None:
         """Per-layer K/V scales of a quantised cache: checkpoint values, else computed from the first batch
@@ -457,7 +473,11 @@ class ModelRunner:
         t0 = time.perf_counter()
         input_ids, positions, md, logits_indices = self.prepare_inputs(so)
         t1 = time.perf_counter()
-        hidden = self.model(input_ids, positions, self.kv_caches, md)
+        graph = self.step_graph
+        if graph is not None and graph.accepts(md.num_reqs, md.max_query_len, input_ids.shape[0]):
+            hidden = graph.run(input_ids, positions, md.slot_mapping, md.block_tables, md.seq_lens)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, md)
         if self.spec_decode is not None:
             self.spec_decode.after_forward(input_ids, positions, md)
         t2 = time.perf_counter()

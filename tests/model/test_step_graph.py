@@ -1,0 +1,102 @@
+"""CpuStepGraph: a small decode step as prepared C calls gives the eager forward's outputs bit for bit.
+
+The same seeded model and the same scheduled steps (chunked prefills, decode
+steps of 1, 3 and 5 requests, a mixed step) run through a runner with the
+graph and one without it (the ablation switch); the logits of every step must
+be equal, and the graph must have served exactly the decode-only steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.model.layers.linear import lowbit_max_tokens
+from tokenmill.model.loader import build_model_from_config
+from tokenmill.model.runner import ModelRunner
+from tokenmill.model.step_graph import CpuStepGraph, unsupported_reason
+
+from .conftest import tiny_arch
+from .test_runner import BLOCK, NUM_BLOCKS, STEPS, play
+
+
+def q4(n: int, k: int, seed: int):
+    from tokenmill.quantization.lowbit import LowBitWeight
+
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    scale = torch.rand(n, k // 32, generator=g) * 0.02
+    zero = (torch.rand(n, k // 32, generator=g) - 0.5) * 0.1
+    return LowBitWeight.from_codes(codes, scale, zero, 4, fmt="Q4_1")
+
+
+def lowbit_weights(model) -> dict:
+    """Random Q4_1 codes for every block linear and the tied head (group 32)."""
+    out, seed = {}, 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name.startswith("model.layers."):
+            out[name] = q4(mod.out_features, mod.in_features, seed)
+            seed += 1
+    emb = model.model.embed_tokens.weight
+    out["model.embed_tokens"] = q4(emb.shape[0], emb.shape[1], seed)
+    return out
+
+
+def build(variant: str, dtype: torch.dtype, graph: bool, monkeypatch) -> tuple[ModelRunner, object, object]:
+    monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH", "1" if graph else "0")
+    arch = tiny_arch(variant, max_position_embeddings=128)
+    model = build_model_from_config(arch, dtype=dtype, seed=5)
+    weights = lowbit_weights(model)
+    cfg = EngineConfig.from_kwargs(num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=128, max_num_seqs=8,
+                                   max_num_batched_tokens=64, dtype=str(dtype).replace("torch.", ""))
+    runner = ModelRunner(model, arch, cfg, torch.device("cpu"), dtype, [2], lowbit_weights=weights)
+    return runner, model, arch
+
+
+def needs_lowbit(dtype: torch.dtype) -> None:
+    if not lowbit_max_tokens("cpu", dtype):
+        pytest.skip(f"no low-bit small-step path for {dtype} on this machine (oneDNN or the C kernel missing)")
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_graph_steps_equal_the_eager_steps(variant, dtype, monkeypatch):
+    needs_lowbit(dtype)
+    eager, model_e, arch = build(variant, dtype, graph=False, monkeypatch=monkeypatch)
+    assert eager.step_graph is None
+    logits_e, tokens_e, _ = play(eager, model_e, arch, check_reference=False)
+
+    runner, model, _ = build(variant, dtype, graph=True, monkeypatch=monkeypatch)
+    assert isinstance(runner.step_graph, CpuStepGraph)
+    served = []
+    run = runner.step_graph.run
+    runner.step_graph.run = lambda ids, *a: served.append(ids.shape[0]) or run(ids, *a)
+    logits_g, tokens_g, _ = play(runner, model, arch, check_reference=False)
+
+    decode_only = [len(s) for s in STEPS if all(n == 1 for _, n in s)]
+    assert served == decode_only == [3, 1, 5]
+    assert tokens_g == tokens_e
+    assert len(logits_g) == len(logits_e)
+    for g, e in zip(logits_g, logits_e):
+        assert torch.equal(g, e)
+
+
+def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
+    needs_lowbit(torch.float32)
+    runner, model, arch = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)
+    cpu = torch.device("cpu")
+    assert unsupported_reason(model, cpu, torch.float32, torch.float32, 8) is None
+    assert "KV cache" in unsupported_reason(model, cpu, torch.float32, torch.int8, 8)
+    assert "low-bit" in unsupported_reason(model, cpu, torch.float32, torch.float32, 0)
+    assert "speculative" in unsupported_reason(model, cpu, torch.float32, torch.float32, 8, spec_decode=True)
+    assert "cuda" in unsupported_reason(model, torch.device("cuda"), torch.float32, torch.float32, 8)
+    # more tokens than the low-bit limit the layers were given
+    assert "low-bit" in unsupported_reason(model, cpu, torch.float32, torch.float32, 16)
+    monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH", "0")
+    assert "=0" in unsupported_reason(model, cpu, torch.float32, torch.float32, 8)
+    q3, q3_arch = build("qwen3", torch.float32, graph=True, monkeypatch=monkeypatch)[1:]
+    monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH", "1")
+    assert "q/k norm" in unsupported_reason(q3, cpu, torch.float32, torch.float32, 8)
+    g = runner.step_graph
+    assert g.accepts(5, 1, 5) and not g.accepts(9, 1, 9) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
