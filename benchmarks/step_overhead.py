@@ -20,6 +20,16 @@ tokens each (greedy), reports side by side, arms interleaved round by round:
   the outputs), and the API process's per-token CPU (output processing with
   incremental detokenisation), which runs in the other process.
 
+With ``--server N``, also the whole serving path at concurrency 1: two
+``tokenmill serve`` processes (step graph on / ``TOKENMILL_CPU_STEP_GRAPH=0``),
+both up at once and idle in turn, get the same ``N`` seeded random prompts
+(``--server-input-len`` words, ``--server-output-len`` tokens with
+``ignore_eos``, streamed, greedy), alternating request by request. Reported per
+arm: the client-side TPOT (median over requests), and the CPU time per output
+token of the engine-core process, the API process (HTTP, SSE, detokenisation)
+and this client, read from ``/proc``: on a 2-core machine the API process and
+the client compete with the engine core's two threads.
+
 Run it with the ISA settings of the machine you emulate, e.g. AVX2::
 
     TOKENMILL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 \\
@@ -177,6 +187,111 @@ def engine_loop(runner, steps: int, prompt_len: int) -> dict[str, float]:
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
 
 
+def _start_server(arm: str, dtype: str, threads: int, log_dir: str):
+    import socket
+    import subprocess
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, TOKENMILL_CPU_STEP_GRAPH="1" if arm == "graph" else "0",
+               TOKENMILL_NUM_THREADS=str(threads), TOKENIZERS_PARALLELISM="false")
+    log = open(os.path.join(log_dir, f"server-{arm}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "tokenmill.cli", "serve", "--dtype", dtype, "--host", "127.0.0.1",
+                             "--port", str(port), "--max-num-seqs", "8"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}", log
+
+
+def _wait_ready(url: str, proc, timeout: float = 600.0) -> None:
+    import httpx
+
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(url)
+
+
+def _stream_one(client, url: str, prompt: str, max_tokens: int) -> list[float]:
+    """Arrival times (s) of the streamed chunks that carry text."""
+    import json
+
+    model = client.get(url + "/v1/models").json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "ignore_eos": True}
+    times = []
+    with client.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ch = json.loads(line[6:])["choices"]
+                if ch and ch[0].get("text"):
+                    times.append(time.perf_counter())
+    return times
+
+
+def server_arms(dtype: str, threads: int, n: int, input_len: int, output_len: int) -> dict[str, dict[str, float]]:
+    """Concurrency 1 through two servers (graph / eager), requests alternating; see the module docstring."""
+    import random
+    import tempfile
+
+    import httpx
+    import psutil
+
+    words = "the of and to in is was for on that with as by at from his her an it were are which this be".split()
+    rng = random.Random(0)
+    prompts = [" ".join(rng.choice(words) for _ in range(input_len)) for _ in range(n)]
+    log_dir = tempfile.mkdtemp(prefix="step_overhead_")
+    servers = {}
+    try:
+        for arm in ("graph", "eager"):
+            servers[arm] = _start_server(arm, dtype, threads, log_dir)
+        for arm, (proc, url, _) in servers.items():
+            _wait_ready(url, proc)
+        procs = {}
+        for arm, (proc, url, _) in servers.items():
+            api = psutil.Process(proc.pid)
+            kids = api.children(recursive=True)
+            procs[arm] = (api, kids)
+        me = psutil.Process()
+        cpu = lambda p: sum(p.cpu_times()[:2])
+        res = {arm: {"tpot": [], "core": 0.0, "api": 0.0, "client": 0.0, "tokens": 0} for arm in servers}
+        with httpx.Client() as client:
+            for arm, (_, url, _) in servers.items():        # warm-up
+                _stream_one(client, url, prompts[0], 8)
+            for prompt in prompts:
+                for arm, (_, url, _) in servers.items():
+                    api, kids = procs[arm]
+                    c0, a0, m0 = sum(cpu(k) for k in kids), cpu(api), cpu(me)
+                    ts = _stream_one(client, url, prompt, output_len)
+                    r = res[arm]
+                    r["core"] += sum(cpu(k) for k in kids) - c0
+                    r["api"] += cpu(api) - a0
+                    r["client"] += cpu(me) - m0
+                    r["tokens"] += len(ts)
+                    if len(ts) > 1:
+                        r["tpot"].append((ts[-1] - ts[0]) / (len(ts) - 1))
+        return {arm: {"tpot": statistics.median(r["tpot"]), "core": r["core"] / r["tokens"],
+                      "api": r["api"] / r["tokens"], "client": r["client"] / r["tokens"]}
+                for arm, r in res.items()}
+    finally:
+        for proc, _, log in servers.values():
+            proc.terminate()
+            try:
+                proc.wait(60)
+            except Exception:  # noqa: BLE001 - make sure it is gone
+                proc.kill()
+                proc.wait()
+            log.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
@@ -186,7 +301,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the two arms")
     ap.add_argument("--reps", type=int, default=10, help="steps per arm per round")
     ap.add_argument("--engine-steps", type=int, default=40)
+    ap.add_argument("--server", type=int, default=0, metavar="N",
+                    help="also measure N concurrency-1 requests per arm through two servers (graph / eager)")
+    ap.add_argument("--server-input-len", type=int, default=100, help="words per prompt (--server)")
+    ap.add_argument("--server-output-len", type=int, default=64, help="output tokens per request (--server)")
+    ap.add_argument("--server-only", action="store_true", help="skip the in-process measurements")
     args = ap.parse_args()
+    if args.server_only:
+        threads = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
+        report_server(args, threads)
+        return
 
     from tokenmill.config import EngineConfig
     from tokenmill.model.layers import cpu_build
@@ -233,6 +357,19 @@ def main() -> None:
           f"engine-core process per step before sending (stats + pickle) {br['core_send'] * 1e3:.3f} ms; "
           f"API process per token (output processing + detokenisation, the other process) "
           f"{br['api_process'] * 1e3:.3f} ms")
+    if args.server:
+        del runner
+        report_server(args, threads)
+
+
+def report_server(args, threads: int) -> None:
+    res = server_arms(args.dtype, threads, args.server, args.server_input_len, args.server_output_len)
+    print(f"\nserving at concurrency 1 ({args.server} requests per arm, alternating; {args.server_input_len}-word "
+          f"prompts, {args.server_output_len} output tokens), load average {os.getloadavg()[0]:.1f}:")
+    print(f"{'arm':<7}{'TPOT ms':>9}{'tok/s':>8}{'core CPU ms/tok':>17}{'API CPU ms/tok':>16}{'client CPU ms/tok':>19}")
+    for arm, r in res.items():
+        print(f"{arm:<7}{r['tpot'] * 1e3:>9.2f}{1 / r['tpot']:>8.1f}{r['core'] * 1e3:>17.2f}{r['api'] * 1e3:>16.2f}"
+              f"{r['client'] * 1e3:>19.2f}")
 
 
 if __name__ == "__main__":
