@@ -118,6 +118,44 @@ def test_lowbit_path_matches_the_dense_layer_up_to_its_row_limit(bias, dtype):
     assert torch.equal(lin(x), plain(x))                  # above the limit: the dense oneDNN GEMM
 
 
+def test_integer_lowbit_path_serves_rows_between_the_two_limits():
+    """Rows above the float32 low-bit limit and up to i8_max_rows run the integer path (int8 activations,
+    within its stated tolerance of the exact codes' product); larger inputs the dense oneDNN GEMM."""
+    from tokenmill.quantization.lowbit import kernel_available
+
+    if not packed_linear_available("cpu", torch.float32) or not kernel_available():
+        pytest.skip("no oneDNN or no low-bit kernel on this machine")
+    w, dense = q4_weight(48, 64)
+    b = torch.randn(48)
+    lin, plain = PackedLinear(dense, b), PackedLinear(dense, b)
+    lin.attach_lowbit(w, max_rows=4, i8_max_rows=16)
+    assert lin.lowbit_i8_max_rows == 16 and "int8 activations x Q4_1 codes for rows<=16" in repr(lin)
+    for rows in (5, 16):
+        x = torch.randn(rows, 64)
+        want = F.linear(x, dense, b)
+        got = lin(x)
+        assert not torch.equal(got, plain(x))                 # not the dense GEMM
+        assert (got - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+    x = torch.randn(17, 64)
+    assert torch.equal(lin(x), plain(x))                      # above both limits: the dense oneDNN GEMM
+    lin.attach_lowbit(w, max_rows=4, i8_max_rows=0)           # 0: off
+    assert lin.lowbit_i8_max_rows == 0 and torch.equal(lin(torch.randn(5, 64)) * 0, plain(torch.randn(5, 64)) * 0)
+
+
+def test_int8_act_limit_from_env(monkeypatch):
+    from tokenmill.model.layers.cpu_build import cpu_isa
+    from tokenmill.model.layers.linear import INT8_ACT_AUTO, int8_act_max_tokens
+
+    monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "auto")
+    assert int8_act_max_tokens(8) == INT8_ACT_AUTO[cpu_isa()]
+    assert int8_act_max_tokens(0) == 0                        # the low-bit path off: the integer path too
+    monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "64")
+    assert int8_act_max_tokens(8) == 64
+    monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "-3")
+    with pytest.raises(ValueError, match="non-negative"):
+        int8_act_max_tokens(8)
+
+
 def test_lowbit_attach_rejects_mismatched_shapes_and_bad_limits(monkeypatch):
     from tokenmill.model.layers.linear import lowbit_max_tokens
 

@@ -131,3 +131,89 @@ def test_non_cpu_fallback_dequantises():
     w = _weight(4, 24, 64, 32, True)
     x = torch.randn(3, 64, dtype=torch.float64)
     torch.testing.assert_close(lowbit_linear(x, w), x @ w.dequantize(torch.float64).t())
+
+
+# ---------------------------------------------------------------------------------------------- integer path
+# Stated tolerances of the integer path (int8 activations per block of 32 columns x the codes), relative to
+# the output's largest magnitude: against the same quantisation done in float64 (only float32 summation order
+# and a rare rounding tie differ) 1e-4; against the dequantised float32 GEMM (activation rounding, <= dx/2 per
+# element) 2e-2 on these random weights.
+TOL_I8_SAME, TOL_I8_DENSE = 1e-4, 2e-2
+
+
+def _i8_reference(x: torch.Tensor, w: LowBitWeight) -> torch.Tensor:
+    """The integer path's arithmetic in float64: x quantised per row and block of w.i8_block columns."""
+    sb, k = w.i8_block, w.in_features
+    xf = x.double().reshape(x.shape[0], k // sb, sb)
+    amax = xf.abs().amax(-1, keepdim=True)
+    xq = torch.where(amax > 0, torch.round(xf.float() * (127.0 / amax.float())).double(), torch.zeros_like(xf))
+    xd = (xq * (amax / 127.0)).reshape(x.shape[0], k)            # dequantised activations
+    wd = w.dequantize().double()
+    y = xd @ wd.t()
+    if w.min is not None:                                        # the min term uses the float activations
+        mn = w._rows(w.min).double().repeat_interleave(w.group, dim=1)
+        y = y - xd @ mn.t() + x.double() @ mn.t()
+    return y
+
+
+def _no_ties(x: torch.Tensor, sb: int) -> torch.Tensor:
+    """x (float32 or bfloat16) with every element moved off a rounding tie of its int8 code (x * 127 / block
+    max within 1e-2 of k + 1/2, where the C and torch roundings may legitimately differ) by one ulp steps."""
+    for _ in range(64):
+        xb = x.float().reshape(x.shape[0], -1, sb)
+        amax = xb.abs().amax(-1, keepdim=True)
+        v = xb * (127.0 / amax.clamp_min(1e-30))
+        near = (((v - v.floor() - 0.5).abs() < 1e-2) & (xb.abs() < amax)).reshape(x.shape)
+        if not near.any():
+            return x
+        bits = x.view(torch.int16 if x.dtype == torch.bfloat16 else torch.int32)
+        step = 1 if x.dtype == torch.bfloat16 else 1 << 12
+        x = torch.where(near, bits + step, bits).view(x.dtype)
+    return x
+
+
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 128, True), (4, 16, False), (8, 32, False),
+                                                 (8, 16, True), (8, 64, True)])
+def test_int8_activation_path_matches_its_reference(isa, bits, group, with_min):
+    """Every ISA variant's integer path (AVX2 VPMADDUBSW, AVX-512BW, scalar C) against the same quantisation
+    in float64, and within the stated tolerance of the dequantised float32 GEMM."""
+    lib = _lib(isa)
+    n, k = 40, 256                                   # two full tiles and a partial one
+    w = _weight(bits, n, k, group, with_min, seed=7)
+    assert w.prepare_i8(lib) and w.codes_i8 is not None and w.codes_i8.shape == w.codes.shape
+    dense = w.dequantize()
+    bias = torch.randn(n)
+    for m in (1, 3, 4, 5, 8, 9, 17, 33):             # every row-count specialisation, several row passes
+        x = torch.randn(m, k)
+        x[0, :40] = 0                                # an all-zero block (scale 0) and a partial one
+        if m > 1:
+            x[1, 5] = 30.0                           # an outlier dominating its block
+        x = _no_ties(x, w.i8_block)
+        got = lowbit_linear(x, w, bias, lib=lib, int8_act=True)
+        assert got.dtype == torch.float32 and got.shape == (m, n)
+        ref = _i8_reference(x, w) + bias.double()
+        scale = ref.abs().max().item()
+        assert (got.double() - ref).abs().max().item() <= TOL_I8_SAME * scale, (m, isa)
+        dense_ref = x @ dense.t() + bias
+        plain = [r for r in range(m) if r != 1]      # the outlier's block is rounded coarsely by design
+        assert (got[plain] - dense_ref[plain]).abs().max().item() <= TOL_I8_DENSE * scale, (m, isa)
+        xb = _no_ties(x.bfloat16(), w.i8_block)     # bfloat16 in and out
+        got_b = lowbit_linear(xb, w, bias, lib=lib, int8_act=True)
+        ref_b = _i8_reference(xb.float(), w) + bias.double()
+        assert got_b.dtype == torch.bfloat16
+        assert (got_b.double() - ref_b).abs().max().item() <= TOL_BF16_OUT * scale
+
+
+def test_int8_activation_path_needs_blocks_that_fit():
+    """Groups that do not split into blocks of the integer path's steps keep the float32 path."""
+    w = _weight(4, 16, 96, 12, False)               # group 12: not a multiple of 8 columns
+    assert w.i8_block == 0 and not w.prepare_i8() and w.codes_i8 is None
+    w = _weight(4, 16, 96, 48, False)               # group 48 > 32 and not a multiple of 32
+    assert w.i8_block == 0
+    x = torch.randn(9, 96)                          # int8_act without i8 codes: the float32 path
+    torch.testing.assert_close(lowbit_linear(x, w, int8_act=True), lowbit_linear(x, w))
+    w = _weight(8, 16, 64, 4, True)
+    assert w.i8_block == 4
+    if w.prepare_i8():
+        assert w.nbytes == 2 * w.codes.numel() + 4 * w.scale.numel() * 2

@@ -68,6 +68,10 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
     weights = f"weights {name(dtype)} ({packed} oneDNN-prepacked linears, {plain} plain)"
     if lowbit_max_tokens:
         weights += f", the GGUF's low-bit codes for steps <= {lowbit_max_tokens} tokens"
+        i8 = max((m.lowbit_i8_max_rows for m in model.modules() if isinstance(m, PackedLinear)), default=0)
+        if i8:
+            weights += (f" (float32 activations), int8 activations x the codes for steps of "
+                        f"{lowbit_max_tokens + 1}..{min(i8, 1 << 20)} tokens")
     if device.type != "cpu":
         logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, name(kv_dtype))
         return

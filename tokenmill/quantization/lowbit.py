@@ -49,7 +49,9 @@ _I = ctypes.c_int
 _L = ctypes.c_int64
 _FUNCTIONS = {"tm_lowbit_gemm": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P, _P, _I, _L),
               "tm_lowbit_pack": (_P, _L, _L, _I, _P),
-              "tm_lowbit_dequant": (_P, _I, _L, _L, _L, _P, _P, _P, _I)}
+              "tm_lowbit_dequant": (_P, _I, _L, _L, _L, _P, _P, _P, _I),
+              "tm_lowbit_gemm_i8": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P, _P, _I, _L),
+              "tm_lowbit_pack_i8": (_P, _L, _L, _I, _P)}
 
 
 @functools.lru_cache(maxsize=1)
@@ -117,11 +119,42 @@ class LowBitWeight:
     scale: torch.Tensor
     min: torch.Tensor | None
     fmt: str = ""
+    codes_i8: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
         """Bytes held (codes + scales + mins), padding rows included."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min) if t is not None)
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min, self.codes_i8)
+                   if t is not None)
+
+    @property
+    def i8_block(self) -> int:
+        """Input columns per activation scale on the integer path (``min(group, 32)``), 0 where it cannot run.
+
+        The integer path needs blocks that are whole multiples of its 8 (4-bit) or 4 (8-bit) column steps,
+        and groups above 32 that split into blocks of 32 (4-bit sums of a block must fit 16 bits)."""
+        sb = min(self.group, 32)
+        if self.group > 32 and self.group % 32:
+            return 0
+        return sb if sb % (8 if self.bits == 4 else 4) == 0 else 0
+
+    def prepare_i8(self, lib: ctypes.CDLL | None = None) -> bool:
+        """Also pack the codes in the integer path's layout (``codes_i8``, the same bytes again).
+
+        Returns:
+            whether the integer path can serve this weight (kernel loaded, CPU tensors, blocks that fit).
+        """
+        if self.codes_i8 is not None:
+            return True
+        lib = lib if lib is not None else _default_kernel()
+        if lib is None or self.codes.device.type != "cpu" or not self.i8_block:
+            return False
+        q = self.unpacked_codes()
+        q = (q.to(torch.uint8) if self.bits == 4 else q.to(torch.int8)).contiguous()
+        out = torch.empty_like(self.codes)
+        lib.tm_lowbit_pack_i8(q.data_ptr(), self.out_features, self.in_features, self.bits, out.data_ptr())
+        self.codes_i8 = out
+        return True
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, min: torch.Tensor | None, bits: int,
@@ -202,11 +235,12 @@ class LowBitWeight:
         """A copy with every tensor on ``device``."""
         mv = lambda t: None if t is None else t.to(device)
         return LowBitWeight(self.out_features, self.in_features, self.bits, self.group, mv(self.codes),
-                            mv(self.scale), mv(self.min), self.fmt)
+                            mv(self.scale), mv(self.min), self.fmt, mv(self.codes_i8))
 
 
 def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = None,
-                  lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  lib: ctypes.CDLL | None = None, out_dtype: torch.dtype | None = None,
+                  int8_act: bool = False) -> torch.Tensor:
     """``y = x · dequant(w)ᵀ + bias`` on the C kernel (CPU), or by dequantising per call elsewhere.
 
     Args:
@@ -215,6 +249,9 @@ def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = 
         bias: ``[N]`` or None (float32 or the activation dtype).
         lib: a kernel library from :func:`load_kernel` (default: the best variant).
         out_dtype: result dtype (default ``x.dtype``).
+        int8_act: run the integer path (activations quantised to int8 per row and block of
+            :attr:`LowBitWeight.i8_block` columns, 8-bit integer dot products with the codes; needs
+            :meth:`LowBitWeight.prepare_i8`), else the float32 path (exact up to summation order).
 
     Returns:
         ``[M, N]`` in ``out_dtype``.
@@ -237,6 +274,12 @@ def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = 
     b = None
     if bias is not None:
         b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
+    if int8_act and w.codes_i8 is not None:
+        lib.tm_lowbit_gemm_i8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, w.in_features,
+                              w.out_features, w.bits, w.codes_i8.data_ptr(), w.group, w.scale.data_ptr(),
+                              None if w.min is None else w.min.data_ptr(), None if b is None else b.data_ptr(),
+                              y.data_ptr(), int(out_dtype == torch.bfloat16), w.out_features)
+        return y
     lib.tm_lowbit_gemm(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, w.in_features,
                        w.out_features, w.bits, w.codes.data_ptr(), w.group, w.scale.data_ptr(),
                        None if w.min is None else w.min.data_ptr(), None if b is None else b.data_ptr(),

@@ -51,6 +51,7 @@ const char *tm_lowbit_isa(void) { return ISA_NAME; }
 #define VZERO() _mm512_setzero_ps()
 #define VFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm512_add_ps(a, b)
+#define VMUL(a, b) _mm512_mul_ps(a, b)
 #define VBCAST(p) _mm512_set1_ps(*(p))
 #define VLOADF(p) _mm512_loadu_ps(p)
 #define VSTOREF(p, v) _mm512_storeu_ps(p, v)
@@ -66,6 +67,7 @@ const char *tm_lowbit_isa(void) { return ISA_NAME; }
 #define VZERO() _mm256_setzero_ps()
 #define VFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VADD(a, b) _mm256_add_ps(a, b)
+#define VMUL(a, b) _mm256_mul_ps(a, b)
 #define VBCAST(p) _mm256_broadcast_ss(p)
 #define VLOADF(p) _mm256_loadu_ps(p)
 #define VSTOREF(p, v) _mm256_storeu_ps(p, v)
@@ -450,6 +452,249 @@ void tm_lowbit_dequant(const void *codes, int bits, int64_t N, int64_t K, int64_
                 float v = scale[(t * ng + g) * NT + j] * q + (min ? min[(t * ng + g) * NT + j] : 0.f);
                 if (out_bf16) ((uint16_t *)out)[n * K + k] = f32_to_bf16(v);
                 else ((float *)out)[n * K + k] = v;
+            }
+        }
+    }
+}
+
+/* ====================================================================================================
+ * Integer path for larger steps (W4A8 / W8A8): activations quantised to int8 per row and block of SB
+ * input columns (symmetric, x ~= dx * xq, |xq| <= 127; SB = group if group <= 32, else 32), dotted with
+ * the weight codes in 8-bit integer multiply-adds, as llama.cpp's Q4_1 x Q8_1 dot products do (idea only;
+ * written for the tile layout below). Per block:
+ *     y[m, n] += scale[n, g] * dx[m, s] * sum_k q[n, k] xq[m, k]   (+ min[n, g] * sum_k x[m, k], float x)
+ * The integer sums are exact; the error against the dequantised float32 GEMM is the activations' rounding
+ * (|x - dx xq| <= dx / 2 per element).
+ *
+ * Packed layout ("i8 layout", tm_lowbit_pack_i8), 16 output rows per tile, four consecutive k per 32-bit lane
+ * so that one lane of an 8-bit multiply-add (AVX2 VPMADDUBSW + VPMADDWD, or AVX512-VNNI VPDPBUSD) sums one
+ * output row's four products:
+ *   4-bit: [N/16][K/8][16 rows][4 bytes]: byte i of row r = q[r][k0 + i] | q[r][k0 + 4 + i] << 4 (q in 0..15)
+ *   8-bit: [N/16][K/4][16 rows][4 bytes]: q[r][k0 + i] (int8)
+ *   scale / min: the float path's [N/16][K/group][16] arrays (shared).
+ * 4-bit codes are the unsigned operand and xq the signed one: a 16-bit lane holds at most
+ * 2 * 15 * 127 per multiply-add and SB / 2 <= 16 of those products... (16 * 1905 = 30480 < 2^15), so a block
+ * of up to 32 columns accumulates in 16 bits. 8-bit codes are signed: |q| is the unsigned operand and xq
+ * takes q's sign (VPSIGNB; pairs reach 2 * 128 * 127 = 32512), widened to 32 bits at once. */
+#define NT_I8 16
+
+#if defined(__AVX512F__)
+#define MR_I8 8
+#define VI __m512i
+#define VLI 16
+#define NHI 1
+#define I_LOAD(p) _mm512_loadu_si512((const void *)(p))
+#define I_BCAST32(p) _mm512_set1_epi32(*(const int32_t *)(p))
+#define I_AND(a, b) _mm512_and_si512(a, b)
+#define I_SRLI16(a, n) _mm512_srli_epi16(a, n)
+#define I_SET1_8(v) _mm512_set1_epi8(v)
+#define I_SET1_16(v) _mm512_set1_epi16(v)
+#define I_ZERO() _mm512_setzero_si512()
+#define I_ADD16(a, b) _mm512_add_epi16(a, b)
+#define I_ADD32(a, b) _mm512_add_epi32(a, b)
+#define I_MADDUBS(u, s) _mm512_maddubs_epi16(u, s)
+#define I_MADD16(a, b) _mm512_madd_epi16(a, b)
+#define I_ABS8(a) _mm512_abs_epi8(a)
+#define I_SIGN8(x, w) _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x)
+#define I_CVT(a) _mm512_cvtepi32_ps(a)
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MR_I8 4
+#define VI __m256i
+#define VLI 8
+#define NHI 2
+#define I_LOAD(p) _mm256_loadu_si256((const __m256i *)(p))
+#define I_BCAST32(p) _mm256_set1_epi32(*(const int32_t *)(p))
+#define I_AND(a, b) _mm256_and_si256(a, b)
+#define I_SRLI16(a, n) _mm256_srli_epi16(a, n)
+#define I_SET1_8(v) _mm256_set1_epi8(v)
+#define I_SET1_16(v) _mm256_set1_epi16(v)
+#define I_ZERO() _mm256_setzero_si256()
+#define I_ADD16(a, b) _mm256_add_epi16(a, b)
+#define I_ADD32(a, b) _mm256_add_epi32(a, b)
+#define I_MADDUBS(u, s) _mm256_maddubs_epi16(u, s)
+#define I_MADD16(a, b) _mm256_madd_epi16(a, b)
+#define I_ABS8(a) _mm256_abs_epi8(a)
+#define I_SIGN8(x, w) _mm256_sign_epi8(x, w)
+#define I_CVT(a) _mm256_cvtepi32_ps(a)
+#else
+#define MR_I8 4
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+/* out[r][0..15] for activation rows r < MR: xq rows K apart, dx rows K/SB apart, xs rows K/G apart.
+ * SB is a constant at every call site (the block loop unrolls); groups of G = spg * SB columns. */
+AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
+                const float *dx, const float *xs, int64_t K, int64_t G, const int64_t SB, int MR, float *out) {
+    const int64_t nsb = K / SB, ng = K / G, spg = G / SB;
+    const VI m0f = I_SET1_8(0x0F), ones = I_SET1_16(1);
+    for (int h = 0; h < NHI; h++) {
+        VF acc[MR_I8];
+        for (int r = 0; r < MR; r++) acc[r] = VZERO();
+        int64_t s = 0;
+        for (int64_t g = 0; g < ng; g++) {
+            const VF wsc = VLOADF(sc + g * NT + h * VL);
+            for (int64_t si = 0; si < spg; si++, s++) {
+                VI a[MR_I8];
+                for (int r = 0; r < MR; r++) a[r] = I_ZERO();
+                const int8_t *xb = xq + s * SB;
+                if (bits == 4) {
+                    const uint8_t *c = codes + s * (SB / 8) * (NT_I8 * 4) + h * VLI * 4;
+#pragma GCC unroll 1
+                    for (int64_t kb = 0; kb < SB / 8; kb++) {
+                        const VI v = I_LOAD(c + kb * NT_I8 * 4);
+                        const VI lo = I_AND(v, m0f), hi = I_AND(I_SRLI16(v, 4), m0f);
+                        for (int r = 0; r < MR; r++) {
+                            const int8_t *xr = xb + r * K + kb * 8;
+                            a[r] = I_ADD16(a[r], I_ADD16(I_MADDUBS(lo, I_BCAST32(xr)), I_MADDUBS(hi, I_BCAST32(xr + 4))));
+                        }
+                    }
+                    for (int r = 0; r < MR; r++) a[r] = I_MADD16(a[r], ones);
+                } else {
+                    const uint8_t *c = codes + s * (SB / 4) * (NT_I8 * 4) + h * VLI * 4;
+#pragma GCC unroll 1
+                    for (int64_t kb = 0; kb < SB / 4; kb++) {
+                        const VI w = I_LOAD(c + kb * NT_I8 * 4);
+                        const VI aw = I_ABS8(w);
+                        for (int r = 0; r < MR; r++) {
+                            const VI xv = I_SIGN8(I_BCAST32(xb + r * K + kb * 4), w);
+                            a[r] = I_ADD32(a[r], I_MADD16(I_MADDUBS(aw, xv), ones));
+                        }
+                    }
+                }
+                for (int r = 0; r < MR; r++)
+                    acc[r] = VFMA(I_CVT(a[r]), VMUL(wsc, VBCAST(dx + r * nsb + s)), acc[r]);
+            }
+            if (mn) {
+                const VF m = VLOADF(mn + g * NT + h * VL);
+                for (int r = 0; r < MR; r++) acc[r] = VFMA(m, VBCAST(xs + r * ng + g), acc[r]);
+            }
+        }
+        for (int r = 0; r < MR; r++) VSTOREF(out + r * NT + h * VL, acc[r]);
+    }
+}
+#else
+AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
+                const float *dx, const float *xs, int64_t K, int64_t G, int64_t SB, int MR, float *out) {
+    const int64_t nsb = K / SB, ng = K / G, spg = G / SB;
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < NT; j++) {
+            float acc = 0.f;
+            for (int64_t s = 0; s < nsb; s++) {
+                const int64_t g = s / spg;
+                int32_t isum = 0;
+                for (int64_t k = s * SB; k < (s + 1) * SB; k++) {
+                    int q;
+                    if (bits == 4) {
+                        const uint8_t b = codes[(k / 8) * NT_I8 * 4 + j * 4 + (k % 4)];
+                        q = (k % 8) < 4 ? (b & 0xF) : (b >> 4);
+                    } else {
+                        q = ((const int8_t *)codes)[(k / 4) * NT_I8 * 4 + j * 4 + (k % 4)];
+                    }
+                    isum += q * xq[r * K + k];
+                }
+                acc += (float)isum * (sc[g * NT + j] * dx[r * nsb + s]);
+                if (mn && s % spg == spg - 1) acc += mn[g * NT + j] * xs[r * ng + g];
+            }
+            out[r * NT + j] = acc;
+        }
+}
+#endif
+
+static void tile_rows_i8(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
+                         const float *dx, const float *xs, int64_t K, int64_t G, int64_t SB, int mr, float *out) {
+#define CASE(R) case R: \
+        if (SB == 32) tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, 32, R, out); \
+        else if (SB == 16) tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, 16, R, out); \
+        else tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, SB, R, out); \
+        break;
+    switch (mr) {
+        CASE(1) CASE(2) CASE(3) CASE(4)
+#if MR_I8 > 4
+        CASE(5) CASE(6) CASE(7) CASE(8)
+#endif
+        default: break;
+    }
+#undef CASE
+}
+
+/* Quantise one row of K activations (float32 or bfloat16) to int8 per block of SB: xq, dx [K/SB];
+ * xs [K/G]: the float sums per weight group (for the min term). */
+static void quantize_row_i8(const void *x, int x_bf16, int64_t K, int64_t G, int64_t SB, int8_t *xq, float *dx,
+                            float *xs) {
+    float buf[64];
+    for (int64_t g = 0; g < K / G; g++) xs[g] = 0.f;
+    for (int64_t s = 0; s < K / SB; s++) {
+        const int64_t k0 = s * SB;
+        float amax = 0.f, sum = 0.f;
+        for (int64_t k = 0; k < SB; k++) {
+            const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[k0 + k]) : ((const float *)x)[k0 + k];
+            buf[k] = v;
+            sum += v;
+            const float a = fabsf(v);
+            amax = a > amax ? a : amax;
+        }
+        xs[k0 / G] += sum;
+        const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+        dx[s] = d;
+        for (int64_t k = 0; k < SB; k++) xq[k0 + k] = (int8_t)lrintf(buf[k] * id);
+    }
+}
+
+/* y[M, N] = x[M, K] . dequant(W)[N, K]^T + bias on the integer path (arguments as tm_lowbit_gemm; codes in
+ * the i8 layout). K must be a multiple of group; SB = min(group, 32) (group a multiple of 32 when larger);
+ * SB a multiple of 8 (4-bit) or 4 (8-bit). */
+void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
+                       const void *codes, int64_t group, const float *scale, const float *min, const float *bias,
+                       void *y, int y_bf16, int64_t ldy) {
+    const int64_t SB = group < 32 ? group : 32;
+    const int64_t ng = K / group, nsb = K / SB, ntiles = (N + NT - 1) / NT;
+    const int64_t tile_bytes = bits == 4 ? K / 2 * NT : K * NT;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K) + sizeof(float) * (size_t)(M * (nsb + ng)) + 64);
+    float *dx = (float *)(((uintptr_t)(xq + M * K) + 63) & ~(uintptr_t)63);
+    float *xs = dx + M * nsb;
+    const size_t esz = x_bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if (M * K >= 16384)
+    for (int64_t r = 0; r < M; r++)
+        quantize_row_i8((const char *)x + (size_t)(r * ldx) * esz, x_bf16, K, group, SB, xq + r * K, dx + r * nsb,
+                        xs + r * ng);
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < ntiles; t++) {
+        float out[MR_I8 * NT];
+        const uint8_t *c = (const uint8_t *)codes + t * tile_bytes;
+        const float *sc = scale + t * ng * NT, *mn = min ? min + t * ng * NT : 0;
+        const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
+        for (int64_t r0 = 0; r0 < M; r0 += MR_I8) {
+            const int mr = (int)(M - r0 < MR_I8 ? M - r0 : MR_I8);
+            tile_rows_i8(bits, c, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, group, SB, mr, out);
+            for (int r = 0; r < mr; r++)
+                for (int64_t j = 0; j < nn; j++) {
+                    float v = out[r * NT + j] + (bias ? bias[n0 + j] : 0.f);
+                    if (y_bf16) ((uint16_t *)y)[(r0 + r) * ldy + n0 + j] = f32_to_bf16(v);
+                    else ((float *)y)[(r0 + r) * ldy + n0 + j] = v;
+                }
+        }
+    }
+    free(xq);
+}
+
+/* Pack row-major codes q[N, K] into the i8 layout above; rows N .. N_pad-1 are zero.
+ * K must be a multiple of 8 (4-bit) or 4 (8-bit). */
+void tm_lowbit_pack_i8(const uint8_t *q, int64_t N, int64_t K, int bits, uint8_t *out) {
+    const int64_t ntiles = (N + NT - 1) / NT;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < ntiles; t++) {
+        for (int j = 0; j < NT; j++) {
+            const int64_t n = t * NT + j;
+            const uint8_t *row = n < N ? q + n * K : 0;
+            if (bits == 4) {
+                uint8_t *o = out + t * (K / 2) * NT + j * 4;
+                for (int64_t kb = 0; kb < K / 8; kb++)
+                    for (int i = 0; i < 4; i++)
+                        o[kb * NT * 4 + i] = row ? (uint8_t)((row[kb * 8 + i] & 0xF) | (row[kb * 8 + 4 + i] << 4)) : 0;
+            } else {
+                uint8_t *o = out + t * K * NT + j * 4;
+                for (int64_t kb = 0; kb < K / 4; kb++)
+                    for (int i = 0; i < 4; i++) o[kb * NT * 4 + i] = row ? row[kb * 4 + i] : 0;
             }
         }
     }

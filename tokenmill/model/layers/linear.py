@@ -81,6 +81,7 @@ class PackedLinear(nn.Module):
         # The plain weight until it is packed (a plain attribute: never moved or saved), then None.
         self.weight_unpacked: torch.Tensor | None = weight.detach()
         self.lowbit_max_rows = 0
+        self.lowbit_i8_max_rows = 0
         self.lowbit: LowBitWeight | None = None
         if not defer:
             self.ensure_packed()
@@ -102,7 +103,7 @@ class PackedLinear(nn.Module):
                 self.weight_unpacked = None
             return self.packed_weight
 
-    def attach_lowbit(self, weight: LowBitWeight, max_rows: int) -> int:
+    def attach_lowbit(self, weight: LowBitWeight, max_rows: int, i8_max_rows: int = 0) -> int:
         """Also keep the weight as low-bit codes, used for inputs of at most ``max_rows`` rows.
 
         Small-batch decode steps are memory-bound: they read every weight
@@ -115,7 +116,10 @@ class PackedLinear(nn.Module):
 
         Args:
             weight: ``[out_features, in_features]`` codes (:class:`LowBitWeight`).
-            max_rows: use it for inputs of at most this many rows.
+            max_rows: use it for inputs of at most this many rows (float32 path).
+            i8_max_rows: inputs of more than ``max_rows`` and at most this many rows run the integer
+                path (activations quantised to int8 per 32 columns; see
+                :func:`tokenmill.quantization.lowbit.lowbit_linear`); 0: they run the dense oneDNN GEMM.
 
         Returns:
             bytes held by the low-bit copy.
@@ -127,16 +131,22 @@ class PackedLinear(nn.Module):
             raise ValueError(f"low-bit weight [{weight.out_features}, {weight.in_features}] does not fit a "
                              f"[{self.out_features}, {self.in_features}] layer")
         self.lowbit, self.lowbit_max_rows = weight, max_rows
+        self.lowbit_i8_max_rows = i8_max_rows if i8_max_rows > max_rows and weight.prepare_i8() else 0
         return weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` (weight dtype) -> ``[..., out_features]``."""
-        if self.lowbit_max_rows and x.dim() == 2 and x.shape[0] <= self.lowbit_max_rows:
-            return lowbit_linear(x, self.lowbit, self.bias)
+        if self.lowbit_max_rows and x.dim() == 2:
+            if x.shape[0] <= self.lowbit_max_rows:
+                return lowbit_linear(x, self.lowbit, self.bias)
+            if x.shape[0] <= self.lowbit_i8_max_rows:
+                return lowbit_linear(x, self.lowbit, self.bias, int8_act=True)
         return torch.ops.mkldnn._linear_pointwise(x, self.ensure_packed(), self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         extra = f", {self.lowbit.fmt} codes for rows<={self.lowbit_max_rows}" if self.lowbit_max_rows else ""
+        if self.lowbit_i8_max_rows:
+            extra += f", int8 activations x {self.lowbit.fmt} codes for rows<={self.lowbit_i8_max_rows}"
         state = "oneDNN" if self.packed_weight is not None else "oneDNN (pending)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
                 f"packed={state}{extra}")
@@ -238,8 +248,44 @@ def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
     return limit
 
 
-def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int
-                          ) -> tuple[int, dict[str, int]]:
+INT8_ACT_ENV = "TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"
+#: Per kernel ISA variant, the default of :data:`INT8_ACT_ENV` ("auto"): where the integer path beats the
+#: dense oneDNN GEMM at 16-512 rows (``benchmarks/lowbit_gemm.py --int8-act``).
+INT8_ACT_AUTO = {"avx2": 1 << 30, "avx512": 0, "scalar": 0}
+
+
+def int8_act_max_tokens(lowbit_limit: int) -> int:
+    """Largest step (tokens) whose linears run the integer low-bit path (int8 activations x the codes).
+
+    Steps of ``lowbit_limit + 1`` up to this many tokens use it; 0: off (they run the dense GEMM).
+    ``TOKENMILL_CPU_INT8_ACT_MAX_TOKENS``: ``auto`` (default: :data:`INT8_ACT_AUTO` for the kernel ISA in
+    use: on for AVX2, where float32 is the dtype and the integer path is 1.4-1.8x oneDNN's float32 GEMM),
+    a token count, or ``0``. Needs the low-bit path (``lowbit_limit > 0``).
+
+    Raises:
+        ValueError: the variable is neither ``auto`` nor a non-negative integer.
+    """
+    raw = os.environ.get(INT8_ACT_ENV, "auto").strip().lower()
+    if not lowbit_limit:
+        return 0
+    if raw == "auto":
+        from tokenmill.model.layers.cpu_build import cpu_isa
+
+        try:
+            return INT8_ACT_AUTO.get(cpu_isa(), 0)
+        except ValueError:
+            return 0
+    try:
+        limit = int(raw)
+    except ValueError:
+        limit = -1
+    if limit < 0:
+        raise ValueError(f"{INT8_ACT_ENV} must be 'auto' or a non-negative integer, got {raw!r}")
+    return limit
+
+
+def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int,
+                          i8_max_rows: int | None = None) -> tuple[int, dict[str, int]]:
     """Give every :class:`PackedLinear` of ``model`` named in ``weights`` its low-bit copy.
 
     ``model.embed_tokens`` codes serve a tied logits head (``_logits_head``).
@@ -248,6 +294,9 @@ def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], ma
     Args:
         weights: module name -> :class:`LowBitWeight` (e.g. from
             :func:`tokenmill.quantization.gguf.gguf_lowbit_weights`).
+        max_rows: inputs of at most this many rows use the codes (float32 path).
+        i8_max_rows: larger inputs up to this many rows use the integer path; None:
+            :func:`int8_act_max_tokens`.
 
     Returns:
         ``(layers, bytes per format)`` attached.
@@ -255,13 +304,19 @@ def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], ma
     weights = dict(weights)
     if isinstance(getattr(model, "_logits_head", None), PackedLinear) and "model.embed_tokens" in weights:
         weights.setdefault("_logits_head", weights["model.embed_tokens"])
-    count, by_fmt = 0, {}
+    if i8_max_rows is None:
+        i8_max_rows = int8_act_max_tokens(max_rows)
+    count, i8_count, by_fmt = 0, 0, {}
     for name, mod in model.named_modules():
         if name in weights and isinstance(mod, PackedLinear):
             w = weights[name]
-            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows)
+            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows, i8_max_rows)
             count += 1
+            i8_count += bool(mod.lowbit_i8_max_rows)
     if count:
         logger.info("low-bit weights for %d linear layers (steps of <= %d tokens): %s", count, max_rows,
                     ", ".join(f"{f} {b / 2**20:.1f} MiB" for f, b in sorted(by_fmt.items())))
+    if i8_count:
+        logger.info("integer low-bit path (int8 activations per 32 columns x the codes) for %d linear layers, "
+                    "steps of %d..%d tokens (%s)", i8_count, max_rows + 1, i8_max_rows, INT8_ACT_ENV)
     return count, by_fmt
