@@ -14,10 +14,15 @@ Times are medians of single calls (robust on a shared machine). Also prints the 
 
     python benchmarks/lowbit_gemm.py [--threads 2] [--rows 1,4,8] [--reps 20]
 
+Also times the integer path ("ours ISA (int8 act)": activations quantised to int8 per row and 32-column block,
+8-bit integer dot products with the codes; the default above TOKENMILL_CPU_INT4_MAX_TOKENS on AVX2), e.g.
+``--rows 16,64,256 --skip-torch-int8`` for the batched steps and prefill chunks it serves.
+
 With ``--model-step`` it instead times whole decode steps (forward + logits, ``--context`` cached tokens per
 request) of the packaged model at batch 1 and 8, with the GGUF's low-bit codes on and off
 (``TOKENMILL_CPU_INT4_MAX_TOKENS`` 8 vs 0), the two runners interleaved in one process: the ablation of the
-small-step path.
+small-step path; ``--int8-act`` adds a third runner whose larger steps run the integer path
+(``--rows 16,64 --query-lens 1`` batched decode, ``--rows 1 --query-lens 256`` a prefill chunk).
 """
 
 from __future__ import annotations
@@ -59,9 +64,11 @@ def model_step(args) -> None:
     from tokenmill.model.runner import ModelRunner
 
     runners = {}
+    os.environ["TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"] = "0"
     for dtype in args.dtypes.split(","):
-        for limit in ("8", "0"):
-            os.environ["TOKENMILL_CPU_INT4_MAX_TOKENS"] = limit
+        for limit in ("8", "0") + (("8i",) if args.int8_act else ()):
+            os.environ["TOKENMILL_CPU_INT4_MAX_TOKENS"] = limit.rstrip("i")
+            os.environ["TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"] = "65536" if limit.endswith("i") else "0"
             cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=256, block_size=16, max_model_len=1024)
             runners[(dtype, limit)] = ModelRunner.from_config(cfg, with_tokenizer=False)
     torch.set_num_threads(args.threads)
@@ -104,8 +111,12 @@ def model_step(args) -> None:
                 if ((dtype, "8"), False) in times:
                     f = med(((dtype, "8"), False))
                     fma = f"; low-bit without the bf16 dot path {f * 1e3:.1f} ms ({f / on:.2f}x the dot path's)"
+                i8 = ""
+                if ((dtype, "8i"), True) in times:
+                    t8 = med(((dtype, "8i"), True))
+                    i8 = f"; integer path (int8 act.) {t8 * 1e3:.1f} ms -> {off / t8:.2f}x the dense step"
                 print(f"B={b} q={q} ({b * q} tokens) {dtype}: low-bit codes {on * 1e3:.1f} ms, "
-                      f"dense {off * 1e3:.1f} ms -> {off / on:.2f}x{rel}{fma}", flush=True)
+                      f"dense {off * 1e3:.1f} ms -> {off / on:.2f}x{rel}{fma}{i8}", flush=True)
 
 
 def main() -> None:
@@ -118,6 +129,8 @@ def main() -> None:
     ap.add_argument("--model-step", action="store_true", help="time whole decode steps of the real model instead")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--int8-act", action="store_true",
+                    help="--model-step: also the integer path (int8 activations x the codes) for every step size")
     ap.add_argument("--query-lens", default="1", help="--model-step: new tokens per request (verify steps: 1,5)")
     args = ap.parse_args()
     if args.model_step:
@@ -164,9 +177,11 @@ def main() -> None:
             add("torch int4 (bf16 act)",
                 lambda: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, L["i4"], 32, L["sz"]), L, 0.5 + 4 / 32)
             lb = L["lb"]
-            bpw = lb.nbytes / (L["n"] * L["k"])
+            bpw = (lb.nbytes - (0 if lb.codes_i8 is None else lb.codes_i8.numel())) / (L["n"] * L["k"])
             for isa, lib in libs.items():
                 add(f"ours {isa} (fp32 act)", lambda: lowbit_linear(x, lb, lib=lib), L, bpw)
+                if lb.prepare_i8(lib):            # the integer path: int8 activations per 32 columns x the codes
+                    add(f"ours {isa} (int8 act)", lambda: lowbit_linear(x, lb, lib=lib, int8_act=True), L, bpw)
                 if set_bf16_dot(lib, True):       # AVX512-BF16 dot products vs the float32 FMA path, side by side
                     add(f"ours {isa} (bf16 act, dot)", lambda: lowbit_linear(xb, lb, lib=lib), L, bpw)
                     set_bf16_dot(lib, False)
