@@ -295,6 +295,19 @@ def load_average() -> float:
         return float("nan")
 
 
+def _inherit_autogroup_nice(pid: int) -> None:
+    """Give a server started in its own session (its own scheduler autogroup under Linux's sched_autogroup)
+    the autogroup nice value of this process, so both engines run at the priority the benchmark was started
+    with (e.g. ``echo -15 > /proc/self/autogroup`` on a shared machine); a no-op where unsupported."""
+    try:
+        with open("/proc/self/autogroup") as f:
+            nice = int(f.read().split("nice")[1])
+        with open(f"/proc/{pid}/autogroup", "w") as f:
+            f.write(str(nice))
+    except (OSError, ValueError, IndexError):
+        pass
+
+
 @dataclass
 class Server:
     """A server subprocess in its own process group, its log file and its URL."""
@@ -320,6 +333,7 @@ class Server:
         t0 = time.perf_counter()
         self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True, cwd=str(REPO))
+        _inherit_autogroup_nice(self.proc.pid)
         while time.perf_counter() - t0 < timeout_s:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode} during start-up; "
