@@ -143,7 +143,7 @@ def summarize_decisions(path: Path, block_size: int = 16) -> dict[str, object]:
     queued prefills), ``evicted``); ``off_cheapest`` (the softmax temperature chose a costlier backend);
     ``overestimated`` / ``underestimated`` (the router's overlap vs the backend's ``cached_tokens`` differ by a
     block or more), ``est_cached`` / ``cached`` token sums; ``group_backends`` (per shared prefix, how many
-    times its requests changed backend); ``lag_p50_ms`` / ``lag_max_ms`` (KV event lag at the end of a request).
+    times its requests changed backend); ``lag_p50_ms`` / ``lag_max_ms`` (KV event lag at the end of a request); ``held`` (requests held at the router, by reason), ``held_mean_ms``.
     """
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
     out: dict[str, object] = {"decisions": len(recs)}
@@ -154,6 +154,8 @@ def summarize_decisions(path: Path, block_size: int = 16) -> dict[str, object]:
     last: dict[str, int] = {}
     switches = 0
     lags = []
+    held: dict[str, int] = {}
+    held_s: list[float] = []
     for r in sorted(recs, key=lambda r: r.get("t", 0.0)):
         c = {int(k): v for k, v in r["candidates"].items()}
         ch = r["chosen"]
@@ -176,11 +178,15 @@ def summarize_decisions(path: Path, block_size: int = 16) -> dict[str, object]:
         last[r["prefix"]] = ch
         if r.get("event_lag_s") is not None:
             lags.append(r["event_lag_s"])
+        if r.get("held_reason"):
+            held[r["held_reason"]] = held.get(r["held_reason"], 0) + 1
+            held_s.append(r["held_s"])
     lags.sort()
     out.update(off_best=n_off, off_best_by=off, off_cheapest=n_temp, overestimated=over, underestimated=under,
                est_cached=est, cached=got, group_switches=switches,
                lag_p50_ms=round(1000 * lags[len(lags) // 2], 1) if lags else None,
-               lag_max_ms=round(1000 * lags[-1], 1) if lags else None)
+               lag_max_ms=round(1000 * lags[-1], 1) if lags else None, held=held,
+               held_mean_ms=round(1000 * sum(held_s) / len(held_s), 1) if held_s else None)
     return out
 
 
@@ -239,7 +245,8 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES),
                     help="Comma list; 'kv_aware:W' runs kv_aware with --kv-overlap-score-weight W, 'kv_aware:W:E' "
                          "also with --kv-eviction-weight E, 'kv_aware:W:E:R' also with --kv-recompute-weight R "
-                         "('kv_aware:1:0:0' is Dynamo's cost).")
+                         "('kv_aware:1:0:0' is Dynamo's cost); '+FLAG' or '+FLAG=VALUE' pieces add router flags "
+                         "(e.g. 'kv_aware+no-kv-prefill-wait', 'kv_aware+active-decode-blocks-threshold=1').")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="Runs per policy (order rotated each repeat); the table shows medians.")
@@ -251,7 +258,28 @@ def main() -> int:
                     help="The routers' --log-level (DEBUG logs every routing decision and first byte).")
     ap.add_argument("--no-pin", action="store_true", help="Do not pin replicas to CPUs.")
     ap.add_argument("--json", default=None, help="Write the results here.")
+    ap.add_argument("--decision-log", default=None, metavar="DIR",
+                    help="Folder for the kv_aware routers' --decision-log files (one JSON-lines file per run, "
+                         "decisions-WORKLOAD-POLICY-REPEAT.jsonl; created if missing) [default: the run's "
+                         "temporary folder, printed at start].")
     args = ap.parse_args()
+    # bad output paths fail here, before minutes of replicas and runs, not in a traceback at the end
+    if args.decision_log:
+        try:
+            os.makedirs(args.decision_log, exist_ok=True)
+            probe = Path(args.decision_log) / ".routing-write-probe"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            ap.error(f"--decision-log {args.decision_log!r} is not a writable folder: {e.strerror or e}")
+    if args.json:
+        try:
+            if os.path.isdir(args.json):
+                raise IsADirectoryError(21, "is a directory; give a file path")
+            with open(args.json, "a", encoding="utf-8"):
+                pass
+        except OSError as e:
+            ap.error(f"--json {args.json!r} cannot be written: {e.strerror or e}")
 
     from tokenmill.router.prompt import PromptTokenizer
 
@@ -300,16 +328,21 @@ def main() -> int:
             plan += [(w, p, rep) for w in workloads.items() for p in order]
         for (wname, (samples, _)), policy, rep in plan:
             # "kv_aware:W[:E[:R]]" = kv_aware with --kv-overlap-score-weight W [--kv-eviction-weight E
-            # [--kv-recompute-weight R]] (ablations)
-            name, _, weights = policy.partition(":")
+            # [--kv-recompute-weight R]] (ablations); "+FLAG" / "+FLAG=VALUE" pieces add router flags
+            base, *plus = policy.split("+")
+            name, _, weights = base.partition(":")
             weight, _, evw = weights.partition(":")
             evw, _, rcw = evw.partition(":")
+            flags = []
+            for piece in plus:
+                k, eq, v = piece.partition("=")
+                flags += [f"--{k}"] + ([v] if eq else [])
             extra = args.router_args.split() + (["--kv-overlap-score-weight", weight] if weight else []) \
                 + (["--kv-eviction-weight", evw] if evw else []) \
-                + (["--kv-recompute-weight", rcw] if rcw else []) \
+                + (["--kv-recompute-weight", rcw] if rcw else []) + flags \
                 + ["--log-level", args.router_log_level]
-            tag = f"{wname.replace(':', '_')}-{policy.replace(':', '_')}-{rep}"
-            dlog = tmp / f"decisions-{tag}.jsonl"
+            tag = f"{wname.replace(':', '_')}-{policy.replace(':', '_').replace('+', '_').replace('=', '_')}-{rep}"
+            dlog = (Path(args.decision_log) if args.decision_log else tmp) / f"decisions-{tag}.jsonl"
             if name == "kv_aware":
                 extra += ["--decision-log", str(dlog)]
             router, url = start_router(name, reps, tmp / f"router-{tag}.log", extra)

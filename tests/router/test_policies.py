@@ -454,3 +454,81 @@ def test_decision_log_summary_counts_moves_and_estimates(tmp_path):
     assert s["decisions"] == 3 and s["off_best"] == 1 and s["off_best_by"]["decode"] == 1
     assert s["off_cheapest"] == 1 and s["overestimated"] == 1 and s["underestimated"] == 0
     assert s["group_switches"] == 2 and s["lag_p50_ms"] == 2.0 and s["lag_max_ms"] == 3.0
+
+
+# -- holding requests at the router ---------------------------------------------
+def test_kv_aware_holds_a_follower_until_its_prefix_is_computed():
+    """A second request of a prefix that is still being prefilled on its backend waits for the
+    BlockStored events (the engine shares computed blocks only): sent at once it would compute the
+    prefix a second time next to the first."""
+    bs = backends(2)
+    idx = KVIndex()
+    for b in bs:
+        idx.expect_events(b.index)
+    a = block_hash_chain(list(range(40)) + [7000], 4)         # 10 full blocks + a partial one
+    a2 = block_hash_chain(list(range(40)) + [7001], 4)
+    rin = lambda chain: RouteInput(block_hashes=chain, num_prompt_tokens=41)  # noqa: E731
+    p = _kv_policy(idx)
+    assert p.hold(bs, rin(a)) == (None, bs)                   # nothing in flight: route now
+    d1 = p.select(bs, rin(a))
+    _begin(d1)
+    reason, use = p.hold(bs, rin(a2))
+    assert reason == "prefill" and list(use) == bs
+    # part of the prefix confirmed is not enough; all of it is
+    idx.apply(d1.backend.index, KVEventBatch(ts=0.0, events=[stored(a[:6])]))
+    assert p.hold(bs, rin(a2))[0] == "prefill"
+    idx.apply(d1.backend.index, KVEventBatch(ts=0.0, events=[stored(a[6:10], parent=a[5])]))
+    assert p.hold(bs, rin(a2)) == (None, bs)
+    d2 = p.select(bs, rin(a2))
+    assert d2.backend is d1.backend and d2.matched == 40
+    # the first request ending (no events at all) also releases it
+    p2 = _kv_policy(KVIndex())
+    p2.index.expect_events(0)
+    p2.index.expect_events(1)
+    d = p2.select(bs, rin(a))
+    assert p2.hold(bs, rin(a2))[0] == "prefill"
+    p2.on_finish(d)
+    assert p2.hold(bs, rin(a2))[0] is None
+    # off, or for a backend without an event subscription, nothing is held
+    p3 = _kv_policy(KVIndex(), prefill_wait=False)
+    p3.select(bs, rin(a))
+    assert p3.hold(bs, rin(a2))[0] is None
+    p4 = _kv_policy(KVIndex())
+    p4.select(bs, rin(a))
+    assert p4.hold(bs, rin(a2))[0] is None
+
+
+def test_kv_aware_busy_backends_are_skipped_and_all_busy_holds():
+    bs = backends(2)
+    idx = KVIndex()
+    p = _kv_policy(idx, busy_threshold=1.0, prefill_wait=False)
+    x = block_hash_chain(list(range(1000, 1040)) + [1], 4)   # 10 full blocks
+    y = block_hash_chain(list(range(2000, 2040)) + [2], 4)
+    z = block_hash_chain(list(range(3000, 3040)) + [3], 4)
+    rin = lambda chain: RouteInput(block_hashes=chain, num_prompt_tokens=41)  # noqa: E731
+    # pool size unknown (no eviction seen yet): never busy
+    for chain in (x, y):
+        _begin(p.select(bs, rin(chain)))
+    assert [b.in_flight for b in bs] == [1, 1]
+    assert p.hold(bs, rin(z)) == (None, bs)
+    # both pools evicted once at 24 blocks held: 24 is their size
+    for b in (0, 1):
+        idx.apply(b, KVEventBatch(ts=0.0, events=[stored(block_hash_chain(list(range(5000 + 100 * b, 5096 + 100 * b)), 4))]))
+        idx.apply(b, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[block_hash_chain(list(range(5000 + 100 * b, 5004 + 100 * b)), 4)[0]])]))
+    assert idx.pool_size(0) == 24 and idx.pool_size(1) == 24
+    # each backend: 10 distinct + 1 tail in flight; z needs 11 + 1 more: 23 <= 24 fits
+    assert p.hold(bs, rin(z)) == (None, bs)
+    _begin(p.select(bs, rin(z)))
+    # one of them now holds 22 + 2 tails; a fourth prefix fits only on the other
+    w = block_hash_chain(list(range(4000, 4040)) + [4], 4)
+    reason, use = p.hold(bs, rin(w))
+    assert reason is None and len(use) == 1 and use[0].in_flight == 1
+    _begin(p.select(use, rin(w)))
+    reason, use = p.hold(bs, rin(block_hash_chain(list(range(6000, 6040)) + [5], 4)))
+    assert reason == "busy" and list(use) == bs
+    # a request of a prefix in flight there needs only its own blocks: not busy
+    assert p.hold(bs, rin(block_hash_chain(list(range(1000, 1040)) + [9], 4)))[0] is None
+    # a backend with nothing in flight is never busy
+    assert not p.busy(Backend(BackendSpec("http://b9:8000"), 0, healthy=True), rin(z))
+    with pytest.raises(ValueError):
+        make_policy("kv_aware", busy_threshold=0.0)

@@ -149,3 +149,104 @@ def test_backend_specs_and_file(tmp_path):
     assert [x.url for x in load_backend_file(str(f))] == ["http://h1:1", "http://h2:2"]
     f.write_text(json.dumps([{"url": "http://h3:3", "kv_events": "tcp://*:7"}]))
     assert load_backend_file(str(f))[0].kv_events == "tcp://h3:7"
+
+
+class _GatePolicy:
+    """Round robin that holds every request while ``closed`` (a stand-in for kv_aware's holds)."""
+
+    name = "gate"
+    needs_tokens = False
+
+    def __init__(self) -> None:
+        from tokenmill.router.policies import RoundRobin
+
+        self.rr = RoundRobin()
+        self.closed = True
+
+    def hold(self, candidates, req):
+        return ("busy" if self.closed else None), candidates
+
+    def select(self, candidates, req):
+        return self.rr.select(candidates, req)
+
+    def on_finish(self, decision):
+        pass
+
+    def on_backend_down(self, backend):
+        pass
+
+
+def test_held_request_goes_on_a_change_times_out_or_is_dropped_with_its_client(cluster):
+    import threading
+
+    r, (a,) = cluster([FakeBackend("a")], router_queue_timeout=1.5)
+    gate = _GatePolicy()
+    r.router.policies["fake-model"] = gate
+    got = {}
+    t = threading.Thread(target=lambda: got.update(resp=post(r.url, {"model": "fake-model", "prompt": "x"})))
+    t.start()
+    deadline = time.monotonic() + 3
+    while "tokenmill:router_held_requests_now 1.0" not in httpx.get(r.url + "/metrics").text:
+        assert time.monotonic() < deadline, "the request was not held"
+        time.sleep(0.02)
+    assert a.requests == [] and t.is_alive()
+    gate.closed = False
+    r.router.loop.call_soon_threadsafe(r.router._notify)     # what a finishing request / KV event batch does
+    t.join(5)
+    assert got["resp"].status_code == 200 and got["resp"].json()["backend"] == "a"
+    # still closed at the timeout: routed anyway
+    gate.closed = True
+    t0 = time.monotonic()
+    resp = post(r.url, {"model": "fake-model", "prompt": "x"})
+    assert resp.status_code == 200 and 1.4 < time.monotonic() - t0 < 4
+    text = httpx.get(r.url + "/metrics").text
+    assert 'tokenmill:router_held_requests_total{reason="busy"} 2.0' in text
+    assert "tokenmill:router_hold_timeouts_total 1.0" in text
+    # a client that leaves while held never reaches the backend
+    n = len(a.requests)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x"}, timeout=0.4)
+    time.sleep(1.5)
+    assert len(a.requests) == n and r.router.backends[0].in_flight == 0
+    assert "tokenmill:router_held_requests_now 0.0" in httpx.get(r.url + "/metrics").text
+
+
+def test_requests_in_flight_to_a_hung_backend_fail_instead_of_hanging(cluster):
+    """A backend that stops answering (here: /health fails and the answer never comes, as a hung machine)
+    fails its in-flight requests once it has been out of the rotation for --dead-backend-timeout."""
+    import threading
+
+    r, (a,) = cluster([FakeBackend("a", chunks=3, itl_s=60.0)], dead_backend_timeout=0.6)
+    got = {}
+
+    def plain():
+        got["plain"] = post(r.url, {"model": "fake-model", "prompt": "x"})
+
+    t = threading.Thread(target=plain)
+    t.start()
+    lines = []
+    t0 = time.monotonic()
+    with httpx.stream("POST", r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True},
+                      timeout=10) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                lines.append(line)
+                if len(lines) == 1:
+                    a.healthy = False          # the first chunk arrived; now the machine "hangs"
+    took = time.monotonic() - t0
+    t.join(10)
+    assert took < 5, took
+    assert len(lines) == 2 and json.loads(lines[0][6:])["i"] == 0
+    err = json.loads(lines[1][6:])["error"]
+    assert err["code"] == 502 and "stopped answering" in err["message"]
+    assert got["plain"].status_code == 502 and got["plain"].json()["error"]["type"] == "BadGatewayError"
+    deadline = time.monotonic() + 3
+    while r.router.backends[0].in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert r.router.backends[0].in_flight == 0
+    # back in the rotation: requests flow again
+    a.healthy, a.itl_s = True, 0.01
+    deadline = time.monotonic() + 5
+    while not r.router.backends[0].healthy and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert post(r.url, {"model": "fake-model", "prompt": "x"}).status_code == 200

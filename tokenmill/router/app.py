@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 import tokenmill
 from tokenmill.router.backends import Backend, BackendSpec, HealthChecker
@@ -80,6 +80,10 @@ class RouterConfig:
     prefill: list[BackendSpec] = field(default_factory=list)
     decode: list[BackendSpec] = field(default_factory=list)
     decision_log: str | None = None
+    kv_prefill_wait: bool = True
+    active_decode_blocks_threshold: float | None = None
+    router_queue_timeout: float = 30.0
+    dead_backend_timeout: float = 30.0
 
 
 def _error(status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
@@ -102,6 +106,11 @@ class RouterMetrics:
     * ``tokenmill:router_backend_healthy{backend}``, ``tokenmill:router_backend_in_flight{backend}``,
       ``tokenmill:router_kv_blocks{backend}`` (blocks the KV index holds),
       ``tokenmill:router_kv_event_batches_total{backend}``: per-backend state.
+    * ``tokenmill:router_held_requests_total{reason}``: requests the policy held at the router
+      (``prefill``: their prefix was still being computed on the chosen backend; ``busy``: every
+      backend was over ``--active-decode-blocks-threshold``), ``tokenmill:router_hold_seconds``: how
+      long they waited (histogram), ``tokenmill:router_hold_timeouts_total``: holds that reached
+      ``--router-queue-timeout`` and were routed anyway, ``tokenmill:router_held_requests`` (gauge).
     """
 
     def __init__(self) -> None:
@@ -126,6 +135,14 @@ class RouterMetrics:
                                ["backend"], registry=r)
         self.kv_batches = Gauge("tokenmill:router_kv_event_batches", "KV event batches applied for the backend.",
                                 ["backend"], registry=r)
+        self.held = Counter("tokenmill:router_held_requests", "Requests held at the router before routing.",
+                            ["reason"], registry=r)
+        self.holding = Gauge("tokenmill:router_held_requests_now", "Requests held at the router now.", registry=r)
+        self.hold_seconds = Histogram("tokenmill:router_hold_seconds", "Time requests were held at the router.",
+                                      buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+                                      registry=r)
+        self.hold_timeouts = Counter("tokenmill:router_hold_timeouts", "Holds that reached --router-queue-timeout.",
+                                     registry=r)
 
     def render(self, router: "Router") -> bytes:
         for b in router.backends:
@@ -159,12 +176,26 @@ class Router:
         self.policies: dict[str | None, Policy] = {}
         make_policy(config.policy, index=self.index, load_source=config.load_source,  # validate now
                     overlap_weight=config.kv_overlap_score_weight, temperature=config.router_temperature,
-                    eviction_weight=config.kv_eviction_weight, recompute_weight=config.kv_recompute_weight)
+                    eviction_weight=config.kv_eviction_weight, recompute_weight=config.kv_recompute_weight,
+                    prefill_wait=config.kv_prefill_wait, busy_threshold=config.active_decode_blocks_threshold)
+        if config.router_queue_timeout < 0:
+            raise ValueError(f"--router-queue-timeout must be >= 0, got {config.router_queue_timeout}")
         self.subscribers: dict[int, KVEventSubscriber] = {}
         self.client: httpx.AsyncClient | None = None
         self.health: HealthChecker | None = None
         self._decision_log = open(config.decision_log, "a", buffering=1) if config.decision_log else None
         self._t0 = time.monotonic()
+        self._changed: asyncio.Event | None = None   # set (and replaced) when held requests should look again
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._dead: dict[int, asyncio.Event] = {}
+
+    def _notify(self) -> None:
+        """Wake the requests held at the router: a request ended or got its first byte, a KV event batch
+        arrived, a backend changed health."""
+        ev = self._changed
+        if ev is not None:
+            self._changed = asyncio.Event()
+            ev.set()
 
     # -- life cycle ------------------------------------------------------------
     async def start(self) -> None:
@@ -176,6 +207,9 @@ class Router:
         self.health = HealthChecker(self.backends, self.client, c.health_check_interval, c.health_check_timeout,
                                     api_key=c.backend_api_key, scrape_metrics=c.load_source == "metrics")
         self.health.on_change = self._on_health_change
+        self.health.on_round = self._fail_dead_backends
+        self._changed = asyncio.Event()
+        self.loop = asyncio.get_running_loop()
         await self.health.check_all()
         self.health.start()
         if c.policy == "kv_aware":
@@ -183,6 +217,8 @@ class Router:
                 if b.spec.kv_events:
                     sub = KVEventSubscriber(b.index, b.spec.kv_events, self.index, b.spec.replay,
                                             topic=c.kv_events_topic)
+                    sub.on_batch = self._notify
+                    self.index.expect_events(b.index)
                     sub.start()
                     self.subscribers[b.index] = sub
                 else:
@@ -199,7 +235,31 @@ class Router:
             self._decision_log.close()
             self._decision_log = None
 
+    def dead_event(self, b: Backend) -> asyncio.Event:
+        """Set when ``b`` has been out of the rotation for ``--dead-backend-timeout``: its requests fail."""
+        ev = self._dead.get(b.index)
+        if ev is None:
+            ev = self._dead[b.index] = asyncio.Event()
+        return ev
+
+    def _fail_dead_backends(self) -> None:
+        """After each health round: fail the in-flight requests of backends down for too long (a hung or
+        unreachable machine would hold them forever; a killed process already reset their connections)."""
+        now = time.monotonic()
+        for b in self.backends:
+            if (not b.healthy and b.down_since is not None
+                    and now - b.down_since >= self.config.dead_backend_timeout):
+                ev = self.dead_event(b)
+                if not ev.is_set():
+                    if b.in_flight:
+                        logger.warning("backend %s down for %.0f s: failing its %d requests in flight", b.url,
+                                       now - b.down_since, b.in_flight)
+                    ev.set()
+
     def _on_health_change(self, b: Backend) -> None:
+        if b.healthy and self._dead.get(b.index) is not None and self._dead[b.index].is_set():
+            self._dead[b.index] = asyncio.Event()   # back: new requests wait on a fresh event
+        self._notify()
         if not b.healthy:
             for p in self.policies.values():
                 p.on_backend_down(b)
@@ -215,7 +275,8 @@ class Router:
                 balance_abs_threshold=c.balance_abs_threshold, balance_rel_threshold=c.balance_rel_threshold,
                 max_tree_size=c.max_tree_size, overlap_weight=c.kv_overlap_score_weight,
                 temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source,
-                eviction_weight=c.kv_eviction_weight, recompute_weight=c.kv_recompute_weight)
+                eviction_weight=c.kv_eviction_weight, recompute_weight=c.kv_recompute_weight,
+                prefill_wait=c.kv_prefill_wait, busy_threshold=c.active_decode_blocks_threshold)
         return p
 
     def all_models(self, healthy_only: bool = True) -> list[str]:
@@ -288,6 +349,7 @@ class Router:
             d.started = 0.0
         b.prefill_blocks -= d.new_prefill_blocks
         d.new_prefill_blocks = 0
+        self._notify()
 
     def _end(self, b: Backend, d: RouteDecision, policy: Policy | None = None,
              cached_tokens: int | None = None) -> None:
@@ -299,6 +361,7 @@ class Router:
         b.in_flight -= 1
         b.active_blocks -= d.request_blocks
         d.request_blocks = 0
+        self._notify()
 
     def _write_decision(self, b: Backend, d: RouteDecision, cached_tokens: int | None) -> None:
         """One JSON line of ``--decision-log``: the policy's record plus what happened.
@@ -349,27 +412,75 @@ class Router:
         """
         tried: set[int] = set()
         last_error = "no backend is available"
+        held_since: float | None = None
+        held_reason = None
+        may_hold = True   # only before the first try: a retry after an unreachable backend goes at once
         try:
             for _ in range(self.config.max_retries + 1):
                 cands = [b for b in pool if b.healthy and b.index not in tried]
                 if not cands:
                     break
+                while may_hold:   # the policy may hold the request here until a backend suits it
+                    reason, use = policy.hold(cands, rin)
+                    if reason is None:
+                        cands = list(use)
+                        break
+                    now = time.monotonic()
+                    if held_since is None:
+                        held_since, held_reason = now, reason
+                        self.metrics.held.labels(reason).inc()
+                    left = self.config.router_queue_timeout - (now - held_since)
+                    if left <= 0:
+                        self.metrics.hold_timeouts.inc()
+                        cands = list(use)
+                        break
+                    assert self._changed is not None
+                    change = asyncio.ensure_future(self._changed.wait())
+                    self.metrics.holding.inc()
+                    try:
+                        await asyncio.wait({change, watcher}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        self.metrics.holding.dec()
+                        change.cancel()
+                    if watcher.done():   # the client left while its request was held
+                        self.metrics.hold_seconds.observe(time.monotonic() - held_since)
+                        return Response(status_code=499)
+                    cands = [b for b in pool if b.healthy and b.index not in tried]
+                    if not cands:
+                        break
+                if not cands:
+                    break
+                held_s = None
+                if may_hold and held_since is not None:
+                    held_s = time.monotonic() - held_since
+                    self.metrics.hold_seconds.observe(held_s)
+                may_hold = False
                 d = policy.select(cands, rin)
+                if d.detail is not None and held_s is not None:
+                    d.detail.update(held_reason=held_reason, held_s=round(held_s, 4))
                 b = d.backend
                 tried.add(b.index)
                 assert self.client is not None
                 req = self.client.build_request("POST", b.url + path, content=raw, headers=headers)
                 self._begin(b, d)
                 send = asyncio.create_task(self.client.send(req, stream=True))
-                done, _ = await asyncio.wait({send, watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if send not in done:  # the client left while the backend was still working
+                dead = asyncio.ensure_future(self.dead_event(b).wait())
+                try:
+                    done, _ = await asyncio.wait({send, watcher, dead}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    dead.cancel()
+                if send not in done:  # the client left, or the backend died, while it was still working
                     send.cancel()
                     try:
                         await send
                     except BaseException:  # noqa: BLE001
                         pass
                     self._end(b, d, policy)
-                    return Response(status_code=499)
+                    if watcher.done():
+                        return Response(status_code=499)
+                    self.metrics.errors.labels("backend_dead").inc()
+                    return _error(502, f"backend {b.url} stopped answering (out of the rotation for "
+                                       f"{self.config.dead_backend_timeout:g} s): {b.last_error}")
                 try:
                     resp = send.result()
                 except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
@@ -461,13 +572,27 @@ class _Relay(Response):
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             while True:
                 nxt = asyncio.ensure_future(it.__anext__())
-                done, _ = await asyncio.wait({nxt, self.watcher}, return_when=asyncio.FIRST_COMPLETED)
-                if nxt not in done:  # client disconnected: stop reading, close upstream below
+                dead = asyncio.ensure_future(self.router.dead_event(self.backend).wait())
+                try:
+                    done, _ = await asyncio.wait({nxt, self.watcher, dead}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    dead.cancel()
+                if nxt not in done:  # client disconnected or backend dead: stop reading, close upstream below
                     nxt.cancel()
                     try:
                         await nxt
                     except BaseException:  # noqa: BLE001
                         pass
+                    if not self.watcher.done():   # the backend died mid-answer: say so, then end the body
+                        self.router.metrics.errors.labels("backend_dead").inc()
+                        msg = (f"backend {self.backend.url} stopped answering (out of the rotation for "
+                               f"{self.router.config.dead_backend_timeout:g} s)")
+                        err = json.dumps({"error": {"message": msg, "type": "BadGatewayError", "param": None,
+                                                    "code": 502}}).encode()
+                        sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
+                                  for k, v in self.raw_headers)
+                        await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n" if sse else b"",
+                                    "more_body": False})
                     return
                 try:
                     chunk = nxt.result()

@@ -136,6 +136,7 @@ class Backend:
     last_check: float = 0.0
     reported_load: int | None = None
     routed_since_scrape: int = 0
+    down_since: float | None = None   # time.monotonic() when it last left the rotation (None: healthy)
 
     @property
     def url(self) -> str:
@@ -150,6 +151,8 @@ class Backend:
         """Take the backend out of the rotation now (a refused connection, a failed check)."""
         if self.healthy:
             logger.warning("backend %s is down: %s", self.url, reason)
+        if self.healthy or self.down_since is None:
+            self.down_since = time.monotonic()
         self.healthy = False
         self.last_error = reason
 
@@ -157,6 +160,7 @@ class Backend:
         if not self.healthy:
             logger.info("backend %s is up (models %s)", self.url, models)
         self.healthy = True
+        self.down_since = None
         self.consecutive_failures = 0
         self.last_error = None
         self.models = models
@@ -205,6 +209,7 @@ class HealthChecker:
         self.api_key = api_key
         self._task: asyncio.Task | None = None
         self.on_change = None  # callable(backend) after an up/down transition
+        self.on_round = None   # callable() after every round of checks
 
     async def check(self, b: Backend) -> bool:
         """One check of one backend; updates its state. Returns healthy."""
@@ -241,6 +246,8 @@ class HealthChecker:
         while True:
             try:
                 await self.check_all()
+                if self.on_round is not None:
+                    self.on_round()
             except Exception:  # noqa: BLE001 - keep checking
                 logger.exception("health check round failed")
             await asyncio.sleep(self.interval)

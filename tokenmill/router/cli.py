@@ -51,6 +51,22 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "although another backend holds it or is computing it: a prefix group leaves its "
                         "replica only when the cost gap exceeds the prefix it recomputes (tokenmill's term; "
                         "0: Dynamo's cost) [default: 1].")
+    g.add_argument("--kv-prefill-wait", action=argparse.BooleanOptionalAction, default=True,
+                   help="Hold a request at the router while the backend it would go to holds part of its prefix "
+                        "only as blocks another request is still computing there (in flight, no BlockStored "
+                        "event yet): the engine shares computed blocks only, so sent at once it would prefill "
+                        "them a second time. It goes when the events confirm them, that request ends, or "
+                        "--router-queue-timeout passes (tokenmill's; --no-kv-prefill-wait: never hold) "
+                        "[default: on].")
+    g.add_argument("--active-decode-blocks-threshold", type=float, default=None, metavar="FRACTION",
+                   help="A backend whose in-flight requests plus this one would hold more than this fraction of "
+                        "its KV pool (size learnt from its events once it evicts) is busy: requests go to the "
+                        "others, and wait at the router while every backend is busy, up to "
+                        "--router-queue-timeout (Dynamo's flag name; Dynamo rejects instead of waiting) "
+                        "[default: off].")
+    g.add_argument("--router-queue-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="Longest a request waits at the router (--kv-prefill-wait, --active-decode-blocks-"
+                        "threshold) before it is routed anyway [default: 30].")
     g.add_argument("--router-temperature", type=float, default=0.0,
                    help="Softmax temperature over normalised costs (0: always the cheapest) [default: 0].")
     g.add_argument("--block-size", type=int, default=16,
@@ -63,6 +79,10 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--health-check-interval", type=float, default=1.0,
                    help="Seconds between health checks (/health and /v1/models) [default: 1].")
     g.add_argument("--health-check-timeout", type=float, default=2.0, help="Seconds per check [default: 2].")
+    g.add_argument("--dead-backend-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="A backend out of the rotation this long (failing health checks, e.g. a hung machine) "
+                        "has its requests in flight failed: 502 before the answer started, an error event "
+                        "and the end of the stream after [default: 30].")
     g.add_argument("--max-retries", type=int, default=2,
                    help="Other backends tried when one cannot be reached (connection refused or timed out) "
                         "[default: 2].")
@@ -111,6 +131,11 @@ def config_from_args(args: argparse.Namespace):
         raise ValueError("--prefill / --decode need --pd-disaggregation")
     elif not specs:
         raise ValueError("give at least one --backend URL or a --backend-file")
+    if args.decision_log:
+        check_writable(args.decision_log, "--decision-log")
+        if args.policy != "kv_aware":
+            print(f"tokenmill router: warning: --decision-log records kv_aware decisions only; with --policy "
+                  f"{args.policy} it stays empty", file=sys.stderr)
     return RouterConfig(
         backends=specs, policy=args.policy, host=args.host, port=args.port, cache_threshold=args.cache_threshold,
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
@@ -120,7 +145,26 @@ def config_from_args(args: argparse.Namespace):
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed,
         load_source=args.load_source, backend_api_key=args.backend_api_key,
-        pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode, decision_log=args.decision_log)
+        pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode, decision_log=args.decision_log,
+        kv_prefill_wait=args.kv_prefill_wait, active_decode_blocks_threshold=args.active_decode_blocks_threshold,
+        router_queue_timeout=args.router_queue_timeout, dead_backend_timeout=args.dead_backend_timeout)
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Raise a clear ``ValueError`` unless ``path`` can be opened for appending (a file, not a folder).
+
+    Raises:
+        ValueError: the folder does not exist, the path is a folder, or it is not writable.
+    """
+    import os
+
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path!r} is a directory; give a file path")
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path!r} cannot be written: {e.strerror or e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -131,5 +175,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"tokenmill router: error: {e}", file=sys.stderr)
         return 2
-    run_router(config)
+    try:
+        run_router(config)
+    except OSError as e:   # e.g. the --decision-log file vanished between the check and the open
+        print(f"tokenmill router: error: {e}", file=sys.stderr)
+        return 2
     return 0

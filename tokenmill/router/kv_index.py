@@ -61,6 +61,21 @@ class KVIndex:
         # (publisher wall clock; both on one host in the benchmark), and the worst seen
         self.last_lag: dict[int, float] = {}
         self.max_lag: dict[int, float] = {}
+        self._evicting: set[int] = set()     # backends seen removing a block (their pool was full)
+        self._subscribed: set[int] = set()   # backends whose events the router receives
+
+    def expect_events(self, backend: int) -> None:
+        """The router subscribes to ``backend``'s KV events (so a block it computes will be announced)."""
+        self._subscribed.add(backend)
+
+    def expects_events(self, backend: int) -> bool:
+        """True when the router subscribes to ``backend``'s KV events."""
+        return backend in self._subscribed
+
+    def pool_size(self, backend: int) -> int | None:
+        """``backend``'s pool size in blocks: the most it was seen holding, once it evicted a block (the
+        engine removes a hash only to reuse its block, so its pool was full); None before."""
+        return self.capacity.get(backend) if backend in self._evicting else None
 
     def has_events(self, backend: int) -> bool:
         """True once any event of ``backend`` was applied (the index knows something about it)."""
@@ -100,6 +115,7 @@ class KVIndex:
             if len(held) > self.capacity.get(backend, 0):
                 self.capacity[backend] = len(held)
         elif isinstance(ev, BlockRemoved):
+            self._evicting.add(backend)
             for h in ev.block_hashes:
                 if held.pop(h, 0) >= self.REUSED_USES:
                     self._num_reused[backend] -= 1
@@ -124,6 +140,7 @@ class KVIndex:
         if not keep_event_count:
             self.num_events.pop(backend, None)
             self.capacity.pop(backend, None)
+            self._evicting.discard(backend)
 
     def touch(self, backend: int, block_hashes: Iterable[bytes]) -> None:
         """A request using ``block_hashes`` was routed to ``backend``: those it holds become the most
@@ -228,6 +245,7 @@ class KVEventSubscriber:
         self.num_resets = 0
         self._task: asyncio.Task | None = None
         self._sub: zmq.asyncio.Socket | None = None
+        self.on_batch = None   # callable() after each applied batch (the router wakes requests it holds)
 
     # -- message handling (also driven directly by tests) ---------------------
     async def handle(self, seq: int, payload: bytes) -> None:
@@ -265,6 +283,8 @@ class KVEventSubscriber:
         self.index.apply(self.backend, batch)
         self.last_seq = seq
         self.num_batches += 1
+        if self.on_batch is not None:
+            self.on_batch()
 
     async def _replay(self, start: int, until: int) -> bool:
         """Fetch batches ``start .. until-1`` from the replay socket and apply them.

@@ -90,6 +90,16 @@ class Policy(abc.ABC):
             ValueError: no candidates.
         """
 
+    def hold(self, candidates: Sequence[Backend], req: RouteInput) -> tuple[str | None, Sequence[Backend]]:
+        """Whether ``req`` should wait at the router before it is routed, and among which candidates.
+
+        Returns:
+            ``(reason, candidates)``: reason None routes now among the returned candidates (a subset of
+            ``candidates``); otherwise the router waits for a change (a request ending, a KV event batch,
+            a health change) and asks again, up to ``--router-queue-timeout``. The base policy never holds.
+        """
+        return None, candidates
+
     def on_backend_down(self, backend: Backend) -> None:
         """A backend left the rotation (it may come back empty)."""
 
@@ -292,7 +302,8 @@ class KVAware(Policy):
 
     def __init__(self, index: KVIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
                  block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0,
-                 recompute_weight: float = 1.0) -> None:
+                 recompute_weight: float = 1.0, prefill_wait: bool = True,
+                 busy_threshold: float | None = None) -> None:
         if temperature < 0:
             raise ValueError(f"router temperature must be >= 0, got {temperature}")
         if overlap_weight < 0:
@@ -301,7 +312,11 @@ class KVAware(Policy):
             raise ValueError(f"eviction weight must be >= 0, got {eviction_weight}")
         if recompute_weight < 0:
             raise ValueError(f"recompute weight must be >= 0, got {recompute_weight}")
+        if busy_threshold is not None and busy_threshold <= 0:
+            raise ValueError(f"active decode blocks threshold must be > 0, got {busy_threshold}")
         self.recompute_weight = recompute_weight
+        self.prefill_wait = prefill_wait
+        self.busy_threshold = busy_threshold
         self.index = index
         self.overlap_weight = overlap_weight
         self.eviction_weight = eviction_weight
@@ -317,8 +332,8 @@ class KVAware(Policy):
         """Tokens per block: learnt from the events, else the configured default."""
         return self.index.block_size or self.default_block_size
 
-    def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
-        _check(candidates)
+    def _evaluate(self, candidates: Sequence[Backend], req: RouteInput) -> dict:
+        """Every candidate's overlaps and cost terms for ``req`` (no state changes)."""
         bs = self.block_size
         ntok = req.num_prompt_tokens or 0
         n = -(-ntok // bs)
@@ -357,11 +372,19 @@ class KVAware(Policy):
                               "distinct": len(pend), "in_flight": b.in_flight, "evicted": evicted[b.index],
                               "recomputed": recomputed,
                               "cost": costs[b.index]}
+        return {"bs": bs, "ntok": ntok, "n": n, "hashes": hashes, "have_events": have_events, "max_hit": max_hit,
+                "overlaps": overlaps, "costs": costs, "evicted": evicted, "cands": cands, "best_ov": best_ov}
+
+    def select(self, candidates: Sequence[Backend], req: RouteInput) -> RouteDecision:
+        _check(candidates)
+        e = self._evaluate(candidates, req)
+        bs, ntok, n, hashes, costs, cands, best_ov = (e["bs"], e["ntok"], e["n"], e["hashes"], e["costs"],
+                                                      e["cands"], e["best_ov"])
         chosen = self._pick(candidates, costs)
-        ov = min(overlaps.get(chosen.index, 0), max_hit)
+        ov = min(e["overlaps"].get(chosen.index, 0), e["max_hit"])
         if ov > 0:
             reason = "kv_overlap"
-        elif not have_events:
+        elif not e["have_events"]:
             reason = "load_fallback"
         else:
             reason = "kv_load"
@@ -375,7 +398,56 @@ class KVAware(Policy):
         self.index.touch(chosen.index, hashes)
         return RouteDecision(chosen, reason, matched=ov * bs, total=ntok, unit="tokens",
                              new_prefill_blocks=n - ov, request_blocks=n, costs=costs, block_hashes=list(hashes),
-                             evicted_blocks=evicted.get(chosen.index, 0), detail=detail)
+                             evicted_blocks=e["evicted"].get(chosen.index, 0), detail=detail)
+
+    def busy(self, b: Backend, req: RouteInput) -> bool:
+        """True when ``b``'s in-flight requests plus ``req`` would hold more than ``busy_threshold`` of its pool.
+
+        Held blocks: the decode term (distinct full blocks of its in-flight requests, a tail block each,
+        and ``req``'s blocks not among them, plus ``req``'s own tail block). The pool size is the most
+        blocks its KV events ever showed it holding, trusted once it evicted a block (a pool that
+        evicts is full). A backend with nothing in flight, or whose pool size is not known yet, is never
+        busy: a request alone always goes.
+        """
+        if self.busy_threshold is None or b.in_flight == 0:
+            return False
+        cap = self.index.pool_size(b.index)
+        if not cap:
+            return False
+        hashes = req.block_hashes or []
+        n = -(-(req.num_prompt_tokens or 0) // self.block_size)
+        pend = self.pending.get(b.index) or {}
+        shared = sum(1 for h in hashes if h in pend)
+        return len(pend) + b.in_flight + (n - shared) + 1 > self.busy_threshold * cap
+
+    def hold(self, candidates: Sequence[Backend], req: RouteInput) -> tuple[str | None, Sequence[Backend]]:
+        """Two reasons to wait at the router (see the class docstring):
+
+        * ``busy``: every candidate is :meth:`busy` (``busy_threshold`` set); otherwise only the candidates
+          that are not busy are returned (Dynamo's busy-worker filter; Dynamo rejects where this waits);
+        * ``prefill``: the backend this request would go to holds part of its prefix only as blocks a
+          request routed there is still computing (in flight, not yet confirmed by a ``BlockStored``
+          event). The engine shares only computed blocks, so sent now it would prefill them again next to
+          the first request (twice the work and two copies in the pool); it waits until the events
+          confirm them, the first request ends, or the timeout. Only for backends whose events the
+          router receives.
+        """
+        _check(candidates)
+        avail = candidates
+        if self.busy_threshold is not None:
+            avail = [b for b in candidates if not self.busy(b, req)]
+            if not avail:
+                return "busy", candidates
+        if self.prefill_wait and req.block_hashes:
+            e = self._evaluate(avail, req)
+            lo = min(e["costs"].values())
+            ties = [b for b in avail if e["costs"][b.index] == lo]
+            b = ties[self._next % len(ties)] if self.temperature <= 0 else ties[0]
+            c = e["cands"][b.index]
+            mh = e["max_hit"]
+            if self.index.expects_events(b.index) and min(c["ov_pending"], mh) > min(c["ov_events"], mh):
+                return "prefill", avail
+        return None, avail
 
     def evicted_reused(self, backend: int, new_blocks: int, hashes: Sequence[bytes], pending: dict) -> int:
         """Reused cached blocks ``backend`` would evict to take a request with ``new_blocks`` uncached blocks.
@@ -424,7 +496,8 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
                 balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5,
                 max_tree_size: int = 2**26, overlap_weight: float = 1.0, temperature: float = 0.0,
                 block_size: int = 16, seed: int | None = None, load_source: str = "inflight",
-                eviction_weight: float = 1.0, recompute_weight: float = 1.0) -> Policy:
+                eviction_weight: float = 1.0, recompute_weight: float = 1.0, prefill_wait: bool = True,
+                busy_threshold: float | None = None) -> Policy:
     """Build a policy by name.
 
     Raises:
@@ -438,5 +511,5 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
         return PrefixAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
     if name == "kv_aware":
         return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed, eviction_weight,
-                       recompute_weight)
+                       recompute_weight, prefill_wait, busy_threshold)
     raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
