@@ -531,4 +531,6 @@ def test_kv_aware_busy_backends_are_skipped_and_all_busy_holds():
     # a backend with nothing in flight is never busy
     assert not p.busy(Backend(BackendSpec("http://b9:8000"), 0, healthy=True), rin(z))
     with pytest.raises(ValueError):
-        make_policy("kv_aware", busy_threshold=0.0)
+        make_policy("kv_aware", busy_threshold=-0.5)
+    assert make_policy("kv_aware", busy_threshold=0.0).busy_threshold is None     # 0: off
+    assert make_policy("kv_aware").busy_threshold == 1.0

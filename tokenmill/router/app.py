@@ -81,7 +81,7 @@ class RouterConfig:
     decode: list[BackendSpec] = field(default_factory=list)
     decision_log: str | None = None
     kv_prefill_wait: bool = True
-    active_decode_blocks_threshold: float | None = None
+    active_decode_blocks_threshold: float | None = 1.0
     router_queue_timeout: float = 30.0
     dead_backend_timeout: float = 30.0
 

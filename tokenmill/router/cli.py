@@ -58,12 +58,13 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "them a second time. It goes when the events confirm them, that request ends, or "
                         "--router-queue-timeout passes (tokenmill's; --no-kv-prefill-wait: never hold) "
                         "[default: on].")
-    g.add_argument("--active-decode-blocks-threshold", type=float, default=None, metavar="FRACTION",
+    g.add_argument("--active-decode-blocks-threshold", type=float, default=1.0, metavar="FRACTION",
                    help="A backend whose in-flight requests plus this one would hold more than this fraction of "
                         "its KV pool (size learnt from its events once it evicts) is busy: requests go to the "
                         "others, and wait at the router while every backend is busy, up to "
-                        "--router-queue-timeout (Dynamo's flag name; Dynamo rejects instead of waiting) "
-                        "[default: off].")
+                        "--router-queue-timeout (Dynamo's flag name; Dynamo rejects instead of waiting). At 1 a "
+                        "request waits only when it cannot fit next to the KV in flight, where the engine would "
+                        "queue it too; 0: off [default: 1].")
     g.add_argument("--router-queue-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="Longest a request waits at the router (--kv-prefill-wait, --active-decode-blocks-"
                         "threshold) before it is routed anyway [default: 30].")

@@ -278,6 +278,22 @@ class KVAware(Policy):
     sharing a new prefix would be scattered before the first one's events
     arrive.
 
+    Holding at the router (:meth:`hold`; the router waits for a change and asks again, up to
+    ``--router-queue-timeout``):
+
+    * ``busy_threshold`` (``--active-decode-blocks-threshold``, Dynamo's name): a backend is busy when
+      its in-flight requests' KV plus this request's (the decode term, plus the request's own tail
+      block) exceeds that share of its pool; busy backends are left out (Dynamo's busy-worker filter),
+      and when every backend is busy the request waits (Dynamo rejects it). At 1.0 a request waits
+      only when it cannot fit next to what is in flight, i.e. exactly when the engine would queue it
+      too: in the engine it would sit at the head of a FCFS queue, block requests behind it that do
+      fit, and, once admitted, evict the cached prefixes that queued requests were routed there for
+      (measured in ``benchmarks/routing.py`` at 3x cache demand: 60 of 200 requests found their
+      prefix gone; with the hold 6);
+    * ``prefill_wait`` (``--kv-prefill-wait``): the backend this request would go to holds part of
+      its prefix only as blocks of a request still being prefilled there (in ``pending``, not yet in
+      its KV events); the engine shares computed blocks only, so the request waits for the events.
+
     With ``temperature == 0`` the cheapest backend wins (ties in turn);
     otherwise costs are normalised to [0, 1] and a backend is drawn with
     probability ``softmax(-cost / temperature)`` (Dynamo's ``--router-temperature``),
@@ -292,6 +308,8 @@ class KVAware(Policy):
             (``--kv-eviction-weight``; 0 and ``recompute_weight`` 0: Dynamo's cost).
         recompute_weight: weight of recomputed blocks (held or being computed by another
             candidate) relative to prefill blocks (``--kv-recompute-weight``).
+        prefill_wait: hold a request whose prefix is still being computed on its backend.
+        busy_threshold: fraction of a backend's pool beyond which it is busy (None or 0: never).
         temperature: softmax temperature (0: deterministic).
         block_size: tokens per block when the index has not learnt it from events.
         seed: RNG seed for the softmax draw.
@@ -303,7 +321,7 @@ class KVAware(Policy):
     def __init__(self, index: KVIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
                  block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0,
                  recompute_weight: float = 1.0, prefill_wait: bool = True,
-                 busy_threshold: float | None = None) -> None:
+                 busy_threshold: float | None = 1.0) -> None:
         if temperature < 0:
             raise ValueError(f"router temperature must be >= 0, got {temperature}")
         if overlap_weight < 0:
@@ -312,8 +330,9 @@ class KVAware(Policy):
             raise ValueError(f"eviction weight must be >= 0, got {eviction_weight}")
         if recompute_weight < 0:
             raise ValueError(f"recompute weight must be >= 0, got {recompute_weight}")
-        if busy_threshold is not None and busy_threshold <= 0:
-            raise ValueError(f"active decode blocks threshold must be > 0, got {busy_threshold}")
+        if busy_threshold is not None and busy_threshold < 0:
+            raise ValueError(f"active decode blocks threshold must be >= 0 (0: off), got {busy_threshold}")
+        busy_threshold = busy_threshold or None
         self.recompute_weight = recompute_weight
         self.prefill_wait = prefill_wait
         self.busy_threshold = busy_threshold
@@ -497,7 +516,7 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
                 max_tree_size: int = 2**26, overlap_weight: float = 1.0, temperature: float = 0.0,
                 block_size: int = 16, seed: int | None = None, load_source: str = "inflight",
                 eviction_weight: float = 1.0, recompute_weight: float = 1.0, prefill_wait: bool = True,
-                busy_threshold: float | None = None) -> Policy:
+                busy_threshold: float | None = 1.0) -> Policy:
     """Build a policy by name.
 
     Raises:
