@@ -117,3 +117,33 @@ def _requests(router_url: str, backend_url: str) -> float:
         if line.startswith(f'tokenmill:router_requests_total{{backend="{backend_url}"}}'):
             return float(line.split()[-1])
     return 0.0
+
+
+def test_kv_aware_holds_a_concurrent_follower_until_its_prefix_is_computed(replicas, prompt_tokenizer):
+    """Two requests of a new prefix at once: the second must not be prefilled next to the first (the engine
+    shares computed blocks only); the router holds it until the first one's KV events arrive, and it then
+    finds the whole prefix cached on the same replica."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    router = RouterThread(RouterConfig(backends=[r.spec for r in replicas], policy="kv_aware",
+                                       health_check_interval=0.5), prompt_tokenizer).start()
+    try:
+        rt = router.router
+        deadline = time.monotonic() + 10
+        while not all(b.healthy for b in rt.backends) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        prefix = "Summarise the customs ledger for the night clerk, line by line, in the harbour's own words. " * 28
+        n_prefix = len(prompt_tokenizer.token_ids("/v1/completions", {"prompt": prefix}))
+        before = {b.index: _requests(router.url, b.url) for b in rt.backends}
+        with ThreadPoolExecutor(2) as ex:
+            futs = [ex.submit(_complete, router.url, prefix + q) for q in ("Question: first?", "Question: second?")]
+            outs = [f.result() for f in futs]
+        after = {b.index: _requests(router.url, b.url) for b in rt.backends}
+        assert sorted(after[i] - before[i] for i in after) == [0, 2], "both went to one replica"
+        cached = sorted(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
+        held = [line for line in httpx.get(router.url + "/metrics").text.splitlines()
+                if line.startswith("tokenmill:router_held_requests_total")]
+        # one computed the prefix, the other found it cached (held until the events came, or sent after)
+        assert cached[0] == 0 and cached[1] >= (n_prefix // 16 - 1) * 16, (cached, n_prefix, held)
+    finally:
+        router.stop()

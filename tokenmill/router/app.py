@@ -106,11 +106,13 @@ class RouterMetrics:
     * ``tokenmill:router_backend_healthy{backend}``, ``tokenmill:router_backend_in_flight{backend}``,
       ``tokenmill:router_kv_blocks{backend}`` (blocks the KV index holds),
       ``tokenmill:router_kv_event_batches_total{backend}``: per-backend state.
+    * ``tokenmill:router_request_errors_total{reason="backend_dead"}``: requests failed because their
+      backend was out of the rotation for ``--dead-backend-timeout``.
     * ``tokenmill:router_held_requests_total{reason}``: requests the policy held at the router
       (``prefill``: their prefix was still being computed on the chosen backend; ``busy``: every
       backend was over ``--active-decode-blocks-threshold``), ``tokenmill:router_hold_seconds``: how
       long they waited (histogram), ``tokenmill:router_hold_timeouts_total``: holds that reached
-      ``--router-queue-timeout`` and were routed anyway, ``tokenmill:router_held_requests`` (gauge).
+      ``--router-queue-timeout`` and were routed anyway, ``tokenmill:router_held_requests_now`` (gauge).
     """
 
     def __init__(self) -> None:
