@@ -250,3 +250,12 @@ def test_requests_in_flight_to_a_hung_backend_fail_instead_of_hanging(cluster):
     while not r.router.backends[0].healthy and time.monotonic() < deadline:
         time.sleep(0.05)
     assert post(r.url, {"model": "fake-model", "prompt": "x"}).status_code == 200
+
+
+def test_router_queue_timeout_zero_never_holds(cluster):
+    r, (a,) = cluster([FakeBackend("a")], router_queue_timeout=0.0)
+    r.router.policies["fake-model"] = _GatePolicy()      # would hold forever
+    t0 = time.monotonic()
+    assert post(r.url, {"model": "fake-model", "prompt": "x"}).status_code == 200
+    assert time.monotonic() - t0 < 2
+    assert "tokenmill:router_held_requests_total{" not in httpx.get(r.url + "/metrics").text

@@ -416,7 +416,8 @@ class Router:
         last_error = "no backend is available"
         held_since: float | None = None
         held_reason = None
-        may_hold = True   # only before the first try: a retry after an unreachable backend goes at once
+        # only before the first try (a retry after an unreachable backend goes at once); timeout 0: never
+        may_hold = self.config.router_queue_timeout > 0
         try:
             for _ in range(self.config.max_retries + 1):
                 cands = [b for b in pool if b.healthy and b.index not in tried]

@@ -67,7 +67,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "queue it too; 0: off [default: 1].")
     g.add_argument("--router-queue-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="Longest a request waits at the router (--kv-prefill-wait, --active-decode-blocks-"
-                        "threshold) before it is routed anyway [default: 30].")
+                        "threshold) before it is routed anyway; 0: never wait [default: 30].")
     g.add_argument("--router-temperature", type=float, default=0.0,
                    help="Softmax temperature over normalised costs (0: always the cheapest) [default: 0].")
     g.add_argument("--block-size", type=int, default=16,
