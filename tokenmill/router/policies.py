@@ -288,8 +288,8 @@ class KVAware(Policy):
       only when it cannot fit next to what is in flight, i.e. exactly when the engine would queue it
       too: in the engine it would sit at the head of a FCFS queue, block requests behind it that do
       fit, and, once admitted, evict the cached prefixes that queued requests were routed there for
-      (measured in ``benchmarks/routing.py`` at 3x cache demand: 60 of 200 requests found their
-      prefix gone; with the hold 6);
+      (measured in ``benchmarks/routing.py`` at 3x cache demand: 60-64 of 200 requests found
+      less of their prefix than counted; with the hold 3-9);
     * ``prefill_wait`` (``--kv-prefill-wait``): the backend this request would go to holds part of
       its prefix only as blocks of a request still being prefilled there (in ``pending``, not yet in
       its KV events); the engine shares computed blocks only, so the request waits for the events.
