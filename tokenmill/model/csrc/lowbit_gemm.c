@@ -689,14 +689,20 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
     for (int64_t r = 0; r < M; r++)
         quantize_row_i8((const char *)x + (size_t)(r * ldx) * esz, x_bf16, K, group, SB, xq + r * K, dx + r * nsb,
                         xs + r * ng);
-#pragma omp parallel for schedule(static)
+    /* Rows in chunks of MC (their int8 rows stay in each core's L2 while the threads split the tiles):
+     * without them a 2048-row prefill chunk streamed all its rows from L3 once per tile (-28% at 2048 rows). */
+    const int64_t MC = 64;
+#pragma omp parallel
+    for (int64_t c0 = 0; c0 < M; c0 += MC) {
+    const int64_t c1 = M - c0 < MC ? M : c0 + MC;
+#pragma omp for schedule(static)
     for (int64_t t = 0; t < ntiles; t++) {
         float out[MR_I8 * NT];
         const uint8_t *c = (const uint8_t *)codes + t * tile_bytes;
         const float *sc = scale + t * ng * NT, *mn = min ? min + t * ng * NT : 0;
         const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
-        for (int64_t r0 = 0; r0 < M; r0 += MR_I8) {
-            const int mr = (int)(M - r0 < MR_I8 ? M - r0 : MR_I8);
+        for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
+            const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
             tile_rows_i8(bits, c, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, group, SB, mr, out);
             for (int r = 0; r < mr; r++)
                 for (int64_t j = 0; j < nn; j++) {
@@ -705,6 +711,7 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
                     else ((float *)y)[(r0 + r) * ldy + n0 + j] = v;
                 }
         }
+    }
     }
     free(xq);
 }
