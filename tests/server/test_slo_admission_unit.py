@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import time
 from dataclasses import dataclass, field
 
@@ -255,6 +257,20 @@ def test_tpot_model_learns_workload_means_and_exports_its_prediction_and_error()
     # the learnt means enter the next prediction: 200-token prompts over 10-token lifetimes
     p2, _ = adm.check(st, None, 40, 0, 0.0, 0.0, max_tokens=16)
     assert p2.decode_tokens == 10 and p2.prefill_per_seq == pytest.approx(200 / 10 * TP)
+
+
+def test_tpot_of_an_n_request_is_per_choice():
+    """n choices decode side by side: 3 choices x 10 tokens in one decode time is a 10-token lifetime,
+    and its TPOT is the decode time over 9 tokens, not over 29."""
+    sink = TPOTSink()
+    adm = SLOAdmission(SLO(tpot=0.020), metrics=sink, calibrate=False)
+    pred, _ = adm.check(stats(num_decoding=4), None, 40, 0, 0.0, 0.0, num_seqs=3, max_tokens=16)
+    adm.track("a", pred, 0, 0.0, 40, now=0.0)
+    it = IterationStats()
+    it.finished = [dataclasses.replace(_finish("a", decode_time=2 * pred.tpot * 9, tokens=30), num_choices=3)]
+    adm.record(None, it)
+    assert adm.mean_decode_tokens == 10
+    assert sink.tpot_errors == [pytest.approx(pred.tpot)]    # measured 2x predicted, as for n = 1
 
 
 def test_tpot_refuses_a_request_that_would_slow_the_running_batch():

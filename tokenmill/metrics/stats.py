@@ -145,6 +145,8 @@ class FinishedRequestStats:
         num_generation_tokens: tokens generated over all choices.
         max_tokens_param: the request's max_tokens (None: unbounded).
         request_id: the front end's request id ("" when unknown).
+        num_choices: the request's ``n`` (choices decoded side by side; ``num_generation_tokens``
+            over ``num_choices`` is the mean per choice, which TPOT divides the decode time by).
     """
 
     finish_reason: str
@@ -156,6 +158,7 @@ class FinishedRequestStats:
     num_generation_tokens: int = 0
     max_tokens_param: int | None = None
     request_id: str = ""
+    num_choices: int = 1
 
 
 @dataclass

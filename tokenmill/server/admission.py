@@ -500,13 +500,14 @@ class SLOAdmission:
                 self.pending.pop(rid, None)
                 self._blind.pop(rid, None)
                 predicted = self._predicted_tpot.pop(rid, None)
-                if predicted is not None and f.finish_reason in ("stop", "length") and f.num_generation_tokens > 0:
-                    n = float(f.num_generation_tokens)
-                    self.mean_decode_tokens = n if self.mean_decode_tokens is None else \
-                        self.mean_decode_tokens + WORKLOAD_ALPHA * (n - self.mean_decode_tokens)
+                # per choice: an n > 1 request decodes its choices side by side in one decode time
+                tokens = f.num_generation_tokens / max(1, getattr(f, "num_choices", 1))
+                if predicted is not None and f.finish_reason in ("stop", "length") and tokens > 0:
+                    self.mean_decode_tokens = tokens if self.mean_decode_tokens is None else \
+                        self.mean_decode_tokens + WORKLOAD_ALPHA * (tokens - self.mean_decode_tokens)
                 # TPOT as the benchmark defines it: decode time over the tokens after the first
-                if predicted and f.finish_reason in ("stop", "length") and f.num_generation_tokens > 1:
-                    measured = f.decode_time / (f.num_generation_tokens - 1)
+                if predicted and f.finish_reason in ("stop", "length") and tokens > 1:
+                    measured = f.decode_time / (tokens - 1)
                     self.tpot_factor.add(measured / predicted)
                     observe = getattr(self.metrics, "observe_tpot_prediction_error", None)
                     if observe is not None:
