@@ -55,3 +55,17 @@ def test_killed_core_turns_health_503_fails_requests_and_exits_nonzero():
         rc = sp.proc.wait(ENGINE_DEAD_EXIT_GRACE_S + 15)
         assert rc == ENGINE_DEAD_EXIT_CODE != 0, sp.log_tail()
         print(f"/health 503 after {health_s * 1000:.0f} ms; exit code {rc}")
+
+
+def test_sigterm_stops_the_core_and_exits_zero():
+    """SIGTERM (what a supervisor sends) shuts down gracefully: the engine core is stopped and the
+    server exits 0, as after SIGINT (uvicorn re-raises the signal it caught; unhandled, SIGTERM's
+    default killed the process with 143 before the core was stopped)."""
+    with live_fake_server() as sp:
+        kids = sp.children()
+        assert kids
+        sp.stop(signal.SIGTERM, timeout=30)
+        assert sp.proc.returncode == 0, sp.log_tail()
+        assert "Traceback" not in sp.log_tail(200), sp.log_tail(200)
+        for k in kids:
+            assert not k.is_running() or k.status() == "zombie"

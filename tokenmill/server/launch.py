@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -162,15 +164,37 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) ->
     engine.add_dead_callback(on_dead)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", state.model_name, config.server.host,
                 config.server.port, state.max_model_len)
+    # uvicorn re-raises the signal it captured once its own shutdown is done, with the handler that was
+    # there before it: SIGINT's raises KeyboardInterrupt, SIGTERM's default would kill this process
+    # (exit 143) before the engine core is stopped below. Ours raises too, so both end here with exit 0.
+    previous_sigterm = _raise_on_sigterm()
     try:
         server.run()
-    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its own shutdown
+    except (KeyboardInterrupt, _Terminated):
         pass
     finally:
         engine.shutdown()
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     if not server.started:
         raise RuntimeError(f"HTTP server failed to start on {config.server.host}:{config.server.port}")
     return ENGINE_DEAD_EXIT_CODE if died else 0
+
+
+class _Terminated(Exception):
+    """SIGTERM reached the main thread after uvicorn's graceful shutdown (see :func:`serve`)."""
+
+
+def _raise_on_sigterm() -> Any:
+    """Install a SIGTERM handler that raises :class:`_Terminated`; returns the previous handler (None
+    off the main thread, where signal handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def handler(sig: int, frame: Any) -> None:
+        raise _Terminated()
+
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _make_server(config: Any, engine: AsyncEngine) -> Any:
