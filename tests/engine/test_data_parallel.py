@@ -91,6 +91,34 @@ async def test_a_dead_core_fails_its_requests_and_the_engine_reports_it():
         engine.shutdown()
 
 
+async def test_a_killed_core_fails_the_requests_on_the_live_core_too():
+    """The server stops serving when a core dies; requests on the other core get the error at once
+    (a 503 / error event) instead of being cut off when the API process exits."""
+    cfg = EngineConfig.from_kwargs(data_parallel_size=2, num_kv_blocks=64, max_model_len=256)
+    engine = DPAsyncEngine(cfg, CharTokenizer(), executor_factory=make_slow_fake_executor, start_timeout=120)
+    try:
+        engine.start()
+        await engine.start_background()
+        runs = [asyncio.ensure_future(_run(engine, f"r{i}", 200)) for i in range(2)]
+        for _ in range(100):
+            if len(engine._owner) == 2:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(engine._owner.values()) == [0, 1]
+        os.kill(engine.engines[0].info.pid, 9)
+        results = await asyncio.wait_for(asyncio.gather(*runs, return_exceptions=True), 30)
+        assert all(isinstance(r, EngineDeadError) for r in results), results
+        assert all("exit code -9" in str(r) for r in results), results
+        await asyncio.sleep(0.3)
+        assert engine.engines[1]._proc.is_alive() and not engine.is_healthy
+        inv = await engine.engines[1].check_invariants()     # the live core dropped the request, freed its blocks
+        assert not inv["problems"] and inv["num_requests"] == 0, inv
+        assert inv["num_free_blocks"] == inv["num_kv_blocks"], inv
+    finally:
+        engine.shutdown()
+    assert all(not e._proc.is_alive() for e in engine.engines)
+
+
 def test_slo_view_is_the_core_the_request_would_run_on():
     """--slo under data parallelism predicts from the queue of the core the request goes to."""
     from tokenmill.metrics.stats import EngineStats
@@ -104,6 +132,9 @@ def test_slo_view_is_the_core_the_request_would_run_on():
 
         def get_stats(self):
             return self._stats
+
+        def running_load(self):
+            return self._stats.num_running
 
         def inflight_by_priority(self):
             return {0: (self.tag, 10 * self.tag)}

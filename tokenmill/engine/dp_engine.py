@@ -118,6 +118,21 @@ class DPAsyncEngine:
         self._owner: dict[str, int] = {}
         self.info: CoreInfo | None = None
         self.num_routed = [0] * n
+        for i, e in enumerate(self.engines):
+            e.add_dead_callback(lambda reason, i=i: self._fail_the_other_cores(i, reason))
+
+    def _fail_the_other_cores(self, dead: int, reason: str) -> None:
+        """A core died: fail the requests running on the live cores too, with the same error.
+
+        The server stops serving when any core is gone (``is_healthy`` turns false and the API process
+        exits for a supervisor to restart it, as vLLM's data-parallel server does), so those requests
+        would otherwise be cut off when it exits (a 500 or a stream without its error event); failing
+        them now gives each its 503 / error event. Their cores free their KV blocks on the abort.
+        """
+        error = EngineDeadError(f"data-parallel engine {dead}: {reason}")
+        for rid, owner in list(self._owner.items()):
+            if owner != dead:
+                self.engines[owner].abort_nowait(rid, error)
 
     def _wake_all(self) -> None:
         """After a request was sent to one core: tell every core (expert parallelism across the cores)."""
@@ -274,12 +289,9 @@ class DPAsyncEngine:
         return e.get_stats(), e.inflight_by_priority()
 
     def load_scores(self) -> list[int]:
-        """``4 × waiting + running`` per core (waiting includes adds the core has not seen yet)."""
-        out = []
-        for e in self.engines:
-            waiting, _ = e.waiting_load()
-            out.append(4 * waiting + e.get_stats().num_running)
-        return out
+        """``4 × waiting + running`` per core (adds the core has not seen yet count as running while
+        it has free slots for them, as waiting beyond)."""
+        return [4 * e.waiting_load()[0] + e.running_load() for e in self.engines]
 
     def _record(self, index: int, stats: EngineStats | None, iteration: IterationStats | None) -> None:
         if stats is not None:
