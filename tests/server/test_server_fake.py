@@ -280,6 +280,21 @@ async def test_core_rejection_is_a_400(server):
         e2.shutdown()
 
 
+async def test_a_burst_onto_an_idle_engine_fills_the_free_slots_before_counting_as_waiting():
+    """--max-num-seqs 2 --max-num-waiting-requests 2, a burst of 8 from idle: 2 start at once and 2
+    wait, so 4 are admitted (requests the core has not received yet take its free slots first)."""
+    cfg = _config(max_num_seqs=2, max_num_waiting_requests=2)
+    engine, state, client = await _start(cfg, "make_slow_fake_executor")
+    try:
+        body = {"model": MODEL, "prompt": "abc", "max_tokens": 60}   # 3 s: none finishes during the burst
+        codes = [r.status_code for r in await asyncio.gather(
+            *(client.post("/v1/completions", json=body) for _ in range(8)))]
+        assert sorted(codes) == [200] * 4 + [429] * 4, codes
+    finally:
+        await client.aclose()
+        engine.shutdown()
+
+
 async def test_admission_control_429():
     cfg = _config(max_num_seqs=1, max_num_waiting_requests=1)
     engine, state, client = await _start(cfg, "make_slow_fake_executor")

@@ -299,15 +299,35 @@ class AsyncEngine:
 
     def waiting_load(self) -> tuple[int, int]:
         """(requests, prompt tokens) of interactive requests waiting: the core's queue plus adds not
-        yet received by it. Batch-lane requests are left out: they wait behind interactive ones."""
-        inflight = [(t, b) for _, t, _, b in self._inflight]
-        n = sum(1 for _, b in inflight if not b)
-        tokens = sum(t for t, b in inflight if not b)
+        yet received by it, less those of them that will start at once. Batch-lane requests are left
+        out: they wait behind interactive ones.
+
+        An add the core has not received yet takes a free running slot (``max_num_seqs`` less the
+        running and queued requests of the core's last report) when one is left, first come first
+        served, so a burst onto an idle engine counts as waiting only beyond its free slots.
+        """
+        waiting, waiting_tokens, sent, free = self._queue_view()
+        queued = sent[free:]
+        return waiting + len(queued), waiting_tokens + sum(queued)
+
+    def running_load(self) -> int:
+        """Requests running, plus adds not yet received by the core that will start at once (see
+        :meth:`waiting_load`): the ``running`` of the data-parallel balancing rule."""
+        _, _, sent, free = self._queue_view()
+        return self._stats.num_running + min(free, len(sent))
+
+    def _queue_view(self) -> tuple[int, int, list[int], int]:
+        """(core's waiting requests, their prompt tokens, prompt tokens of each interactive add not yet
+        received, running slots free for them)."""
+        sent = [t for _, t, _, b in self._inflight if not b]
         q = self._stats.queue
         if q is None:
-            return self._stats.num_waiting + n, self._stats.num_waiting_tokens + tokens
-        return (sum(k for k, _ in q.waiting_by_priority.values()) + n,
-                sum(t for _, t in q.waiting_by_priority.values()) + tokens)
+            waiting, waiting_tokens = self._stats.num_waiting, self._stats.num_waiting_tokens
+        else:
+            waiting = sum(k for k, _ in q.waiting_by_priority.values())
+            waiting_tokens = sum(t for _, t in q.waiting_by_priority.values())
+        free = max(0, self.config.scheduler.max_num_seqs - self._stats.num_running - waiting)
+        return waiting, waiting_tokens, sent, free
 
     def inflight_by_priority(self) -> dict[int, tuple[int, int]]:
         """Interactive requests sent to the core that it has not reported yet: ``{priority: (requests, tokens)}``."""
@@ -525,7 +545,7 @@ class AsyncEngine:
                 prefill_time=max(0.0, first - sched) if (first and sched) else 0.0,
                 decode_time=max(0.0, now - first) if first else 0.0,
                 num_prompt_tokens=tr.num_prompt_tokens, num_generation_tokens=tr.num_generation_tokens,
-                max_tokens_param=tr.max_tokens))
+                max_tokens_param=tr.max_tokens, num_choices=max(1, tr.n)))
 
     def _emit(self, stats: EngineStats | None, it: IterationStats | None) -> None:
         for sl in self.stat_loggers:
