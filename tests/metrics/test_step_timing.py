@@ -111,3 +111,18 @@ def test_start_up_steps_and_stalls_do_not_wipe_out_the_estimates():
     assert s.prefill_seconds_per_token == pytest.approx(0.00012, rel=0.15)
     m.observe(2, 0, 100.0)                 # the machine stalls for 100 s once
     assert m.snapshot().decode_step_time(2) < 2 * true_step(2, 0)
+
+
+def test_a_stalled_first_prefill_does_not_pin_the_rate_near_zero():
+    """Seen on a loaded machine: a stall during the first prompt step left the learnt prefill rate near
+    0 tok/s for a long time (an EWMA started there falls by a few percent per prefill-dominated step,
+    and a server whose prompts hit the prefix cache has few such steps). The rate starts from the
+    median of its first samples instead."""
+    m = StepTimeModel()
+    m.observe(1, 0, 0.02)
+    m.observe(1, 0, 0.02)                   # warm-up steps
+    m.observe(0, 64, 8.0)                   # the first prompt during an 8 s stall (8 tok/s)
+    for _ in range(2):
+        m.observe(0, 64, true_step(0, 64))
+    tp = m.snapshot().prefill_seconds_per_token
+    assert tp == pytest.approx(true_step(0, 64) / 64, rel=0.01), tp   # 1/tp: thousands of tok/s, not 8

@@ -13,7 +13,8 @@ prefill part with a two-term model::
 * ``prefill_seconds_per_token``: the marginal cost of one prompt token (the
   prefill rate is its inverse, tokens/s), an EWMA ratio of seconds over tokens.
 
-The first :data:`WARMUP_STEPS` steps are ignored, and one step moves a
+The first :data:`WARMUP_STEPS` steps are ignored, the prefill rate starts
+from the median of its first :data:`PREFILL_BOOTSTRAP_SAMPLES` samples, and one step moves a
 learned time by at most :data:`MAX_STEP_RATIO` (robust to a stall of a
 shared machine). Pure-decode steps teach ``decode_step_time``; steps with prompt tokens are
 split with the current estimates: when the prefill part dominates the step
@@ -46,6 +47,8 @@ WARMUP_STEPS = 2
 # One step moves a learned time by at most this factor (a stall of the machine, a step that met a
 # neighbour's burst, must not wipe out what was measured; a real slowdown is still followed in a few steps).
 MAX_STEP_RATIO = 4.0
+# The prefill rate starts from the median of this many samples, then follows an EWMA.
+PREFILL_BOOTSTRAP_SAMPLES = 3
 # A prefill part of at least this share of the step teaches the prefill rate; below, the decode part.
 PREFILL_DOMINANT_SHARE = 0.5
 
@@ -143,6 +146,7 @@ class StepTimeModel:
         self._pf_seconds: float | None = None   # EWMA of prefill seconds in prefill-dominated steps
         self._pf_tokens: float | None = None    # EWMA of their prompt tokens
         self._pf_per_step = 0.0
+        self._pf_bootstrap: list[tuple[float, float]] = []   # the first prefill samples (seconds, tokens)
         self._n = 0
         self._seen = 0
 
@@ -198,8 +202,13 @@ class StepTimeModel:
         cur[1] += self.alpha * (seconds - cur[1])
 
     def _update_prefill(self, tokens: int, seconds: float) -> None:
-        if self._pf_seconds is None or self._pf_tokens is None:
-            self._pf_seconds, self._pf_tokens = seconds, float(tokens)
+        if self._pf_seconds is None or self._pf_tokens is None or \
+                len(self._pf_bootstrap) < PREFILL_BOOTSTRAP_SAMPLES:
+            # bootstrap: the (upper) median of the first samples, so that one stalled step (or one split
+            # off too low) does not become the starting point of an EWMA that moves a few percent a step
+            self._pf_bootstrap.append((seconds, float(tokens)))
+            ranked = sorted(self._pf_bootstrap, key=lambda st: st[0] / st[1])
+            self._pf_seconds, self._pf_tokens = ranked[len(ranked) // 2]
             return
         tp = self._pf_seconds / self._pf_tokens
         seconds = min(max(seconds, tokens * tp / MAX_STEP_RATIO), tokens * tp * MAX_STEP_RATIO)
