@@ -100,3 +100,53 @@ def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
     assert "q/k norm" in unsupported_reason(q3, cpu, torch.float32, torch.float32, 8)
     g = runner.step_graph
     assert g.accepts(5, 1, 5) and not g.accepts(9, 1, 9) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype):
+    """The packaged SmolLM2 GGUF: a prompt, then 12 greedy decode steps of 2 requests (on separate blocks),
+    once through the graph and once through the eager forward: equal logits at every step."""
+    from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+    from tokenmill.model.layers.linear import wait_for_packing
+    from tokenmill.sampling_params import SamplingParams
+
+    from .test_runner import RecordingSampler
+
+    needs_lowbit(getattr(torch, dtype))
+    cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=64, max_model_len=512, max_num_seqs=8,
+                                   enable_prefix_caching=False)
+    runner = ModelRunner.from_config(cfg, with_tokenizer=False)
+    wait_for_packing(runner.model)
+    assert runner.step_graph is not None
+    graph = runner.step_graph
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    prompts = [[1, 504, 3458, 282, 4649, 314, 2], [1, 378, 1345, 28, 339, 3067, 3929, 30, 5]]
+
+    def generate(first_block: int) -> list[torch.Tensor]:
+        rec = RecordingSampler()
+        runner.sampler = rec
+        toks = [list(p) for p in prompts]
+        computed = [0, 0]
+        tables = [[first_block + 4 * i + j for j in range(4)] for i in range(2)]
+        for _ in range(13):
+            reqs = [ScheduledRequest(f"r{i}", toks[i][computed[i]:], computed[i], tables[i], sample=True,
+                                     sampling_params=params, prompt_token_ids=prompts[i],
+                                     output_token_ids=toks[i][len(prompts[i]):], new=computed[i] == 0)
+                    for i in range(2)]
+            so = SchedulerOutput(scheduled=reqs, total_num_scheduled_tokens=sum(len(r.token_ids) for r in reqs))
+            out = runner.execute_model(so)
+            for i, t in enumerate(out.sampled_token_ids):
+                computed[i] = len(toks[i])
+                toks[i].append(t)
+        return rec.logits
+
+    served = []
+    run = graph.run
+    graph.run = lambda ids, *a: served.append(ids.shape[0]) or run(ids, *a)
+    with_graph = generate(0)
+    assert served == [2] * 12      # the first step is the prompts' prefill
+    runner.step_graph = None
+    eager = generate(16)
+    for g, e in zip(with_graph, eager, strict=True):
+        assert torch.equal(g, e)
