@@ -306,13 +306,26 @@ def encode_texts(num_prompts: int, held_tokens: int) -> tuple[list[list[int]], l
     return prompts, tok.encode("\n\n".join(second))[:held_tokens]
 
 
-def build_runner(kwargs: dict, environ: dict, kv_blocks: int, max_len: int, max_num_seqs: int = 128):
+def build_runner(kwargs: dict, environ: dict, kv_blocks: int, max_len: int, max_num_seqs: int = 128,
+                 threads: int | None = None):
+    """A :class:`~tokenmill.model.runner.ModelRunner` as the server builds it, with ``threads`` intra-op threads.
+
+    ``ModelRunner.from_config`` sets the engine core's threads (``TOKENMILL_NUM_THREADS``, else one per usable
+    CPU), so ``threads`` is passed that way: setting torch's threads before building the runner is overridden.
+    (Until 2026-12-01 this script's ``--threads 1`` was overridden so: every accuracy row ran two intra-op threads,
+    and on a shared 2-core machine each small decode step's parallel regions waited for a descheduled second
+    thread -- decode steps 5-10x slower in CPU time; the reason rows took 30-50 min.)
+    """
     from tokenmill.model.runner import ModelRunner
 
-    with env(environ):
+    extra = {} if threads is None else {"TOKENMILL_NUM_THREADS": str(threads)}
+    with env({**environ, **extra}):
         cfg = EngineConfig.from_kwargs(num_kv_blocks=kv_blocks, block_size=16, max_model_len=max_len,
                                        max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, **kwargs)
-        return ModelRunner.from_config(cfg, with_tokenizer=True)
+        runner = ModelRunner.from_config(cfg, with_tokenizer=True)
+    if threads is not None and torch.get_num_threads() != threads:
+        raise RuntimeError(f"the runner runs {torch.get_num_threads()} intra-op threads, {threads} asked")
+    return runner
 
 
 # ------------------------------------------------------------------ tok/s ---
@@ -476,7 +489,7 @@ def main() -> None:
             continue
         kwargs, environ = ROWS[label]
         try:
-            runner = build_runner(kwargs, environ, need, 2048)
+            runner = build_runner(kwargs, environ, need, 2048, threads=args.threads)
         except ValueError as e:
             print(f"{label}: skipped ({e})", flush=True)
             continue

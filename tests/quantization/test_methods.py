@@ -230,3 +230,19 @@ def test_int4_logits_within_tolerance_for_each_group(group, tmp_path, monkeypatc
     want = _logits(ref, ids)
     err = ((_logits(q, ids).float() - want).norm() / want.norm()).item()
     assert 0 < err <= INT4_GROUP_TOL[group], err
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_start_up_compute_paths_line_counts_the_quantised_layers(method, tiny_checkpoint, monkeypatch, caplog):
+    from tokenmill.model.runner import log_compute_paths
+
+    monkeypatch.setenv("TOKENMILL_INT4_GROUP_SIZE", "32")
+    q = load_model(tiny_checkpoint(), dtype="float32", with_tokenizer=False, quantization=method)
+    n = sum(1 for m in q.model.modules() if isinstance(m, QuantizedLinear) and m is not q.model._logits_head)
+    with caplog.at_level("INFO", logger="tokenmill.model.runner"):
+        log_compute_paths(q.model, torch.device("cpu"), torch.float32, torch.float32, 0)
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("compute paths"))
+    fmt = "int4-g32" if method == "int4" else "int8"
+    want = f"{n + 1} int8 low-bit kernel" if method == "int8" else f"{n} int4-g32 low-bit kernel, 1 int8 low-bit kernel"
+    assert want in line, line
+    assert fmt in line

@@ -65,7 +65,18 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
         return str(dt).replace("torch.", "")
     packed = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
     plain = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
-    weights = f"weights {name(dtype)} ({packed} oneDNN-prepacked linears, {plain} plain)"
+    weights = f"weights {name(dtype)} ({packed} oneDNN-prepacked linears, {plain} plain"
+    from tokenmill.quantization.methods import Int8DynamicLinear, QuantizedLinear
+    quant: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            key = f"{m.weight_codes.fmt} low-bit kernel"
+        elif isinstance(m, Int8DynamicLinear):
+            key = "w8a8 int8 GEMM"
+        else:
+            continue
+        quant[key] = quant.get(key, 0) + 1
+    weights += "".join(f", {n} {k}" for k, n in sorted(quant.items())) + ")"
     if lowbit_max_tokens:
         weights += f", the GGUF's low-bit codes for steps <= {lowbit_max_tokens} tokens"
         i8 = max((m.lowbit_i8_max_rows for m in model.modules() if isinstance(m, PackedLinear)), default=0)
