@@ -79,14 +79,17 @@ def test_quantized_weight_bytes_hand_computed():
     # Linear elements per layer: q 64x64, k/v 64x32, o 64x64, gate/up 64x128, down 128x64 = 36864;
     # output rows (one float32 scale each for int8): 64+32+32+64+128+128+64 = 512.
     per_layer = 36864 + 512 * 4 + 2 * 64 * 2       # + two norms in bf16
-    assert weight_bytes(shape, PlanOptions(quantization="int8"))[0] == 2 * per_layer + 2 * 100 * 64 * 2 + 64 * 2
+    # The engine's int8/w8a8/int4 hold the logits head as int8 (a float32 scale per vocabulary row); the
+    # embedding table stays bf16.
+    head_int8 = 100 * 64 + 100 * 4
+    assert weight_bytes(shape, PlanOptions(quantization="int8"))[0] == 2 * per_layer + 100 * 64 * 2 + head_int8 + 64 * 2
     dense = weight_bytes(shape, PlanOptions())[0]
     assert dense == 2 * (36864 * 2 + 2 * 64 * 2) + 2 * 100 * 64 * 2 + 64 * 2
     # int4: half a byte per weight + a float32 (scale, minimum) pair, 8 bytes, per group of 32 inputs per output
     # row (the engine's default groups: inputs 64 -> 2 groups, down_proj's 128 -> 4).
     groups = 64 * 2 + 32 * 2 + 32 * 2 + 64 * 2 + 128 * 2 + 128 * 2 + 64 * 4
     assert weight_bytes(shape, PlanOptions(quantization="int4"))[0] == \
-        2 * (36864 // 2 + groups * 8 + 2 * 64 * 2) + 2 * 100 * 64 * 2 + 64 * 2
+        2 * (36864 // 2 + groups * 8 + 2 * 64 * 2) + 100 * 64 * 2 + head_int8 + 64 * 2
 
 
 def test_mla_kv_is_one_latent_per_layer_and_not_split_by_tp():

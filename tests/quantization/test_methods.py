@@ -246,3 +246,18 @@ def test_start_up_compute_paths_line_counts_the_quantised_layers(method, tiny_ch
     want = f"{n + 1} int8 low-bit kernel" if method == "int8" else f"{n} int4-g32 low-bit kernel, 1 int8 low-bit kernel"
     assert want in line, line
     assert fmt in line
+
+
+@pytest.mark.parametrize("method", [None, "int8", "int4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_planner_weight_bytes_equal_the_engines(method, dtype, tiny_checkpoint, monkeypatch):
+    """``tokenmill plan``'s weight bytes are what the engine holds (tied embedding: the int8 logits head of a
+    quantised model is a copy beside the dense table)."""
+    from tokenmill.playbook.plan import PlanOptions, load_shape, weight_bytes
+
+    monkeypatch.setenv("TOKENMILL_INT4_GROUP_SIZE", "32")
+    path = tiny_checkpoint()
+    lm = load_model(path, dtype=dtype, with_tokenizer=False, quantization=method)
+    engine = sum(weight_bytes_by_format(lm.model).values())
+    planned = weight_bytes(load_shape(path), PlanOptions(dtype=dtype, quantization=method))[0]
+    assert planned == engine, (planned, weight_bytes_by_format(lm.model))

@@ -54,6 +54,8 @@ QUANT_BITS: dict[str, tuple[float, int | None, float]] = {
     "int8": (8, None, 4), "w8a8": (8, None, 4), "fp8": (8, None, 4),
     "int4": (4, 32, 8), "awq": (4, 128, 8), "gptq": (4, 128, 8),
 }
+# Methods whose logits head the engine holds as weight-only int8 (tokenmill.quantization.methods.quantize_model).
+HEAD_INT8_METHODS = ("int8", "w8a8", "int4")
 QUANTIZATIONS = (*QUANT_BITS, "gguf")
 
 
@@ -575,14 +577,19 @@ def weight_bytes(shape: ModelShape, opts: PlanOptions) -> tuple[int, list[int], 
                        for i, o in shape._attn_linear_shapes() + shape._mlp_linear_shapes(layer))
         _, other = shape.layer_params(layer)
         layer_bytes.append((linear_b, other * db))
-    total = emb * (1 if shape.tie_word_embeddings else 2) + shape.hidden_size * db + sum(a + b for a, b in layer_bytes)
+    # The engine's --quantization int8/w8a8/int4 turn the logits head into its own weight-only int8 copy (a
+    # float32 scale per vocabulary row), tied embedding or not; the embedding table stays dense.
+    head_int8 = opts.quantization in HEAD_INT8_METHODS
+    head = _linear_bytes(shape.hidden_size, shape.vocab_size, "int8", db) if head_int8 else emb
+    head_held = head_int8 or not shape.tie_word_embeddings       # a head beside the embedding table
+    total = emb + (head if head_held else 0) + shape.hidden_size * db + sum(a + b for a, b in layer_bytes)
     per_stage = []
     for s, layers in enumerate(stages):
         b = sum(layer_bytes[i][0] / tp + layer_bytes[i][1] for i in layers)
         if s == 0:
             b += emb / tp
         if s == pp - 1:
-            b += shape.hidden_size * db + (emb / tp if (not shape.tie_word_embeddings or pp > 1) else 0)
+            b += shape.hidden_size * db + (head / tp if (head_held or pp > 1) else 0)
         per_stage.append(int(math.ceil(b)))
     params = shape.param_count if shape.param_count is not None else shape.config_param_count()
     return int(math.ceil(total)), per_stage, int(params)
