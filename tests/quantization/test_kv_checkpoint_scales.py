@@ -21,7 +21,7 @@ def test_checkpoint_kv_scales_are_loaded_and_kept(tmp_path, monkeypatch, caplog)
                                    block_size=16, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=64)
     with caplog.at_level("INFO"):
         runner = ModelRunner.from_config(cfg, with_tokenizer=False)
-    assert "KV cache scales (%d layers): from the checkpoint" % LAYERS in caplog.text
+    assert "KV cache scales (%d layers): from the checkpoint (K 0.03-0.05, V 0.02-0.03)" % LAYERS in caplog.text
     scales = [layer.self_attn.kv_scales for layer in runner.model.model.layers]
     want = [(0.05, 0.02), (0.03, 0.03)]
     assert [(round(s.k, 6), round(s.v, 6), s.source, s.calculate) for s in scales] == \

@@ -268,9 +268,16 @@ class ModelRunner:
         for sc in scales:
             if calculate or (auto and sc.source != "checkpoint"):
                 sc.calculate = True
-        how = ("calculated from the first batch" + (" (int8 always is, unless the checkpoint has scales)"
-                                                    if auto else "")) if (calculate or auto) else \
-            ("from the checkpoint" if from_ckpt else "1.0 (no checkpoint scales; --calculate-kv-scales computes them)")
+        ckpt = [sc for sc in scales if sc.source == "checkpoint"]
+        if calculate or auto:
+            how = "calculated from the first batch" + (" (int8 always is, unless the checkpoint has scales)"
+                                                       if auto else "")
+        elif ckpt:
+            how = (f"from the checkpoint{'' if from_ckpt else f' for {len(ckpt)} layers, 1.0 for the others'} "
+                   f"(K {min(sc.k for sc in ckpt):.4g}-{max(sc.k for sc in ckpt):.4g}, "
+                   f"V {min(sc.v for sc in ckpt):.4g}-{max(sc.v for sc in ckpt):.4g})")
+        else:
+            how = "1.0 (no checkpoint scales; --calculate-kv-scales computes them)"
         logger.info("KV cache scales (%d layers): %s", len(scales), how)
 
     @classmethod
