@@ -408,7 +408,8 @@ def table(rows: dict[str, dict], context: int) -> str:
         r = rows[label]
         ref = label == "float32"
         ts = r.get("tok_s", {})
-        speed = [f"{ts['1']:.1f}" if "1" in ts else "-", f"{ts['64']:.1f}" if "64" in ts else "-"]
+        mark = " †" if r.get("tok_s_series") else ""      # tok/s from another series than the table's (README)
+        speed = [f"{ts['1']:.1f}{mark}" if "1" in ts else "-", f"{ts['64']:.1f}{mark}" if "64" in ts else "-"]
         if "ppl" not in r:               # tok/s measured, accuracy not (yet)
             lines.append("| " + " | ".join([label] + ["-"] * 7 + speed + ["not measured"]) + " |")
             continue
