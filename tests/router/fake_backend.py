@@ -35,6 +35,8 @@ class FakeBackend:
         self.chunks = chunks
         self.itl_s = itl_s
         self.healthy = True
+        self.health_delay_s = 0.0     # /health answers after this long (a busy machine: checks time out)
+        self.drop_after: int | None = None   # streams: close the connection after this many chunks (a crash)
         self.refuse_429 = False
         self.requests: list[dict[str, Any]] = []
         self.disconnects = 0
@@ -85,6 +87,8 @@ class FakeBackend:
         await site.start()
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_delay_s:
+            await asyncio.sleep(self.health_delay_s)
         return web.Response(text="ok") if self.healthy else web.Response(status=503)
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -113,6 +117,9 @@ class FakeBackend:
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             for i in range(self.chunks):
+                if self.drop_after is not None and i == self.drop_after:
+                    request.transport.close()    # the process died mid-answer: no [DONE], no end of body
+                    return resp
                 obj = {"backend": self.name, "i": i, "t": time.time(),
                        "choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}
                 await resp.write(f"data: {json.dumps(obj)}\n\n".encode())

@@ -236,7 +236,7 @@ def test_requests_in_flight_to_a_hung_backend_fail_instead_of_hanging(cluster):
     took = time.monotonic() - t0
     t.join(10)
     assert took < 5, took
-    assert len(lines) == 2 and json.loads(lines[0][6:])["i"] == 0
+    assert len(lines) == 3 and json.loads(lines[0][6:])["i"] == 0 and lines[2] == "data: [DONE]"
     err = json.loads(lines[1][6:])["error"]
     assert err["code"] == 502 and "stopped answering" in err["message"]
     assert got["plain"].status_code == 502 and got["plain"].json()["error"]["type"] == "BadGatewayError"
@@ -259,3 +259,56 @@ def test_router_queue_timeout_zero_never_holds(cluster):
     assert post(r.url, {"model": "fake-model", "prompt": "x"}).status_code == 200
     assert time.monotonic() - t0 < 2
     assert "tokenmill:router_held_requests_total{" not in httpx.get(r.url + "/metrics").text
+
+
+def test_a_backend_crashing_mid_stream_gives_an_error_event_and_done(cluster):
+    """The backend's connection breaks mid-answer (its process died): the client's stream ends with a
+    502 error event and [DONE], not a cut-off chunked body."""
+    r, (a,) = cluster([FakeBackend("a", chunks=5)])
+    a.drop_after = 2
+    with httpx.stream("POST", r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True},
+                      timeout=10) as resp:
+        lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+    assert [json.loads(ln[6:])["i"] for ln in lines[:2]] == [0, 1]
+    err = json.loads(lines[2][6:])["error"]
+    assert err["code"] == 502 and "closed the connection" in err["message"]
+    assert lines[3:] == ["data: [DONE]"]
+    a.drop_after = None
+    assert post(r.url, {"model": "fake-model", "prompt": "x"}).status_code == 200
+
+
+def test_one_slow_health_check_does_not_take_a_backend_out(cluster):
+    """A check that times out now and then (a busy machine) leaves the backend in the rotation; three in a
+    row (--health-failure-threshold) take it out; an error status from /health takes it out at once."""
+    r, (a,) = cluster([FakeBackend("a")], health_check_interval=0.2, health_check_timeout=0.3)
+    b = r.router.backends[0]
+    a.health_delay_s = 0.5                      # every check times out from now on
+    deadline = time.monotonic() + 5
+    while b.consecutive_failures < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert b.consecutive_failures >= 1
+    if b.consecutive_failures < 3:
+        assert b.healthy                        # one or two timed-out checks: still in
+    while b.healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not b.healthy and b.consecutive_failures >= 3
+    a.health_delay_s = 0.0
+    deadline = time.monotonic() + 5
+    while not b.healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert b.healthy
+    a.healthy = False                           # /health 503: out on the first check
+    deadline = time.monotonic() + 5
+    while b.healthy and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not b.healthy and b.consecutive_failures == 1
+
+
+def test_router_refuses_a_huge_body_with_413_before_reading_it(cluster):
+    r, (a,) = cluster([FakeBackend("a")], max_request_body_bytes=1000)
+    resp = httpx.post(r.url + "/v1/completions", content=b"{" + b" " * 5000 + b"}", timeout=10,
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == 413 and resp.json()["error"]["code"] == 413
+    assert "--max-request-body-bytes" in resp.json()["error"]["message"]
+    assert post(r.url, {"model": "fake-model", "prompt": "x"}).status_code == 200
+    assert not a.requests or all(isinstance(q, dict) for q in a.requests)

@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 import tokenmill
+from tokenmill.server.body_limit import BodySizeLimitMiddleware
 from tokenmill.router.backends import Backend, BackendSpec, HealthChecker
 from tokenmill.router.kv_index import KVEventSubscriber, KVIndex
 from tokenmill.router.policies import Policy, RouteDecision, RouteInput, make_policy
@@ -71,6 +72,8 @@ class RouterConfig:
     kv_events_topic: str = ""
     health_check_interval: float = 1.0
     health_check_timeout: float = 2.0
+    health_failure_threshold: int = 3
+    max_request_body_bytes: int = 16 * 2**20
     connect_timeout: float = 2.0
     max_retries: int = 2
     seed: int | None = None
@@ -207,7 +210,8 @@ class Router:
             timeout=httpx.Timeout(connect=c.connect_timeout, read=None, write=None, pool=None),
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
         self.health = HealthChecker(self.backends, self.client, c.health_check_interval, c.health_check_timeout,
-                                    api_key=c.backend_api_key, scrape_metrics=c.load_source == "metrics")
+                                    unhealthy_after=c.health_failure_threshold, api_key=c.backend_api_key,
+                                    scrape_metrics=c.load_source == "metrics")
         self.health.on_change = self._on_health_change
         self.health.on_round = self._fail_dead_backends
         self._changed = asyncio.Event()
@@ -568,6 +572,17 @@ class _Relay(Response):
         # --decision-log: the tail of the stream, to read usage.prompt_tokens_details.cached_tokens
         self._tail: bytes | None = b"" if router._decision_log is not None and decision.detail is not None else None
 
+    async def _end_with_error(self, send: Any, message: str) -> None:
+        """End a relayed body the backend will not finish: on a stream, a 502 error event and ``[DONE]``
+        (what a tokenmill server sends when its engine dies mid-stream); otherwise just the end."""
+        sse = any(k == b"content-type" and v.startswith(b"text/event-stream") for k, v in self.raw_headers)
+        body = b""
+        if sse:
+            err = json.dumps({"error": {"message": message, "type": "BadGatewayError", "param": None,
+                                        "code": 502}}).encode()
+            body = b"data: " + err + b"\n\ndata: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         first = True
         it = self.resp.aiter_raw().__aiter__()
@@ -588,14 +603,8 @@ class _Relay(Response):
                         pass
                     if not self.watcher.done():   # the backend died mid-answer: say so, then end the body
                         self.router.metrics.errors.labels("backend_dead").inc()
-                        msg = (f"backend {self.backend.url} stopped answering (out of the rotation for "
-                               f"{self.router.config.dead_backend_timeout:g} s)")
-                        err = json.dumps({"error": {"message": msg, "type": "BadGatewayError", "param": None,
-                                                    "code": 502}}).encode()
-                        sse = any(k == b"content-type" and v.startswith(b"text/event-stream")
-                                  for k, v in self.raw_headers)
-                        await send({"type": "http.response.body", "body": b"data: " + err + b"\n\n" if sse else b"",
-                                    "more_body": False})
+                        await self._end_with_error(send, f"backend {self.backend.url} stopped answering (out of "
+                                                         f"the rotation for {self.router.config.dead_backend_timeout:g} s)")
                     return
                 try:
                     chunk = nxt.result()
@@ -610,6 +619,13 @@ class _Relay(Response):
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except (httpx.HTTPError, OSError) as e:
             logger.warning("relay from %s ended early: %s", self.backend.url, e)
+            if not self.watcher.done():   # the connection to the backend broke (it crashed): say so
+                self.router.metrics.errors.labels("backend_dead").inc()
+                try:
+                    await self._end_with_error(send, f"backend {self.backend.url} closed the connection "
+                                                     f"mid-answer: {type(e).__name__}")
+                except OSError:   # the client went away as well
+                    pass
         finally:
             self.watcher.cancel()
             await self.resp.aclose()
@@ -639,6 +655,8 @@ def build_app(router: Router) -> FastAPI:
             await router.stop()
 
     app = FastAPI(title="tokenmill router", version=tokenmill.__version__, lifespan=lifespan)
+    # as `tokenmill serve`: a huge body is refused (413) before it is read and parsed
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=router.config.max_request_body_bytes)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

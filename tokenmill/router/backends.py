@@ -12,10 +12,12 @@ file holds one spec per line (``#`` comments) or a JSON list of objects
 ``{"url": ..., "kv_events": ..., "replay": ...}``.
 
 :class:`HealthChecker` polls every backend's ``GET /health`` and
-``GET /v1/models`` every ``interval`` seconds: a backend that fails
-``unhealthy_after`` checks in a row (or refuses a connection while proxying)
-leaves the rotation; one success brings it back, with the models it now
-serves.
+``GET /v1/models`` every ``interval`` seconds: a backend that answers
+``/health`` with an error status, refuses a connection while proxying, or
+fails ``unhealthy_after`` checks in a row by a timeout or a network error
+(SGLang's router's failure threshold, default 3: one slow check on a busy
+machine is not a death) leaves the rotation; one success brings it back, with
+the models it now serves.
 """
 
 from __future__ import annotations
@@ -184,6 +186,10 @@ def parse_load(text: str) -> int:
     return int(total)
 
 
+class _SaysUnhealthy(RuntimeError):
+    """The backend answered its health check with an error status (it says so itself: out at once)."""
+
+
 class HealthChecker:
     """Polls ``/health`` and ``/v1/models`` of every backend.
 
@@ -192,13 +198,14 @@ class HealthChecker:
         client: shared HTTP client.
         interval: seconds between rounds.
         timeout: seconds per check.
-        unhealthy_after: failed checks in a row before a backend leaves the rotation.
+        unhealthy_after: checks in a row failed by a timeout or network error before a backend leaves
+            the rotation (an error status from ``/health`` takes it out at once).
         api_key: sent as ``Authorization: Bearer`` to ``/v1/models`` if set.
         scrape_metrics: also read ``/metrics`` for running + waiting requests (``least_load --load-source metrics``).
     """
 
     def __init__(self, backends: list[Backend], client: httpx.AsyncClient, interval: float = 1.0,
-                 timeout: float = 2.0, unhealthy_after: int = 1, api_key: str | None = None,
+                 timeout: float = 2.0, unhealthy_after: int = 3, api_key: str | None = None,
                  scrape_metrics: bool = False) -> None:
         self.scrape_metrics = scrape_metrics
         self.backends = backends
@@ -218,7 +225,7 @@ class HealthChecker:
         try:
             r = await self.client.get(f"{b.url}/health", timeout=self.timeout)
             if r.status_code != 200:
-                raise RuntimeError(f"/health answered {r.status_code}")
+                raise _SaysUnhealthy(f"/health answered {r.status_code}")
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             m = await self.client.get(f"{b.url}/v1/models", timeout=self.timeout, headers=headers)
             if m.status_code != 200:
@@ -232,7 +239,7 @@ class HealthChecker:
             b.mark_up(models)
         except Exception as e:  # noqa: BLE001 - any failure is "not healthy"
             b.consecutive_failures += 1
-            if b.consecutive_failures >= self.unhealthy_after or not b.healthy:
+            if b.consecutive_failures >= self.unhealthy_after or not b.healthy or isinstance(e, _SaysUnhealthy):
                 b.mark_down(f"{type(e).__name__}: {e}")
         if was != b.healthy and self.on_change is not None:
             self.on_change(b)

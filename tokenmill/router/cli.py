@@ -80,6 +80,13 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--health-check-interval", type=float, default=1.0,
                    help="Seconds between health checks (/health and /v1/models) [default: 1].")
     g.add_argument("--health-check-timeout", type=float, default=2.0, help="Seconds per check [default: 2].")
+    g.add_argument("--max-request-body-bytes", type=int, default=16 * 2**20, metavar="BYTES",
+                   help="Largest accepted request body; larger ones get HTTP 413 before they are read "
+                        "(0: no limit) [default: 16 MiB, as tokenmill serve].")
+    g.add_argument("--health-failure-threshold", type=int, default=3, metavar="N",
+                   help="Health checks in a row that time out or fail on the network before a backend leaves the "
+                        "rotation (SGLang's router flag); a /health error status or a refused connection takes "
+                        "it out at once [default: 3].")
     g.add_argument("--dead-backend-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="A backend out of the rotation this long (failing health checks, e.g. a hung machine) "
                         "has its requests in flight failed: 502 before the answer started, an error event "
@@ -144,7 +151,9 @@ def config_from_args(args: argparse.Namespace):
         kv_eviction_weight=args.kv_eviction_weight, kv_recompute_weight=args.kv_recompute_weight,
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
-        health_check_timeout=args.health_check_timeout, max_retries=args.max_retries, seed=args.seed,
+        health_check_timeout=args.health_check_timeout, health_failure_threshold=args.health_failure_threshold,
+        max_request_body_bytes=args.max_request_body_bytes,
+        max_retries=args.max_retries, seed=args.seed,
         load_source=args.load_source, backend_api_key=args.backend_api_key,
         pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode, decision_log=args.decision_log,
         kv_prefill_wait=args.kv_prefill_wait, active_decode_blocks_threshold=args.active_decode_blocks_threshold,
