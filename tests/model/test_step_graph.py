@@ -98,6 +98,19 @@ def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
     q3, q3_arch = build("qwen3", torch.float32, graph=True, monkeypatch=monkeypatch)[1:]
     monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH", "1")
     assert "q/k norm" in unsupported_reason(q3, cpu, torch.float32, torch.float32, 8)
+    # a subclass (e.g. one that all-reduces after the GEMM) is not served: the graph would skip its extra work
+    from tokenmill.model.layers.linear import PackedLinear
+
+    o_proj = model.model.layers[1].self_attn.o_proj
+
+    class Reducing(PackedLinear):
+        pass
+
+    model.model.layers[1].self_attn.o_proj = Reducing.__new__(Reducing)
+    model.model.layers[1].self_attn.o_proj.__dict__.update(o_proj.__dict__)
+    assert "tensor-parallel" in unsupported_reason(model, cpu, torch.float32, torch.float32, 8)
+    model.model.layers[1].self_attn.o_proj = o_proj
+    assert unsupported_reason(model, cpu, torch.float32, torch.float32, 8) is None
     g = runner.step_graph
     assert g.accepts(5, 1, 5) and not g.accepts(9, 1, 9) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
 

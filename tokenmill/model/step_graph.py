@@ -102,12 +102,15 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
     if fused_cpu.load() is None or paged_attention_cpu.load(backend.cpu_isa) is None or \
             lowbit._default_kernel() is None:
         return "a C kernel library is unavailable"
+    if type(model.model.embed_tokens) is not torch.nn.Embedding:
+        return "a sharded embedding (tensor parallel)"
     for layer in model.model.layers:
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not SwiGLUMLP:
             return "a layer that is not a plain Llama block"
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            if not isinstance(lin, PackedLinear) or lin.lowbit is None or lin.lowbit_max_rows < max_tokens:
-                return "a linear layer without low-bit codes"
+            # exactly PackedLinear: a subclass (or a tensor-parallel wrapper) may do more than the GEMM
+            if type(lin) is not PackedLinear or lin.lowbit is None or lin.lowbit_max_rows < max_tokens:
+                return "a linear layer without low-bit codes (or a tensor-parallel one)"
     return None
 
 
