@@ -26,11 +26,14 @@ steps before the first placement change and over the steps after it,
 the expert-imbalance ratio of the router, rebalances and replicas moved, and
 per step the communication share (time inside ``torch.distributed`` calls /
 worker forward time: the expert-parallel all-to-all dispatch/combine plus the
-attention all-reduces; EP 1 has none).
+attention all-reduces; EP 1 has none) and, of it, the all-to-all share alone
+(median over steps, the slowest rank).
 
 **Expert parallelism across data-parallel engine cores** (``--dp 2``): the same
 workload sent at once to a :class:`~tokenmill.engine.dp_engine.DPAsyncEngine`
-(two engine core processes, one CPU each), arms ``dp`` (each core holds every
+(two engine core processes, one CPU each; with ``--dp-tp 2`` each core runs two
+tensor-parallel ``mp`` workers on its CPU, and ``dp-ep`` shares the experts over
+all four workers: expert parallelism over the TP x DP group), arms ``dp`` (each core holds every
 expert, no communication), ``dp-ep`` (``--enable-expert-parallel``: each core
 holds half the experts, all-to-all inside every MoE layer, lockstep steps) and
 ``dp-ep+eplb`` (the same with EPLB rebalancing every ``--interval`` steps).
@@ -39,7 +42,7 @@ MoE dispatch/combine collectives, waiting for the other core included /
 seconds in its forwards, dummy steps included), the share of the per-step
 agreement, and how many of its steps were dummy (no tokens of its own).
 
-Usage: ``python benchmarks/moe.py [--ep 1,2] [--dp 2] [--requests 16] [--prompt-len 48] [--max-tokens 32]``
+Usage: ``python benchmarks/moe.py [--ep 1,2] [--dp 2 [--dp-tp 2]] [--requests 16] [--prompt-len 48] [--max-tokens 32]``
 (measurement runs go under the bench lock: ``flock /work/bench.lock .venv/bin/python benchmarks/moe.py``).
 """
 
@@ -119,6 +122,7 @@ def run_arm(path: str, ep: int, arm: str, args) -> dict:
     try:
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))   # warm-up
         shares: list[float] = []
+        a2a: list[float] = []                     # the all-to-all (dispatch/combine) part alone
         trace: list[tuple[int, list]] = []        # per step: (placement changes so far, rank_load_total)
         ex = llm.engine_core.executor
         orig = ex.execute_model
@@ -130,6 +134,7 @@ def run_arm(path: str, ep: int, arm: str, args) -> dict:
                 fwd = max(s.forward for s in st)
                 if fwd > 0:
                     shares.append(max(s.comm for s in st) / fwd)
+                    a2a.append(max(getattr(s, "ep_comm", 0.0) for s in st) / fwd)
             e = getattr(ex, "eplb_stats", None)
             if e is not None:
                 trace.append((e.num_placement_changes, e.rank_load_total))
@@ -150,7 +155,8 @@ def run_arm(path: str, ep: int, arm: str, args) -> dict:
             "expert_imbalance": es.expert_imbalance_ratio if es else None,
             "rebalances": es.num_placement_changes if es else 0, "moved": es.num_experts_moved if es else 0,
             "rebalance_ms": 1e3 * es.rebalance_seconds_total if es else 0.0,
-            "comm_share": statistics.median(shares) if shares else 0.0, "tokens": tokens}
+            "comm_share": statistics.median(shares) if shares else 0.0,
+            "a2a_share": statistics.median(a2a) if a2a else 0.0, "tokens": tokens}
 
 
 def run_dp_arm(path: str, dp: int, arm: str, args) -> dict:
@@ -167,6 +173,8 @@ def run_dp_arm(path: str, dp: int, arm: str, args) -> dict:
     kw: dict = dict(model=path, dtype="float32", num_kv_blocks=512, block_size=16, max_num_seqs=args.requests,
                     max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=256,
                     data_parallel_size=dp)
+    if args.dp_tp > 1:                 # each core runs -tp workers (mp); with EP the experts span all of them
+        kw["tensor_parallel_size"] = args.dp_tp
     if arm.startswith("dp-ep"):
         kw["enable_expert_parallel"] = True
     if arm == "dp-ep+eplb":
@@ -257,6 +265,9 @@ def main() -> int:
     ap.add_argument("--dp", type=int, default=0,
                     help="also run the data-parallel arms with this many engine cores (0: none)")
     ap.add_argument("--dp-arms", default="dp,dp-ep,dp-ep+eplb")
+    ap.add_argument("--dp-tp", type=int, default=1,
+                    help="tensor-parallel workers per engine core in the --dp arms (2: dp-ep shares the experts "
+                         "over the TP x DP group of dp x 2 workers; dp splits every expert's columns per core)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     if args.threads:
@@ -280,7 +291,7 @@ def main() -> int:
             if "rebalances" in r:
                 extra = (f"  placement changes {r['rebalances']} (imbalance {_f(r['imbalance_before'])} -> "
                          f"{_f(r['imbalance_after'])} predicted)")
-            print(f"dp {args.dp} {r['arm']:10s} {r['tok_s']:8.1f} tok/s  requests per core {r['routed']}  "
+            print(f"dp {args.dp} tp {args.dp_tp} {r['arm']:10s} {r['tok_s']:8.1f} tok/s  requests per core {r['routed']}  "
                   f"steps per core {r['steps']}  all-to-all share of step time {pct(r['a2a_share'])}  "
                   f"sync share {pct(r['sync_share'])}  dummy steps {pct(r['dummy_frac'])}{extra}", flush=True)
         if dp_rows:
@@ -294,7 +305,7 @@ def main() -> int:
                       f"{_f(r['imbalance_default'])} -> after the first rebalance {_f(r['imbalance'])} "
                       f"({r['steps']} steps)  expert skew {_f(r['expert_imbalance'])}  "
                       f"placement changes {r['rebalances']} ({r['moved']} replicas moved, {r['rebalance_ms']:.0f} ms)  "
-                      f"comm share {100 * r['comm_share']:.1f}%", flush=True)
+                      f"comm share {100 * r['comm_share']:.1f}% (all-to-all {100 * r['a2a_share']:.1f}%)", flush=True)
     by_ep: dict[int, list] = {}
     for r in rows:
         by_ep.setdefault(r["ep"], []).append(r)

@@ -103,6 +103,40 @@ async def test_dp2_expert_parallel_matches_one_process(reference, family):
         _assert_gone(pids)
 
 
+async def test_tp2_dp2_expert_parallel_matches_one_process(reference):
+    """``-tp 2 --data-parallel-size 2 --enable-expert-parallel``: two engine cores with two ``mp`` workers each;
+    the four workers form one expert-parallel world (2 slots each: experts sharded over the TP x DP group),
+    attention stays tensor-parallel within each core. Greedy tokens equal the one-process engine's with one
+    request (core 1's workers run dummy steps) and with four at once; no process is left behind."""
+    folder, want = reference("mixtral")
+    engine = _engine(folder, tensor_parallel_size=2)
+    pids: list[int] = []
+    try:
+        engine.start()
+        pids = _pids(engine)
+        info = [e.info.parallel for e in engine.engines]
+        assert "rank 0; experts per rank 2 (physical slots 0-1 of 8, expert-parallel rank 0/4)" in info[0], info
+        assert "rank 1; experts per rank 2 (physical slots 2-3 of 8, expert-parallel rank 1/4)" in info[0], info
+        assert "rank 0; experts per rank 2 (physical slots 4-5 of 8, expert-parallel rank 2/4)" in info[1], info
+        assert "rank 1; experts per rank 2 (physical slots 6-7 of 8, expert-parallel rank 3/4)" in info[1], info
+        pids += [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
+        assert len(pids) == 6, pids          # 2 cores + 2 x 2 workers
+        await engine.start_background()
+        assert await _generate(engine, "solo", PROMPTS[0]) == want[0]
+        got = await asyncio.gather(*(_generate(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        assert got == want
+        assert min(engine.num_routed) >= 1, engine.num_routed
+        await asyncio.sleep(0.5)             # the stats sent when the wave ended
+        stats = [e.get_stats().expert_parallel for e in engine.engines]
+        assert stats[1]["dummy_steps"] > 0, stats     # core 1 served the solo request's experts
+        assert all(s["all_to_all_seconds"] > 0 for s in stats), stats
+        for e in engine.engines:
+            assert (await e.check_invariants())["problems"] == []
+    finally:
+        engine.shutdown()
+        _assert_gone(pids)
+
+
 async def _wait_dead(engine: DPAsyncEngine, task: asyncio.Task, timeout: float) -> BaseException:
     t0 = time.monotonic()
     with pytest.raises((EngineDeadError, RuntimeError)) as info:
@@ -111,10 +145,10 @@ async def _wait_dead(engine: DPAsyncEngine, task: asyncio.Task, timeout: float) 
     return info.value
 
 
-# The SIGSTOP variant ("stop": the peer's collective times out) failed in this harness at the end of the session
-# (the request was not failed within 90 s although core 0 logged the 8 s timeout); it passed as a script
-# (requests failed after 8.0 s). Left out until that is understood: see the moe report.
-@pytest.mark.parametrize("how", ["kill"])
+# "stop" once failed here and not as a script: the per-step sync ran on a sub-group created without a timeout
+# (torch's default for gloo is 30 min), so a core waiting in the sync, not in an all-to-all, never timed out.
+# Every group now gets TOKENMILL_DIST_TIMEOUT (tests/distributed/test_expert_parallel.py checks the groups).
+@pytest.mark.parametrize("how", ["kill", "stop"])
 async def test_dead_or_stuck_core_fails_requests(reference, monkeypatch, how):
     """Core 1 killed (its sockets close: the peer's next collective fails at once) or stopped (SIGSTOP:
     the peer's collective times out after TOKENMILL_DIST_TIMEOUT s): core 0's request fails with an
@@ -183,3 +217,48 @@ async def test_dp2_expert_parallel_eplb_rebalances_without_changing_outputs(refe
     finally:
         engine.shutdown()
         _assert_gone(pids)
+
+
+@pytest.mark.slow
+async def test_tp2_dp2_eplb_rebalances_without_changing_outputs(reference):
+    """EPLB over the TP x DP expert group (4 workers in 2 engine cores, 2 redundant slots): the loads of all
+    four workers are all-reduced, weights move between workers of different cores, and the greedy tokens stay
+    the one-process engine's."""
+    folder, want = reference("mixtral")
+    engine = _engine(folder, tensor_parallel_size=2, enable_eplb=True,
+                     eplb_config={"window_size": 3, "step_interval": 3, "num_redundant_experts": 4})
+    pids: list[int] = []
+    try:
+        engine.start()
+        pids = _pids(engine)
+        pids += [c.pid for p in pids for c in psutil.Process(p).children(recursive=True)]
+        assert "physical slots 9-11 of 12, expert-parallel rank 3/4), redundant experts 4" \
+            in engine.engines[1].info.parallel
+        await engine.start_background()
+        got = await asyncio.gather(*(_generate(engine, f"r{i}", p) for i, p in enumerate(PROMPTS)))
+        assert got == want
+        await asyncio.sleep(1.0)
+        stats = [e.get_stats() for e in engine.engines]
+        for s in stats:
+            assert s.eplb is not None and s.eplb.num_rebalances >= 2, s.eplb
+        assert stats[0].eplb.num_placement_changes == stats[1].eplb.num_placement_changes >= 1
+        assert stats[0].eplb.num_experts_moved == stats[1].eplb.num_experts_moved > 0
+    finally:
+        engine.shutdown()
+        _assert_gone(pids)
+
+
+def test_refuses_what_is_not_built():
+    """Pipeline parallelism and a Ray backend with experts shared over data-parallel cores are refused before
+    any process starts, with the reason; ``-tp 2`` on ``mp`` is accepted."""
+    from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel
+
+    def cfg(**kw):
+        return EngineConfig.from_kwargs(model="unused", data_parallel_size=2, enable_expert_parallel=True, **kw)
+
+    with pytest.raises(ValueError, match="--pipeline-parallel-size 1"):
+        check_dp_expert_parallel(cfg(pipeline_parallel_size=2))
+    with pytest.raises(ValueError, match="--distributed-executor-backend mp"):
+        check_dp_expert_parallel(cfg(tensor_parallel_size=2, distributed_executor_backend="ray"))
+    check_dp_expert_parallel(cfg(tensor_parallel_size=2))
+    check_dp_expert_parallel(cfg())

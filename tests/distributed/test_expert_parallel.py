@@ -149,3 +149,49 @@ def test_engine_ep2_matches_one_process(one_process, family, expert_parallel):
         assert all(s.comm > 0 for s in ex.last_step_stats)
     finally:
         llm.shutdown()
+
+
+def _stuck_peer_worker(rank: int, port: int, out_dir: str) -> None:
+    """Rank 0 enters the data-parallel cores' per-step sync; rank 1 never does (a stuck peer)."""
+    from tokenmill.distributed.expert_parallel import StepSync
+    from tokenmill.distributed.parallel_state import init_data_parallel_ep
+
+    ctx = init_data_parallel_ep(rank, 2, f"tcp://127.0.0.1:{port}", timeout_s=3.0)
+    done = os.path.join(out_dir, "rank0.txt")
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            StepSync(ctx.dp).sync(True, 0)
+            result = "returned"
+        except RuntimeError as e:
+            result = f"raised {time.monotonic() - t0:.2f} {e}"
+        with open(done + ".tmp", "w") as f:
+            f.write(result)
+        os.replace(done + ".tmp", done)
+    else:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(done) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    os._exit(0)         # the group is broken: skip its teardown
+
+
+def test_sub_groups_time_out_on_a_stuck_peer(tmp_path):
+    """Every sub-group gets the collective timeout (``TOKENMILL_DIST_TIMEOUT``): ``new_group()`` without one
+    falls back to torch's default (30 min for gloo), and an engine core waiting in the per-step sync for a
+    stopped peer hung instead of failing its requests (the SIGSTOP test of test_dp_expert_parallel.py)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(_stuck_peer_worker, args=(_free_port(), str(tmp_path)), nprocs=2, join=False,
+                             start_method="spawn")
+    try:
+        deadline = time.monotonic() + 180
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "workers did not finish"
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+    result = (tmp_path / "rank0.txt").read_text()
+    assert result.startswith("raised"), result
+    assert 2.5 < float(result.split()[1]) < 60, result     # the 3 s timeout, not torch's 30 min

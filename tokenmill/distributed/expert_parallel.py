@@ -105,7 +105,7 @@ class ExpertParallel:
         y[regroup] = y_sorted
         back = comm.all_to_all_single(y, send_rank, recv_rank)              # combine
         out = layer.combine(back, order, weights)                           # [ts, H]
-        if tc.size == 1:
+        if tc.size == 1 or t == 0:      # own tokens only, or none on any rank of token_comm (a dummy step)
             return out
         if out.shape[0] < chunk:
             out = torch.cat([out, out.new_zeros(chunk - out.shape[0], h)])

@@ -97,41 +97,81 @@ def collective_backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def _join_world(backend: str, init_method: str, rank: int, world: int, timeout_s: float,
+                start_timeout_s: float | None = None) -> None:
+    """``init_process_group`` with per-collective ``timeout_s``; with ``start_timeout_s`` (``tcp://`` only) the
+    rendezvous itself may wait that long (engine cores that start minutes apart on a loaded machine)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if start_timeout_s is not None and init_method.startswith("tcp://"):
+        host, port = init_method[len("tcp://"):].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), world, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=max(timeout_s, start_timeout_s)))
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
+
+
+def _new_group(ranks: list[int], backend: str, timeout_s: float):
+    """``dist.new_group`` with the collective timeout: without one it falls back to torch's default (30 min
+    for gloo), and a collective of that sub-group waiting for a stuck peer would hang that long."""
+    return dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
-                     device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
+                     device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+                     dp_size: int = 1, dp_rank: int = 0) -> ParallelContext:
     """Join the process group and build this rank's communicators.
 
     Every rank of the ``tp_size * pp_size`` world calls this with the same
     ``init_method`` (``tcp://host:port`` or ``file://path``). With one rank no
     process group is created and every collective is a no-op.
 
+    With ``dp_size > 1`` (``--data-parallel-size N --enable-expert-parallel`` with ``-tp`` above 1, pipeline
+    size 1) the tensor-parallel workers of all ``N`` engine cores join one world of ``tp_size * N`` ranks
+    (world rank ``dp_rank * tp_size + rank``): each core's workers form its tensor-parallel group, and
+    ``ep`` is the whole world (every MoE layer's experts are shared over all of them; each core's tokens
+    stay within its tensor-parallel group). ``rank`` stays the rank inside the engine core.
+
     Args:
-        rank: this process's global rank.
+        rank: this process's rank in its engine core's ``tp_size * pp_size`` layout.
         device: ``cpu`` (gloo) or ``cuda[:N]`` (NCCL; the rank's GPU).
-        timeout_s: per-collective timeout in seconds.
+        timeout_s: per-collective timeout in seconds (every group).
+        dp_size, dp_rank: data-parallel engine cores sharing the experts, this rank's core.
 
     Raises:
-        ValueError: a rank outside the world.
+        ValueError: a rank outside the world, or ``dp_size > 1`` with pipeline parallelism.
         RuntimeError: from ``torch.distributed`` (rendezvous failed or timed out).
     """
-    world = tp_size * pp_size
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} outside a world of {world} ({tp_size} x {pp_size})")
+    local = tp_size * pp_size
+    if not 0 <= rank < local:
+        raise ValueError(f"rank {rank} outside a world of {local} ({tp_size} x {pp_size})")
+    if dp_size > 1 and pp_size != 1:
+        raise ValueError("expert parallelism across data-parallel engine cores needs --pipeline-parallel-size 1")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"data-parallel rank {dp_rank} outside {dp_size}")
     device = torch.device(device)
-    if world == 1:
+    if local * dp_size == 1:
         return ParallelContext(rank=0, tp_size=1, pp_size=1, device=device)
     backend = collective_backend(device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    world, grank = local * dp_size, dp_rank * local + rank
+    _join_world(backend, init_method, grank, world, timeout_s, RENDEZVOUS_TIMEOUT_S if dp_size > 1 else None)
     tp_group = None
-    for stage in range(pp_size):       # every rank must create every group, in the same order
-        ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
-        g = dist.new_group(ranks, backend=backend) if tp_size > 1 else None
-        if rank in ranks:
-            tp_group = g
+    for d in range(dp_size):           # every rank must create every group, in the same order
+        for stage in range(pp_size):
+            ranks = list(range(d * local + stage * tp_size, d * local + (stage + 1) * tp_size))
+            g = _new_group(ranks, backend, timeout_s) if tp_size > 1 else None
+            if grank in ranks:
+                tp_group = g
     tp = Communicator(tp_group, tp_size, rank % tp_size, device) if tp_size > 1 else Communicator(device=device)
+    if dp_size > 1:
+        logger.info("data-parallel engine %d/%d, rank %d joined the expert-parallel world of %d (%s): "
+                    "tensor-parallel rank %d/%d, expert-parallel rank %d/%d, collective timeout %.0f s",
+                    dp_rank, dp_size, rank, world, backend, rank % tp_size, tp_size, grank, world, timeout_s)
+        return ParallelContext(rank=rank, tp_size=tp_size, pp_size=1, device=device, tp=tp,
+                               pp=Communicator(device=device), ep=Communicator(dist.group.WORLD, world, grank, device),
+                               dp_size=dp_size, dp_rank=dp_rank)
     pp = Communicator(dist.group.WORLD, world, rank, device)
     logger.info("rank %d/%d joined (%s): tensor-parallel rank %d/%d, pipeline stage %d/%d",
                 rank, world, backend, rank % tp_size, tp_size, rank // tp_size, pp_size)
@@ -161,16 +201,8 @@ def init_data_parallel_ep(dp_rank: int, dp_size: int, init_method: str, device: 
         torch.cuda.set_device(device)
     # The rendezvous waits up to the start-up timeout (a loaded machine starts one core tens of seconds after
     # the other); collectives then use ``timeout_s``.
-    start = datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S))
-    if init_method.startswith("tcp://"):
-        host, port = init_method[len("tcp://"):].rsplit(":", 1)
-        store = dist.TCPStore(host, int(port), dp_size, is_master=dp_rank == 0, timeout=start)
-        dist.init_process_group(backend, store=store, rank=dp_rank, world_size=dp_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    else:
-        dist.init_process_group(backend, init_method=init_method, rank=dp_rank, world_size=dp_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
-    sync_group = dist.new_group(list(range(dp_size)), backend=backend)
+    _join_world(backend, init_method, dp_rank, dp_size, timeout_s, RENDEZVOUS_TIMEOUT_S)
+    sync_group = _new_group(list(range(dp_size)), backend, timeout_s)
     logger.info("data-parallel engine %d/%d joined the expert-parallel group (%s, collective timeout %.0f s)",
                 dp_rank, dp_size, backend, timeout_s)
     return ParallelContext(device=device, ep=Communicator(dist.group.WORLD, dp_size, dp_rank, device),

@@ -72,6 +72,7 @@ class AsyncEngine:
         cpus: CPUs the core process pins itself to (None: inherit this process's).
         dp_ep_init_method: the ``torch.distributed`` rendezvous of data-parallel cores that share
             their experts (set by :class:`~tokenmill.engine.dp_engine.DPAsyncEngine`; None otherwise).
+        dp_ep_worker_init_method: with those and ``-tp`` above 1, the rendezvous of all cores' workers.
 
     Attributes:
         on_add: called after each request (child) is sent to the core (the data-parallel engine
@@ -85,9 +86,10 @@ class AsyncEngine:
                  executor_factory: Callable[[Any], Any] | None = None,
                  stat_loggers: list[StatLogger] | None = None, start_timeout: float = 900.0,
                  data_parallel_rank: int | None = None, cpus: list[int] | None = None,
-                 dp_ep_init_method: str | None = None) -> None:
+                 dp_ep_init_method: str | None = None, dp_ep_worker_init_method: str | None = None) -> None:
         self.config = config
         self.dp_ep_init_method = dp_ep_init_method
+        self.dp_ep_worker_init_method = dp_ep_worker_init_method
         self.on_add: Callable[[], None] | None = None
         self.data_parallel_rank = data_parallel_rank
         self.cpus = cpus
@@ -159,7 +161,8 @@ class AsyncEngine:
             args=(self.config, in_addr, out_addr, os.getpid(), self.executor_factory,
                   logging.getLogger().getEffectiveLevel()),
             kwargs={"data_parallel_rank": self.data_parallel_rank, "cpu_affinity": self.cpus,
-                    "dp_ep_init_method": self.dp_ep_init_method})
+                    "dp_ep_init_method": self.dp_ep_init_method,
+                    "dp_ep_worker_init_method": self.dp_ep_worker_init_method})
         self._proc.start()
         logger.info("started engine core process pid %d", self._proc.pid)
 

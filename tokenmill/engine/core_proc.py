@@ -126,7 +126,8 @@ def _handle_request_message(core: EngineCore, out_sock: Any, kind: str, payload:
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
                     executor_factory: Callable[[Any], Any] | None = None,
                     log_level: int = logging.INFO, data_parallel_rank: int | None = None,
-                    cpu_affinity: list[int] | None = None, dp_ep_init_method: str | None = None) -> None:
+                    cpu_affinity: list[int] | None = None, dp_ep_init_method: str | None = None,
+                    dp_ep_worker_init_method: str | None = None) -> None:
     """Entry point of the engine core process.
 
     Args:
@@ -146,6 +147,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
             ``torch.distributed`` rendezvous of the N cores, which then share their experts
             (:class:`~tokenmill.engine.executor.dp_ep.DataParallelEPExecutor`) and step in lockstep
             (:func:`_lockstep_core_loop`).
+        dp_ep_worker_init_method: with that and ``-tp`` above 1, the rendezvous of all cores'
+            tensor-parallel workers (:class:`~tokenmill.engine.executor.dp_ep.DataParallelEPMultiprocExecutor`).
 
     Exits with status 0 after a ``shutdown`` message or when the parent died,
     1 after an exception (reported on the output socket first).
@@ -176,9 +179,10 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         if executor_factory is not None:
             executor = executor_factory(config)
         elif dp_ep_init_method is not None:
-            from tokenmill.engine.executor.dp_ep import DataParallelEPExecutor
+            from tokenmill.engine.executor.dp_ep import make_dp_ep_executor
 
-            executor = DataParallelEPExecutor(config, data_parallel_rank or 0, dp_ep_init_method, with_tokenizer="eos")
+            executor = make_dp_ep_executor(config, data_parallel_rank or 0, dp_ep_init_method,
+                                           dp_ep_worker_init_method, with_tokenizer="eos")
         else:   # the API process loads its own tokenizer; here it is only the EOS fallback
             executor = create_executor(config, with_tokenizer="eos")
         core = EngineCore(config, executor=executor, data_parallel_rank=data_parallel_rank)
@@ -328,6 +332,7 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
     closed, or the group's timeout): the exception ends this core too (its requests fail).
     """
     ex = core.executor
+    check_health = getattr(ex, "check_health", None)      # workers of a tensor-parallel core
     num_adds = 0
     wakes_seen = 0          # the highest wake-up number received
     wave_end = 0            # wakes seen by every core when the last wave ended
@@ -345,6 +350,8 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
                 if not parent_alive():
                     logger.warning("API process %d is gone; engine core exits", parent_pid)
                     return
+                if check_health is not None:
+                    check_health()      # a dead worker ends the core now, not at the next request
         elif time.monotonic() - last_parent_check > _PARENT_CHECK_MS / 1000:
             last_parent_check = time.monotonic()
             if not parent_alive():

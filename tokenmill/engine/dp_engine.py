@@ -11,9 +11,10 @@ the core; ties go to the lowest rank. All choices of one request (n > 1) run
 on the same core.
 
 With ``--enable-expert-parallel`` the cores also share their experts
-(tensor and pipeline size 1): they join one ``torch.distributed`` group at a
-rendezvous this process picks, each holds ``1/N`` of every MoE layer's
-experts, and tokens cross between cores by all-to-all inside each MoE layer
+(pipeline size 1): they join one ``torch.distributed`` group at a
+rendezvous this process picks (with ``-tp T`` > 1 their ``T`` workers each
+join a second one, of all ``T * N`` workers), each holds ``1/N`` of every MoE layer's
+experts (``1/(T*N)`` per worker), and tokens cross between cores by all-to-all inside each MoE layer
 (:mod:`tokenmill.engine.executor.dp_ep`). Since every MoE layer is then a
 collective, the cores step in lockstep waves (:func:`tokenmill.engine.core_proc._lockstep_core_loop`):
 after sending a request to its core, this process sends every core a
@@ -102,13 +103,19 @@ class DPAsyncEngine:
         from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
 
         self.expert_parallel = n > 1 and uses_dp_expert_parallel(config)
-        init_method = None
+        init_method = worker_init_method = None
         if self.expert_parallel:
             check_dp_expert_parallel(config)       # before any process starts
             init_method = f"tcp://127.0.0.1:{_free_port()}"
+            if config.parallel.tensor_parallel_size > 1:   # the cores' workers join one world of their own
+                port = _free_port()
+                while f":{port}" == init_method[init_method.rindex(":"):]:
+                    port = _free_port()
+                worker_init_method = f"tcp://127.0.0.1:{port}"
         self.engines = [AsyncEngine(config, tokenizer, executor_factory=executor_factory,
                                     stat_loggers=[_EngineRelay(self, i)], start_timeout=start_timeout,
-                                    data_parallel_rank=i, cpus=self.shares[i], dp_ep_init_method=init_method)
+                                    data_parallel_rank=i, cpus=self.shares[i], dp_ep_init_method=init_method,
+                                    dp_ep_worker_init_method=worker_init_method)
                         for i in range(n)]
         self.num_wakes = 0
         if self.expert_parallel:

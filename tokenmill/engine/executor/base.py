@@ -89,8 +89,9 @@ def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[
                               bos_token_id=arch.bos_token_id, name=name, path=full)
 
 
-def check_parallel_config(config: EngineConfig, arch: Any) -> None:
-    """Refuse, before any worker starts, what the tensor/pipeline-parallel path cannot do yet.
+def check_parallel_config(config: EngineConfig, arch: Any, dp_size: int = 1) -> None:
+    """Refuse, before any worker starts, what the tensor/pipeline-parallel path cannot do yet (``dp_size``:
+    data-parallel engine cores sharing the experts with ``--enable-expert-parallel``).
 
     Raises:
         ValueError: ``--quantization`` with more than one rank, a layout the
@@ -102,7 +103,7 @@ def check_parallel_config(config: EngineConfig, arch: Any) -> None:
     from tokenmill.distributed.eplb import check_eplb_startup
 
     par = config.parallel
-    check_eplb_startup(par, arch)
+    check_eplb_startup(par, arch, dp_size)
     if config.model.quantization is not None and par.world_size > 1:
         raise ValueError(f"--quantization {config.model.quantization} is not supported with tensor/pipeline "
                          "parallelism yet (the shards are loaded dense)")
@@ -110,7 +111,8 @@ def check_parallel_config(config: EngineConfig, arch: Any) -> None:
 
     if getattr(arch, "is_moe", False):
         arch = with_redundant_experts(arch, par.eplb.num_redundant_experts)
-    check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size, par.enable_expert_parallel)
+    check_parallel_arch(arch, par.tensor_parallel_size, par.pipeline_parallel_size, par.enable_expert_parallel,
+                        dp_size)
 
 
 def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:

@@ -1,13 +1,25 @@
 """The executor of one data-parallel engine core whose experts are shared with the other cores.
 
-``--data-parallel-size N --enable-expert-parallel`` (tensor and pipeline
-parallel size 1): each of the N engine cores keeps its own scheduler, KV pool
-and attention (data-parallel), but holds only ``1/N`` of every MoE layer's
-experts; tokens reach their experts on the other cores by all-to-all
-(:mod:`tokenmill.distributed.expert_parallel`). The cores form one
-``torch.distributed`` group (gloo on CPU, NCCL on CUDA) that the API process
-names (``init_method``); the model runs in the engine core process, as with
-the ``uniproc`` executor.
+``--data-parallel-size N --enable-expert-parallel`` (pipeline parallel size
+1): each of the N engine cores keeps its own scheduler, KV pool and attention
+(data-parallel), but holds only ``1/N`` of every MoE layer's experts; tokens
+reach their experts on the other cores by all-to-all
+(:mod:`tokenmill.distributed.expert_parallel`).
+
+* Tensor parallel size 1 (:class:`DataParallelEPExecutor`): the cores form one
+  ``torch.distributed`` group (gloo on CPU, NCCL on CUDA) that the API process
+  names (``init_method``); the model runs in the engine core process, as with
+  the ``uniproc`` executor.
+* Tensor parallel size ``T`` > 1 (:class:`DataParallelEPMultiprocExecutor`):
+  each core runs ``T`` ``mp`` workers; the workers of all cores join one world
+  of ``T * N`` ranks (a second rendezvous the API process names), each core's
+  workers its tensor-parallel group, the experts shared over all ``T * N``
+  ranks (world rank ``dp_rank * T + tp_rank`` holds slots ``[r*S, (r+1)*S)``):
+  vLLM's "EP over the TP x DP group". Within a core the ``T`` workers split
+  the core's tokens, route their slice, exchange rows with every rank of the
+  world, and all-gather the slices back (attention stays tensor-parallel).
+  The cores themselves (no model) join a small gloo group of their own for
+  the per-step agreement.
 
 Because every MoE layer is a collective over all cores, every core runs the
 same number of forwards: the core loop (:func:`tokenmill.engine.core_proc.run_engine_core`)
@@ -42,14 +54,18 @@ def check_dp_expert_parallel(config: EngineConfig) -> None:
     """Refuse what expert parallelism across data-parallel engine cores cannot do yet.
 
     Raises:
-        ValueError: tensor or pipeline parallel size above 1, or a KV connector.
+        ValueError: pipeline parallel size above 1, tensor parallel size above 1 on a backend other
+            than ``mp``, or a KV connector.
     """
     par = config.parallel
     dp = config.server.data_parallel_size
-    if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
-        raise ValueError(f"--enable-expert-parallel with --data-parallel-size {dp} needs --tensor-parallel-size 1 "
-                         f"and --pipeline-parallel-size 1 (got {par.tensor_parallel_size} and "
-                         f"{par.pipeline_parallel_size}): experts are shared over the data-parallel engine cores")
+    if par.pipeline_parallel_size != 1:
+        raise ValueError(f"--enable-expert-parallel with --data-parallel-size {dp} needs --pipeline-parallel-size 1 "
+                         f"(got {par.pipeline_parallel_size}): each stage would need its own expert group")
+    if par.tensor_parallel_size > 1 and par.executor_backend != "mp":
+        raise ValueError(f"--enable-expert-parallel with --data-parallel-size {dp} and --tensor-parallel-size "
+                         f"{par.tensor_parallel_size} runs the workers with --distributed-executor-backend mp "
+                         f"(got {par.executor_backend}): the workers of all engine cores join one group")
     if config.cache.kv_transfer is not None:
         raise ValueError("--kv-transfer-config is not supported with expert parallelism across data-parallel "
                          "engine cores")
@@ -100,6 +116,8 @@ class DataParallelEPExecutor:
         t0 = time.perf_counter()
         check_dp_expert_parallel(config)
         par, dp = config.parallel, config.server.data_parallel_size
+        if par.tensor_parallel_size != 1:
+            raise ValueError("DataParallelEPExecutor runs tensor-parallel size 1; use make_dp_ep_executor")
         arch, self.loaded = load_frontend(config.model.model, with_tokenizer)
         check_eplb_startup(par, arch, dp)
         if getattr(arch, "is_moe", False):
@@ -216,3 +234,162 @@ class DataParallelEPExecutor:
         from tokenmill.distributed.parallel_state import destroy_distributed
 
         destroy_distributed()
+
+
+def make_dp_ep_executor(config: EngineConfig, dp_rank: int, init_method: str, worker_init_method: str | None = None,
+                        with_tokenizer: bool | str = True) -> Any:
+    """The executor of data-parallel engine core ``dp_rank`` sharing its experts: in-process with tensor
+    parallel size 1, else ``mp`` workers in one world with the other cores' workers.
+
+    Raises:
+        ValueError: as the executors; ``worker_init_method`` missing with tensor parallel size above 1.
+    """
+    if config.parallel.tensor_parallel_size == 1:
+        return DataParallelEPExecutor(config, dp_rank, init_method, with_tokenizer)
+    if worker_init_method is None:
+        raise ValueError("expert parallelism across data-parallel engine cores with tensor parallelism needs the "
+                         "workers' rendezvous (worker_init_method)")
+    return DataParallelEPMultiprocExecutor(config, dp_rank, init_method, worker_init_method, with_tokenizer)
+
+
+class DataParallelEPMultiprocExecutor:
+    """One engine core's ``mp`` workers (tensor parallel size ``T`` > 1) holding their share of the experts of
+    the ``T * N`` ranks of all cores (see the module docstring).
+
+    The core process runs no model: its workers do (:class:`~tokenmill.engine.executor.mp.MultiprocExecutor`
+    with the world's rendezvous), and it joins a gloo group of the ``N`` cores (CPU: it holds no device) for
+    :meth:`step_sync`. Same step interface as :class:`DataParallelEPExecutor`.
+
+    Args:
+        config: the engine config (``server.data_parallel_size`` cores, ``-tp`` workers each).
+        dp_rank: this core's index.
+        init_method: the cores' rendezvous (the per-step agreement).
+        worker_init_method: the rendezvous of the ``T * N`` workers (the expert-parallel world).
+        with_tokenizer: as for :func:`~.base.load_frontend`.
+
+    Attributes:
+        num_kv_blocks, max_model_len, eos_token_ids, worker_infos, last_step_stats, pids: as
+            :class:`~tokenmill.engine.executor.mp.MultiprocExecutor`'s.
+        num_forwards, num_dummy_steps: real and dummy steps run.
+
+    Raises:
+        ValueError: from :func:`check_dp_expert_parallel`, the layout, EPLB's check or a worker's start-up.
+        WorkerDiedError: a worker died during start-up.
+        RuntimeError: the cores' rendezvous failed.
+    """
+
+    backend = "dp-ep-mp"
+
+    def __init__(self, config: EngineConfig, dp_rank: int, init_method: str, worker_init_method: str,
+                 with_tokenizer: bool | str = True) -> None:
+        from tokenmill.distributed.expert_parallel import StepSync
+        from tokenmill.distributed.parallel_state import destroy_distributed, init_data_parallel_ep
+        from tokenmill.engine.executor.mp import MultiprocExecutor
+
+        t0 = time.perf_counter()
+        check_dp_expert_parallel(config)
+        dp = config.server.data_parallel_size
+        self.dp_rank, self.dp_size = dp_rank, dp
+        self.mp = MultiprocExecutor(config, with_tokenizer, dp_rank=dp_rank, dp_size=dp,
+                                    init_method=worker_init_method)
+        try:
+            self.ctx = init_data_parallel_ep(dp_rank, dp, init_method, "cpu")
+        except BaseException:
+            self.mp.shutdown()
+            destroy_distributed()
+            raise
+        self.sync = StepSync(self.ctx.dp)
+        self.loaded = self.mp.loaded
+        self.num_kv_blocks = self.mp.num_kv_blocks
+        self.max_model_len = self.mp.max_model_len
+        self.eos_token_ids = self.mp.eos_token_ids
+        self.num_forwards = 0
+        self.num_dummy_steps = 0
+        self._step_seconds = 0.0
+        self._ep_seconds = 0.0
+        logger.info("%s (started in %.1f s)", self.describe(), time.perf_counter() - t0)
+
+    @property
+    def worker_infos(self) -> list[Any]:
+        return self.mp.worker_infos
+
+    @property
+    def last_step_stats(self) -> list[Any]:
+        return self.mp.last_step_stats
+
+    @property
+    def pids(self) -> list[int]:
+        return self.mp.pids
+
+    def describe(self) -> str:
+        """One line for the start-up log: the experts of each of this core's workers."""
+        ranks = "; ".join(f"rank {i.rank}{i.experts}" for i in self.mp.worker_infos)
+        return (f"data-parallel engine {self.dp_rank}/{self.dp_size}, tensor-parallel "
+                f"{len(self.mp.worker_infos)} workers: {ranks}")
+
+    def step_sync(self, has_work: bool, wakes_seen: int, stop: bool = False) -> tuple[bool, bool, int]:
+        """:meth:`StepSync.sync <tokenmill.distributed.expert_parallel.StepSync.sync>` over the cores."""
+        return self.sync.sync(has_work, wakes_seen, stop)
+
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """One step of this core's own requests on its workers.
+
+        Raises:
+            LockstepStepError: a worker died or its step failed (fatal: the peers are left in a collective).
+        """
+        t0 = time.perf_counter()
+        try:
+            out = self.mp.execute_model(so)
+        except Exception as e:  # noqa: BLE001 - a half-done collective cannot be resumed
+            raise LockstepStepError(f"data-parallel engine {self.dp_rank}: step failed: {type(e).__name__}: {e}") from e
+        if not so.is_empty:
+            self.num_forwards += 1
+            self._record(t0)
+        return out
+
+    def execute_dummy(self) -> None:
+        """Every worker takes part in the step's MoE exchanges with no tokens of this core's own.
+
+        Raises:
+            LockstepStepError: a worker died or a collective failed.
+        """
+        t0 = time.perf_counter()
+        try:
+            self.mp.execute_dummy()
+        except Exception as e:  # noqa: BLE001
+            raise LockstepStepError(f"data-parallel engine {self.dp_rank}: dummy step failed: "
+                                    f"{type(e).__name__}: {e}") from e
+        self.num_dummy_steps += 1
+        self._record(t0)
+
+    def _record(self, t0: float) -> None:
+        self._step_seconds += time.perf_counter() - t0
+        stats = self.mp.last_step_stats
+        if stats:       # the slowest worker's exchange time (they wait for one another)
+            self._ep_seconds += max(getattr(s, "ep_comm", 0.0) for s in stats)
+
+    def check_health(self) -> None:
+        """Raise :class:`~tokenmill.engine.executor.base.WorkerDiedError` if a worker is gone (idle cores call it)."""
+        self.mp.check_health()
+
+    @property
+    def eplb_stats(self) -> Any:
+        """This core's EPLB state (from its output worker; the placement and loads are the whole world's)."""
+        return self.mp.eplb_stats
+
+    @property
+    def expert_parallel_stats(self) -> dict[str, float]:
+        """As :attr:`DataParallelEPExecutor.expert_parallel_stats` (all-to-all seconds: per step, the
+        slowest of this core's workers)."""
+        return {"steps": self.num_forwards + self.num_dummy_steps, "dummy_steps": self.num_dummy_steps,
+                "step_seconds": self._step_seconds, "all_to_all_seconds": self._ep_seconds,
+                "sync_seconds": self.ctx.dp.seconds}
+
+    def shutdown(self) -> None:
+        """Stop the workers and leave the cores' group (idempotent)."""
+        from tokenmill.distributed.parallel_state import destroy_distributed
+
+        try:
+            self.mp.shutdown()
+        finally:
+            destroy_distributed()

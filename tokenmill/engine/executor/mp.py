@@ -80,11 +80,15 @@ class MultiprocExecutor:
 
     backend = "mp"
 
-    def __init__(self, config: EngineConfig, with_tokenizer: bool | str = True) -> None:
+    def __init__(self, config: EngineConfig, with_tokenizer: bool | str = True, *, dp_rank: int = 0,
+                 dp_size: int = 1, init_method: str | None = None) -> None:
         par = config.parallel
         arch, self.loaded = load_frontend(config.model.model, with_tokenizer)
         self.arch = arch
-        check_parallel_config(config, arch)
+        check_parallel_config(config, arch, dp_size)
+        # experts shared with the workers of other data-parallel engine cores (one world; the API process
+        # picks its rendezvous): see tokenmill.engine.executor.dp_ep
+        self.dp_rank, self.dp_size, self._init_method = dp_rank, dp_size, init_method
         self.world_size = par.world_size
         self.num_kv_blocks, _ = plan_kv_blocks(config, arch)
         self.max_model_len = resolve_max_model_len(config, arch)
@@ -114,7 +118,7 @@ class MultiprocExecutor:
         address = os.path.join(self._tmpdir, "workers.sock")
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
         env = dict(os.environ, **{_AUTHKEY_ENV: authkey.hex()})
-        init_method = f"tcp://127.0.0.1:{free_port()}"
+        init_method = self._init_method or f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(self.world_size):
                 self._procs.append(subprocess.Popen(
@@ -137,7 +141,7 @@ class MultiprocExecutor:
             listener.close()
         self._conns.extend(by_rank[r] for r in range(self.world_size))
         for rank, conn in enumerate(self._conns):
-            conn.send(("init", self.config, init_method, cpus[rank]))
+            conn.send(("init", self.config, init_method, cpus[rank], self.dp_rank, self.dp_size))
         replies = self._collect(timeout=START_TIMEOUT_S, what="loading")
         errors = [m for m in replies if m[0] == "error"]
         if errors:
@@ -170,6 +174,28 @@ class MultiprocExecutor:
         replies = self._collect(timeout=None, what="running a step")
         output, self.last_step_stats = merge_step_replies(replies)
         return output
+
+    def execute_dummy(self) -> None:
+        """Every worker runs a step with no tokens of this engine core's own (experts shared over
+        data-parallel engine cores: :meth:`Worker.execute_dummy <tokenmill.engine.executor.worker.Worker.execute_dummy>`).
+
+        Raises:
+            WorkerDiedError: a worker is (or was already) gone.
+            RuntimeError: a worker raised.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        payload = pickle.dumps(("dummy",), protocol=5)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError as e:
+            self._die(f"sending to a worker failed: {e}")
+        replies = self._collect(timeout=None, what="running a dummy step")
+        errors = [m[1] for m in replies if m[0] == "error"]
+        if errors:
+            raise RuntimeError(f"worker dummy step failed: {errors[0]}")
+        self.last_step_stats = [m[2] for m in replies]
 
     @property
     def eplb_stats(self):
@@ -266,11 +292,11 @@ def worker_main(address: str, rank: int, log_level: int = logging.INFO) -> int:
     conn.send(("hello", rank))
     worker = None
     try:
-        _, config, init_method, cpus = conn.recv()
+        _, config, init_method, cpus, *dp = conn.recv()       # dp: (dp_rank, dp_size) of shared experts
         from tokenmill.engine.executor.worker import Worker
 
         try:
-            worker = Worker(config, rank, init_method, cpus)
+            worker = Worker(config, rank, init_method, cpus, *dp)
         except Exception as e:  # noqa: BLE001 - reported to the engine, which stops everyone
             conn.send(("error", f"rank {rank}: {type(e).__name__}: {e}"))
             logger.error("start-up failed:\n%s", traceback.format_exc())
@@ -281,7 +307,7 @@ def worker_main(address: str, rank: int, log_level: int = logging.INFO) -> int:
             if msg[0] == "shutdown":
                 return 0
             try:
-                out, stats = worker.execute(msg[1])
+                out, stats = worker.execute_dummy() if msg[0] == "dummy" else worker.execute(msg[1])
                 conn.send(("ok", out, stats))
             except Exception as e:  # noqa: BLE001 - one failed step is reported, the worker goes on
                 logger.error("step failed:\n%s", traceback.format_exc())

@@ -34,6 +34,7 @@ class WorkerInfo:
         num_threads: its torch intra-op threads.
         cpus: the CPUs it is pinned to (empty: not pinned).
         load_seconds: shard build time.
+        experts: its :meth:`RankLayout.describe_experts` part (empty for a dense model).
     """
 
     rank: int
@@ -45,16 +46,24 @@ class WorkerInfo:
     num_threads: int
     cpus: list[int]
     load_seconds: float
+    experts: str = ""
 
 
 @dataclass
 class StepStats:
     """One worker's timings for one step, in seconds (and, from the output rank with ``--enable-eplb``,
-    the EPLB state: :class:`~tokenmill.metrics.stats.EplbStats`)."""
+    the EPLB state: :class:`~tokenmill.metrics.stats.EplbStats`).
+
+    Attributes:
+        forward: the step's wall time on this rank.
+        comm: of which inside ``torch.distributed`` calls (all groups).
+        ep_comm: of which inside the expert-parallel all-to-all exchanges (``ParallelContext.ep``).
+    """
 
     forward: float = 0.0
     comm: float = 0.0
     eplb: Any = None
+    ep_comm: float = 0.0
 
 
 def pin_process(cpus: list[int] | None) -> int:
@@ -96,13 +105,17 @@ class Worker:
         rank: global rank.
         init_method: ``torch.distributed`` rendezvous (``tcp://host:port``).
         cpus: CPUs to pin to (None: keep the affinity).
+        dp_rank, dp_size: with ``--data-parallel-size N --enable-expert-parallel``, this worker's engine
+            core and the cores whose workers share the experts (one world of ``tp * N`` ranks:
+            :func:`~tokenmill.distributed.parallel_state.init_distributed`).
 
     Raises:
         ValueError: from the layout check or the checkpoint.
         RuntimeError: rendezvous failed.
     """
 
-    def __init__(self, config: EngineConfig, rank: int, init_method: str, cpus: list[int] | None = None) -> None:
+    def __init__(self, config: EngineConfig, rank: int, init_method: str, cpus: list[int] | None = None,
+                 dp_rank: int = 0, dp_size: int = 1) -> None:
         from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, \
             model_weight_bytes
         from tokenmill.distributed.parallel_state import init_distributed
@@ -127,7 +140,8 @@ class Worker:
 
             fused_cpu.load()
             paged_attention_cpu.load()
-        self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device)
+        self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device,
+                                    dp_size=dp_size, dp_rank=dp_rank)
         arch = with_redundant_experts(load_arch_config(config.model.model), par.eplb.num_redundant_experts)
         dtype = resolve_dtype(config.model.dtype, device)
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
@@ -135,19 +149,25 @@ class Worker:
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
         self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids)
         if par.enable_eplb:
-            from tokenmill.distributed.eplb import build_controller, expert_parallel_size
+            from tokenmill.distributed.eplb import build_controller
 
-            ep, ctx = expert_parallel_size(par), self.ctx
-            self.runner.eplb = build_controller(
-                config, model, ep_rank=ctx.tp_rank if ep > 1 else 0, ep_size=ep, group=ctx.ep.group,
-                global_ranks=[ctx.pp_rank * ctx.tp_size + i for i in range(ctx.tp_size)])
+            ep, ctx = self.layout.ep_size, self.ctx
+            # the group's global ranks (weight moves are point-to-point): the stage's tensor-parallel ranks, or
+            # the whole world when the experts are shared over data-parallel engine cores
+            glob = (list(range(ep)) if dp_size > 1 else [ctx.pp_rank * ctx.tp_size + i for i in range(ctx.tp_size)])
+            self.runner.eplb = build_controller(config, model, ep_rank=self.layout.ep_rank, ep_size=ep,
+                                                group=ctx.ep.group, global_ranks=glob)
+        from tokenmill.distributed.expert_parallel import moe_layers
+
+        self._moe = moe_layers(model) if dp_size > 1 else []
+        self._hidden, self._dtype, self._device = arch.hidden_size, dtype, device
         self.decoder = StepDecoder()
         self.is_output_rank = self.layout.is_last_stage and self.layout.tp_rank == 0
         self.info = WorkerInfo(rank=rank, pid=os.getpid(), layout=self.layout.describe(), weight_bytes=wb,
                                num_kv_blocks=self.runner.num_kv_blocks,
                                kv_bytes_per_token=self.runner.bytes_per_token, num_threads=self.num_threads,
                                cpus=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [],
-                               load_seconds=time.perf_counter() - t0)
+                               load_seconds=time.perf_counter() - t0, experts=self.layout.describe_experts())
         logger.info("%s", describe_shard(self.layout, wb, self.runner.num_kv_blocks, self.runner.bytes_per_token))
 
     def execute(self, desc):
@@ -158,11 +178,30 @@ class Worker:
             output rank (last stage, tensor-parallel rank 0).
         """
         so = self.decoder.decode(desc)
-        c0, t0 = self.ctx.comm_seconds(), time.perf_counter()
+        c0, e0, t0 = self.ctx.comm_seconds(), self.ctx.ep.seconds, time.perf_counter()
         out = self.runner.execute_model(so)
-        stats = StepStats(forward=time.perf_counter() - t0, comm=self.ctx.comm_seconds() - c0,
-                          eplb=self.runner.eplb_stats if self.is_output_rank else None)
-        return (out if self.is_output_rank else None), stats
+        return (out if self.is_output_rank else None), self._stats(t0, c0, e0)
+
+    def execute_dummy(self):
+        """A step with no tokens of this engine core's own, with experts shared over data-parallel cores:
+        every MoE layer's exchange (:func:`~tokenmill.distributed.expert_parallel.dummy_forward`, serving the
+        other cores' tokens routed to this rank's experts), and the step counted for EPLB.
+
+        Returns:
+            ``(None, StepStats)``.
+        """
+        from tokenmill.distributed.expert_parallel import dummy_forward
+
+        c0, e0, t0 = self.ctx.comm_seconds(), self.ctx.ep.seconds, time.perf_counter()
+        dummy_forward(self._moe, self._hidden, self._dtype, self._device)
+        if self.runner.eplb is not None:
+            self.runner.eplb.after_step()
+        return None, self._stats(t0, c0, e0)
+
+    def _stats(self, t0: float, c0: float, e0: float) -> StepStats:
+        return StepStats(forward=time.perf_counter() - t0, comm=self.ctx.comm_seconds() - c0,
+                         eplb=self.runner.eplb_stats if self.is_output_rank else None,
+                         ep_comm=self.ctx.ep.seconds - e0)
 
     def close(self) -> None:
         from tokenmill.distributed.parallel_state import destroy_distributed
