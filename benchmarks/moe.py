@@ -42,7 +42,7 @@ MoE dispatch/combine collectives, waiting for the other core included /
 seconds in its forwards, dummy steps included), the share of the per-step
 agreement, and how many of its steps were dummy (no tokens of its own).
 
-Usage: ``python benchmarks/moe.py [--ep 1,2] [--dp 2 [--dp-tp 2]] [--requests 16] [--prompt-len 48] [--max-tokens 32]``
+Usage: ``python benchmarks/moe.py [--ep 1,2] [--dp 2 [--dp-tp 1,2]] [--requests 16] [--prompt-len 48] [--max-tokens 32]``
 (measurement runs go under the bench lock: ``flock /work/bench.lock .venv/bin/python benchmarks/moe.py``).
 """
 
@@ -159,7 +159,7 @@ def run_arm(path: str, ep: int, arm: str, args) -> dict:
             "a2a_share": statistics.median(a2a) if a2a else 0.0, "tokens": tokens}
 
 
-def run_dp_arm(path: str, dp: int, arm: str, args) -> dict:
+def run_dp_arm(path: str, dp: int, arm: str, args, tp: int = 1) -> dict:
     """``dp`` engine core processes (one CPU each) behind a :class:`DPAsyncEngine`, the whole workload at once."""
     import asyncio
     import random
@@ -173,8 +173,8 @@ def run_dp_arm(path: str, dp: int, arm: str, args) -> dict:
     kw: dict = dict(model=path, dtype="float32", num_kv_blocks=512, block_size=16, max_num_seqs=args.requests,
                     max_num_batched_tokens=2048, enable_prefix_caching=False, max_model_len=256,
                     data_parallel_size=dp)
-    if args.dp_tp > 1:                 # each core runs -tp workers (mp); with EP the experts span all of them
-        kw["tensor_parallel_size"] = args.dp_tp
+    if tp > 1:                         # each core runs -tp workers (mp); with EP the experts span all of them
+        kw["tensor_parallel_size"] = tp
     if arm.startswith("dp-ep"):
         kw["enable_expert_parallel"] = True
     if arm == "dp-ep+eplb":
@@ -214,7 +214,7 @@ def run_dp_arm(path: str, dp: int, arm: str, args) -> dict:
         engine.shutdown()
     gen = sum(len(t) for t in tokens)
     eps = [s.expert_parallel for s in per_core]
-    row = {"dp": dp, "arm": arm, "tok_s": gen / wall, "wall_s": wall, "load_s": t_load, "tokens": tokens,
+    row = {"dp": dp, "tp": tp, "arm": arm, "tok_s": gen / wall, "wall_s": wall, "load_s": t_load, "tokens": tokens,
            "routed": list(engine.num_routed), "a2a_share": None, "sync_share": None, "dummy_frac": None,
            "steps": [s.num_steps for s in per_core]}
     if all(eps):
@@ -265,9 +265,10 @@ def main() -> int:
     ap.add_argument("--dp", type=int, default=0,
                     help="also run the data-parallel arms with this many engine cores (0: none)")
     ap.add_argument("--dp-arms", default="dp,dp-ep,dp-ep+eplb")
-    ap.add_argument("--dp-tp", type=int, default=1,
-                    help="tensor-parallel workers per engine core in the --dp arms (2: dp-ep shares the experts "
-                         "over the TP x DP group of dp x 2 workers; dp splits every expert's columns per core)")
+    ap.add_argument("--dp-tp", default="1",
+                    help="tensor-parallel workers per engine core in the --dp arms, comma-separated (2: dp-ep shares "
+                         "the experts over the TP x DP group of dp x 2 workers; dp splits every expert's columns "
+                         "within each core)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     if args.threads:
@@ -283,18 +284,19 @@ def main() -> int:
     dp_rows = []
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(tmp, [int(h) for h in args.hot.split(",")], args.skew, args.seed)
-        for arm in (args.dp_arms.split(",") if args.dp > 1 else []):
-            r = run_dp_arm(path, args.dp, arm, args)
+        for tp, arm in ([(int(t), a) for t in args.dp_tp.split(",") for a in args.dp_arms.split(",")]
+                        if args.dp > 1 else []):
+            r = run_dp_arm(path, args.dp, arm, args, tp)
             dp_rows.append(r)
             pct = (lambda xs: "/".join(f"{100 * x:.1f}%" for x in xs) if xs else "  -  ")
             extra = ""
             if "rebalances" in r:
                 extra = (f"  placement changes {r['rebalances']} (imbalance {_f(r['imbalance_before'])} -> "
                          f"{_f(r['imbalance_after'])} predicted)")
-            print(f"dp {args.dp} tp {args.dp_tp} {r['arm']:10s} {r['tok_s']:8.1f} tok/s  requests per core {r['routed']}  "
+            print(f"dp {args.dp} tp {tp} {r['arm']:10s} {r['tok_s']:8.1f} tok/s  requests per core {r['routed']}  "
                   f"steps per core {r['steps']}  all-to-all share of step time {pct(r['a2a_share'])}  "
                   f"sync share {pct(r['sync_share'])}  dummy steps {pct(r['dummy_frac'])}{extra}", flush=True)
-        if dp_rows:
+        if dp_rows:      # float32: the TP arms sum in another order, so equal greedy tokens are not guaranteed
             same = all(r["tokens"] == dp_rows[0]["tokens"] for r in dp_rows)
             print(f"dp {args.dp}: greedy outputs identical across arms: {same}", flush=True)
         for ep in [int(e) for e in args.ep.split(",") if e]:
@@ -312,6 +314,10 @@ def main() -> int:
     for ep, rs in by_ep.items():
         same = all(r["tokens"] == rs[0]["tokens"] for r in rs)
         print(f"ep {ep}: greedy outputs identical across arms: {same}")
+    ref = next((r for r in rows if r["ep"] == 1), None)
+    if ref is not None and dp_rows:
+        print("dp arms with the one-process (EP 1) greedy outputs: "
+              + ", ".join(f"tp {r['tp']} {r['arm']} {r['tokens'] == ref['tokens']}" for r in dp_rows))
     print(f"# load after: {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:

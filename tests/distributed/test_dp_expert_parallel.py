@@ -190,6 +190,43 @@ async def test_dead_or_stuck_core_fails_requests(reference, monkeypatch, how):
 
 
 @pytest.mark.slow
+async def test_tp2_dp2_dead_worker_fails_requests(reference):
+    """``-tp 2 --data-parallel-size 2 --enable-expert-parallel``: a worker of core 1 killed mid-request ends
+    core 1 (its executor sees the worker's socket close) and core 0 (its workers' next all-to-all with the dead
+    worker fails): core 0's request fails with an error, never a hang, and no process is left behind."""
+    folder, _ = reference("mixtral")
+    engine = _engine(folder, tensor_parallel_size=2)
+    pids: list[int] = []
+    try:
+        engine.start()
+        pids = _pids(engine)
+        workers1 = [c.pid for c in psutil.Process(pids[1]).children(recursive=True)]
+        pids += [c.pid for c in psutil.Process(pids[0]).children(recursive=True)] + workers1
+        assert len(pids) == 6, pids
+        await engine.start_background()
+        long = SamplingParams(max_tokens=90, temperature=0.0, ignore_eos=True)
+        first = asyncio.Event()
+
+        async def run() -> None:
+            async for out in engine.generate("long", None, PROMPTS[1], long):
+                first.set()
+                if out.error:
+                    raise RuntimeError(out.error)
+
+        task = asyncio.ensure_future(run())
+        await asyncio.wait_for(first.wait(), 120)
+        os.kill(workers1[1], signal.SIGKILL)
+        await _wait_dead(engine, task, 90)
+        deadline = time.monotonic() + 30
+        while engine.engines[0].is_healthy and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+        assert not engine.engines[0].is_healthy and not engine.engines[1].is_healthy
+    finally:
+        engine.shutdown()
+        _assert_gone(pids)
+
+
+@pytest.mark.slow
 async def test_dp2_expert_parallel_eplb_rebalances_without_changing_outputs(reference):
     """EPLB over the data-parallel expert group: per-expert loads of both cores are gathered (all-reduced)
     every 3 steps, the placement changes, weights move between the core processes (with 2 redundant
