@@ -4,8 +4,8 @@ Documented divergence bound (measured 2026-11-30 on the 8 prompts below, 16 gree
 float32 cache; same counts with the CPU kernels and with the torch path): prompts whose whole
 continuation equals the reference: int8 6/8, fp8 (e4m3) 4/8, fp8_e5m2 1/8 (e5m2 keeps 2 mantissa
 bits: this 135M model's logits are too close for it). The first greedy token equals the reference on
-every prompt for int8 and fp8 e4m3. Prefix caching and chunked prefill must not change the quantised
-run's output at all (both read the same stored bytes).
+every prompt for int8 and fp8 e4m3. Prefix caching, chunked prefill and preemption (recompute) must not
+change the quantised run's output at all (they read the same stored bytes).
 """
 
 from __future__ import annotations
@@ -47,3 +47,12 @@ def test_quantised_kv_cache_greedy_bound_prefix_caching_and_chunking():
         del llm
     chunked = _llm(kv_cache_dtype="fp8", max_num_batched_tokens=32, enable_prefix_caching=False)
     assert _ids(chunked, LONG) == first                 # prompts in 32-token chunks read the same stored bytes
+    del chunked
+    # Preemption (recompute): 13 blocks of 16 hold two of the 84-token prompts, which need a 7th block each
+    # before their 16th token, so one is preempted, its blocks freed and its prompt + output recomputed into
+    # the 1-byte cache; the continuations must not change.
+    small = LLM(dtype="float32", kv_cache_dtype="fp8", num_kv_blocks=13, block_size=16,
+                enable_prefix_caching=False)
+    assert _ids(small, LONG) == first
+    assert small.engine_core.scheduler.num_preemptions_total > 0
+    assert small.engine_core.scheduler.kv_cache_usage == 0.0
