@@ -307,7 +307,7 @@ def encode_texts(num_prompts: int, held_tokens: int) -> tuple[list[list[int]], l
 
 
 def build_runner(kwargs: dict, environ: dict, kv_blocks: int, max_len: int, max_num_seqs: int = 128,
-                 threads: int | None = None):
+                 threads: int | None = None, with_tokenizer: bool = True):
     """A :class:`~tokenmill.model.runner.ModelRunner` as the server builds it, with ``threads`` intra-op threads.
 
     ``ModelRunner.from_config`` sets the engine core's threads (``TOKENMILL_NUM_THREADS``, else one per usable
@@ -322,7 +322,7 @@ def build_runner(kwargs: dict, environ: dict, kv_blocks: int, max_len: int, max_
     with env({**environ, **extra}):
         cfg = EngineConfig.from_kwargs(num_kv_blocks=kv_blocks, block_size=16, max_model_len=max_len,
                                        max_num_seqs=max_num_seqs, max_num_batched_tokens=2048, **kwargs)
-        runner = ModelRunner.from_config(cfg, with_tokenizer=True)
+        runner = ModelRunner.from_config(cfg, with_tokenizer=with_tokenizer)
     if threads is not None and torch.get_num_threads() != threads:
         raise RuntimeError(f"the runner runs {torch.get_num_threads()} intra-op threads, {threads} asked")
     return runner

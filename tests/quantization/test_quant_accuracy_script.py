@@ -136,3 +136,17 @@ def test_results_merge_keeps_fields_written_by_the_other_mode(tmp_path):
     assert qa.load_results(path)["int8"] == {"format": "int8", "tok_s": {"1": 5.0}, "ppl": 2.0, "top1": 0.9}
     line = qa.table({"int8": {"format": "int8", "tok_s": {"1": 5.0}}}, 2048).splitlines()[-1]
     assert line.startswith("| int8 | - |") and "| 5.0 | - | not measured |" in line   # tok/s only
+
+
+def test_build_runner_runs_the_threads_asked(tiny_checkpoint, monkeypatch):
+    """--threads reaches the runner (ModelRunner.from_config sets the engine core's threads from
+    TOKENMILL_NUM_THREADS, else one per CPU: setting torch's threads beforehand was overridden)."""
+    monkeypatch.delenv("TOKENMILL_NUM_THREADS", raising=False)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        qa.build_runner({"model": tiny_checkpoint(), "dtype": "float32"}, {}, 8, 64, 4, threads=1, with_tokenizer=False)
+        assert torch.get_num_threads() == 1
+        assert "TOKENMILL_NUM_THREADS" not in __import__("os").environ      # restored afterwards
+    finally:
+        torch.set_num_threads(old)
