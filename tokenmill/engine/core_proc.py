@@ -294,7 +294,7 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
             else:
                 _handle_request_message(core, out_sock, kind, payload)
         outputs: list = []
-        steps_before = core.get_stats().num_steps if handled == 0 else -1
+        steps_before = core.num_steps if handled == 0 else -1   # (not get_stats(): a full snapshot a step)
         went_idle = False
         if core.has_unfinished_requests():
             outputs = core.step()
@@ -309,7 +309,7 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
             # while busy (e.g. during a long chunked prefill that samples nothing).
             out_sock.send(dumps(("outputs", outputs, core.get_stats(), num_adds)))
             last_send = now
-        elif steps_before >= 0 and core.get_stats().num_steps == steps_before:
+        elif steps_before >= 0 and core.num_steps == steps_before:
             # Nothing could be scheduled and nothing arrived: wait briefly for input
             # instead of spinning.
             in_sock.poll(5)

@@ -251,6 +251,11 @@ class EngineCore:
                 "num_waiting": s.num_waiting, "num_free_blocks": s.kv_cache_manager.num_free_blocks,
                 "num_kv_blocks": s.kv_cache_manager.num_blocks}
 
+    @property
+    def num_steps(self) -> int:
+        """Steps executed so far (cheap; :meth:`get_stats` builds the whole snapshot)."""
+        return self._num_steps
+
     def get_stats(self) -> EngineStats:
         """Snapshot for /metrics, logging and admission control."""
         s = self.scheduler
