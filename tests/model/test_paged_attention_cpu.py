@@ -194,8 +194,8 @@ def test_kv_write_kernel_matches_torch_bit_for_bit(kv_dtype, isa):
     (fp8 subnormals), exact ties, out-of-range values (saturated), strided source rows."""
     from tokenmill.model.layers.attention import write_kv
     g = torch.Generator().manual_seed(1)
-    src_dtype = torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
-    for src in ([src_dtype] if kv_dtype in (torch.float32, torch.bfloat16) else [torch.float32, torch.bfloat16]):
+    # every source dtype the kernels pair with this cache (a float32 model's bfloat16 cache included)
+    for src in ([torch.float32] if kv_dtype == torch.float32 else [torch.float32, torch.bfloat16]):
         n, kvh, d = 37, 3, 64
         wide = torch.randn(n, 5 * kvh * d, generator=g) * torch.exp2(torch.randint(-20, 12, (n, 5 * kvh * d),
                                                                                    generator=g).float())
@@ -210,3 +210,27 @@ def test_kv_write_kernel_matches_torch_bit_for_bit(kv_dtype, isa):
         paged_attention_cpu.write_kv(a, k, v, slots, 0.75, 1.25, isa=isa)
         write_kv(b, k, v, slots, 0.75, 1.25)
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (src, kv_dtype)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (6, 3, 24)])
+def test_float32_queries_read_a_bfloat16_cache(isa, heads, kv_heads, d):
+    """A float32 model's bfloat16 cache (the CPU low-bit path's default): the kernels widen each element
+    on load; same result as the torch path, which widens the gathered rows (both see the stored values)."""
+    q, k, v, cache, md, md2 = decode_case(7, heads, kv_heads, d, 4, torch.float32, max_len=70)
+    bc = cache.to(torch.bfloat16)
+    bc2 = bc.clone()
+    assert paged_attention_cpu.supports(q, bc, isa)
+    got = TorchAttentionBackend(True, cpu_isa=isa).forward(q, k, v, bc, md, d ** -0.5)
+    want = TorchAttentionBackend(False).forward(q, k, v, bc2, md2, d ** -0.5)
+    assert md.cache["torch_plan"][0].kernel and md.cache["kv_write_kernel"]
+    assert torch.equal(bc.view(torch.int16), bc2.view(torch.int16))   # both wrote the same rounded K/V
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    if d not in (64, 128):
+        return
+    q, k, v, cache, md, md2 = prefill_case([37, 1, 5, 70], [100, 9, 5, 300], heads, kv_heads, d, 4, torch.float32)
+    bc = cache.to(torch.bfloat16)
+    got = TorchAttentionBackend(True, cpu_isa=isa, prefill_kernel=True).forward(q, k, v, bc, md, 0.125)
+    want = TorchAttentionBackend(False).forward(q, k, v, bc.clone(), md2, 0.125)
+    assert type(md.cache["torch_plan"][1]).__name__ == "_KernelPrefillPlan"
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)

@@ -83,8 +83,11 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
         if i8:
             weights += (f" (float32 activations), int8 activations x the codes for steps of "
                         f"{lowbit_max_tokens + 1}..{min(i8, 1 << 20)} tokens")
+    kv = name(kv_dtype)
+    if kv_dtype == torch.bfloat16 and dtype == torch.float32:
+        kv += " (float32 model: --kv-cache-dtype float32 or TOKENMILL_CPU_KV_BF16=0 keeps float32)"
     if device.type != "cpu":
-        logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, name(kv_dtype))
+        logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, kv)
         return
     from tokenmill.model.layers import cpu_build, fused_cpu, paged_attention_cpu
     try:
@@ -96,7 +99,7 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
     prefill = "kernel" if att and paged_attention_cpu.prefill_preferred() else "SDPA"
     logger.info("compute paths: CPU ISA %s; %s; attention %s (decode kernel, prefill %s), KV cache %s; "
                 "fused norm/RoPE/SiLU %s", isa, weights, att or "torch (kernel unavailable)", prefill,
-                name(kv_dtype), isa if fused else "torch (kernel unavailable)")
+                kv, isa if fused else "torch (kernel unavailable)")
 
 
 class InputBuffers:
@@ -171,7 +174,8 @@ class ModelRunner:
         config: engine config (block size, pool size, max_model_len, seed,
             ``enforce_eager``, compile buckets).
         device: torch device of the model and cache.
-        dtype: dtype of the KV cache (the model's dtype).
+        dtype: the model's dtype (the KV cache's too, unless ``--kv-cache-dtype`` or the CPU
+            low-bit path's bfloat16 default says otherwise; see ``kv_cache_dtype``).
         eos_token_ids: the model's end-of-sequence ids.
 
     Attributes:
@@ -202,7 +206,9 @@ class ModelRunner:
         self.max_model_len = int(config.model.max_model_len or model_len)
         if self.max_model_len > model_len:
             logger.warning("max_model_len %d exceeds the model's context length %d", self.max_model_len, model_len)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype)
+        lowbit_limit = lowbit_max_tokens(device, dtype) if lowbit_weights else 0
+        # auto: a float32 model on the CPU low-bit path keeps a bfloat16 cache (kv_quant.auto_kv_bf16)
+        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, bool(lowbit_limit))
         self.kv_layout = plan_kv_cache(config.cache, arch, self.kv_cache_dtype, self.max_model_len)
         self.bytes_per_token = self.kv_layout.bytes_per_token
         self.num_kv_blocks = self.kv_layout.num_blocks
@@ -221,10 +227,8 @@ class ModelRunner:
         self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager,
                                                      background=background)
         self.lowbit_max_tokens = 0
-        if lowbit_weights:
-            limit = lowbit_max_tokens(device, dtype)
-            if limit and attach_lowbit_weights(model, lowbit_weights, limit)[0]:
-                self.lowbit_max_tokens = limit
+        if lowbit_limit and attach_lowbit_weights(model, lowbit_weights, lowbit_limit)[0]:
+            self.lowbit_max_tokens = lowbit_limit
         from tokenmill.quantization.methods import format_bytes, weight_bytes_by_format
 
         self.weight_bytes = weight_bytes_by_format(model)

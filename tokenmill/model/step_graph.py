@@ -30,8 +30,8 @@ The residual stream is updated in place (the fused add+norm reads each
 element before writing it at the same index).
 
 Where it does not apply the runner keeps the eager forward: prefill or
-mixed steps, steps above the low-bit limit, quantised KV caches, Qwen3's q/k
-norm, mixture-of-experts and pipeline-parallel models, speculative decoding,
+mixed steps, steps above the low-bit limit, quantised KV caches (a float32
+model's bfloat16 cache is served), Qwen3's q/k norm, mixture-of-experts and pipeline-parallel models, speculative decoding,
 CUDA (device is a parameter of the runner; nothing here runs off the CPU).
 ``TOKENMILL_CPU_STEP_GRAPH=0`` turns it off (the ablation switch).
 
@@ -82,7 +82,7 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
         return f"device {device.type}"
     if dtype not in _SUFFIX:
         return f"dtype {dtype}"
-    if kv_cache_dtype != dtype:
+    if kv_cache_dtype != dtype and (dtype, kv_cache_dtype) != (torch.float32, torch.bfloat16):
         return f"KV cache dtype {kv_cache_dtype} (quantised caches keep the eager path)"
     if not max_tokens:
         return "low-bit small-step weights are off"
@@ -139,8 +139,9 @@ class CpuStepGraph:
         sfx = _SUFFIX[dtype]
         fl, pl, ll = fused_cpu.load(), paged_attention_cpu.load(model.attn_backend.cpu_isa), lowbit._default_kernel()
         self._norm, self._rope, self._silu = (getattr(fl, f"{n}_{sfx}") for n in ("rms_norm", "rope", "silu_mul"))
-        self._kv_write = getattr(pl, f"kv_write_{sfx}_{sfx}")
-        self._decode = getattr(pl, f"paged_decode_{sfx}_{sfx}")
+        ksfx = _SUFFIX[kv_caches[0].dtype]   # a float32 model may keep a bfloat16 cache
+        self._kv_write = getattr(pl, f"kv_write_{sfx}_{ksfx}")
+        self._decode = getattr(pl, f"paged_decode_{sfx}_{ksfx}")
         self._gemm = ll.tm_lowbit_gemm
         cfg = model.config
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size

@@ -315,6 +315,7 @@ void paged_prefill_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, c
 #define DEFINE_ALL(QS, KS, QT, KT, RAWMUL) DEFINE_DECODE(QS, KS, QT, KT, RAWMUL) DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL)
 DEFINE_ALL(f32, f32, float, float, 1.f)
 DEFINE_ALL(bf16, bf16, uint16_t, uint16_t, 1.f)
+DEFINE_ALL(f32, bf16, float, uint16_t, 1.f)   /* float32 model, bfloat16 KV cache (AVX2 low-bit default) */
 DEFINE_ALL(f32, i8, float, int8_t, 1.f)
 DEFINE_ALL(bf16, i8, uint16_t, int8_t, 1.f)
 DEFINE_ALL(f32, e4m3, float, uint8_t, E4M3_RAW_MUL)
@@ -364,6 +365,7 @@ void kv_write_##QS##_##KS(const QT* k, const QT* v, const int64_t* slot_mapping,
 }
 DEFINE_KV_WRITE(f32, f32, float, float)
 DEFINE_KV_WRITE(bf16, bf16, uint16_t, uint16_t)
+DEFINE_KV_WRITE(f32, bf16, float, uint16_t)
 DEFINE_KV_WRITE(f32, i8, float, int8_t)
 DEFINE_KV_WRITE(bf16, i8, uint16_t, int8_t)
 DEFINE_KV_WRITE(f32, e4m3, float, uint8_t)

@@ -266,7 +266,9 @@ class TorchAttentionBackend(AttentionBackend):
     K/V scales into the query scale and the output; the torch path
     dequantises the gathered rows (and the fresh K/V of a prompt without a
     cached prefix go through the same quantise/dequantise round trip, so
-    every path sees the values the cache holds).
+    every path sees the values the cache holds). A float cache of another
+    dtype than the query (a float32 model's bfloat16 cache, the CPU low-bit
+    path's default) is widened likewise.
 
     Args:
         use_cpu_kernel: allow the fused CPU kernels.
@@ -432,6 +434,8 @@ class TorchAttentionBackend(AttentionBackend):
         kc, vc = kv[0], kv[1]
         if is_quantized(kv_cache.dtype):
             kc, vc = dequantize(kc, ks, q.dtype), dequantize(vc, vs, q.dtype)
+        elif kc.dtype != q.dtype:   # a float32 model's bfloat16 cache
+            kc, vc = kc.to(q.dtype), vc.to(q.dtype)
         if plan.has_pad:   # positions past a request's context were never written (the pool is not zeroed)
             vc = vc.masked_fill(plan.pad.reshape(b, 1, plan.length, 1), 0)
         scores = torch.matmul(q.view(b, kvh, h // kvh, d), kc.transpose(-1, -2)).float() * scale
@@ -454,6 +458,8 @@ class TorchAttentionBackend(AttentionBackend):
             if quant:   # the values the cache holds
                 k = dequantize(quantize(k, ks, kv_cache.dtype), ks, q.dtype)
                 v = dequantize(quantize(v, vs, kv_cache.dtype), vs, q.dtype)
+            elif kv_cache.dtype != q.dtype:
+                k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
             g = h // k.shape[1]
             kk, vv = k.transpose(0, 1), v.transpose(0, 1)
             if g > 1:
@@ -463,6 +469,8 @@ class TorchAttentionBackend(AttentionBackend):
             kt, vt = kv[0], kv[1]
             if quant:
                 kt, vt = dequantize(kt, ks, q.dtype), dequantize(vt, vs, q.dtype)
+            elif kt.dtype != q.dtype:
+                kt, vt = kt.to(q.dtype), vt.to(q.dtype)
             kk, vv = kt, vt
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk[None], vv[None], attn_mask=plan.mask,
                                              is_causal=plan.mask is None, scale=scale)

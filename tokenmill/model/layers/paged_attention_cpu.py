@@ -20,7 +20,9 @@ The prefill kernel (:func:`paged_prefill`) is FlashAttention-2's online
 softmax (Dao, arXiv 2307.08691, Algorithm 1) over 16-key tiles of the paged
 cache, for every prefill/chunk request of a step in one call.
 
-Cache element types: float32 and bfloat16 (the model's dtype), and the
+Cache element types: float32 and bfloat16 (the model's dtype; a float32
+model may also keep a bfloat16 cache, the default of its low-bit CPU path,
+see :func:`~tokenmill.model.layers.kv_quant.resolve_kv_cache_dtype`), and the
 quantised KV caches of ``--kv-cache-dtype``: int8, fp8 e4m3fn, fp8 e5m2,
 each with one float scale per layer for K and one for V (the cache holds
 ``x / scale``). Every element is widened to float32 on load; accumulation is
@@ -63,7 +65,7 @@ _PREFILL_ARGTYPES = [_P] * 5 + [_I] + [_P] * 3 + [_I] * 5 + [_F, _F, _F, _N]
 DTYPE_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.int8: "i8",
                 torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn, torch.float8_e5m2)
-_COMBOS = [("f32", "f32"), ("bf16", "bf16")] + [(qs, ks) for qs in ("f32", "bf16") for ks in ("i8", "e4m3", "e5m2")]
+_COMBOS = [("f32", "f32"), ("bf16", "bf16"), ("f32", "bf16")] + [(qs, ks) for qs in ("f32", "bf16") for ks in ("i8", "e4m3", "e5m2")]
 _KV_WRITE_ARGTYPES = [_P, _P, _P, _I, _I, _I, _I, _P, _P, _F, _F]
 _FUNCTIONS = {**{f"paged_decode_{qs}_{ks}": _DECODE_ARGTYPES for qs, ks in _COMBOS},
               **{f"kv_write_{qs}_{ks}": _KV_WRITE_ARGTYPES for qs, ks in _COMBOS},
@@ -96,7 +98,8 @@ def _suffixes(q: torch.Tensor, kv_cache: torch.Tensor) -> tuple[str, str] | None
 
 def supports(q: torch.Tensor, kv_cache: torch.Tensor, isa: str | None = None) -> bool:
     """True when the decode kernel can serve this call: CPU, query float32/bfloat16 with a cache of the
-    same dtype or a quantised one (int8, fp8 e4m3fn/e5m2), GQA heads divide evenly, library loaded."""
+    same dtype, a bfloat16 cache for a float32 query, or a quantised one (int8, fp8 e4m3fn/e5m2), GQA heads
+    divide evenly, library loaded."""
     return (q.device.type == "cpu" and kv_cache.device.type == "cpu" and _suffixes(q, kv_cache) is not None
             and q.shape[1] % kv_cache.shape[3] == 0 and kv_cache.is_contiguous() and load(isa) is not None)
 
@@ -107,7 +110,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
     Args:
         q: ``[B, H, D]`` float32 or bfloat16 (made contiguous if needed).
-        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous: ``q.dtype``, or int8 /
+        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous: ``q.dtype``, bfloat16 (float32 ``q``), or int8 /
             float8_e4m3fn / float8_e5m2 holding ``x / k_scale`` (K) and ``x / v_scale`` (V).
         block_tables: ``[B, >= ceil(max(seq_lens) / block_size)]`` int32, last dim contiguous.
         seq_lens: ``[B]`` int32 context lengths (including the new token, whose K/V
