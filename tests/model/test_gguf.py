@@ -367,6 +367,8 @@ def test_runner_uses_lowbit_weights_for_small_steps(tmp_path, monkeypatch, dtype
     def runner(limit: str, i8_limit: str = "0"):
         monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", limit)
         monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", i8_limit)
+        # the model's dtype for the KV cache in every runner: only the weights' path differs
+        monkeypatch.setenv("TOKENMILL_CPU_KV_BF16", "0")
         cfg = EngineConfig.from_kwargs(model=str(path), dtype=dtype, num_kv_blocks=16, block_size=4,
                                        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
         return ModelRunner.from_config(cfg)
