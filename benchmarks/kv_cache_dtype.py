@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="GGUF file or HF folder (default: packaged SmolLM2-135M)")
     ap.add_argument("--context", type=int, default=256, help="cached tokens per request")
     ap.add_argument("--batches", default="32,64")
+    ap.add_argument("--prefill", type=int, default=0, help="also time a prefill step of this many prompts")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (each: both arms, every batch)")
     ap.add_argument("--reps", type=int, default=5, help="timed steps per arm, batch and round")
     args = ap.parse_args()
@@ -65,6 +66,10 @@ def main() -> None:
         for kv in r.kv_caches:
             kv.copy_(torch.randn(kv.shape, generator=g) * 0.5)
     steps = {(a, b): synthetic_step(r, [1] * b, [args.context] * b) for a, r in runners.items() for b in batches}
+    if args.prefill:   # a prefill step: --prefill prompts of --context tokens (the random workload's first steps)
+        batches.append(-args.prefill)
+        for a, r in runners.items():
+            steps[a, -args.prefill] = synthetic_step(r, [args.context] * args.prefill, [0] * args.prefill)
     res: dict = {k: {"step": [], "attention": []} for k in steps}
     for _ in range(args.rounds):
         for b in batches:
@@ -72,12 +77,13 @@ def main() -> None:
                 br = step_breakdown(r, steps[a, b], args.reps)
                 res[a, b]["step"].append(br["step"])
                 res[a, b]["attention"].append(br["attention"])
-    print(f"\n{'decode step':<24}{'f32 KV ms':>11}{'bf16 KV ms':>12}{'speed-up':>10}"
+    print(f"\n{'step':<24}{'f32 KV ms':>11}{'bf16 KV ms':>12}{'speed-up':>10}"
           f"{'attn f32':>10}{'attn bf16':>11}{'speed-up':>10}")
     for b in batches:
         f = {k: statistics.median(res['float32', b][k]) for k in ("step", "attention")}
         h = {k: statistics.median(res['auto', b][k]) for k in ("step", "attention")}
-        print(f"{f'B={b} ctx={args.context}':<24}{f['step'] * 1e3:>11.1f}{h['step'] * 1e3:>12.1f}"
+        label = f"B={b} ctx={args.context}" if b > 0 else f"prefill {-b}x{args.context}"
+        print(f"{label:<24}{f['step'] * 1e3:>11.1f}{h['step'] * 1e3:>12.1f}"
               f"{f['step'] / h['step']:>9.2f}x{f['attention'] * 1e3:>10.1f}{h['attention'] * 1e3:>11.1f}"
               f"{f['attention'] / max(h['attention'], 1e-9):>9.2f}x")
     print(f"load after: {os.getloadavg()[0]:.1f}; {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
