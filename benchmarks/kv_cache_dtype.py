@@ -1,10 +1,10 @@
 """Ablation of the KV cache dtype for a float32 model: decode steps with a float32 and a bfloat16 cache.
 
-A float32 model on the CPU low-bit path (the AVX2 serving path) keeps a
-bfloat16 KV cache by default (``--kv-cache-dtype auto``, see
-:func:`tokenmill.model.layers.kv_quant.auto_kv_bf16`). This script builds two
-runners of the same model in one process, one with ``--kv-cache-dtype float32``
-and one with the default, and times the same synthetic decode steps
+A float32 model on the CPU low-bit path (the AVX2 serving path) can keep a
+bfloat16 KV cache (``--kv-cache-dtype bfloat16``, or ``auto`` with
+``TOKENMILL_CPU_KV_BF16=1``, see :func:`tokenmill.model.layers.kv_quant.auto_kv_bf16`).
+This script builds two runners of the same model in one process, one with
+``--kv-cache-dtype float32`` and one with ``bfloat16``, and times the same synthetic decode steps
 (``B`` requests with ``--context`` cached tokens each; greedy sampling
 included) on each, interleaved round by round so both see the same machine
 load. Prints the median step and its attention part (KV write + paged
@@ -51,7 +51,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     need_blocks = max(batches) * (-(-(args.context + 1) // 16)) + 8
     runners = {}
-    for arm in ("float32", "auto"):
+    for arm in ("float32", "bfloat16"):
         cfg = EngineConfig.from_kwargs(model=args.model, dtype="float32", num_kv_blocks=need_blocks,
                                        max_model_len=max(args.context + 64, 1024), enforce_eager=True,
                                        max_num_seqs=max(batches), enable_prefix_caching=False, kv_cache_dtype=arm)
@@ -59,7 +59,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, kernel ISA {cpu_isa()}, {threads} threads; KV cache: "
           + ", ".join(f"--kv-cache-dtype {a} -> {str(r.kv_cache_dtype).replace('torch.', '')}"
                       for a, r in runners.items())
-          + f"; low-bit steps <= {runners['auto'].lowbit_max_tokens} tokens; load {os.getloadavg()[0]:.1f}")
+          + f"; low-bit steps <= {runners['bfloat16'].lowbit_max_tokens} tokens; load {os.getloadavg()[0]:.1f}")
     # a real pool is written by the prefills: fill it, so no read is served by the kernel's shared zero page
     g = torch.Generator().manual_seed(0)
     for r in runners.values():
@@ -81,7 +81,7 @@ def main() -> None:
           f"{'attn f32':>10}{'attn bf16':>11}{'speed-up':>10}")
     for b in batches:
         f = {k: statistics.median(res['float32', b][k]) for k in ("step", "attention")}
-        h = {k: statistics.median(res['auto', b][k]) for k in ("step", "attention")}
+        h = {k: statistics.median(res['bfloat16', b][k]) for k in ("step", "attention")}
         label = f"B={b} ctx={args.context}" if b > 0 else f"prefill {-b}x{args.context}"
         print(f"{label:<24}{f['step'] * 1e3:>11.1f}{h['step'] * 1e3:>12.1f}"
               f"{f['step'] / h['step']:>9.2f}x{f['attention'] * 1e3:>10.1f}{h['attention'] * 1e3:>11.1f}"

@@ -1,8 +1,9 @@
-"""A float32 model on the CPU low-bit path keeps a bfloat16 KV cache by default (``--kv-cache-dtype auto``).
+"""With ``TOKENMILL_CPU_KV_BF16=1`` a float32 model on the CPU low-bit path keeps a bfloat16 KV cache
+(``--kv-cache-dtype auto``; opt-in, off by default).
 
 Chosen only there: float32 + CPU + the GGUF's low-bit codes attached. Parity
-runs (float32, low-bit off), bfloat16 models, ``--kv-cache-dtype float32``
-and ``TOKENMILL_CPU_KV_BF16=0`` keep the model's dtype. The logits of the
+runs (float32, low-bit off), bfloat16 models, ``--kv-cache-dtype float32``,
+the default and ``TOKENMILL_CPU_KV_BF16=0`` keep the model's dtype. The logits of the
 same scheduled steps stay within a stated tolerance of the float32-cache
 runner's (K/V rounded to 8 mantissa bits is the only difference).
 """
@@ -37,8 +38,11 @@ def make(dtype: torch.dtype, lowbit: bool = True, **kw) -> ModelRunner:
     return runner, model, arch
 
 
-def test_resolve_rule():
+def test_resolve_rule(monkeypatch):
     f32, bf16, cpu = torch.float32, torch.bfloat16, torch.device("cpu")
+    monkeypatch.delenv(CPU_KV_BF16_ENV, raising=False)
+    assert resolve_kv_cache_dtype("auto", f32, cpu, lowbit=True) == f32     # opt-in
+    monkeypatch.setenv(CPU_KV_BF16_ENV, "1")
     assert resolve_kv_cache_dtype("auto", f32, cpu, lowbit=True) == bf16
     assert resolve_kv_cache_dtype("auto", f32, cpu, lowbit=False) == f32
     assert resolve_kv_cache_dtype("auto", f32, torch.device("cuda"), lowbit=True) == f32
@@ -52,7 +56,7 @@ def test_resolve_rule():
 
 def test_chosen_only_on_the_float32_low_bit_path(monkeypatch, caplog):
     needs_lowbit(torch.float32)
-    monkeypatch.delenv(CPU_KV_BF16_ENV, raising=False)
+    monkeypatch.setenv(CPU_KV_BF16_ENV, "1")
     with caplog.at_level("INFO", logger="tokenmill.model.runner"):
         runner = make(torch.float32)[0]
     assert runner.lowbit_max_tokens and runner.kv_cache_dtype == torch.bfloat16
@@ -67,11 +71,13 @@ def test_chosen_only_on_the_float32_low_bit_path(monkeypatch, caplog):
     monkeypatch.delenv("TOKENMILL_CPU_INT4_MAX_TOKENS")
     monkeypatch.setenv(CPU_KV_BF16_ENV, "0")
     assert make(torch.float32)[0].kv_cache_dtype == torch.float32
+    monkeypatch.delenv(CPU_KV_BF16_ENV)                          # opt-in: off by default
+    assert make(torch.float32)[0].kv_cache_dtype == torch.float32
 
 
 def test_logits_stay_close_to_the_float32_cache(monkeypatch):
     needs_lowbit(torch.float32)
-    monkeypatch.delenv(CPU_KV_BF16_ENV, raising=False)
+    monkeypatch.setenv(CPU_KV_BF16_ENV, "1")
     bf, model_b, arch = make(torch.float32)
     ref, model_f, _ = make(torch.float32, kv_cache_dtype="float32")
     assert bf.kv_cache_dtype == torch.bfloat16 and ref.kv_cache_dtype == torch.float32

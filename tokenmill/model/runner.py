@@ -85,7 +85,7 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
                         f"{lowbit_max_tokens + 1}..{min(i8, 1 << 20)} tokens")
     kv = name(kv_dtype)
     if kv_dtype == torch.bfloat16 and dtype == torch.float32:
-        kv += " (float32 model: --kv-cache-dtype float32 or TOKENMILL_CPU_KV_BF16=0 keeps float32)"
+        kv += " (float32 model, TOKENMILL_CPU_KV_BF16=1: --kv-cache-dtype float32 keeps float32)"
     if device.type != "cpu":
         logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, kv)
         return

@@ -38,7 +38,7 @@ _MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.
 _CALC_DIVISOR = {torch.int8: (100.0, 100.0), torch.float8_e4m3fn: (200.0, 100.0), torch.float8_e5m2: (200.0, 100.0)}
 
 
-#: ``0`` keeps a float32 KV cache for a float32 model on the CPU low-bit path (``auto`` picks bfloat16 there).
+#: ``1`` makes ``auto`` pick a bfloat16 KV cache for a float32 model on the CPU low-bit path (opt-in; default off).
 CPU_KV_BF16_ENV = "TOKENMILL_CPU_KV_BF16"
 
 
@@ -47,7 +47,10 @@ def auto_kv_bf16(model_dtype: torch.dtype, device: torch.device | str, lowbit: b
 
     True for a float32 model on the CPU whose small steps run the GGUF's
     low-bit codes (``lowbit``: the serving path of AVX2 CPUs, where float32
-    is the model dtype), unless ``TOKENMILL_CPU_KV_BF16=0``. Why: decode
+    is the model dtype) when ``TOKENMILL_CPU_KV_BF16=1`` (opt-in: off by
+    default until its end-to-end gain is measured on a quiet machine, since
+    it changes logits by the K/V rounding; ``--kv-cache-dtype bfloat16``
+    asks for it outright). Why: decode
     attention reads every cached K/V element once per step, so at 32-64
     requests it is bandwidth bound; bfloat16 halves the bytes (and doubles
     the tokens a pool holds). Measured on the 2-core AVX2 EPYC, 30 layers,
@@ -57,7 +60,7 @@ def auto_kv_bf16(model_dtype: torch.dtype, device: torch.device | str, lowbit: b
     Parity runs (float32, low-bit off) keep a float32 cache.
     """
     return (model_dtype == torch.float32 and torch.device(device).type == "cpu" and lowbit
-            and os.environ.get(CPU_KV_BF16_ENV, "1") != "0")
+            and os.environ.get(CPU_KV_BF16_ENV, "0") == "1")
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str = "cpu",
