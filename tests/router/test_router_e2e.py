@@ -16,8 +16,7 @@ from tokenmill.router.prompt import PromptTokenizer
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
+def _replicas(tmp_path_factory):
     logs = tmp_path_factory.mktemp("replicas")
     reps = [LocalReplica(["--num-kv-blocks", "64", "--max-model-len", "1024", "--max-num-seqs", "8"],
                          log_path=str(logs / f"r{i}.log")) for i in range(2)]
@@ -30,6 +29,20 @@ def replicas(tmp_path_factory):
     finally:
         for r in reps:
             r.stop()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    yield from _replicas(tmp_path_factory)
+
+
+@pytest.fixture
+def empty_replicas(tmp_path_factory):
+    """Replicas whose KV pools hold nothing yet. A router started over replicas whose pools hold blocks
+    from before it subscribed sees those blocks' BlockRemoved events without their BlockStored, so it
+    learns a pool size below the real one and its busy hold sends a follower elsewhere (a known
+    limitation of learning the pool size from events; see README "The router")."""
+    yield from _replicas(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -119,13 +132,13 @@ def _requests(router_url: str, backend_url: str) -> float:
     return 0.0
 
 
-def test_kv_aware_holds_a_concurrent_follower_until_its_prefix_is_computed(replicas, prompt_tokenizer):
+def test_kv_aware_holds_a_concurrent_follower_until_its_prefix_is_computed(empty_replicas, prompt_tokenizer):
     """Two requests of a new prefix at once: the second must not be prefilled next to the first (the engine
     shares computed blocks only); the router holds it until the first one's KV events arrive, and it then
     finds the whole prefix cached on the same replica."""
     from concurrent.futures import ThreadPoolExecutor
 
-    router = RouterThread(RouterConfig(backends=[r.spec for r in replicas], policy="kv_aware",
+    router = RouterThread(RouterConfig(backends=[r.spec for r in empty_replicas], policy="kv_aware",
                                        health_check_interval=0.5), prompt_tokenizer).start()
     try:
         rt = router.router
