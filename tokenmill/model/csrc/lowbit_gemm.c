@@ -27,6 +27,18 @@
 
 #define NT 16
 
+/* Write a tile's accumulators out[mr][NT] (first nn columns) to y[r0 + r, n0 + j] (row stride ldy elements),
+ * adding bias[n0 + j] when given, as bfloat16 (y_bf16) or float32. Shared by the float and integer paths. */
+static inline void store_tile(const float *out, int mr, int64_t nn, const float *bias, int64_t n0, void *y,
+                              int y_bf16, int64_t ldy, int64_t r0) {
+    for (int r = 0; r < mr; r++)
+        for (int64_t j = 0; j < nn; j++) {
+            float v = out[r * NT + j] + (bias ? bias[n0 + j] : 0.f);
+            if (y_bf16) ((uint16_t *)y)[(r0 + r) * ldy + n0 + j] = f32_to_bf16(v);
+            else ((float *)y)[(r0 + r) * ldy + n0 + j] = v;
+        }
+}
+
 #if defined(__AVX512F__)
 #define MR_MAX 8
 #define ISA_NAME "avx512"
@@ -398,12 +410,7 @@ void tm_lowbit_gemm(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
             else
 #endif
             tile_rows(bits, c, sc, mn, xf + r0 * K, xs + r0 * ng, K, group, mr, out);
-            for (int r = 0; r < mr; r++)
-                for (int64_t j = 0; j < nn; j++) {
-                    float v = out[r * NT + j] + (bias ? bias[n0 + j] : 0.f);
-                    if (y_bf16) ((uint16_t *)y)[(r0 + r) * ldy + n0 + j] = f32_to_bf16(v);
-                    else ((float *)y)[(r0 + r) * ldy + n0 + j] = v;
-                }
+            store_tile(out, mr, nn, bias, n0, y, y_bf16, ldy, r0);
         }
     }
     free(xf);
@@ -704,12 +711,7 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
         for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
             const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
             tile_rows_i8(bits, c, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, group, SB, mr, out);
-            for (int r = 0; r < mr; r++)
-                for (int64_t j = 0; j < nn; j++) {
-                    float v = out[r * NT + j] + (bias ? bias[n0 + j] : 0.f);
-                    if (y_bf16) ((uint16_t *)y)[(r0 + r) * ldy + n0 + j] = f32_to_bf16(v);
-                    else ((float *)y)[(r0 + r) * ldy + n0 + j] = v;
-                }
+            store_tile(out, mr, nn, bias, n0, y, y_bf16, ldy, r0);
         }
     }
     }
