@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 
 import pytest
 
@@ -481,14 +482,21 @@ def test_kv_aware_holds_a_follower_until_its_prefix_is_computed():
     assert p.hold(bs, rin(a2)) == (None, bs)
     d2 = p.select(bs, rin(a2))
     assert d2.backend is d1.backend and d2.matched == 40
-    # the first request ending (no events at all) also releases it
+    # the first request ending without its events: held for the grace (its answer can overtake the event
+    # batch of the step that computed it), then released
     p2 = _kv_policy(KVIndex())
     p2.index.expect_events(0)
     p2.index.expect_events(1)
+    assert p2.recheck_in() is None
     d = p2.select(bs, rin(a))
     assert p2.hold(bs, rin(a2))[0] == "prefill"
     p2.on_finish(d)
-    assert p2.hold(bs, rin(a2))[0] is None
+    assert p2.hold(bs, rin(a2))[0] == "prefill"
+    assert 0 < p2.recheck_in() <= p2.EVENT_GRACE_S
+    for u in p2.unconfirmed.values():                          # the grace passes
+        for h in u:
+            u[h] = time.monotonic() - 1
+    assert p2.hold(bs, rin(a2))[0] is None and p2.recheck_in() is None
     # off, or for a backend without an event subscription, nothing is held
     p3 = _kv_policy(KVIndex(), prefill_wait=False)
     p3.select(bs, rin(a))
@@ -534,3 +542,138 @@ def test_kv_aware_busy_backends_are_skipped_and_all_busy_holds():
         make_policy("kv_aware", busy_threshold=-0.5)
     assert make_policy("kv_aware", busy_threshold=0.0).busy_threshold is None     # 0: off
     assert make_policy("kv_aware").busy_threshold == 1.0
+
+
+# -- pool size reported by the backend ------------------------------------------
+def test_reported_pool_size_wins_over_the_learnt_one():
+    """A router that subscribes to a pool already holding blocks sees BlockRemoved of blocks it never saw
+    stored and learns a pool size below the real one; the size the backend reports is used instead."""
+    idx = KVIndex()
+    a = block_hash_chain(list(range(16)), 4)
+    old = block_hash_chain(list(range(900, 916)), 4)     # stored before the router subscribed
+    _fill(idx, 0, a)
+    idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=old[:2])]))
+    assert idx.pool_size(0) == 4                         # learnt: far below the real 64
+    idx.touch(0, a)                                      # a is reused
+    assert idx.reused_overflow(0, 4) == 4                # the learnt size says a would be evicted
+    idx.set_pool_size(0, 64)
+    assert idx.pool_size(0) == 64 and idx.reused_overflow(0, 4) == 0
+    assert idx.pool_size(1) is None
+    idx.set_pool_size(1, 32)                             # known before any event
+    assert idx.pool_size(1) == 32
+    idx.set_pool_size(0, None)                           # unknown again (the backend went down)
+    assert idx.pool_size(0) == 4
+
+
+def test_busy_hold_uses_the_reported_pool_size():
+    bs = backends(1)
+    idx = KVIndex()
+    _fill(idx, 0, block_hash_chain(list(range(16)), 4))
+    idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[b"x" * 8])]))  # learnt 4
+    p = KVAware(index=idx, block_size=4, busy_threshold=1.0)
+    bs[0].in_flight = 1
+    req = RouteInput(num_prompt_tokens=12, block_hashes=block_hash_chain(list(range(200, 212)), 4))
+    assert p.busy(bs[0], req)                            # 1 in flight + 3 new + 1 tail > 4
+    idx.set_pool_size(0, 64)
+    assert not p.busy(bs[0], req)
+
+
+def test_parse_pool_blocks_reads_cache_config_info():
+    from tokenmill.router.backends import parse_pool_blocks
+
+    text = ('# HELP tokenmill:cache_config_info Information of the KV cache configuration.\n'
+            '# TYPE tokenmill:cache_config_info gauge\n'
+            'tokenmill:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+            'engine="0",model_name="m",num_gpu_blocks="120"} 1.0\n'
+            'tokenmill:cache_config_info{block_size="16",cache_dtype="auto",enable_prefix_caching="True",'
+            'engine="1",model_name="m",num_gpu_blocks="100"} 1.0\n'
+            'tokenmill:num_requests_running{engine="0",model_name="m"} 3.0\n')
+    assert parse_pool_blocks(text) == 100                # the smallest core's pool (data parallel)
+    vllm = ('# TYPE vllm:cache_config_info gauge\n'
+            'vllm:cache_config_info{block_size="16",num_gpu_blocks="4096",num_cpu_blocks="None"} 1.0\n')
+    assert parse_pool_blocks(vllm) == 4096
+    assert parse_pool_blocks('tokenmill:num_requests_running{engine="0"} 3.0\n') is None
+    assert parse_pool_blocks('vllm:cache_config_info{num_gpu_blocks="None"} 1.0\n') is None
+    assert parse_pool_blocks('this is { not prometheus') is None
+
+
+def test_prometheus_exports_cache_config_info():
+    from tokenmill.metrics.prometheus import PrometheusStatLogger
+    from tokenmill.router.backends import parse_pool_blocks
+
+    prom = PrometheusStatLogger("m", 2048)
+    prom.set_cache_config(0, 4321, 16, "auto", True)
+    text = prom.render().decode()
+    line = next(ln for ln in text.splitlines() if ln.startswith("tokenmill:cache_config_info{"))
+    assert 'num_gpu_blocks="4321"' in line and 'block_size="16"' in line and line.endswith(" 1.0")
+    assert parse_pool_blocks(text) == 4321
+
+
+def test_health_checker_reads_the_pool_size_until_known_and_again_after_a_restart():
+    import asyncio
+
+    import httpx
+
+    from tokenmill.router.backends import HealthChecker
+
+    state = {"blocks": 77, "metrics_calls": 0, "up": True}
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if not state["up"]:
+            raise httpx.ConnectError("refused", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "m"}]})
+        if request.url.path == "/metrics":
+            state["metrics_calls"] += 1
+            return httpx.Response(200, text=f'tokenmill:cache_config_info{{engine="0",num_gpu_blocks='
+                                            f'"{state["blocks"]}"}} 1.0\n')
+        return httpx.Response(404)
+
+    async def run() -> None:
+        bs = backends(1)
+        bs[0].healthy = False
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            hc = HealthChecker(bs, client, unhealthy_after=1, read_pool_size=True)
+            assert await hc.check(bs[0]) and bs[0].pool_blocks == 77
+            await hc.check(bs[0])
+            assert state["metrics_calls"] == 1           # known: not read again
+            state["up"] = False
+            assert not await hc.check(bs[0]) and bs[0].pool_blocks is None
+            state["up"], state["blocks"] = True, 55       # restarted with another pool
+            assert await hc.check(bs[0]) and bs[0].pool_blocks == 55
+            off = HealthChecker(backends(1), client)       # not kv_aware: /metrics is not read
+            calls = state["metrics_calls"]
+            assert await off.check(off.backends[0]) and off.backends[0].pool_blocks is None
+            assert state["metrics_calls"] == calls
+
+    asyncio.run(run())
+
+
+def test_kv_aware_follower_released_by_the_first_ending_still_finds_its_prefix():
+    """The first request's answer reached the router before the BlockStored batch of the step that computed
+    its prompt (a replay of missed batches, or a loaded machine, delays it): the follower stays held until
+    the events arrive and then goes where the prefix is, instead of to a backend with no overlap."""
+    bs = backends(2)
+    idx = KVIndex()
+    for b in bs:
+        idx.expect_events(b.index)
+    a = block_hash_chain(list(range(40)) + [7000], 4)
+    a2 = block_hash_chain(list(range(40)) + [7001], 4)
+    rin = lambda chain: RouteInput(block_hashes=chain, num_prompt_tokens=41)  # noqa: E731
+    p = _kv_policy(idx)
+    d1 = p.select(bs, rin(a))
+    _begin(d1)
+    assert p.hold(bs, rin(a2))[0] == "prefill"
+    p.on_finish(d1)                                           # answered; no events yet
+    assert p.hold(bs, rin(a2))[0] == "prefill"
+    idx.apply(d1.backend.index, KVEventBatch(ts=0.0, events=[stored(a[:10])]))
+    assert p.hold(bs, rin(a2))[0] is None
+    d2 = p.select(bs, rin(a2))
+    assert d2.backend is d1.backend and d2.matched == 40
+    # blocks already confirmed when the request ends are not kept waiting for
+    p.unconfirmed.clear()
+    d3 = p.select(bs, rin(a))
+    p.on_finish(d3)
+    assert not p.unconfirmed.get(d3.backend.index, {}).keys() & set(a[:10])

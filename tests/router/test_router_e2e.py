@@ -36,15 +36,6 @@ def replicas(tmp_path_factory):
     yield from _replicas(tmp_path_factory)
 
 
-@pytest.fixture
-def empty_replicas(tmp_path_factory):
-    """Replicas whose KV pools hold nothing yet. A router started over replicas whose pools hold blocks
-    from before it subscribed sees those blocks' BlockRemoved events without their BlockStored, so it
-    learns a pool size below the real one and its busy hold sends a follower elsewhere (a known
-    limitation of learning the pool size from events; see README "The router")."""
-    yield from _replicas(tmp_path_factory)
-
-
 @pytest.fixture(scope="module")
 def prompt_tokenizer():
     return PromptTokenizer.load(None)
@@ -132,19 +123,24 @@ def _requests(router_url: str, backend_url: str) -> float:
     return 0.0
 
 
-def test_kv_aware_holds_a_concurrent_follower_until_its_prefix_is_computed(empty_replicas, prompt_tokenizer):
+def test_kv_aware_holds_a_concurrent_follower_until_its_prefix_is_computed(replicas, prompt_tokenizer, tmp_path):
     """Two requests of a new prefix at once: the second must not be prefilled next to the first (the engine
     shares computed blocks only); the router holds it until the first one's KV events arrive, and it then
-    finds the whole prefix cached on the same replica."""
+    finds the whole prefix cached on the same replica. The replicas' pools already hold blocks from the
+    module's earlier tests: a router that learnt the pool size from events (BlockRemoved without their
+    BlockStored) took it for far smaller and its busy hold sent the follower to the other replica; the
+    size now comes from each replica's /metrics (cache_config_info)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    router = RouterThread(RouterConfig(backends=[r.spec for r in empty_replicas], policy="kv_aware",
-                                       health_check_interval=0.5), prompt_tokenizer).start()
+    log = tmp_path / "decisions.jsonl"
+    router = RouterThread(RouterConfig(backends=[r.spec for r in replicas], policy="kv_aware",
+                                       health_check_interval=0.5, decision_log=str(log)), prompt_tokenizer).start()
     try:
         rt = router.router
         deadline = time.monotonic() + 10
         while not all(b.healthy for b in rt.backends) and time.monotonic() < deadline:
             time.sleep(0.1)
+        assert [rt.index.pool_size(b.index) for b in rt.backends] == [64, 64], "pool sizes from /metrics"
         prefix = "Summarise the customs ledger for the night clerk, line by line, in the harbour's own words. " * 28
         n_prefix = len(prompt_tokenizer.token_ids("/v1/completions", {"prompt": prefix}))
         before = {b.index: _requests(router.url, b.url) for b in rt.backends}
@@ -152,7 +148,12 @@ def test_kv_aware_holds_a_concurrent_follower_until_its_prefix_is_computed(empty
             futs = [ex.submit(_complete, router.url, prefix + q) for q in ("Question: first?", "Question: second?")]
             outs = [f.result() for f in futs]
         after = {b.index: _requests(router.url, b.url) for b in rt.backends}
-        assert sorted(after[i] - before[i] for i in after) == [0, 2], "both went to one replica"
+        if sorted(after[i] - before[i] for i in after) != [0, 2]:
+            time.sleep(1)
+            subs = {i: (x.last_seq, x.num_batches, x.num_gaps, x.num_replayed, x.num_resets, x.replay_endpoint)
+                    for i, x in rt.subscribers.items()}
+            raise AssertionError(f"both went to one replica {subs} blocks "
+                                 f"{[rt.index.num_blocks(b.index) for b in rt.backends]}\n" + log.read_text())
         cached = sorted(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
         held = [line for line in httpx.get(router.url + "/metrics").text.splitlines()
                 if line.startswith("tokenmill:router_held_requests_total")]

@@ -124,6 +124,7 @@ class DPAsyncEngine:
         self._stats = [EngineStats() for _ in range(n)]
         self._owner: dict[str, int] = {}
         self.info: CoreInfo | None = None
+        self.core_infos: list[CoreInfo] = []   # each core's own info (its KV pool), once ready
         self.num_routed = [0] * n
         for i, e in enumerate(self.engines):
             e.add_dead_callback(lambda reason, i=i: self._fail_the_other_cores(i, reason))
@@ -173,6 +174,7 @@ class DPAsyncEngine:
         except BaseException:
             self.shutdown()
             raise
+        self.core_infos = list(infos)
         for i in infos:
             if i.parallel:
                 logger.info("%s", i.parallel)

@@ -329,6 +329,13 @@ class PrometheusStatLogger:
                                      "Factor --slo applies to TPOT predictions, learnt from measured / predicted "
                                      "TPOT of finished requests.", ["model_name"], registry=r).labels(model_name)
         self.slo_tpot_factor.set(1.0)
+        # vLLM's cache_config_info: one series per engine whose labels carry the KV cache configuration
+        # (value 1); the router reads each backend's pool size (num_gpu_blocks) from it
+        self._cache_config = Gauge(PREFIX + "cache_config_info",
+                                   "Information of the KV cache configuration (labels; value 1). num_gpu_blocks "
+                                   "is the engine's KV pool size in blocks (on any device).",
+                                   ["model_name", "engine", "block_size", "cache_dtype", "enable_prefix_caching",
+                                    "num_gpu_blocks"], registry=r)
         self._engines: dict[int, _EngineSeries] = {}
         self.engine(0)  # export engine 0's zeros from the start
 
@@ -338,6 +345,19 @@ class PrometheusStatLogger:
         if e is None:
             e = self._engines[index] = _EngineSeries(self._fams, self.model_name, str(index))
         return e
+
+    def set_cache_config(self, index: int, num_blocks: int, block_size: int, cache_dtype: str,
+                         enable_prefix_caching: bool) -> None:
+        """Export engine core ``index``'s KV cache configuration as ``tokenmill:cache_config_info``.
+
+        Args:
+            num_blocks: the core's KV pool size in blocks (label ``num_gpu_blocks``, vLLM's name).
+            block_size: tokens per block.
+            cache_dtype: ``--kv-cache-dtype`` as configured (``auto``, ``bfloat16``, ``fp8``, ...).
+            enable_prefix_caching: ``--enable-prefix-caching``.
+        """
+        self._cache_config.labels(self.model_name, str(index), str(block_size), cache_dtype,
+                                  str(bool(enable_prefix_caching)), str(int(num_blocks))).set(1)
 
     def observe_ttft_prediction(self, seconds: float) -> None:
         """One TTFT prediction of SLO admission control (admitted or refused request), seconds."""

@@ -211,12 +211,14 @@ class Router:
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=256))
         self.health = HealthChecker(self.backends, self.client, c.health_check_interval, c.health_check_timeout,
                                     unhealthy_after=c.health_failure_threshold, api_key=c.backend_api_key,
-                                    scrape_metrics=c.load_source == "metrics")
+                                    scrape_metrics=c.load_source == "metrics",
+                                    read_pool_size=c.policy == "kv_aware")
         self.health.on_change = self._on_health_change
-        self.health.on_round = self._fail_dead_backends
+        self.health.on_round = self._after_health_round
         self._changed = asyncio.Event()
         self.loop = asyncio.get_running_loop()
         await self.health.check_all()
+        self._sync_pool_sizes()
         self.health.start()
         if c.policy == "kv_aware":
             for b in self.backends:
@@ -247,6 +249,15 @@ class Router:
         if ev is None:
             ev = self._dead[b.index] = asyncio.Event()
         return ev
+
+    def _after_health_round(self) -> None:
+        self._sync_pool_sizes()
+        self._fail_dead_backends()
+
+    def _sync_pool_sizes(self) -> None:
+        """Give the KV index the pool sizes the backends report (kv_aware's busy hold and eviction term)."""
+        for b in self.backends:
+            self.index.set_pool_size(b.index, b.pool_blocks)
 
     def _fail_dead_backends(self) -> None:
         """After each health round: fail the in-flight requests of backends down for too long (a hung or
@@ -444,8 +455,10 @@ class Router:
                     assert self._changed is not None
                     change = asyncio.ensure_future(self._changed.wait())
                     self.metrics.holding.inc()
+                    recheck = policy.recheck_in()   # a deadline inside the policy (e.g. events overdue)
+                    wait_s = left if recheck is None else min(left, recheck + 0.001)
                     try:
-                        await asyncio.wait({change, watcher}, timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait({change, watcher}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
                     finally:
                         self.metrics.holding.dec()
                         change.cancel()

@@ -124,6 +124,9 @@ class Backend:
         reported_load: running + waiting requests from its last ``/metrics`` scrape
             (``tokenmill:`` or ``vllm:`` names; None until scraped).
         routed_since_scrape: requests this router sent it since that scrape.
+        pool_blocks: its KV pool size in blocks, read from ``cache_config_info``'s ``num_gpu_blocks`` in
+            its ``/metrics`` (the smallest over its engine cores; None until read, or when it does not
+            export it). Reset when it goes down: a restarted backend may have another pool.
     """
 
     spec: BackendSpec
@@ -139,6 +142,7 @@ class Backend:
     reported_load: int | None = None
     routed_since_scrape: int = 0
     down_since: float | None = None   # time.monotonic() when it last left the rotation (None: healthy)
+    pool_blocks: int | None = None
 
     @property
     def url(self) -> str:
@@ -157,6 +161,7 @@ class Backend:
             self.down_since = time.monotonic()
         self.healthy = False
         self.last_error = reason
+        self.pool_blocks = None
 
     def mark_up(self, models: list[str]) -> None:
         if not self.healthy:
@@ -186,6 +191,31 @@ def parse_load(text: str) -> int:
     return int(total)
 
 
+_CACHE_CONFIG_METRICS = ("tokenmill:cache_config_info", "vllm:cache_config_info")
+
+
+def parse_pool_blocks(text: str) -> int | None:
+    """A backend's KV pool size in blocks from its Prometheus text: the ``num_gpu_blocks`` label of
+    ``tokenmill:cache_config_info`` (or vLLM's ``vllm:cache_config_info``), the smallest over its engine
+    cores (with ``--data-parallel-size`` each core has its own pool). None when absent or unparsable."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sizes = []
+    try:
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                if sample.name in _CACHE_CONFIG_METRICS:
+                    try:
+                        n = int(float(sample.labels.get("num_gpu_blocks", "")))
+                    except ValueError:
+                        continue
+                    if n > 0:
+                        sizes.append(n)
+    except Exception:  # noqa: BLE001 - a malformed exposition: no pool size
+        return None
+    return min(sizes) if sizes else None
+
+
 class _SaysUnhealthy(RuntimeError):
     """The backend answered its health check with an error status (it says so itself: out at once)."""
 
@@ -202,12 +232,15 @@ class HealthChecker:
             the rotation (an error status from ``/health`` takes it out at once).
         api_key: sent as ``Authorization: Bearer`` to ``/v1/models`` if set.
         scrape_metrics: also read ``/metrics`` for running + waiting requests (``least_load --load-source metrics``).
+        read_pool_size: read each backend's KV pool size (:func:`parse_pool_blocks`) from ``/metrics``
+            until known (kv_aware); a scrape for the load reads it too.
     """
 
     def __init__(self, backends: list[Backend], client: httpx.AsyncClient, interval: float = 1.0,
                  timeout: float = 2.0, unhealthy_after: int = 3, api_key: str | None = None,
-                 scrape_metrics: bool = False) -> None:
+                 scrape_metrics: bool = False, read_pool_size: bool = False) -> None:
         self.scrape_metrics = scrape_metrics
+        self.read_pool_size = read_pool_size
         self.backends = backends
         self.client = client
         self.interval = interval
@@ -231,12 +264,18 @@ class HealthChecker:
             if m.status_code != 200:
                 raise RuntimeError(f"/v1/models answered {m.status_code}")
             models = [str(d["id"]) for d in m.json().get("data", []) if isinstance(d, dict) and "id" in d]
-            if self.scrape_metrics:
+            pool_blocks = b.pool_blocks
+            if self.scrape_metrics or (self.read_pool_size and pool_blocks is None):
                 r = await self.client.get(f"{b.url}/metrics", timeout=self.timeout)
                 if r.status_code == 200:
-                    b.reported_load = parse_load(r.text)
-                    b.routed_since_scrape = 0
+                    if self.scrape_metrics:
+                        b.reported_load = parse_load(r.text)
+                        b.routed_since_scrape = 0
+                    pool_blocks = parse_pool_blocks(r.text) or pool_blocks
             b.mark_up(models)
+            if pool_blocks is not None and pool_blocks != b.pool_blocks:
+                logger.info("backend %s: KV pool of %d blocks (from its /metrics)", b.url, pool_blocks)
+            b.pool_blocks = pool_blocks
         except Exception as e:  # noqa: BLE001 - any failure is "not healthy"
             b.consecutive_failures += 1
             if b.consecutive_failures >= self.unhealthy_after or not b.healthy or isinstance(e, _SaysUnhealthy):

@@ -60,7 +60,7 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "[default: on].")
     g.add_argument("--active-decode-blocks-threshold", type=float, default=1.0, metavar="FRACTION",
                    help="A backend whose in-flight requests plus this one would hold more than this fraction of "
-                        "its KV pool (size learnt from its events once it evicts) is busy: requests go to the "
+                        "its KV pool (size from its /metrics cache_config_info, else learnt from its events once it evicts) is busy: requests go to the "
                         "others, and wait at the router while every backend is busy, up to "
                         "--router-queue-timeout (Dynamo's flag name; Dynamo rejects instead of waiting). At 1 a "
                         "request waits only when it cannot fit next to the KV in flight, where the engine would "

@@ -62,6 +62,9 @@ class KVIndex:
         self.last_lag: dict[int, float] = {}
         self.max_lag: dict[int, float] = {}
         self._evicting: set[int] = set()     # backends seen removing a block (their pool was full)
+        # pool sizes the backends report (their /metrics cache_config_info): preferred to the learnt ones,
+        # which are too small while the pool still holds blocks stored before the router subscribed
+        self.reported_capacity: dict[int, int] = {}
         self._subscribed: set[int] = set()   # backends whose events the router receives
 
     def expect_events(self, backend: int) -> None:
@@ -72,9 +75,21 @@ class KVIndex:
         """True when the router subscribes to ``backend``'s KV events."""
         return backend in self._subscribed
 
+    def set_pool_size(self, backend: int, blocks: int | None) -> None:
+        """``backend`` reports a pool of ``blocks`` blocks (None: unknown again, e.g. it went down)."""
+        if blocks:
+            self.reported_capacity[backend] = int(blocks)
+        else:
+            self.reported_capacity.pop(backend, None)
+
     def pool_size(self, backend: int) -> int | None:
-        """``backend``'s pool size in blocks: the most it was seen holding, once it evicted a block (the
-        engine removes a hash only to reuse its block, so its pool was full); None before."""
+        """``backend``'s pool size in blocks: the size it reports (:meth:`set_pool_size`), else the most it
+        was seen holding, once it evicted a block (the engine removes a hash only to reuse its block, so
+        its pool was full); None before. The learnt size is too small while the pool still holds blocks
+        stored before the router subscribed (their ``BlockRemoved`` arrive without a ``BlockStored``)."""
+        reported = self.reported_capacity.get(backend)
+        if reported:
+            return reported
         return self.capacity.get(backend) if backend in self._evicting else None
 
     def has_events(self, backend: int) -> bool:
@@ -173,9 +188,10 @@ class KVIndex:
 
         Returns:
             ``min(reused + in use + new - capacity, evictable reused)``, at least 0; 0 while the
-            capacity is unknown (no events yet).
+            capacity is unknown (not reported and no events yet). The capacity: the reported pool size,
+            else the most blocks seen held.
         """
-        cap = self.capacity.get(backend)
+        cap = self.reported_capacity.get(backend) or self.capacity.get(backend)
         held = self._held.get(backend)
         if not cap or not held or new_blocks <= 0:
             return 0

@@ -19,6 +19,7 @@ import abc
 import logging
 import math
 import random
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -105,6 +106,11 @@ class Policy(abc.ABC):
 
     def on_finish(self, decision: RouteDecision) -> None:
         """The request routed by ``decision`` ended (answered, failed or abandoned)."""
+
+    def recheck_in(self) -> float | None:
+        """Seconds after which a held request should be asked about again even if nothing changed
+        (a deadline inside the policy passes); None: only on a change. The base policy has none."""
+        return None
 
 
 def _check(candidates: Sequence[Backend]) -> None:
@@ -244,7 +250,7 @@ class KVAware(Policy):
       requests: shared prefixes) that placing the request on ``w`` pushes out
       of ``w``'s pool, now or once its stale blocks are gone
       (:meth:`KVIndex.reused_overflow`: reused + in-use + new blocks beyond
-      the pool size, which is learnt from the events; use counts come from
+      the pool size, which the backend reports (else learnt from the events); use counts come from
       the events and the requests routed there). Each will have to be
       prefilled again by the next request of its prefix, so it costs like a
       prefill block, scaled by ``eviction_weight``. Dynamo's cost has no such
@@ -293,6 +299,12 @@ class KVAware(Policy):
     * ``prefill_wait`` (``--kv-prefill-wait``): the backend this request would go to holds part of
       its prefix only as blocks of a request still being prefilled there (in ``pending``, not yet in
       its KV events); the engine shares computed blocks only, so the request waits for the events.
+      A request that ended keeps its blocks expected on its backend (``unconfirmed``) for
+      :attr:`EVENT_GRACE_S` (or twice the backend's worst event lag seen, at most
+      :attr:`MAX_EVENT_GRACE_S`) until its ``BlockStored`` events arrive: its answer can reach the
+      router before the event batch of the step that computed its prompt (a replay of missed batches
+      or a loaded machine delays the batch), and a follower released at that moment would find no
+      overlap anywhere and prefill the prefix on another backend.
 
     With ``temperature == 0`` the cheapest backend wins (ties in turn);
     otherwise costs are normalised to [0, 1] and a backend is drawn with
@@ -317,6 +329,8 @@ class KVAware(Policy):
 
     name = "kv_aware"
     needs_tokens = True
+    EVENT_GRACE_S = 1.0       # an ended request's blocks stay expected this long without their events
+    MAX_EVENT_GRACE_S = 5.0
 
     def __init__(self, index: KVIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
                  block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0,
@@ -345,6 +359,9 @@ class KVAware(Policy):
         self._next = 0
         # blocks of in-flight requests per backend: hash -> number of requests
         self.pending: dict[int, dict[bytes, int]] = {}
+        # blocks of ended requests whose BlockStored events have not arrived yet: hash -> deadline
+        # (time.monotonic()); they count like pending blocks for the overlap until then
+        self.unconfirmed: dict[int, dict[bytes, float]] = {}
 
     @property
     def block_size(self) -> int:
@@ -363,9 +380,11 @@ class KVAware(Policy):
         pend_overlaps: dict[int, int] = {}
         for b in candidates:
             pend = self.pending.get(b.index)
-            if pend:
+            unconf = self._unconfirmed(b.index)
+            if pend or unconf:
+                pend, unconf = pend or {}, unconf or {}
                 k = 0
-                while k < len(hashes) and hashes[k] in pend:
+                while k < len(hashes) and (hashes[k] in pend or hashes[k] in unconf):
                     k += 1
                 pend_overlaps[b.index] = k
                 if k > overlaps.get(b.index, 0):
@@ -423,9 +442,9 @@ class KVAware(Policy):
         """True when ``b``'s in-flight requests plus ``req`` would hold more than ``busy_threshold`` of its pool.
 
         Held blocks: the decode term (distinct full blocks of its in-flight requests, a tail block each,
-        and ``req``'s blocks not among them, plus ``req``'s own tail block). The pool size is the most
-        blocks its KV events ever showed it holding, trusted once it evicted a block (a pool that
-        evicts is full). A backend with nothing in flight, or whose pool size is not known yet, is never
+        and ``req``'s blocks not among them, plus ``req``'s own tail block). The pool size is the one the
+        backend reports in its ``/metrics`` (:meth:`KVIndex.pool_size`), else the most blocks its KV
+        events ever showed it holding, trusted once it evicted a block (a pool that evicts is full). A backend with nothing in flight, or whose pool size is not known yet, is never
         busy: a request alone always goes.
         """
         if self.busy_threshold is None or b.in_flight == 0:
@@ -448,8 +467,8 @@ class KVAware(Policy):
           request routed there is still computing (in flight, not yet confirmed by a ``BlockStored``
           event). The engine shares only computed blocks, so sent now it would prefill them again next to
           the first request (twice the work and two copies in the pool); it waits until the events
-          confirm them, the first request ends, or the timeout. Only for backends whose events the
-          router receives.
+          confirm them, the grace after the first request ended passes (``unconfirmed``), or the
+          timeout. Only for backends whose events the router receives.
         """
         _check(candidates)
         avail = candidates
@@ -480,16 +499,37 @@ class KVAware(Policy):
         return self.index.reused_overflow(backend, new_blocks, keep)
 
     def on_finish(self, decision: RouteDecision) -> None:
-        pend = self.pending.get(decision.backend.index)
+        b = decision.backend.index
+        pend = self.pending.get(b)
         if pend is None or not decision.block_hashes:
             return
-        for h in decision.block_hashes:
+        expect = self.prefill_wait and self.index.expects_events(b) and decision.backend.healthy
+        deadline = time.monotonic() + min(self.MAX_EVENT_GRACE_S,
+                                          max(self.EVENT_GRACE_S, 2 * self.index.max_lag.get(b, 0.0)))
+        held = self.index.match(decision.block_hashes, [b])[b] if expect else 0
+        for i, h in enumerate(decision.block_hashes):
             c = pend.get(h, 0) - 1
             if c > 0:
                 pend[h] = c
             else:
                 pend.pop(h, None)
+                if expect and i >= held:   # computed there (or about to be), not confirmed yet
+                    self.unconfirmed.setdefault(b, {})[h] = deadline
         decision.block_hashes = None
+
+    def _unconfirmed(self, backend: int) -> dict[bytes, float] | None:
+        """``backend``'s ended requests' blocks still expected (expired ones dropped)."""
+        unconf = self.unconfirmed.get(backend)
+        if unconf:
+            now = time.monotonic()
+            for h in [h for h, t in unconf.items() if t <= now]:
+                del unconf[h]
+        return unconf or None
+
+    def recheck_in(self) -> float | None:
+        """Seconds until the earliest ``unconfirmed`` block expires (a held request is asked again then)."""
+        soonest = min((t for u in self.unconfirmed.values() for t in u.values()), default=None)
+        return None if soonest is None else max(0.0, soonest - time.monotonic())
 
     def _pick(self, candidates: Sequence[Backend], costs: dict[int, float]) -> Backend:
         lo = min(costs.values())
@@ -506,6 +546,7 @@ class KVAware(Policy):
     def on_backend_down(self, backend: Backend) -> None:
         # its events resume (or restart at seq 0) when it returns; keep the index until then
         self.pending.pop(backend.index, None)
+        self.unconfirmed.pop(backend.index, None)
 
 
 POLICIES = ("round_robin", "least_load", "prefix_aware", "kv_aware")

@@ -53,6 +53,9 @@ def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: An
     assert engine.info is not None, "engine must be started"
     name = served_model_name(config, model_path)
     prom = PrometheusStatLogger(name, engine.info.max_model_len)
+    for i, info in enumerate(getattr(engine, "core_infos", None) or [engine.info]):
+        prom.set_cache_config(i, info.num_kv_blocks, info.block_size, config.cache.kv_cache_dtype,
+                              config.cache.enable_prefix_caching)
     log_stats = LoggingStatLogger(config.server.log_stats_interval)
     admission = AdmissionController(config.scheduler.max_num_waiting_requests,
                                     config.scheduler.max_num_waiting_tokens)
