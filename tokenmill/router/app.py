@@ -455,7 +455,9 @@ class Router:
                     assert self._changed is not None
                     change = asyncio.ensure_future(self._changed.wait())
                     self.metrics.holding.inc()
-                    recheck = policy.recheck_in()   # a deadline inside the policy (e.g. events overdue)
+                    # a deadline inside the policy (e.g. events overdue); duck-typed policies may lack it
+                    recheck_in = getattr(policy, "recheck_in", None)
+                    recheck = recheck_in() if recheck_in is not None else None
                     wait_s = left if recheck is None else min(left, recheck + 0.001)
                     try:
                         await asyncio.wait({change, watcher}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
