@@ -113,7 +113,8 @@ def kernel_time(runner, so, arm: str, reps: int) -> tuple[float, dict[str, float
     runner.step_graph = graph if arm == "graph" else None
     acc, restore = kernel_timers()
     if runner.step_graph is not None:   # prepared calls hold the unwrapped functions: rebuild with the timers
-        runner.step_graph = sg.CpuStepGraph(runner.model, runner.kv_caches, runner.lowbit_max_tokens)
+        runner.step_graph = sg.CpuStepGraph(runner.model, runner.kv_caches, runner.lowbit_max_tokens,
+                                            graph.max_tokens)
     try:
         runner.execute_model(so)
         totals, splits = [], []

@@ -1,9 +1,11 @@
-"""CpuStepGraph: a small decode step as prepared C calls gives the eager forward's outputs bit for bit.
+"""CpuStepGraph: a decode step as prepared kernel calls gives the eager forward's outputs bit for bit.
 
 The same seeded model and the same scheduled steps (chunked prefills, decode
 steps of 1, 3 and 5 requests, a mixed step) run through a runner with the
 graph and one without it (the ablation switch); the logits of every step must
-be equal, and the graph must have served exactly the decode-only steps.
+be equal, and the graph must have served exactly the decode-only steps. With
+lowered limits the three decode sizes take the three GEMM paths (low-bit
+float32, integer low-bit, oneDNN dense).
 """
 
 from __future__ import annotations
@@ -43,8 +45,11 @@ def lowbit_weights(model) -> dict:
     return out
 
 
-def build(variant: str, dtype: torch.dtype, graph: bool, monkeypatch) -> tuple[ModelRunner, object, object]:
+def build(variant: str, dtype: torch.dtype, graph: bool, monkeypatch, limits: dict | None = None
+          ) -> tuple[ModelRunner, object, object]:
     monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH", "1" if graph else "0")
+    for k, v in (limits or {}).items():
+        monkeypatch.setenv(k, v)
     arch = tiny_arch(variant, max_position_embeddings=128)
     model = build_model_from_config(arch, dtype=dtype, seed=5)
     weights = lowbit_weights(model)
@@ -59,16 +64,33 @@ def needs_lowbit(dtype: torch.dtype) -> None:
         pytest.skip(f"no low-bit small-step path for {dtype} on this machine (oneDNN or the C kernel missing)")
 
 
+# decode steps of 1, 3 and 5 requests: all on the low-bit float32 kernel (default limits), or one on each of
+# the low-bit float32 kernel (<= 2), the integer low-bit kernel (<= 4) and oneDNN's dense GEMM (5)
+LIMITS = {"default": {},
+          "three_paths": {"TOKENMILL_CPU_INT4_MAX_TOKENS": "2", "TOKENMILL_CPU_INT8_ACT_MAX_TOKENS": "4"}}
+
+
+@pytest.mark.parametrize("limits", list(LIMITS))
 @pytest.mark.parametrize("variant", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_graph_steps_equal_the_eager_steps(variant, dtype, monkeypatch):
+def test_graph_steps_equal_the_eager_steps(variant, dtype, limits, monkeypatch):
     needs_lowbit(dtype)
-    eager, model_e, arch = build(variant, dtype, graph=False, monkeypatch=monkeypatch)
+    eager, model_e, arch = build(variant, dtype, graph=False, monkeypatch=monkeypatch, limits=LIMITS[limits])
     assert eager.step_graph is None
     logits_e, tokens_e, _ = play(eager, model_e, arch, check_reference=False)
 
-    runner, model, _ = build(variant, dtype, graph=True, monkeypatch=monkeypatch)
+    runner, model, _ = build(variant, dtype, graph=True, monkeypatch=monkeypatch, limits=LIMITS[limits])
     assert isinstance(runner.step_graph, CpuStepGraph)
+    if limits == "three_paths":
+        lin = model.model.layers[0].mlp.down_proj
+        assert (lin.lowbit_max_rows, lin.lowbit_i8_max_rows) == (2, 4), "integer path unavailable for this layer"
+        fns = {n: [c[0] for c in runner.step_graph._build(n, *[runner.buffers.to_device(k, n) for k in
+                                                                 ("slot_mapping", "block_tables", "seq_lens")], 1)]
+               for n in (1, 3, 5)}
+        g = runner.step_graph
+        assert g._gemm in fns[1] and g._gemm_i8 not in fns[1]
+        assert g._gemm_i8 in fns[3] and g._gemm not in fns[3]
+        assert g._gemm not in fns[5] and g._gemm_i8 not in fns[5]
     served = []
     run = runner.step_graph.run
     runner.step_graph.run = lambda ids, *a: served.append(ids.shape[0]) or run(ids, *a)
@@ -112,7 +134,16 @@ def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
     model.model.layers[1].self_attn.o_proj = o_proj
     assert unsupported_reason(model, cpu, torch.float32, torch.float32, 8) is None
     g = runner.step_graph
+    assert g.max_tokens == 8     # the runner's max_num_seqs
     assert g.accepts(5, 1, 5) and not g.accepts(9, 1, 9) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
+    # TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS caps the steps served; bad values are refused
+    monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "3")
+    capped = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)[0].step_graph
+    assert capped.max_tokens == 3 and capped.accepts(3, 1, 3) and not capped.accepts(4, 1, 4)
+    for bad in ("0", "x"):
+        monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", bad)
+        with pytest.raises(ValueError, match="STEP_GRAPH_MAX_TOKENS"):
+            build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)
 
 
 @pytest.mark.slow

@@ -238,7 +238,7 @@ class ModelRunner:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
         self._setup_kv_scales(config.cache.calculate_kv_scales)   # after capture: its warm-up steps are no batch
         log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
-        self.step_graph = None   # a CpuStepGraph for small decode steps (set below when the model allows)
+        self.step_graph = None   # a CpuStepGraph for decode-only steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None
         if config.speculative is not None:
@@ -248,9 +248,9 @@ class ModelRunner:
         self._setup_step_graph()
 
     def _setup_step_graph(self) -> None:
-        """Build the :class:`~tokenmill.model.step_graph.CpuStepGraph` for small decode steps where the
+        """Build the :class:`~tokenmill.model.step_graph.CpuStepGraph` for decode-only steps where the
         model, dtype, KV cache and device allow it (logged either way; ``TOKENMILL_CPU_STEP_GRAPH=0``: off)."""
-        from tokenmill.model.step_graph import CpuStepGraph, unsupported_reason
+        from tokenmill.model.step_graph import CpuStepGraph, max_tokens_from_env, unsupported_reason
 
         reason = unsupported_reason(self.model, self.device, self.dtype, self.kv_cache_dtype, self.lowbit_max_tokens,
                                     spec_decode=self.spec_decode is not None)
@@ -259,7 +259,9 @@ class ModelRunner:
         if reason is not None:
             logger.info("CPU step graph off: %s", reason)
             return
-        self.step_graph = CpuStepGraph(self.model, self.kv_caches, self.lowbit_max_tokens)
+        # every decode-only step up to max_num_seqs requests (TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS caps it)
+        self.step_graph = CpuStepGraph(self.model, self.kv_caches, self.lowbit_max_tokens,
+                                       max_tokens_from_env(self.config.scheduler.max_num_seqs))
 
     def _setup_kv_scales(self, calculate: bool) -> None:
         """Per-layer K/V scales of a quantised cache: checkpoint values, else computed from the first batch

@@ -1,39 +1,47 @@
-"""A small decode step of a Llama-family model as one prepared list of C kernel calls (CPU).
+"""A decode step of a Llama-family model as one prepared list of kernel calls (CPU).
 
 Why: at concurrency 1 a decode step's kernels are short (SmolLM2-135M, one
 token, bfloat16 on the 2-core AVX-512 EPYC: the 121 low-bit GEMVs, 30 paged
 attentions and the fused element-wise ops sum to ~5.6 ms), and the eager
-forward spends ~3 ms more in per-layer Python and dispatch around them:
+forward spends ~3-4 ms more in per-layer Python and dispatch around them:
 ``nn.Module`` calls, eligibility checks, ``torch.empty`` for every output,
 ``data_ptr()``/``stride()`` reads and the ctypes argument conversion of each
-call (measured with ``benchmarks/step_overhead.py``). llama.cpp runs the whole
-step in C++.
+call (measured with ``benchmarks/step_overhead.py``). That overhead grows with
+the batch (copies, the attention backend's per-step plan): 4.9 ms at 16 and
+6.4 ms at 64 decode requests (float32, AVX2; ``benchmarks/step_parts.py``).
+llama.cpp runs the whole step in C++.
 
-What: for steps whose every request decodes one token and whose token count
-``M`` is at most the low-bit limit (``TOKENMILL_CPU_INT4_MAX_TOKENS``), this
-module builds, once per ``M``, the exact sequence of C calls the eager forward
-makes — per layer: fused add+RMSNorm, low-bit q/k/v GEMM, in-place RoPE on q
-and k, K/V write into the paged cache, paged decode attention, low-bit o_proj,
-add+RMSNorm, low-bit gate/up, SiLU-and-multiply, low-bit down projection —
-with every argument (weight codes, persistent activation buffers, the
-runner's persistent slot-mapping / block-table / sequence-length buffers, the
-KV pool) resolved to a plain integer ahead of time. A step then is one
+What: for steps whose every request decodes one token (at most ``max_tokens``
+of them, the runner's ``max_num_seqs``), this module builds, once per step
+size ``M``, the exact sequence of calls the eager forward makes -- per layer:
+fused add+RMSNorm, q/k/v GEMM, in-place RoPE on q and k, K/V write into the
+paged cache, paged decode attention, o_proj, add+RMSNorm, gate/up GEMM,
+SiLU-and-multiply, down projection -- with every argument (weight codes,
+persistent activation buffers, the runner's persistent slot-mapping /
+block-table / sequence-length buffers, the KV pool) resolved ahead of time.
+Each GEMM takes the path :meth:`PackedLinear.forward` takes at ``M`` rows:
+the low-bit float32 kernel up to the low-bit limit, the integer low-bit
+kernel (int8 activations) up to its limit, else oneDNN's packed GEMM (one
+torch call and a copy into the persistent buffer). A step then is one
 embedding lookup, one cos/sin computation, and a Python loop of
-``fn(*args)`` calls: ~10 ctypes calls per layer and nothing else.
+``fn(*args)`` calls: ~10 calls per layer and nothing else.
 
 Same results: the calls, their arguments and their order are the eager
-path's (:meth:`LlamaForCausalLM.forward` with :class:`PackedLinear`'s low-bit
-path, :mod:`~tokenmill.model.layers.fused_cpu` and the decode kernel of
+path's (:meth:`LlamaForCausalLM.forward` with :class:`PackedLinear`,
+:mod:`~tokenmill.model.layers.fused_cpu` and the decode kernel of
 :mod:`~tokenmill.model.layers.paged_attention_cpu`), so outputs are bit-equal
 (``tests/model/test_step_graph.py``); only where the buffers live differs.
 The residual stream is updated in place (the fused add+norm reads each
 element before writing it at the same index).
 
 Where it does not apply the runner keeps the eager forward: prefill or
-mixed steps, steps above the low-bit limit, quantised KV caches (a float32
-model's bfloat16 cache is served), Qwen3's q/k norm, mixture-of-experts and pipeline-parallel models, speculative decoding,
-CUDA (device is a parameter of the runner; nothing here runs off the CPU).
-``TOKENMILL_CPU_STEP_GRAPH=0`` turns it off (the ablation switch).
+mixed steps, steps above ``max_tokens``, quantised KV caches (a float32
+model's bfloat16 cache is served), Qwen3's q/k norm, mixture-of-experts and
+pipeline-parallel models, speculative decoding, CUDA (device is a parameter
+of the runner; nothing here runs off the CPU). ``TOKENMILL_CPU_STEP_GRAPH=0``
+turns it off (the ablation switch); ``TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS=N``
+caps the step size it serves (e.g. the low-bit limit, 8, as before it took
+larger decode steps).
 
 Not thread-safe: one runner calls it from one thread. The hidden states it
 returns live in a buffer the next call overwrites.
@@ -49,6 +57,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "TOKENMILL_CPU_STEP_GRAPH"
+MAX_TOKENS_ENV = "TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS"
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -56,6 +65,24 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 def step_graph_enabled() -> bool:
     """False when ``TOKENMILL_CPU_STEP_GRAPH=0``."""
     return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def max_tokens_from_env(default: int) -> int:
+    """The largest decode step (tokens) the graph serves: ``TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS`` or ``default``.
+
+    Raises:
+        ValueError: the variable is not a positive integer.
+    """
+    raw = os.environ.get(MAX_TOKENS_ENV, "").strip()
+    if not raw:
+        return default
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ValueError(f"{MAX_TOKENS_ENV} must be a positive integer, got {raw!r}")
+    return n
 
 
 def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
@@ -115,34 +142,39 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
 
 
 class CpuStepGraph:
-    """Runs a decode-only step of at most ``max_tokens`` tokens as a prepared list of C calls.
+    """Runs a decode-only step of at most ``max_tokens`` tokens as a prepared list of kernel calls.
 
     Args:
         model: a :class:`~tokenmill.model.llama.LlamaForCausalLM` that
             :func:`unsupported_reason` accepts.
         kv_caches: the runner's per-layer pools ``[2, num_blocks, block_size, KVH, D]``.
-        max_tokens: largest step served (the low-bit limit).
+        lowbit_tokens: the runner's low-bit step limit (the linears' ``lowbit_max_rows``).
+        max_tokens: largest step served (default ``lowbit_tokens``; the runner passes its
+            ``max_num_seqs``). The persistent activation buffers grow to the largest step seen.
 
     Raises:
         ValueError: the model is not supported (see :func:`unsupported_reason`).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], max_tokens: int) -> None:
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], lowbit_tokens: int,
+                 max_tokens: int | None = None) -> None:
         from tokenmill.model.layers import fused_cpu, paged_attention_cpu
         from tokenmill.quantization import lowbit
 
         dtype = model.model.norm.weight.dtype
-        reason = unsupported_reason(model, torch.device("cpu"), dtype, kv_caches[0].dtype, max_tokens)
+        reason = unsupported_reason(model, torch.device("cpu"), dtype, kv_caches[0].dtype, lowbit_tokens)
         if reason is not None:
             raise ValueError(f"step graph unsupported: {reason}")
-        self.model, self.kv_caches, self.max_tokens, self.dtype = model, kv_caches, max_tokens, dtype
+        self.model, self.kv_caches, self.dtype = model, kv_caches, dtype
+        self.lowbit_tokens = lowbit_tokens
+        self.max_tokens = max(max_tokens or lowbit_tokens, 1)
         sfx = _SUFFIX[dtype]
         fl, pl, ll = fused_cpu.load(), paged_attention_cpu.load(model.attn_backend.cpu_isa), lowbit._default_kernel()
         self._norm, self._rope, self._silu = (getattr(fl, f"{n}_{sfx}") for n in ("rms_norm", "rope", "silu_mul"))
         ksfx = _SUFFIX[kv_caches[0].dtype]   # a float32 model may keep a bfloat16 cache
         self._kv_write = getattr(pl, f"kv_write_{sfx}_{ksfx}")
         self._decode = getattr(pl, f"paged_decode_{sfx}_{ksfx}")
-        self._gemm = ll.tm_lowbit_gemm
+        self._gemm, self._gemm_i8 = ll.tm_lowbit_gemm, ll.tm_lowbit_gemm_i8
         cfg = model.config
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
         a = model.model.layers[0].self_attn
@@ -150,23 +182,43 @@ class CpuStepGraph:
         self.q_size, self.kv_size = a.q_size, a.kv_size
         self.qkv_width = a.q_size + 2 * a.kv_size
         self.rotary_dim = model.rotary_emb.rotary_dim
-        m = max_tokens
-        z = lambda *shape: torch.zeros(shape, dtype=dtype)
-        # persistent activations: residual stream, normed input, q/k/v, contiguous q, attention out,
-        # o_proj out, gate/up, SiLU product, MLP out, final norm, cos/sin
-        self.res, self.hn, self.qkv = z(m, self.hidden), z(m, self.hidden), z(m, self.qkv_width)
-        self.q, self.attn, self.o = z(m, self.q_size), z(m, self.q_size), z(m, self.hidden)
-        self.gu, self.act, self.mlp = z(m, 2 * self.inter), z(m, self.inter), z(m, self.hidden)
-        self.final = z(m, self.hidden)
-        self.cos, self.sin = z(m, self.rotary_dim), z(m, self.rotary_dim)
         # float32 copies of the biases, as lowbit_linear makes them per call
         self._biases: list[torch.Tensor] = []
         self._calls: dict[tuple, list] = {}
-        logger.info("CPU step graph: decode steps of <= %d tokens run as %d prepared C calls per step (%s)",
-                    max_tokens, 10 * len(model.model.layers) + 1, dtype)
+        self.capacity = 0
+        self._ensure_capacity(min(self.max_tokens, max(lowbit_tokens, 8)))
+        logger.info("CPU step graph: decode steps of <= %d tokens run as ~%d prepared kernel calls per step (%s; "
+                    "low-bit GEMMs up to %d tokens, %s)", self.max_tokens, 10 * len(model.model.layers) + 1, dtype,
+                    lowbit_tokens, MAX_TOKENS_ENV)
+
+    def _ensure_capacity(self, m: int) -> None:
+        """Persistent activations for steps of ``m`` tokens (grown geometrically; prepared calls dropped)."""
+        if m <= self.capacity:
+            return
+        cap = min(self.max_tokens, max(m, 2 * self.capacity))
+        z = lambda *shape: torch.zeros(shape, dtype=self.dtype)
+        # residual stream, normed input, q/k/v, contiguous q, attention out, o_proj out, gate/up, SiLU product,
+        # MLP out, final norm, cos/sin
+        self.res, self.hn, self.qkv = z(cap, self.hidden), z(cap, self.hidden), z(cap, self.qkv_width)
+        self.q, self.attn, self.o = z(cap, self.q_size), z(cap, self.q_size), z(cap, self.hidden)
+        self.gu, self.act, self.mlp = z(cap, 2 * self.inter), z(cap, self.inter), z(cap, self.hidden)
+        self.final = z(cap, self.hidden)
+        self.cos, self.sin = z(cap, self.rotary_dim), z(cap, self.rotary_dim)
+        self.capacity = cap
+        self._calls.clear()
+        self._biases.clear()
 
     # -- building -----------------------------------------------------------
     def _gemm_args(self, lin, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple:
+        """The call :meth:`PackedLinear.forward` makes for ``m`` rows of ``x``, writing into ``y``."""
+        if m > lin.lowbit_max_rows and m > lin.lowbit_i8_max_rows:
+            # oneDNN's packed GEMM, as the eager layer runs it, then into the persistent buffer
+            xv, yv, packed, bias = x[:m], y[:m], lin.ensure_packed(), lin.bias
+            linear = torch.ops.mkldnn._linear_pointwise
+
+            def dense() -> None:
+                yv.copy_(linear(xv, packed, bias, "none", [], ""))
+            return (dense, ())
         w = lin.lowbit
         b = None
         if lin.bias is not None:
@@ -175,9 +227,10 @@ class CpuStepGraph:
             self._biases.append(bias)
             b = bias.data_ptr()
         bf = int(self.dtype == torch.bfloat16)
-        return (self._gemm, (x.data_ptr(), bf, x.stride(0), m, w.in_features, w.out_features, w.bits,
-                             w.codes.data_ptr(), w.group, w.scale.data_ptr(),
-                             None if w.min is None else w.min.data_ptr(), b, y.data_ptr(), bf, w.out_features))
+        fn, codes = (self._gemm, w.codes) if m <= lin.lowbit_max_rows else (self._gemm_i8, w.codes_i8)
+        return (fn, (x.data_ptr(), bf, x.stride(0), m, w.in_features, w.out_features, w.bits,
+                     codes.data_ptr(), w.group, w.scale.data_ptr(),
+                     None if w.min is None else w.min.data_ptr(), b, y.data_ptr(), bf, w.out_features))
 
     def _build(self, m: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                threads: int) -> list:
@@ -190,6 +243,8 @@ class CpuStepGraph:
         res, hn, qkv, q, attn, o = self.res, self.hn, self.qkv, self.q, self.attn, self.o
         gu, act, mlp = self.gu, self.act, self.mlp
         qkv_row = qkv.stride(0)
+        # the kernel wants contiguous [B, H, D] queries; one row is a contiguous slice already
+        copy_q = (q[:m].copy_, (qkv[:m, :self.q_size],)) if m > 1 else None
         for i, (layer, kv) in enumerate(zip(self.model.model.layers, self.kv_caches)):
             a = layer.self_attn
             if i == 0:   # the residual stream starts as the embeddings (in ``res``)
@@ -205,8 +260,8 @@ class CpuStepGraph:
             k_ptr, v_ptr = p(qkv) + self.q_size * esz, p(qkv) + (self.q_size + self.kv_size) * esz
             calls.append((self._kv_write, (k_ptr, v_ptr, p(slot_mapping), m, kvh * d, qkv_row, qkv_row,
                                            kv[0].data_ptr(), kv[1].data_ptr(), 1.0, 1.0)))
-            if m > 1:    # the kernel wants contiguous [B, H, D] queries; one row is a contiguous slice already
-                calls.append(("copy_q", None))
+            if copy_q is not None:
+                calls.append(copy_q)
             bs = kv.shape[2]
             calls.append((self._decode, (p(qkv) if m == 1 else p(q), kv[0].data_ptr(), kv[1].data_ptr(), p(attn),
                                          p(block_tables), block_tables.stride(0), p(seq_lens), m, nh, kvh, d, bs,
@@ -249,17 +304,15 @@ class CpuStepGraph:
                threads)
         calls = self._calls.get(key)
         if calls is None:
-            if len(self._calls) > 64:
+            self._ensure_capacity(m)
+            if len(self._calls) >= 4 * self.max_tokens + 64:
                 self._calls.clear()
+                self._biases.clear()
             calls = self._calls[key] = self._build(m, slot_mapping, block_tables, seq_lens, threads)
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=self.res[:m])
         cos, sin = self.model.rotary_emb.cos_sin(positions, self.dtype)
         self.cos[:m].copy_(cos.view(m, -1))
         self.sin[:m].copy_(sin.view(m, -1))
-        q_src, q_dst = self.qkv[:m, :self.q_size], self.q[:m]
         for fn, args in calls:
-            if args is None:
-                q_dst.copy_(q_src)
-            else:
-                fn(*args)
+            fn(*args)
         return self.final[:m]
