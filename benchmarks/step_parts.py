@@ -13,9 +13,11 @@ backend, sampling and input preparation. This script splits that rest:
   cos/sin computation (``cos_sin``), timed by wrapping them;
 * input preparation (``prepare``), and ``sample`` (LM head + sampler, from the
   runner's own timings) minus the LM head GEMM (``head``);
+* ``attn_glue``: the attention backend's own Python and torch ops around its
+  C kernels (per-step plan, the contiguous copy of q for the prefill kernel);
+  roofline counts it as attention;
 * ``glue``: the forward's remaining wall time -- Python, module calls,
-  ``torch.empty`` for outputs, the attention backend's per-step plan,
-  reshapes and copies between the kernels.
+  ``torch.empty`` for outputs, reshapes and copies between the kernels.
 
 ``step`` is the median of uninstrumented ``execute_model`` runs; the parts
 come from a separate instrumented pass (the timers add ~1 µs per call, so
@@ -42,7 +44,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import synthetic_step  # noqa: E402
 from step_overhead import kernel_timers  # noqa: E402
 
-PARTS = ("linear", "head", "attention", "norm", "rope", "silu", "embed", "cos_sin", "glue", "prepare", "sampler")
+PARTS = ("linear", "head", "attention", "attn_glue", "norm", "rope", "silu", "embed", "cos_sin", "glue", "prepare",
+         "sampler")
 
 
 def _category(label: str) -> str:
@@ -72,9 +75,10 @@ def step_parts(runner, so, reps: int, use_graph: bool) -> dict[str, float]:
         steps.append(time.perf_counter() - t0)
 
     acc, restore = kernel_timers()
-    py = {"embed": 0.0, "cos_sin": 0.0, "head_total": 0.0}
-    emb, rot = model.model.embed_tokens, model.rotary_emb
+    py = {"embed": 0.0, "cos_sin": 0.0, "head_total": 0.0, "attn_call": 0.0}
+    emb, rot, backend = model.model.embed_tokens, model.rotary_emb, model.attn_backend
     plain_emb, plain_cs, plain_logits = emb.forward, rot.cos_sin, model.compute_logits
+    plain_attn = backend.forward
 
     def timed(key, fn):
         def w(*a, **k):
@@ -85,6 +89,7 @@ def step_parts(runner, so, reps: int, use_graph: bool) -> dict[str, float]:
         return w
 
     emb.forward, rot.cos_sin = timed("embed", plain_emb), timed("cos_sin", plain_cs)
+    backend.forward = timed("attn_call", plain_attn)
     head_c = {"t": 0.0}
 
     def logits(hidden):
@@ -122,13 +127,14 @@ def step_parts(runner, so, reps: int, use_graph: bool) -> dict[str, float]:
             r.update(head=head, embed=py["embed"], cos_sin=py["cos_sin"], prepare=t["prepare"],
                      sampler=t["sample"] - py["head_total"])
             fwd_c = sum(r[p] for p in ("linear", "attention", "norm", "rope", "silu", "embed", "cos_sin"))
-            r["glue"] = t["forward"] - fwd_c + (py["head_total"] - head)
+            # the attention backend's own Python and torch ops (plan, q copy) outside its C kernels
+            r["attn_glue"] = py["attn_call"] - r["attention"] if py["attn_call"] else 0.0
+            r["glue"] = t["forward"] - fwd_c - r["attn_glue"] + (py["head_total"] - head)
             r["instrumented"] = total
             rows.append(r)
     finally:
         restore()
-        emb.forward, rot.cos_sin = plain_emb, plain_cs
-        del emb.forward, rot.cos_sin
+        del emb.forward, rot.cos_sin, backend.forward
         del model.compute_logits
         runner.step_graph = graph
     out = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
@@ -189,7 +195,7 @@ def main() -> None:
     print(f"\n{'case (ms)':<22}" + "".join(f"{c:>9}" for c in cols))
     for name, _, _ in cases:
         r = results[name]
-        # roofline's "other": everything but linears (with head), attention, sampler, prepare
+        # roofline's "other": everything but linears (with head), attention (with its glue), sampler, prepare
         r["other"] = r["norm"] + r["rope"] + r["silu"] + r["embed"] + r["cos_sin"] + r["glue"]
         print(f"{name:<22}" + "".join(f"{r[c]:>9.2f}" for c in cols))
     print("other = norm + rope + silu + embed + cos_sin + glue (roofline --breakdown's 'other'); "

@@ -33,6 +33,28 @@ def test_greedy_is_argmax():
     assert lps == [None] * 5
 
 
+def test_all_greedy_fast_path_equals_nan_to_num_then_argmax():
+    """The all-greedy batch skips nan_to_num only where that cannot change the argmax: rows with NaN, +inf,
+    only -inf, or a maximum at/below -1e30 (and -inf elsewhere) give what the full path gives."""
+    inf, nan = float("inf"), float("nan")
+    logits = rand_logits(9, vocab=6)
+    logits[1, 2] = nan
+    logits[2, [1, 4]] = inf
+    logits[3] = -inf
+    logits[4, 0] = -inf
+    logits[5] = torch.tensor([-inf, -3e30, -2e30, -inf, -5e30, -inf])
+    logits[6] = torch.tensor([nan] * 6)
+    logits[7, 3] = 2e30
+    reqs = [req(i, temperature=0.0) for i in range(9)]
+    ids, lps = Sampler(seed=0)(logits.clone(), reqs)
+    assert ids == torch.nan_to_num(logits, nan=-1e30, posinf=1e30, neginf=-1e30).argmax(-1).tolist()
+    assert ids[1] != 2 and ids[2] == 1 and ids[5] == 0 and ids[7] == 3 and lps == [None] * 9
+    # one row of each kind alone (the fast path serves the clean ones)
+    for r in range(9):
+        one = Sampler(seed=0)(logits[r:r + 1].clone(), reqs[:1])[0]
+        assert one == [ids[r]]
+
+
 def test_top_k_1_and_tiny_top_p_are_argmax():
     logits = rand_logits(6, seed=1)
     reqs = [req(i, temperature=1.5, top_k=1) for i in range(3)] + [req(i + 3, temperature=1.5, top_p=1e-6) for i in range(3)]

@@ -147,10 +147,15 @@ def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float32-int8"])
+def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype, monkeypatch):
     """The packaged SmolLM2 GGUF: a prompt, then 12 greedy decode steps of 2 requests (on separate blocks),
-    once through the graph and once through the eager forward: equal logits at every step."""
+    once through the graph and once through the eager forward: equal logits at every step.
+    ``float32-int8``: the 2-request steps run the integer low-bit path (low-bit float32 limit 1)."""
+    if dtype == "float32-int8":
+        dtype = "float32"
+        monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "1")
+        monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "64")
     from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
     from tokenmill.model.layers.linear import wait_for_packing
     from tokenmill.sampling_params import SamplingParams
@@ -164,6 +169,8 @@ def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype):
     wait_for_packing(runner.model)
     assert runner.step_graph is not None
     graph = runner.step_graph
+    if runner.lowbit_max_tokens == 1:
+        assert runner.model.model.layers[0].mlp.down_proj.lowbit_i8_max_rows == 64
     params = SamplingParams(temperature=0.0, max_tokens=64)
     prompts = [[1, 504, 3458, 282, 4649, 314, 2], [1, 378, 1345, 28, 339, 3067, 3929, 30, 5]]
 

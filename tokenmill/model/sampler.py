@@ -150,6 +150,15 @@ class Sampler:
             if want_lp and raw_mode else None
         logits = self._apply_penalties(logits, reqs)
         logits = self._apply_logit_bias(logits, params)
+        if not want_lp and all(p.greedy for p in params):
+            # all-greedy fast path: argmax of the raw rows, one pass instead of nan_to_num's copy + argmax.
+            # Equal to the path below whenever every row's maximum is finite and above -1e30: argmax returns a
+            # NaN's or +inf's index if the row has one (then the check fails), and nan_to_num only raises -inf
+            # to -1e30, below such a maximum. Rows failing the check take the full path.
+            token_ids = logits.argmax(dim=-1)
+            best = logits.gather(1, token_ids.unsqueeze(1))
+            if bool((torch.isfinite(best) & (best > -1e30)).all()):
+                return token_ids.tolist(), [None] * len(reqs)
         # Extreme penalties or a numerically broken model can give inf/NaN logits: keep every row a valid
         # distribution so a bad request can never produce an out-of-vocabulary id.
         # (1e30 stays finite after division by any allowed temperature, >= 1e-5.)
