@@ -4,9 +4,9 @@
 step after the weight GEMMs (forward hooks on the linears), the attention
 backend, sampling and input preparation. This script splits that rest:
 
-* the C kernels, each timed on its own (every ctypes function of the loaded
+* the kernels, each timed on its own (every ctypes function of the loaded
   kernel libraries wrapped with a timer, as in ``benchmarks/step_overhead.py``):
-  low-bit GEMMs (``linear``), K/V write + paged attention (``attention``), and
+  low-bit GEMMs and oneDNN's packed GEMM (``linear``; the LM head apart as ``head``), K/V write + paged attention (``attention``), and
   the fused element-wise kernels: add+RMSNorm (``norm``), RoPE (``rope``),
   SiLU-and-multiply (``silu``);
 * the torch parts of the forward: the embedding lookup (``embed``) and the
@@ -101,6 +101,17 @@ def step_parts(runner, so, reps: int, use_graph: bool) -> dict[str, float]:
         return out
 
     model.compute_logits = logits
+    # oneDNN's packed GEMM (PackedLinear's dense path, also inside the step graph): a torch op, timed as "linear"
+    ops = torch.ops.mkldnn
+    plain_dense = ops._linear_pointwise
+
+    def dense(*a, **k):
+        t0 = time.perf_counter()
+        out = plain_dense(*a, **k)
+        acc["lowbit_gemm:dense"] = acc.get("lowbit_gemm:dense", 0.0) + time.perf_counter() - t0
+        return out
+
+    setattr(ops, "_linear_pointwise", dense)
     if runner.step_graph is not None:
         runner.step_graph = sg.CpuStepGraph(model, runner.kv_caches, runner.lowbit_max_tokens, graph.max_tokens)
     rows = []
@@ -135,6 +146,7 @@ def step_parts(runner, so, reps: int, use_graph: bool) -> dict[str, float]:
     finally:
         restore()
         del emb.forward, rot.cos_sin, backend.forward
+        setattr(ops, "_linear_pointwise", plain_dense)
         del model.compute_logits
         runner.step_graph = graph
     out = {k: statistics.median(r[k] for r in rows) * 1e3 for k in rows[0]}
