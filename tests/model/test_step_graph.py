@@ -81,7 +81,14 @@ def test_graph_steps_equal_the_eager_steps(variant, dtype, limits, monkeypatch):
 
     runner, model, _ = build(variant, dtype, graph=True, monkeypatch=monkeypatch, limits=LIMITS[limits])
     assert isinstance(runner.step_graph, CpuStepGraph)
+    served = []
+    run = runner.step_graph.run
+    runner.step_graph.run = lambda ids, *a: served.append(ids.shape[0]) or run(ids, *a)
     if limits == "three_paths":
+        assert runner.step_graph.capacity == 2
+    logits_g, tokens_g, _ = play(runner, model, arch, check_reference=False)
+    if limits == "three_paths":
+        assert runner.step_graph.capacity == 8   # grown: 2 -> 4 (step of 3) -> 8 (step of 5)
         lin = model.model.layers[0].mlp.down_proj
         assert (lin.lowbit_max_rows, lin.lowbit_i8_max_rows) == (2, 4), "integer path unavailable for this layer"
         fns = {n: [c[0] for c in runner.step_graph._build(n, *[runner.buffers.to_device(k, n) for k in
@@ -91,10 +98,6 @@ def test_graph_steps_equal_the_eager_steps(variant, dtype, limits, monkeypatch):
         assert g._gemm in fns[1] and g._gemm_i8 not in fns[1]
         assert g._gemm_i8 in fns[3] and g._gemm not in fns[3]
         assert g._gemm not in fns[5] and g._gemm_i8 not in fns[5]
-    served = []
-    run = runner.step_graph.run
-    runner.step_graph.run = lambda ids, *a: served.append(ids.shape[0]) or run(ids, *a)
-    logits_g, tokens_g, _ = play(runner, model, arch, check_reference=False)
 
     decode_only = [len(s) for s in STEPS if all(n == 1 for _, n in s)]
     assert served == decode_only == [3, 1, 5]

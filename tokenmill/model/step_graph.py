@@ -186,7 +186,7 @@ class CpuStepGraph:
         self._biases: list[torch.Tensor] = []
         self._calls: dict[tuple, list] = {}
         self.capacity = 0
-        self._ensure_capacity(min(self.max_tokens, max(lowbit_tokens, 8)))
+        self._ensure_capacity(min(self.max_tokens, max(lowbit_tokens, 1)))   # grows with the steps seen
         logger.info("CPU step graph: decode steps of <= %d tokens run as ~%d prepared kernel calls per step (%s; "
                     "low-bit GEMMs up to %d tokens, %s)", self.max_tokens, 10 * len(model.model.layers) + 1, dtype,
                     lowbit_tokens, MAX_TOKENS_ENV)
