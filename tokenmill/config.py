@@ -119,7 +119,7 @@ class CacheConfig:
 
     kv_transfer_config: str | None = _f(None, "KV connector for prefill-decode disaggregation, as vLLM's JSON: '{\"kv_connector\": \"TcpConnector\", \"kv_role\": \"kv_producer\", \"kv_ip\": \"127.0.0.1\", \"kv_port\": 14579, \"kv_connector_extra_config\": {}}' (connectors: TcpConnector, SharedMemoryConnector; roles kv_producer, kv_consumer, kv_both; see tokenmill/kv_transfer/). Default: off.")
 
-    kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the model's dtype; with TOKENMILL_CPU_KV_BF16=1, bfloat16 for a float32 model on the CPU low-bit path), bfloat16, float32, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, int8 (1 byte per element; per-layer K and V scales, from the checkpoint, --calculate-kv-scales, or 1.0; int8 always calculates them unless the checkpoint has them).")
+    kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the model's dtype, except bfloat16 for a float32 model on the CPU low-bit path, unlike vLLM: half the bytes per decode step; TOKENMILL_CPU_KV_BF16=0 or --kv-cache-dtype float32 keeps float32), bfloat16, float32, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, int8 (1 byte per element; per-layer K and V scales, from the checkpoint, --calculate-kv-scales, or 1.0; int8 always calculates them unless the checkpoint has them).")
     calculate_kv_scales: bool = _f(False, "With an fp8/int8 KV cache: compute each layer's K/V scales from the first batch (fp8: amax/200 for K and amax/100 for V, as vLLM; int8: amax/100) instead of the checkpoint's or 1.0.")
 
     def __post_init__(self) -> None:

@@ -367,10 +367,11 @@ def test_runner_uses_lowbit_weights_for_small_steps(tmp_path, monkeypatch, dtype
     def runner(limit: str, i8_limit: str = "0"):
         monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", limit)
         monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", i8_limit)
-        # the model's dtype for the KV cache in every runner: only the weights' path differs
-        monkeypatch.setenv("TOKENMILL_CPU_KV_BF16", "0")
+        # the model's dtype for the KV cache in every runner (auto would pick bfloat16 for the float32 low-bit
+        # runners only): this test bounds the weights' path, so that is all that may differ
         cfg = EngineConfig.from_kwargs(model=str(path), dtype=dtype, num_kv_blocks=16, block_size=4,
-                                       max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+                                       max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                                       kv_cache_dtype=dtype)
         return ModelRunner.from_config(cfg)
 
     on, off, i8 = runner("8"), runner("0"), runner("2", "32")
@@ -445,7 +446,10 @@ def test_integer_lowbit_path_logits_on_smollm2(monkeypatch):
     for name, i4, i8 in (("dense", "0", "0"), ("i8", "8", "4096"), ("f32", "4096", "0")):
         monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", i4)
         monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", i8)
-        cfg = EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=16, block_size=16, max_model_len=256)
+        # float32 KV cache in every runner (auto: bfloat16 on the low-bit runners, float32 on the dense one):
+        # this test bounds the weights' paths; the bfloat16 cache's own bound is in test_kv_cache_bf16_default.py
+        cfg = EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=16, block_size=16, max_model_len=256,
+                                       kv_cache_dtype="float32")
         runners[name] = ModelRunner.from_config(cfg, with_tokenizer=True)
     if not runners["i8"].model.model.layers[0].mlp.down_proj.lowbit_i8_max_rows:
         pytest.skip("the integer path cannot serve this model here")

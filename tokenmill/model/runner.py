@@ -85,7 +85,7 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
                         f"{lowbit_max_tokens + 1}..{min(i8, 1 << 20)} tokens")
     kv = name(kv_dtype)
     if kv_dtype == torch.bfloat16 and dtype == torch.float32:
-        kv += " (float32 model, TOKENMILL_CPU_KV_BF16=1: --kv-cache-dtype float32 keeps float32)"
+        kv += " (float32 model: --kv-cache-dtype float32 keeps float32)"
     if device.type != "cpu":
         logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, kv)
         return
@@ -209,6 +209,10 @@ class ModelRunner:
         lowbit_limit = lowbit_max_tokens(device, dtype) if lowbit_weights else 0
         # auto: a float32 model on the CPU low-bit path keeps a bfloat16 cache (kv_quant.auto_kv_bf16)
         self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, bool(lowbit_limit))
+        if config.cache.kv_cache_dtype == "auto" and self.kv_cache_dtype != dtype:
+            logger.info("--kv-cache-dtype auto: bfloat16 KV cache for this float32 model on the CPU low-bit path "
+                        "(unlike vLLM, whose auto is the model's dtype: half the bytes a decode step reads, twice "
+                        "the tokens in the pool); --kv-cache-dtype float32 or TOKENMILL_CPU_KV_BF16=0 keeps float32")
         self.kv_layout = plan_kv_cache(config.cache, arch, self.kv_cache_dtype, self.max_model_len)
         self.bytes_per_token = self.kv_layout.bytes_per_token
         self.num_kv_blocks = self.kv_layout.num_blocks

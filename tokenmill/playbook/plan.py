@@ -57,6 +57,9 @@ QUANT_BITS: dict[str, tuple[float, int | None, float]] = {
 # Methods whose logits head the engine holds as weight-only int8 (tokenmill.quantization.methods.quantize_model).
 HEAD_INT8_METHODS = ("int8", "w8a8", "int4")
 QUANTIZATIONS = (*QUANT_BITS, "gguf")
+# GGUF tensor formats the engine's CPU low-bit path runs (tokenmill.quantization.gguf.SUPPORTED; not imported:
+# that module needs torch).
+LOWBIT_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0", "Q6_K")
 
 
 @dataclass
@@ -80,6 +83,8 @@ class ModelShape:
         param_count: exact parameter count from tensor shapes, or None (computed from the config).
         checkpoint_bytes: bytes of the tensors on disk (GGUF / safetensors), or None.
         tensor_bytes: GGUF only: name → bytes in the file's own format (``--quantization gguf``).
+        gguf_lowbit: GGUF only: some 2-D layer weight is in a format the engine's CPU low-bit path runs
+            (:data:`LOWBIT_GGUF_TYPES`), so a float32 model there keeps a bfloat16 KV cache under ``auto``.
     """
 
     source: str
@@ -111,6 +116,7 @@ class ModelShape:
     param_count: int | None = None
     checkpoint_bytes: int | None = None
     tensor_bytes: dict[str, int] | None = field(default=None, repr=False)
+    gguf_lowbit: bool = False
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -428,6 +434,9 @@ def shape_from_gguf(path: str) -> ModelShape:
         first_k_dense=int(key("leading_dense_block_count") or 0),
         param_count=n_params,
         checkpoint_bytes=sum(tensor_bytes.values()), tensor_bytes=tensor_bytes,
+        gguf_lowbit=any(name.startswith("blk.") and len(dims) == 2
+                        and GGMLQuantizationType(ttype).name in LOWBIT_GGUF_TYPES
+                        for name, (dims, ttype) in tensors.items()),
     )
 
 
@@ -485,6 +494,12 @@ class PlanOptions:
             weights and its own KV bytes per token (its cache holds the same tokens), sharded like the target.
         data_parallel_size: engine replicas, each with tp × pp devices and its own pool (figures are per replica;
             ``max_concurrent_requests`` sums them).
+        device: where the engine runs: ``cpu``, ``cuda``, ``auto`` (cuda when an NVIDIA driver reports a GPU,
+            else cpu; see :func:`resolve_plan_device`) or None (an accelerator, the planner's view before it
+            knew devices: ``--dtype auto`` is the checkpoint's 16-bit dtype). On ``cpu`` the engine's own rules
+            apply: ``--dtype auto`` is bfloat16 on a CPU with native bfloat16 (AVX512-BF16 / AMX), else
+            float32, and ``--kv-cache-dtype auto`` is bfloat16 for a float32 model whose GGUF codes the CPU
+            low-bit path runs (see :func:`kv_cache_dtype_for`).
     """
 
     dtype: str = "auto"
@@ -502,15 +517,69 @@ class PlanOptions:
     output_len: int = 256
     speculative_config: dict[str, Any] | None = None
     data_parallel_size: int = 1
+    device: str | None = None
 
 
-def _resolve_dtype(shape: ModelShape, dtype: str) -> str:
+def cpu_has_native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's
+    flags): the planner's torch-free twin of :func:`tokenmill.model.loader.cpu_has_native_bf16`."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return "avx512_bf16" in flags or "amx_bf16" in flags
+    except OSError:
+        pass
+    return False
+
+
+def resolve_plan_device(device: str | None) -> str | None:
+    """``auto`` -> ``cuda`` when an NVIDIA driver lists a GPU (/proc/driver/nvidia/gpus), else ``cpu``
+    (torch-free; the engine's ``auto`` asks ``torch.cuda.is_available()``); other values pass through.
+
+    Raises:
+        ValueError: not one of auto, cpu, cuda (or None).
+    """
+    if device is None or device in ("cpu", "cuda"):
+        return device
+    if device != "auto":
+        raise ValueError(f"unknown --device {device!r}; choose auto, cpu, cuda")
+    try:
+        return "cuda" if os.listdir("/proc/driver/nvidia/gpus") else "cpu"
+    except OSError:
+        return "cpu"
+
+
+def _resolve_dtype(shape: ModelShape, dtype: str, device: str | None = None) -> str:
     if dtype != "auto":
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown --dtype {dtype!r}; choose auto, float32, bfloat16, float16")
         return dtype
+    if device == "cpu":   # the engine's rule (tokenmill.model.loader.resolve_dtype)
+        return "bfloat16" if cpu_has_native_bf16_flags() else "float32"
     td = str(shape.torch_dtype or "").replace("torch.", "")
     return td if td in ("bfloat16", "float16") else "bfloat16"
+
+
+def kv_cache_dtype_for(shape: ModelShape, opts: PlanOptions, dtype: str) -> str:
+    """The KV cache dtype the engine allocates for ``opts.kv_cache_dtype`` with model dtype ``dtype``.
+
+    An explicit value is itself. ``auto`` is ``dtype``, except bfloat16 where the engine deviates from vLLM
+    (:func:`tokenmill.model.layers.kv_quant.auto_kv_bf16`): a float32 model on the CPU
+    (``opts.device`` resolves to ``cpu``) whose GGUF codes the low-bit path runs (``shape.gguf_lowbit``,
+    no ``--quantization``, one process: tensor/pipeline-parallel shards load dense weights), unless
+    ``TOKENMILL_CPU_INT4_MAX_TOKENS=0`` (low-bit path off) or ``TOKENMILL_CPU_KV_BF16=0``.
+    """
+    if opts.kv_cache_dtype != "auto":
+        return opts.kv_cache_dtype
+    lowbit = (shape.gguf_lowbit and opts.quantization is None
+              and opts.tensor_parallel_size * opts.pipeline_parallel_size == 1
+              and os.environ.get("TOKENMILL_CPU_INT4_MAX_TOKENS", "8").strip() not in ("0", "")
+              and os.environ.get("TOKENMILL_CPU_KV_BF16", "1") != "0")
+    if dtype == "float32" and resolve_plan_device(opts.device) == "cpu" and lowbit:
+        return "bfloat16"
+    return dtype
 
 
 def _linear_bytes(n_in: int, n_out: int, quantization: str | None, dtype_bytes: int) -> float:
@@ -547,7 +616,7 @@ def weight_bytes(shape: ModelShape, opts: PlanOptions) -> tuple[int, list[int], 
     if opts.quantization is not None and opts.quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown --quantization {opts.quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
     tp, pp = opts.tensor_parallel_size, opts.pipeline_parallel_size
-    db = DTYPE_BYTES[_resolve_dtype(shape, opts.dtype)]
+    db = DTYPE_BYTES[_resolve_dtype(shape, opts.dtype, resolve_plan_device(opts.device))]
     stages = _split_layers(shape.num_layers, pp)
     if opts.quantization == "gguf":
         if shape.tensor_bytes is None:
@@ -660,8 +729,9 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     if opts.kv_cache_dtype not in ("auto", *KV_DTYPE_BYTES):
         raise ValueError(f"unknown --kv-cache-dtype {opts.kv_cache_dtype!r}; choose auto, "
                          + ", ".join(sorted(KV_DTYPE_BYTES)))
-    dtype = _resolve_dtype(shape, opts.dtype)
-    kv_dtype = dtype if opts.kv_cache_dtype == "auto" else opts.kv_cache_dtype
+    device = resolve_plan_device(opts.device)
+    dtype = _resolve_dtype(shape, opts.dtype, device)
+    kv_dtype = kv_cache_dtype_for(shape, opts, dtype)
     kvb = KV_DTYPE_BYTES[kv_dtype]
     total_w, per_stage_w, params = weight_bytes(shape, opts)
     stages = _split_layers(shape.num_layers, pp)
@@ -679,10 +749,10 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
         if draft.vocab_size != shape.vocab_size:
             warnings.append(f"draft vocabulary {draft.vocab_size} != target {shape.vocab_size}")
         draft_opts = PlanOptions(dtype=opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
-                                 tensor_parallel_size=tp)
+                                 tensor_parallel_size=tp, device=device)
         draft_w, draft_stages, _ = weight_bytes(draft, draft_opts)
         draft_w_dev = max(draft_stages)
-        dkvb = KV_DTYPE_BYTES[_resolve_dtype(draft, opts.dtype) if opts.kv_cache_dtype == "auto"
+        dkvb = KV_DTYPE_BYTES[_resolve_dtype(draft, opts.dtype, device) if opts.kv_cache_dtype == "auto"
                               else opts.kv_cache_dtype]
         draft_kv = draft.num_layers * draft.kv_elements_per_token_per_layer(1) * dkvb
         draft_kv_dev = draft.num_layers * draft.kv_elements_per_token_per_layer(tp) * dkvb
@@ -809,10 +879,17 @@ def add_plan_args(p) -> None:
     p.add_argument("model_path", metavar="MODEL", nargs="?", default=None,
                    help="GGUF file, Hugging Face folder or bare config.json (default: the packaged SmolLM2 GGUF).")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="Weight dtype; auto = the checkpoint's 16-bit dtype, else bfloat16 [default: auto].")
+                   help="Weight dtype; auto = the checkpoint's 16-bit dtype, else bfloat16 (on --device cpu: "
+                        "the engine's rule) [default: auto].")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8",
                                                                  "float32", "bfloat16", "float16"],
-                   help="KV cache element type; auto = --dtype [default: auto].")
+                   help="KV cache element type; auto = --dtype, except bfloat16 for a float32 model on the CPU "
+                        "low-bit path (a GGUF with Q4/Q5/Q6/Q8 codes, one process), as the engine "
+                        "allocates [default: auto].")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="Where the engine runs; auto = cuda when an NVIDIA driver lists a GPU, else cpu. On cpu "
+                        "--dtype auto follows the engine (bfloat16 with native bfloat16, else float32) "
+                        "[default: auto].")
     p.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATIONS),
                    help="Linear weight format (gguf: the GGUF file's own formats) [default: none].")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="Tensor-parallel ranks [default: 1].")
@@ -880,7 +957,7 @@ def run_plan(args) -> int:
             context_lengths=[int(x) for x in str(args.context_lengths).split(",") if x.strip()],
             prompt_len=args.prompt_len, output_len=args.output_len,
             speculative_config=_json_arg(args.speculative_config, "--speculative-config"),
-            data_parallel_size=args.data_parallel_size)
+            data_parallel_size=args.data_parallel_size, device=args.device)
         result = plan(shape, opts)
     except (ValueError, FileNotFoundError) as e:
         print(f"tokenmill plan: error: {e}", file=sys.stderr)

@@ -802,10 +802,10 @@ def plan_capacity(settings: TuneSettings, flags: dict[str, Any], prompt_len: flo
     None when the model cannot be planned (e.g. a fake server in tests without a model path).
     """
     from tokenmill.config import parse_size
-    from tokenmill.playbook.plan import PlanOptions, default_model_path, plan
+    from tokenmill.playbook.plan import QUANTIZATIONS, PlanOptions, default_model_path, plan
 
     vals = _serve_defaults(settings.base_serve_args + flags_to_argv(
-        {k: v for k, v in flags.items() if k in ("kv_cache_memory", "max_num_seqs", "block_size")}))
+        {k: v for k, v in flags.items() if k in ("kv_cache_memory", "max_num_seqs", "block_size", "kv_cache_dtype")}))
     path = settings.model or default_model_path()
     if path is None or prompt_len is None:
         return None
@@ -814,7 +814,14 @@ def plan_capacity(settings: TuneSettings, flags: dict[str, Any], prompt_len: flo
         dtype = vals.get("dtype", "auto")
         if dtype == "auto":
             dtype = _engine_auto_dtype()
-        opts = PlanOptions(dtype=dtype, kv_cache_memory=parse_size(vals.get("kv_cache_memory")) or (1 << 30),
+        # the engine's KV dtype (auto: bfloat16 for a float32 model on the CPU low-bit path) and sharding
+        device = str(vals.get("device") or "auto").split(":")[0]
+        opts = PlanOptions(dtype=dtype, kv_cache_dtype=vals.get("kv_cache_dtype") or "auto",
+                           device=_engine_device() if device == "auto" else device,
+                           quantization=vals.get("quantization") if vals.get("quantization") in QUANTIZATIONS else None,
+                           tensor_parallel_size=int(vals.get("tensor_parallel_size") or 1),
+                           pipeline_parallel_size=int(vals.get("pipeline_parallel_size") or 1),
+                           kv_cache_memory=parse_size(vals.get("kv_cache_memory")) or (1 << 30),
                            block_size=int(vals.get("block_size") or 16), max_model_len=vals.get("max_model_len"),
                            prompt_len=int(round(prompt_len)), output_len=int(round(output_len or 0)),
                            context_lengths=[])
@@ -830,6 +837,14 @@ def _cached_shape(path: str):
     from tokenmill.playbook.plan import load_shape
 
     return load_shape(path)
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_device() -> str:
+    """What ``--device auto`` becomes in the engine on this machine (cuda when torch sees one, else cpu)."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @functools.lru_cache(maxsize=1)
