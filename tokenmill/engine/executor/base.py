@@ -138,8 +138,12 @@ def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
     from tokenmill.model.layers.kv_quant import resolve_kv_cache_dtype
 
     par = config.parallel
-    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype,
-                                   resolve_dtype(config.model.dtype, resolve_device(config.model.device)))
+    device = resolve_device(config.model.device)
+    # lowbit=False: the shards load dense weights (worker.py builds their ModelRunner without the GGUF's low-bit
+    # codes), so --kv-cache-dtype auto is the model's dtype there, even for a float32 model on the CPU, where one
+    # process would keep a bfloat16 cache (kv_quant.auto_kv_bf16); tokenmill plan says the same.
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, device), device,
+                                   lowbit=False)
     per_rank = []
     for rank in range(par.world_size):
         lay = rank_layout(arch, par.tensor_parallel_size, par.pipeline_parallel_size, rank, par.enable_expert_parallel)

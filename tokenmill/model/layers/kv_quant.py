@@ -56,8 +56,8 @@ def auto_kv_bf16(model_dtype: torch.dtype, device: torch.device | str, lowbit: b
     bytes (and doubles the tokens a pool holds). Measured on the 2-core EPYC,
     AVX2 variant, 30 layers, B = 32, ctx 256: 19.5 ms of attention per step
     against 28.0 ms in float32; end to end (``compare_engines.py``, c=64,
-    cold servers, interleaved arms) +16% output tok/s on the random
-    workload and +4-10% on MT-bench. Elements are widened to float32 on load
+    interleaved arms, 2026-12-01) +14% output tok/s on the random workload
+    (cold servers; +34% in ``--quick``) and +4% on MT-bench. Elements are widened to float32 on load
     and accumulation stays float32; the rounding of K/V to bfloat16 (8
     mantissa bits) is the only difference. Parity runs (float32, low-bit
     off), bfloat16 models, GPUs and tensor/pipeline-parallel shards (which
