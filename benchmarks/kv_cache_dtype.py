@@ -7,7 +7,7 @@ This script builds two runners of the same model in one process, one with
 ``--kv-cache-dtype float32`` and one with ``bfloat16``, and times the same synthetic decode steps
 (``B`` requests with ``--context`` cached tokens each; greedy sampling
 included) on each, interleaved round by round so both see the same machine
-load. Prints the median step and its attention part (KV write + paged
+load (the arms' order alternates by round). Prints the median step and its attention part (KV write + paged
 attention, from :func:`roofline.step_breakdown`) per batch and the ratio
 (steps of at most the low-bit limit run the CPU step graph, whose attention
 is not timed apart: 0 there).
@@ -71,9 +71,13 @@ def main() -> None:
         for a, r in runners.items():
             steps[a, -args.prefill] = synthetic_step(r, [args.context] * args.prefill, [0] * args.prefill)
     res: dict = {k: {"step": [], "attention": []} for k in steps}
-    for _ in range(args.rounds):
+    arms = list(runners)
+    for rnd in range(args.rounds):
         for b in batches:
-            for a, r in runners.items():
+            # the arms' order alternates by round: the second arm in a row measured up to 30% slower on a busy
+            # machine (a 2048-token prefill step, 2026-12-01), which a fixed order would book to its KV dtype
+            for a in (arms if rnd % 2 == 0 else arms[::-1]):
+                r = runners[a]
                 br = step_breakdown(r, steps[a, b], args.reps)
                 res[a, b]["step"].append(br["step"])
                 res[a, b]["attention"].append(br["attention"])

@@ -306,3 +306,22 @@ def test_plan_agrees_with_what_the_engine_allocates(monkeypatch):
                                     pipeline_parallel_size=pp))
         assert q.kv_cache_dtype == "float32"
         assert max(per_rank) == q.kv_cache_bytes_per_token_per_device and blocks == q.num_kv_blocks, (tp, pp)
+
+
+def test_tune_capacity_plans_the_trial_kv_dtype_and_device(monkeypatch):
+    """``tokenmill tune``'s max_num_seqs lever plans with the trial's --kv-cache-dtype and the engine's device
+    and dtype rules (before, a trial's fp8 cache and the CPU low-bit path's bfloat16 cache were planned as the
+    model's dtype)."""
+    from tokenmill.playbook import tune
+
+    path, _ = _packaged_shape()
+    for var in ("TOKENMILL_CPU_KV_BF16", "TOKENMILL_CPU_INT4_MAX_TOKENS"):
+        monkeypatch.delenv(var, raising=False)
+    settings = tune.TuneSettings(model=path, base_serve_args=["--dtype", "float32", "--device", "cpu"],
+                                 serve_command=[], workload={}, slos={})
+    p = tune.plan_capacity(settings, {}, 256, 128)
+    assert p["kv_cache_dtype"] == "bfloat16" and p["kv_cache_bytes_per_token"] == 23040
+    p = tune.plan_capacity(settings, {"kv_cache_dtype": "fp8"}, 256, 128)
+    assert p["kv_cache_dtype"] == "fp8" and p["kv_cache_bytes_per_token"] == 11520
+    settings.base_serve_args = ["--dtype", "float32", "--device", "cpu", "--kv-cache-dtype", "float32"]
+    assert tune.plan_capacity(settings, {}, 256, 128)["kv_cache_bytes_per_token"] == 46080
