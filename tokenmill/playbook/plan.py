@@ -569,7 +569,9 @@ def kv_cache_dtype_for(shape: ModelShape, opts: PlanOptions, dtype: str) -> str:
     (:func:`tokenmill.model.layers.kv_quant.auto_kv_bf16`): a float32 model on the CPU
     (``opts.device`` resolves to ``cpu``) whose GGUF codes the low-bit path runs (``shape.gguf_lowbit``,
     no ``--quantization``, one process: tensor/pipeline-parallel shards load dense weights), unless
-    ``TOKENMILL_CPU_INT4_MAX_TOKENS=0`` (low-bit path off) or ``TOKENMILL_CPU_KV_BF16=0``.
+    ``TOKENMILL_CPU_INT4_MAX_TOKENS=0`` (low-bit path off) or ``TOKENMILL_CPU_KV_BF16=0``. Assumes the
+    engine's default ``--enforce-eager`` (a compiled step runs no low-bit codes: plan with
+    ``--kv-cache-dtype float32`` there).
     """
     if opts.kv_cache_dtype != "auto":
         return opts.kv_cache_dtype
