@@ -23,6 +23,15 @@ request) of the packaged model at batch 1 and 8, with the GGUF's low-bit codes o
 (``TOKENMILL_CPU_INT4_MAX_TOKENS`` 8 vs 0), the two runners interleaved in one process: the ablation of the
 small-step path; ``--int8-act`` adds a third runner whose larger steps run the integer path
 (``--rows 16,64 --query-lens 1`` batched decode, ``--rows 1 --query-lens 256`` a prefill chunk).
+
+With ``--per-shape`` it prints GMAC/s per weight shape of the integer path (``--rows 64,2048``: batched decode
+and a prefill chunk), interleaved per repetition with torch's ``_int_mm`` (oneDNN int8 x int8 -> int32, no
+scales: the library's ceiling for the same multiply-adds) and float32 oneDNN on the same sizes; with
+``--baseline-csrc DIR`` also the kernel built from another checkout's ``tokenmill/model/csrc`` (before/after
+side by side in one run), e.g.::
+
+    TOKENMILL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/lowbit_gemm.py \
+        --per-shape --rows 64,2048 --isas avx2 --baseline-csrc /path/to/main/tokenmill/model/csrc
 """
 
 from __future__ import annotations
@@ -119,6 +128,87 @@ def model_step(args) -> None:
                       f"dense {off * 1e3:.1f} ms -> {off / on:.2f}x{rel}{fma}{i8}", flush=True)
 
 
+def bench_interleaved(fns: dict, reps: int) -> dict:
+    """Median seconds per call of each of ``fns`` (name -> callable), the arms interleaved per repetition so
+    that a shared machine's load changes hit them alike."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(reps):
+        for k, f in fns.items():
+            t = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def load_baseline(csrc: str, isa: str):
+    """The kernel library built from another checkout's C sources (``csrc``), for before/after figures."""
+    from tokenmill.model.layers import cpu_build
+    from tokenmill.quantization.lowbit import _FUNCTIONS, ENV_SWITCH
+
+    saved = cpu_build.CSRC_DIR
+    cpu_build.CSRC_DIR = os.path.abspath(csrc)
+    try:
+        return cpu_build.load_library("lowbit_gemm_baseline", ["lowbit_gemm.c"], _FUNCTIONS, ENV_SWITCH, isa)
+    finally:
+        cpu_build.CSRC_DIR = saved
+
+
+def per_shape(args) -> None:
+    """GMAC/s per SmolLM2-135M weight shape on the integer path vs torch._int_mm and float32 oneDNN."""
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    isas = [i for i in ISAS if isa_supported(i) and (not args.isas or i in args.isas.split(","))]
+    libs = {i: load_kernel(i) for i in isas}
+    if args.baseline_csrc:
+        for i in isas:
+            libs[f"{i} baseline"] = load_baseline(args.baseline_csrc, i)
+    print(f"threads {args.threads}, integer path GMAC/s per shape (medians of {args.reps}, arms interleaved); "
+          f"load average {os.getloadavg()[0]:.1f}")
+    names = ["Q4_1 576->960 (qkv)", "Q4_1 576->576 (o)", "Q4_1 576->3072 (gate/up)", "Q4_1 1536->576 (down)",
+             "Q8_0 576->49152 (head)"]
+    for m in (int(r) for r in args.rows.split(",")):
+        print(f"\nM={m} rows")
+        hdr = [f"ours {k}" for k in libs] + ["torch _int_mm", "fp32 oneDNN"]
+        print(f"{'shape':<26}" + "".join(f"{h:>22}" for h in hdr))
+        tot = {h: 0.0 for h in hdr}
+        for (k, n, count), name in zip(SHAPES, names):
+            head = n == 49152
+            if head and m > 256:
+                continue                                   # a prefill never runs the head on every row
+            if head:
+                lb = LowBitWeight.from_codes(torch.randint(-127, 128, (n, k)), torch.rand(n, k // 32), None, 8)
+            else:
+                lb = LowBitWeight.from_codes(torch.randint(0, 16, (n, k)), torch.rand(n, k // 32),
+                                             torch.randn(n, k // 32), 4)
+            x = torch.randn(m, k)
+            fns = {}
+            for key, lib in libs.items():
+                lb.codes_i8 = None
+                if lb.prepare_i8(lib):
+                    w = LowBitWeight(lb.out_features, lb.in_features, lb.bits, lb.group, lb.codes, lb.scale,
+                                     lb.min, lb.fmt, lb.codes_i8)
+                    fns[f"ours {key}"] = (lambda w=w, lib=lib: lowbit_linear(x, w, lib=lib, int8_act=True))
+            a8 = torch.randint(-127, 128, (max(m, 17), k), dtype=torch.int8)
+            b8 = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
+            fns["torch _int_mm"] = lambda: torch._int_mm(a8, b8)
+            p32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k))
+            fns["fp32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, p32, None, "none", [], "")
+            reps = max(3, args.reps // (4 if head or m >= 1024 else 1))
+            med = bench_interleaved(fns, reps)
+            macs = m * k * n
+            row = f"{name:<26}"
+            for h in hdr:
+                if h in med:
+                    tot[h] += med[h] * count
+                    row += f"{macs / med[h] / 1e9:15.1f} GMAC/s"
+                else:
+                    row += f"{'-':>22}"
+            print(row, flush=True)
+        print(f"{'all GEMMs of a step, ms':<26}" + "".join(f"{tot[h] * 1e3:19.2f} ms" for h in hdr))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -132,7 +222,14 @@ def main() -> None:
     ap.add_argument("--int8-act", action="store_true",
                     help="--model-step: also the integer path (int8 activations x the codes) for every step size")
     ap.add_argument("--query-lens", default="1", help="--model-step: new tokens per request (verify steps: 1,5)")
+    ap.add_argument("--per-shape", action="store_true",
+                    help="GMAC/s per weight shape of the integer path vs torch._int_mm and float32 oneDNN")
+    ap.add_argument("--baseline-csrc", default="",
+                    help="--per-shape: also time the kernel built from this C source directory (before/after)")
     args = ap.parse_args()
+    if args.per_shape:
+        per_shape(args)
+        return
     if args.model_step:
         model_step(args)
         return

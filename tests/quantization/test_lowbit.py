@@ -173,8 +173,8 @@ def _no_ties(x: torch.Tensor, sb: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("isa", list(ISAS))
-@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 128, True), (4, 16, False), (8, 32, False),
-                                                 (8, 16, True), (8, 64, True)])
+@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 32, False), (4, 128, True), (4, 16, False),
+                                                 (8, 32, False), (8, 32, True), (8, 16, True), (8, 64, True)])
 def test_int8_activation_path_matches_its_reference(isa, bits, group, with_min):
     """Every ISA variant's integer path (AVX2 VPMADDUBSW, AVX-512BW, scalar C) against the same quantisation
     in float64, and within the stated tolerance of the dequantised float32 GEMM."""

@@ -31,6 +31,18 @@
  * adding bias[n0 + j] when given, as bfloat16 (y_bf16) or float32. Shared by the float and integer paths. */
 static inline void store_tile(const float *out, int mr, int64_t nn, const float *bias, int64_t n0, void *y,
                               int y_bf16, int64_t ldy, int64_t r0) {
+#if defined(__AVX2__)
+    if (!y_bf16 && nn == NT) {          /* a whole float32 tile: vector loads/stores (scalar: -10% at 2048 rows) */
+        const __m256 b0 = bias ? _mm256_loadu_ps(bias + n0) : _mm256_setzero_ps();
+        const __m256 b1 = bias ? _mm256_loadu_ps(bias + n0 + 8) : _mm256_setzero_ps();
+        for (int r = 0; r < mr; r++) {
+            float *yr = (float *)y + (r0 + r) * ldy + n0;
+            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(out + r * NT), b0));
+            _mm256_storeu_ps(yr + 8, _mm256_add_ps(_mm256_loadu_ps(out + r * NT + 8), b1));
+        }
+        return;
+    }
+#endif
     for (int r = 0; r < mr; r++)
         for (int64_t j = 0; j < nn; j++) {
             float v = out[r * NT + j] + (bias ? bias[n0 + j] : 0.f);
@@ -354,6 +366,7 @@ static void tile_rows(int bits, const void *codes, const float *sc, const float 
         default: break;
     }
 #undef CASE
+#undef B32
 }
 
 /* y[M, N] = x[M, K] . dequant(W)[N, K]^T + bias.
@@ -579,6 +592,60 @@ AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn
         for (int r = 0; r < MR; r++) VSTOREF(out + r * NT + h * VL, acc[r]);
     }
 }
+
+/* The common case, one weight group per block of 32 columns (G == SB == 32: GGUF's Q4_0/Q4_1/Q4_K/Q8_0):
+ * as tile_i8 with the block's four (4-bit) or eight (8-bit) column steps unrolled and the pointers walked
+ * forward, so the loop keeps its addresses in registers (the generic loop above spilled them). */
+AI void tile_i8_b32(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
+                    const float *dx, const float *xs, int64_t K, int MR, float *out) {
+    const int64_t nsb = K / 32;
+    const VI m0f = I_SET1_8(0x0F), ones = I_SET1_16(1);
+    for (int h = 0; h < NHI; h++) {
+        VF acc[MR_I8];
+        for (int r = 0; r < MR; r++) acc[r] = VZERO();
+        const uint8_t *c = codes + h * VLI * 4;
+        const float *scp = sc + h * VL, *mnp = mn ? mn + h * VL : 0;
+        for (int64_t s = 0; s < nsb; s++) {
+            VI a[MR_I8];
+            const int8_t *xb = xq + s * 32;
+            if (bits == 4) {
+#pragma GCC unroll 1
+                for (int kb = 0; kb < 4; kb++) {
+                    const VI v = I_LOAD(c + kb * NT_I8 * 4);
+                    const VI lo = I_AND(v, m0f), hi = I_AND(I_SRLI16(v, 4), m0f);
+                    for (int r = 0; r < MR; r++) {
+                        const int8_t *xr = xb + r * K + kb * 8;
+                        const VI p = I_ADD16(I_MADDUBS(lo, I_BCAST32(xr)), I_MADDUBS(hi, I_BCAST32(xr + 4)));
+                        a[r] = kb ? I_ADD16(a[r], p) : p;
+                    }
+                }
+                c += 4 * NT_I8 * 4;
+                for (int r = 0; r < MR; r++) a[r] = I_MADD16(a[r], ones);
+            } else {
+#pragma GCC unroll 1
+                for (int kb = 0; kb < 8; kb++) {
+                    const VI w = I_LOAD(c + kb * NT_I8 * 4);
+                    const VI aw = I_ABS8(w);
+                    for (int r = 0; r < MR; r++) {
+                        const VI p = I_MADD16(I_MADDUBS(aw, I_SIGN8(I_BCAST32(xb + r * K + kb * 4), w)), ones);
+                        a[r] = kb ? I_ADD32(a[r], p) : p;
+                    }
+                }
+                c += 8 * NT_I8 * 4;
+            }
+            const VF wsc = VLOADF(scp);
+            scp += NT;
+            for (int r = 0; r < MR; r++)
+                acc[r] = VFMA(I_CVT(a[r]), VMUL(wsc, VBCAST(dx + r * nsb + s)), acc[r]);
+            if (mnp) {
+                const VF m = VLOADF(mnp);
+                mnp += NT;
+                for (int r = 0; r < MR; r++) acc[r] = VFMA(m, VBCAST(xs + r * nsb + s), acc[r]);
+            }
+        }
+        for (int r = 0; r < MR; r++) VSTOREF(out + r * NT + h * VL, acc[r]);
+    }
+}
 #else
 AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
                 const float *dx, const float *xs, int64_t K, int64_t G, int64_t SB, int MR, float *out) {
@@ -609,7 +676,13 @@ AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn
 
 static void tile_rows_i8(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
                          const float *dx, const float *xs, int64_t K, int64_t G, int64_t SB, int mr, float *out) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define B32(R) if (SB == 32 && G == 32) { tile_i8_b32(bits, codes, sc, mn, xq, dx, xs, K, R, out); break; }
+#else
+#define B32(R)
+#endif
 #define CASE(R) case R: \
+        B32(R) \
         if (SB == 32) tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, 32, R, out); \
         else if (SB == 16) tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, 16, R, out); \
         else tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, SB, R, out); \
