@@ -205,6 +205,31 @@ def test_int8_activation_path_matches_its_reference(isa, bits, group, with_min):
         assert (got_b.double() - ref_b).abs().max().item() <= TOL_BF16_OUT * scale
 
 
+@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (8, 32, False), (4, 128, True)])
+def test_int8_activation_path_thread_private_quantisation(isa, threads, bits, group, with_min):
+    """Weights of at least 16 tiles per thread quantise the activations in every thread (17 tiles: with one
+    thread that path, with two the shared one); both against the float64 reference, rows in two chunks."""
+    lib = _lib(isa)
+    n, k = 264, 128                                  # 16 full tiles and a partial one
+    w = _weight(bits, n, k, group, with_min, seed=11)
+    assert w.prepare_i8(lib)
+    bias = torch.randn(n)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for m in (1, 6, 70):
+            x = _no_ties(torch.randn(m, k), w.i8_block)
+            got = lowbit_linear(x, w, bias, lib=lib, int8_act=True)
+            ref = _i8_reference(x, w) + bias.double()
+            assert (got.double() - ref).abs().max().item() <= TOL_I8_SAME * ref.abs().max().item(), (m, isa)
+            again = lowbit_linear(x, w, bias, lib=lib, int8_act=True)      # the thread's buffer reused
+            assert torch.equal(got, again)
+    finally:
+        torch.set_num_threads(saved)
+
+
 def test_int8_activation_path_needs_blocks_that_fit():
     """Groups that do not split into blocks of the integer path's steps keep the float32 path."""
     w = _weight(4, 16, 96, 12, False)               # group 12: not a multiple of 8 columns
