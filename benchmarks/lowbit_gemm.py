@@ -32,6 +32,10 @@ side by side in one run), e.g.::
 
     TOKENMILL_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/lowbit_gemm.py \
         --per-shape --rows 64,2048 --isas avx2 --baseline-csrc /path/to/main/tokenmill/model/csrc
+
+``--model-step --baseline-csrc DIR`` times whole steps of the packaged model on the integer path with the two
+kernel builds swapped per repetition in one process (``--rows 16,64 --query-lens 1`` decode,
+``--rows 8 --query-lens 256`` a 2048-token prefill step).
 """
 
 from __future__ import annotations
@@ -209,6 +213,53 @@ def per_shape(args) -> None:
         print(f"{'all GEMMs of a step, ms':<26}" + "".join(f"{tot[h] * 1e3:19.2f} ms" for h in hdr))
 
 
+def model_step_ab(args) -> None:
+    """Whole steps of the packaged model on the integer path with this tree's kernel and with the kernel built
+    from ``--baseline-csrc``, the two libraries swapped per repetition in one process (same weights, same
+    inputs): the before/after of a kernel change at the model level, free of run-to-run machine drift."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.model.layers.attention import build_attention_metadata
+    from tokenmill.model.runner import ModelRunner
+    import tokenmill.quantization.lowbit as lbm
+
+    os.environ["TOKENMILL_CPU_INT4_MAX_TOKENS"] = "8"
+    os.environ["TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"] = "65536"
+    dtype = args.dtypes.split(",")[0]
+    cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=max(256, 64 * (args.context + 2048) // 16 + 64),
+                                   block_size=16, max_model_len=args.context + 2048 + 16)
+    r = ModelRunner.from_config(cfg, with_tokenizer=False)
+    torch.set_num_threads(args.threads)
+    new = lbm._default_kernel()
+    isa = new.tm_lowbit_isa().decode()
+    libs = {"this tree": new, "baseline": load_baseline(args.baseline_csrc, isa)}
+    saved = lbm._default_kernel
+    print(f"model steps, {dtype}, kernel {isa}, context {args.context}, threads {args.threads}, medians of "
+          f"{args.reps} (arms alternating); load average {os.getloadavg()[0]:.1f}")
+    try:
+        for b in (int(x) for x in args.rows.split(",")):
+            for q in (int(x) for x in args.query_lens.split(",")):
+                ctx = args.context if q == 1 else 0
+                nb = (ctx + q) // 16 + 1
+                tables = [list(range(i * nb, (i + 1) * nb)) for i in range(b)]
+                md, pos = build_attention_metadata([ctx] * b, [q] * b, tables, 16)
+                ids = torch.randint(0, 49152, (b * q,))
+                times = {k: [] for k in libs}
+                with torch.inference_mode():
+                    for rep in range(args.reps + 1):
+                        for name, lib in libs.items():
+                            lbm._default_kernel = lambda lib=lib: lib
+                            md.cache.clear()
+                            t = time.perf_counter()
+                            r.model.compute_logits(r.model(ids, pos, r.kv_caches, md))
+                            if rep:
+                                times[name].append(time.perf_counter() - t)
+                med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+                print(f"B={b} q={q} ({b * q} tokens): this tree {med['this tree'] * 1e3:.1f} ms, baseline "
+                      f"{med['baseline'] * 1e3:.1f} ms -> {med['baseline'] / med['this tree']:.3f}x", flush=True)
+    finally:
+        lbm._default_kernel = saved
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -225,10 +276,14 @@ def main() -> None:
     ap.add_argument("--per-shape", action="store_true",
                     help="GMAC/s per weight shape of the integer path vs torch._int_mm and float32 oneDNN")
     ap.add_argument("--baseline-csrc", default="",
-                    help="--per-shape: also time the kernel built from this C source directory (before/after)")
+                    help="--per-shape: also time the kernel built from this C source directory (before/after); "
+                         "with --model-step: whole integer-path steps with this tree's kernel vs that one")
     args = ap.parse_args()
     if args.per_shape:
         per_shape(args)
+        return
+    if args.model_step and args.baseline_csrc:
+        model_step_ab(args)
         return
     if args.model_step:
         model_step(args)
