@@ -6,8 +6,13 @@ import asyncio
 
 import httpx
 from fastapi import FastAPI, Request
+from pydantic import BaseModel
 
 from tokenmill.server.body_limit import BodySizeLimitMiddleware
+
+
+class _Body(BaseModel):
+    prompt: str
 
 
 def _app(limit: int) -> tuple[FastAPI, list[int]]:
@@ -21,13 +26,18 @@ def _app(limit: int) -> tuple[FastAPI, list[int]]:
         seen.append(len(body))
         return {"n": len(body)}
 
+    @app.post("/model")
+    async def model(body: _Body) -> dict:
+        seen.append(len(body.prompt))
+        return {"n": len(body.prompt)}
+
     return app, seen
 
 
-def _run(app: FastAPI, **kw) -> httpx.Response:
+def _run(app: FastAPI, path: str = "/echo", **kw) -> httpx.Response:
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return await c.post("/echo", **kw)
+            return await c.post(path, **kw)
     return asyncio.run(go())
 
 
@@ -57,3 +67,21 @@ def test_chunked_body_without_content_length_is_counted():
 def test_zero_disables_the_limit():
     app, _ = _app(0)
     assert _run(app, content=b"z" * 100_000).json() == {"n": 100_000}
+
+
+def test_chunked_body_to_a_pydantic_endpoint_gets_413_not_fastapis_400():
+    """FastAPI parses a model endpoint's body itself and turns any error while reading it into 400
+    "There was an error parsing the body"; the limit's 413 must win (found with a 50 MB chunked upload)."""
+    app, seen = _app(100)
+
+    async def chunks():
+        yield b'{"prompt": "'
+        for _ in range(5):
+            yield b"y" * 40
+        yield b'"}'
+
+    r = _run(app, "/model", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "RequestTooLargeError", r.text
+    assert seen == []
+    ok = _run(app, "/model", content=b'{"prompt": "abc"}', headers={"content-type": "application/json"})
+    assert ok.status_code == 200 and ok.json() == {"n": 3}

@@ -430,3 +430,23 @@ async def test_openapi_schema_states_what_is_enforced(server):
     assert post["400"]["content"]["application/json"]["schema"]["$ref"].endswith("/ErrorResponse")
     detok = comps["DetokenizeRequest"]["properties"]["tokens"]["items"]
     assert detok["maximum"] == state.vocab_size - 1
+
+
+async def test_lone_surrogate_text_is_a_400_on_every_endpoint(server):
+    """A lone UTF-16 surrogate ("\\ud800" in the JSON) cannot be tokenized (the Hugging Face tokenizer raised a
+    TypeError: 500, and uvicorn dropped the keep-alive connection): 400 naming the field, and the server
+    keeps serving."""
+    _, _, client = server
+    h = {"content-type": "application/json"}
+    cases = [("/v1/chat/completions", '{"model": "fake", "messages": [{"role": "user", "content": "hi \\ud800"}],'
+                                      ' "max_tokens": 1}', "messages"),
+             ("/v1/completions", '{"model": "fake", "prompt": "\\udfff", "max_tokens": 1}', "prompt"),
+             ("/tokenize", '{"prompt": "ab\\ud83d"}', "prompt"),
+             ("/tokenize", '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages")]
+    for path, body, param in cases:
+        r = await client.post(path, content=body, headers=h)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        err = r.json()["error"]
+        assert err["type"] == "BadRequestError" and err["param"] == param and "unicode" in err["message"].lower(), err
+    r = await client.post("/v1/completions", json={"model": "fake", "prompt": "abc", "max_tokens": 2})
+    assert r.status_code == 200

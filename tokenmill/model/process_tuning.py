@@ -62,9 +62,29 @@ def configure_threads(device: torch.device) -> int:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):          # not Linux
         usable = os.cpu_count() or 1
-    n = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or usable
+    explicit = int(os.environ.get("TOKENMILL_NUM_THREADS", "0"))
+    n = explicit or usable
     if device.type == "cpu":
         torch.set_num_threads(n)
     logger.info("engine core: torch intra-op threads=%d, inter-op threads=%d", torch.get_num_threads(),
                 torch.get_num_interop_threads())
+    if device.type == "cpu" and not explicit and n > 1:
+        warn_if_busy(n)
     return torch.get_num_threads()
+
+
+def warn_if_busy(threads: int) -> bool:
+    """Warn when the 1-minute load average exceeds the CPUs: other work holds the cores, and OpenMP threads
+    that wait on each other at every barrier stall whenever one is descheduled (decode steps of seconds
+    were seen at load 27-40 on 2 cores with two threads, against ms with one). Returns True when it warned."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return False
+    cpus = os.cpu_count() or threads
+    if load <= cpus:
+        return False
+    logger.warning("load average %.1f on %d CPUs: other work is using the cores, and %d torch threads stall "
+                   "each other whenever one is descheduled; set TOKENMILL_NUM_THREADS=1 on a busy machine",
+                   load, cpus, threads)
+    return True

@@ -236,10 +236,10 @@ def build_app(state: ServerState) -> FastAPI:
         base.check_model(body.model)
         if body.prompt is not None:
             add = True if body.add_special_tokens is None else body.add_special_tokens
-            ids = await base.encode(body.prompt, add)
+            ids = await base.encode(body.prompt, add, param="prompt")
         else:
             text = base.render_chat(body.messages or [], body.add_generation_prompt, body.continue_final_message)
-            ids = await base.encode(text, bool(body.add_special_tokens))
+            ids = await base.encode(text, bool(body.add_special_tokens), param="messages")
         ts = base.token_strings
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,
                 "token_strs": [ts.get(t)[0] for t in ids] if body.return_token_strs else None}

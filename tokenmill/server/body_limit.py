@@ -63,18 +63,27 @@ class BodySizeLimitMiddleware:
                     return
         received = 0
         started = False
+        exceeded = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, exceeded
             msg = await receive()
             if msg["type"] == "http.request":
                 received += len(msg.get("body", b""))
                 if received > self.max_bytes:
+                    exceeded = True
                     raise _TooLarge()
             return msg
 
         async def tracking_send(msg: Message) -> None:
             nonlocal started
+            if exceeded:
+                # FastAPI's body parsing (a pydantic-model endpoint) catches _TooLarge and answers 400
+                # "There was an error parsing the body": answer our 413 in its place, drop its messages
+                if not started:
+                    started = True
+                    await self._send_413(send)
+                return
             if msg["type"] == "http.response.start":
                 started = True
             await send(msg)
@@ -83,4 +92,7 @@ class BodySizeLimitMiddleware:
             await self.app(scope, limited_receive, tracking_send)
         except _TooLarge:
             if not started:
+                await self._send_413(send)
+        else:
+            if exceeded and not started:
                 await self._send_413(send)

@@ -248,8 +248,18 @@ class OpenAIServing:
                     refusal.message, 429, headers={"Retry-After": str(refusal.retry_after)}))
 
     # -- prompts -------------------------------------------------------------
-    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text``; long texts are encoded in a worker thread."""
+    async def encode(self, text: str, add_special_tokens: bool, param: str | None = None) -> list[int]:
+        """Token ids of ``text``; long texts are encoded in a worker thread.
+
+        Raises:
+            APIError: 400 when ``text`` is not valid Unicode (a lone UTF-16 surrogate such as ``"\\ud800"``
+                in the JSON: the tokenizer cannot take it).
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"the text is not valid Unicode ({e.reason} at position {e.start}: "
+                           f"{text[e.start:e.end]!r})", param=param) from None
         tok = self.state.tokenizer
         if len(text) <= INLINE_ENCODE_CHARS:
             return list(tok.encode(text, add_special_tokens=add_special_tokens))

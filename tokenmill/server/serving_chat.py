@@ -46,7 +46,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_priority(body.priority)
         prompt = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
                                   body.chat_template, body.chat_template_kwargs)
-        ids = await self.encode(prompt, body.add_special_tokens)
+        ids = await self.encode(prompt, body.add_special_tokens, param="messages")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
         params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs)

@@ -69,7 +69,7 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts: list[tuple[str | None, list[int]]] = []
         for it in items:
             if isinstance(it, str):
-                prompts.append((it, await self.encode(it, body.add_special_tokens)))
+                prompts.append((it, await self.encode(it, body.add_special_tokens, param="prompt")))
             else:
                 prompts.append((None, list(it)))
         if any(len(ids) == 0 for _, ids in prompts):
