@@ -454,15 +454,16 @@ def run_cell(samples: list, cfg: Any, concurrency: int, tokenizer: Any, slo: dic
 
 def warm_up(engine: str, server: Server, model: str, wl: Workload, tokenizer: Any,
             args: argparse.Namespace) -> float:
-    """A few short requests of the workload (first-request set-up: CB cache, compilation); returns s."""
+    """A few short requests to the workload's endpoint (first-request set-up: CB cache, compilation); returns s.
+
+    Random prompts (seed 123) for every workload: none shares a prefix with a cell's prompts (MT-bench
+    warm-up prompts drawn from MT-bench were served from the prefix cache in the cell after).
+    """
     from tokenmill.bench.datasets import build_dataset
 
     t0 = time.perf_counter()
     n = min(4, max(args.concurrency))
-    if wl.dataset == "random":
-        samples = build_dataset("random", tokenizer, n, input_len=args.input_len, output_len=8, seed=123)
-    else:
-        samples = build_dataset(wl.dataset, tokenizer, n, output_len=8, seed=123)
+    samples = build_dataset("random", tokenizer, n, input_len=args.input_len, output_len=8, seed=123)
     cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
     res = run_cell(samples, cfg, n, tokenizer, {})
     if res.metrics.failed:
@@ -750,22 +751,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_info: dict[str, Any] = {"load_average_before": load_average(), "workloads": {}}
         meta["engine_runs"][engine] = run_info
         for wname in wanted:
-            # A fresh server per workload: no state (caches, CB config from the first request) carries over.
+            # A fresh server per cell (workload x concurrency), and one for the goodput search: no state
+            # carries over. The cells' prompt lists overlap (one seeded stream: the c=64 cell's first 16
+            # prompts are the c=16 cell's), so a server kept across cells served part of each later cell
+            # from its prefix cache.
             wl = WORKLOADS[wname]
-            server = make_server(engine, args, gguf, hf_dir, max_conc, out_dir / "logs", wname)
-            info: dict[str, Any] = {"command": server.cmd}
-            run_info["workloads"][wname] = info
-            print(f"\n=== {engine} / {wname}: starting {' '.join(server.cmd)}", flush=True)
-            try:
-                info["startup_s"] = server.start(args.startup_timeout)
-                models = asyncio.run(fetch_models(server.base_url))
-                model = models[0] if models else ""
-                info["model_id"] = model
-                info["warmup_s"] = warm_up(engine, server, model, wl, tokenizer, args)
-                print(f"    up in {info['startup_s']:.1f} s, warm-up {info['warmup_s']:.1f} s, "
-                      f"model id {model!r}", flush=True)
-                cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
-                for conc in (args.concurrency if wname in args.workload_list else []):
+            concs = list(args.concurrency if wname in args.workload_list else [])
+            runs = [(c, False) for c in concs]
+            if engine in args.goodput_engines and wname == args.goodput_workload:
+                runs.append((None, True))
+            infos: list[dict[str, Any]] = []
+            run_info["workloads"][wname] = infos
+            for conc, search in runs:
+                server = make_server(engine, args, gguf, hf_dir, max_conc, out_dir / "logs",
+                                     f"{wname}-{'goodput' if search else f'c{conc}'}")
+                info: dict[str, Any] = {"command": server.cmd, "concurrency": conc, "goodput_search": search}
+                infos.append(info)
+                print(f"\n=== {engine} / {wname} / {'goodput search' if search else f'c={conc}'}: starting "
+                      f"{' '.join(server.cmd)}", flush=True)
+                try:
+                    info["startup_s"] = server.start(args.startup_timeout)
+                    models = asyncio.run(fetch_models(server.base_url))
+                    model = models[0] if models else ""
+                    info["model_id"] = model
+                    info["warmup_s"] = warm_up(engine, server, model, wl, tokenizer, args)
+                    print(f"    up in {info['startup_s']:.1f} s, warm-up {info['warmup_s']:.1f} s, "
+                          f"model id {model!r}", flush=True)
+                    cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
+                    if search:
+                        searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args)
+                        save(build_report(cells, meta), out_dir)
+                        continue
                     n = args.num_prompts or default_num_prompts(conc, args.min_prompts, args.prompts_per_slot)
                     samples = samples_for(wl, n)
                     la = load_average()
@@ -788,14 +804,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if cell.get("errors"):
                         print(f"      errors: {cell['errors']}", flush=True)
                     save(build_report(cells, meta), out_dir)
-                if engine in args.goodput_engines and wname == args.goodput_workload:
-                    searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args)
-                    save(build_report(cells, meta), out_dir)
-            except Exception as exc:  # noqa: BLE001 - record the failure, go on with the next run
-                info["error"] = f"{type(exc).__name__}: {exc}"
-                print(f"    {engine} / {wname} FAILED: {info['error']}\n{server.log_tail(1500)}", flush=True)
-            finally:
-                server.stop()
+                except Exception as exc:  # noqa: BLE001 - record the failure, go on with the next run
+                    info["error"] = f"{type(exc).__name__}: {exc}"
+                    print(f"    {engine} / {wname} FAILED: {info['error']}\n{server.log_tail(1500)}", flush=True)
+                finally:
+                    server.stop()
         run_info["load_average_after"] = load_average()
     meta["load_average_end"] = load_average()
     doc = build_report(cells, meta)
@@ -810,7 +823,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"Saved results to {path}")
     if cells:
         print(f"Saved plot to {plot_report(doc, out_dir / 'compare_engines.png')}")
-    errors = [w.get("error") for r in meta["engine_runs"].values() for w in r["workloads"].values()]
+    errors = [i.get("error") for r in meta["engine_runs"].values() for w in r["workloads"].values() for i in w]
     return 0 if cells and not any(errors) else 1
 
 
