@@ -7,6 +7,68 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+_CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A decoding constraint (vLLM's ``structured_outputs`` request extra; same field names).
+
+    Exactly one of the constraint fields is set. The server maps OpenAI's ``response_format`` and
+    ``tools`` / ``tool_choice`` onto it; the engine compiles it with the configured backend (xgrammar).
+
+    Attributes:
+        json: a JSON schema (dict, or its JSON text) the output must validate against.
+        regex: a regular expression the whole output must match.
+        choice: the output is exactly one of these strings.
+        grammar: a grammar in a syntax the backend accepts (EBNF/GBNF for xgrammar).
+        json_object: any JSON object (OpenAI's ``response_format: {"type": "json_object"}``).
+        structural_tag: a structural-tag specification (JSON text; xgrammar's ``structural_tag``): free
+            text in which each trigger opens a constrained span.
+        disable_any_whitespace: JSON without optional whitespace (vLLM's option of the same name).
+        disable_additional_properties: treat JSON objects as ``additionalProperties: false`` unless the
+            schema says otherwise (vLLM's option).
+        whitespace_pattern: the regex optional JSON whitespace must match (backend permitting).
+    Raises:
+        ValueError: from :meth:`validate` when no constraint or more than one is set, or a field has the
+            wrong type.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check that exactly one constraint is set; raise ``ValueError`` naming the field otherwise."""
+        set_kinds = [k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs needs exactly one of " + ", ".join(_CONSTRAINT_KINDS)
+                             + (f"; got {', '.join(set_kinds)}" if set_kinds else "; got none"))
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("structured_outputs.json must be a JSON schema (object or string)")
+        for name in ("regex", "grammar", "structural_tag", "whitespace_pattern"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or value == ""):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        """The constraint's kind: one of json, regex, choice, grammar, json_object, structural_tag."""
+        return next(k for k in _CONSTRAINT_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -53,6 +115,8 @@ class SamplingParams:
             prompt's KV for a decode server; ``{"do_remote_prefill": true, "remote_engine_id",
             "remote_block_ids", "remote_host", "remote_port", "remote_request_id", ...}`` on a decode
             server loads it instead of computing the prompt. None: an ordinary request.
+        structured_outputs: a decoding constraint (JSON schema, regex, choice, grammar, structural tag;
+            see :class:`StructuredOutputsParams`); None: unconstrained.
     Raises:
         ValueError: from :meth:`validate` (called on construction) naming the
             offending field.
@@ -79,6 +143,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # P/D disaggregation (vLLM's request extra): do_remote_decode / do_remote_prefill and where the KV is
     kv_transfer_params: dict[str, Any] | None = None
+    # Structured outputs (vLLM's ``structured_outputs`` request extra): the constraint decoding follows
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
