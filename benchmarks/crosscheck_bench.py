@@ -142,7 +142,7 @@ def mean_runs(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def markdown(rows: list[dict[str, Any]], header: str) -> str:
-    """The comparison as a Markdown table (for the README)."""
+    """The comparison as a Markdown table (for docs/benchmarks/crosscheck.md)."""
     lines = [header, "", "| metric | tokenmill | guidellm | difference |", "|---|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['metric']} | {r['tokenmill']:.2f} | {r['guidellm']:.2f} | "

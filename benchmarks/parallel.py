@@ -29,7 +29,7 @@ per rank) buys.
 
 Usage: ``python benchmarks/parallel.py [--dtype float32] [--steps 24] [--device cpu]``.
 CUDA + NCCL runs the same code (``--device cuda``); no GPU was lent, so those
-figures are missing from the README.
+figures are missing from docs/benchmarks/.
 """
 
 from __future__ import annotations

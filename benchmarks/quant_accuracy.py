@@ -20,7 +20,7 @@ The reference (float32, dense) is computed once and kept in ``--ref-file``; each
 ``--json`` as soon as they exist, so a rerun skips the rows already there (``--redo`` measures them again) and
 accuracy (not timing-sensitive: run it niced) and tok/s (a timing: run it alone) can run as separate invocations.
 
-"Effectively lossless" (threshold fixed before measuring, README "Accuracy of each format"): top-1 agreement
+"Effectively lossless" (threshold fixed before measuring, docs/benchmarks/quant_accuracy.md): top-1 agreement
 >= 99%, mean KL <= 0.005 nats, perplexity within 1% of the reference, greedy agreement >= 90%.
 
     python benchmarks/quant_accuracy.py [--rows float32,bfloat16,gguf-lowbit,int8,...,kv-int8] [--num-prompts 80]
@@ -400,7 +400,7 @@ def save_results(path: str | None, rows: dict[str, dict], labels: list[str] | No
 
 
 def table(rows: dict[str, dict], context: int) -> str:
-    """The README table (rows in :data:`ROWS` order)."""
+    """The table of docs/benchmarks/quant_accuracy.md (rows in :data:`ROWS` order)."""
     head = ("| row | top-1 agree (prompts / held) | mean KL nats (prompts / held) | ppl (ratio) | greedy 64 agree | "
             f"weights MiB | KV B/token | req/GiB @{context} | tok/s c=1 | tok/s c=64 | lossless |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
@@ -408,7 +408,7 @@ def table(rows: dict[str, dict], context: int) -> str:
         r = rows[label]
         ref = label == "float32"
         ts = r.get("tok_s", {})
-        mark = " †" if r.get("tok_s_series") else ""      # tok/s from another series than the table's (README)
+        mark = " †" if r.get("tok_s_series") else ""      # tok/s from another series than the table's (docs/benchmarks/quant_accuracy.md)
         speed = [f"{ts['1']:.1f}{mark}" if "1" in ts else "-", f"{ts['64']:.1f}{mark}" if "64" in ts else "-"]
         if "ppl" not in r:               # tok/s measured, accuracy not (yet)
             lines.append("| " + " | ".join([label] + ["-"] * 7 + speed + ["not measured"]) + " |")

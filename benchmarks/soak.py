@@ -20,7 +20,7 @@ check (``GET /debug/invariants``, served with ``TOKENMILL_DEBUG_ENDPOINTS=1``):
   primitive cache and ideep's computation cache (torch's CPU linear layers) keep one entry per GEMM
   shape, 1024 each by default, and a mixed workload brings a new token count almost every step, so
   the core's RSS climbs for hours until both fill (+564-841 MiB over 10,000 real-model requests, still
-  climbing; flat with both capped: README "Soak"). Capped, growth measures leaks, not cache fill.
+  climbing; flat with both capped: docs/guide/serving.md, "Soak"). Capped, growth measures leaks, not cache fill.
   And ``MALLOC_ARENA_MAX=1`` (unless set): glibc gives each thread its own heap arena, and torch's
   temporaries of ever-new sizes fragment them (second-half growth +79 MiB with 2 arenas per core,
   +23 MiB with one).

@@ -70,7 +70,9 @@ def mtbench_prompts(llm: LLM, path: Path, n: int, seed: int) -> list[list[int]]:
 def _paragraphs() -> list[str]:
     """Prose paragraphs (60-160 words) from the repository's own documents."""
     paras = []
-    for f in [REPO / "docs" / "architecture.md", REPO / "README.md", REPO / "tokenmill" / "bench" / "README.md"]:
+    docs = [REPO / "docs" / "architecture.md", REPO / "README.md",
+            *sorted((REPO / "docs" / "guide").glob("*.md")), *sorted((REPO / "docs" / "benchmarks").glob("*.md"))]
+    for f in [*docs, REPO / "tokenmill" / "bench" / "README.md"]:
         if not f.exists():
             continue
         for p in re.split(r"\n\s*\n", f.read_text()):

@@ -43,7 +43,7 @@ def parse_size(value: str | int | None) -> int | None:
 
 # Entries of oneDNN's primitive cache and ideep's computation cache (torch's CPU GEMMs), each keyed by
 # shape. Their defaults (1024 each) let a mixed workload, which brings a new token count almost every
-# step, grow the engine core's RSS by 564-841 MiB per 10,000 requests before they fill (README "Soak").
+# step, grow the engine core's RSS by 564-841 MiB per 10,000 requests before they fill (docs/guide/serving.md, "Soak").
 # 64 costs no measured speed: c=16, random 128 -> 32, alternating runs, 199.7 / 194.3 tok/s at 1024 vs
 # 191.9 / 200.3 at 64 (2026-12-01, quiet 2-core AVX-512 machine).
 GEMM_SHAPE_CACHE_CAPACITY = 64

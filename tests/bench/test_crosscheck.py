@@ -1,5 +1,5 @@
 """benchmarks/crosscheck_bench.py: comparison logic and missing-guidellm handling
-(the full guidellm run takes ~30 s, so it is run by hand; see the README)."""
+(the full guidellm run takes ~30 s, so it is run by hand; see docs/benchmarks/crosscheck.md)."""
 
 from __future__ import annotations
 

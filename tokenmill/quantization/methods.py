@@ -30,7 +30,7 @@ not fast); w8a8 runs ``torch._int_mm`` there too.
 Why groups of 32 by default (vLLM/torchao users may expect 128): accuracy
 decides. On SmolLM2-135M, groups of 64/128 leave 8.0-10.1% relative weight
 error per layer (``benchmarks/int4_group_error.py``) and cost top-1 agreement
-66.7%, perplexity +31% (README "Accuracy of each format"); groups of 32 follow
+66.7%, perplexity +31% (docs/benchmarks/quant_accuracy.md); groups of 32 follow
 the grid of a Q4_0/Q4_1 GGUF exactly, and on float weights cut the rounding
 error (the step is ``(max - min) / 15`` of a smaller group). The price is
 bytes: float32 scale and minimum per 32 weights are 2 bits per weight (6 bits
