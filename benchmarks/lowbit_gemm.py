@@ -49,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from tokenmill import envs  # noqa: E402
 from tokenmill.model.layers.cpu_build import ISAS, isa_supported  # noqa: E402
 from tokenmill.quantization.lowbit import LowBitWeight, load_kernel, lowbit_linear, set_bf16_dot  # noqa: E402
 
@@ -77,11 +78,11 @@ def model_step(args) -> None:
     from tokenmill.model.runner import ModelRunner
 
     runners = {}
-    os.environ["TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"] = "0"
+    envs.set("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "0")
     for dtype in args.dtypes.split(","):
         for limit in ("8", "0") + (("8i",) if args.int8_act else ()):
-            os.environ["TOKENMILL_CPU_INT4_MAX_TOKENS"] = limit.rstrip("i")
-            os.environ["TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"] = "65536" if limit.endswith("i") else "0"
+            envs.set("TOKENMILL_CPU_INT4_MAX_TOKENS", limit.rstrip("i"))
+            envs.set("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "65536" if limit.endswith("i") else "0")
             cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=256, block_size=16, max_model_len=1024)
             runners[(dtype, limit)] = ModelRunner.from_config(cfg, with_tokenizer=False)
     torch.set_num_threads(args.threads)
@@ -222,8 +223,8 @@ def model_step_ab(args) -> None:
     from tokenmill.model.runner import ModelRunner
     import tokenmill.quantization.lowbit as lbm
 
-    os.environ["TOKENMILL_CPU_INT4_MAX_TOKENS"] = "8"
-    os.environ["TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"] = "65536"
+    envs.set("TOKENMILL_CPU_INT4_MAX_TOKENS", "8")
+    envs.set("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "65536")
     dtype = args.dtypes.split(",")[0]
     cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=max(256, 64 * (args.context + 2048) // 16 + 64),
                                    block_size=16, max_model_len=args.context + 2048 + 16)

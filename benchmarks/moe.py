@@ -60,6 +60,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from tokenmill import envs  # noqa: E402
+
 # hidden 256, 8 experts of width 512 (top 2), 4 layers, vocabulary 2048: ~25 MB of expert weights (float32)
 MODEL = dict(hidden=256, experts=8, expert_ffn=512, top_k=2, layers=4, heads=4, kv_heads=2, vocab=2048)
 
@@ -272,8 +274,8 @@ def main() -> int:
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     args = ap.parse_args()
     if args.threads:
-        os.environ["TOKENMILL_NUM_THREADS"] = str(args.threads)
-    os.environ["TOKENMILL_EPLB_STATS_STEPS"] = "1"     # EPLB stats (per-rank loads) fresh after every step
+        envs.set("TOKENMILL_NUM_THREADS", str(args.threads))
+    envs.set("TOKENMILL_EPLB_STATS_STEPS", "1")     # EPLB stats (per-rank loads) fresh after every step
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=os.path.dirname(__file__)).stdout.strip()
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, commit {commit}, {platform.processor() or platform.machine()}, "

@@ -46,6 +46,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from tokenmill import envs  # noqa: E402
+
 TINY = dict(layers=8, hidden=512, heads=8, kv_heads=4, ffn=1536, vocab=8192)
 
 
@@ -60,16 +62,16 @@ def run_layout(path: str, name: str, batch: int, args, threads: int | None = Non
     """Decode ``args.steps`` steps at ``batch`` requests; per-step timings (``threads``: torch threads per process)."""
     from tokenmill import LLM, SamplingParams
 
-    saved = os.environ.get("TOKENMILL_NUM_THREADS")
+    saved = envs.raw("TOKENMILL_NUM_THREADS")
     if threads:
-        os.environ["TOKENMILL_NUM_THREADS"] = str(threads)
+        envs.set("TOKENMILL_NUM_THREADS", str(threads))
     try:
         llm = _make_llm(LLM, path, batch, args, kw)
     finally:
         if saved is None:
-            os.environ.pop("TOKENMILL_NUM_THREADS", None)
+            envs.unset("TOKENMILL_NUM_THREADS")
         else:
-            os.environ["TOKENMILL_NUM_THREADS"] = saved
+            envs.set("TOKENMILL_NUM_THREADS", saved)
     return _measure(llm, name, batch, args)
 
 

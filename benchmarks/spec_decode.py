@@ -48,6 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tokenmill import envs  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.spec_decode.early_exit import truncate_gguf  # noqa: E402
 
@@ -232,7 +233,7 @@ def main() -> None:
     configs = [c for c in args.configs.split(",") if c in specs]
     params = SamplingParams(temperature=0, max_tokens=args.output_len)
     print(f"# spec_decode benchmark {time.strftime('%Y-%m-%d %H:%M')} | load average {os.getloadavg()[0]:.1f} "
-          f"| dtype {args.dtype} | threads {os.environ.get('TOKENMILL_NUM_THREADS', 'all CPUs')} "
+          f"| dtype {args.dtype} | threads {envs.raw('TOKENMILL_NUM_THREADS') or 'all CPUs'} "
           f"| output_len {args.output_len} | ngram k={args.k} (n 2..4), dyn {args.dyn} | "
           f"draft: first {args.draft_layers} layers, k={args.draft_k}", flush=True)
     results = []

@@ -50,6 +50,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from roofline import synthetic_step  # noqa: E402
 
+from tokenmill import envs  # noqa: E402
+
 
 def kernel_timers():
     """Wrap every ctypes function of the loaded kernel libraries with a timer.
@@ -309,7 +311,7 @@ def main() -> None:
     ap.add_argument("--server-only", action="store_true", help="skip the in-process measurements")
     args = ap.parse_args()
     if args.server_only:
-        threads = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or len(os.sched_getaffinity(0))
+        threads = envs.TOKENMILL_NUM_THREADS or len(os.sched_getaffinity(0))
         report_server(args, threads)
         return
 

@@ -18,13 +18,14 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "tokenmill"
 
 # The shared data vocabulary every layer may use (each imports no other tokenmill module but these).
-DATA = {"tokenmill.config", "tokenmill.sampling_params", "tokenmill.outputs"}
+DATA = {"tokenmill.config", "tokenmill.sampling_params", "tokenmill.outputs", "tokenmill.envs"}
 UPPER = ("tokenmill.server", "tokenmill.router", "tokenmill.bench", "tokenmill.playbook", "tokenmill.entrypoints",
-         "tokenmill.cli")
+         "tokenmill.cli", "tokenmill.flags_doc")
 
 # package prefix -> (allowed tokenmill imports: prefixes, or None for "anything not forbidden"; forbidden prefixes)
 RULES: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...]]] = {
     "tokenmill.core": (("tokenmill.core",) + tuple(DATA), ()),
+    "tokenmill.envs": ((), ()),              # the switch registry: imports no tokenmill module
     "tokenmill.config": (tuple(DATA), ()),
     "tokenmill.sampling_params": (tuple(DATA), ()),
     "tokenmill.outputs": (tuple(DATA), ()),

@@ -16,6 +16,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill import envs
+
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -62,7 +64,7 @@ def bound_gemm_shape_caches(capacity: int = GEMM_SHAPE_CACHE_CAPACITY) -> None:
 
 
 INT4_ENV = "TOKENMILL_CPU_INT4_MAX_TOKENS"
-DEFAULT_INT4_MAX_TOKENS = 8
+DEFAULT_INT4_MAX_TOKENS = envs.var(INT4_ENV).default
 
 
 def int4_max_tokens_from_env() -> int:
@@ -71,14 +73,7 @@ def int4_max_tokens_from_env() -> int:
     Raises:
         ValueError: the variable is not a non-negative integer.
     """
-    raw = os.environ.get(INT4_ENV, str(DEFAULT_INT4_MAX_TOKENS)).strip()
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"{INT4_ENV} must be a non-negative integer, got {raw!r}")
-    return limit
+    return envs.get(INT4_ENV)
 
 
 def _f(default: Any, help: str, **kw: Any) -> Any:

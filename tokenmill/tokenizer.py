@@ -17,6 +17,8 @@ import hashlib
 import os
 from typing import Any
 
+from tokenmill import envs
+
 
 def _split_gguf(path: str) -> tuple[str, str] | None:
     if os.path.isfile(path) and path.endswith(".gguf"):
@@ -100,7 +102,7 @@ def _tokenizer_cache_dir(path: str) -> str | None:
     """
     try:
         st = os.stat(path)
-        root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+        root = envs.TOKENMILL_CACHE_DIR
         key = hashlib.sha256(f"{os.path.abspath(path)}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:24]
         d = os.path.join(root, "tokenizers", key)
         os.makedirs(os.path.dirname(d), exist_ok=True)

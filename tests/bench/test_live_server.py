@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenmill import envs
 from tokenmill.bench import cli
 from tokenmill.bench.client import EndpointConfig
 from tokenmill.bench.datasets import build_dataset
@@ -39,8 +40,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory):
-    if os.environ.get("TOKENMILL_BENCH_LIVE_URL"):
-        yield os.environ["TOKENMILL_BENCH_LIVE_URL"].rstrip("/")
+    if envs.TOKENMILL_BENCH_LIVE_URL:
+        yield envs.TOKENMILL_BENCH_LIVE_URL
         return
     port = _free_port()
     log = tmp_path_factory.mktemp("live") / "server.log"

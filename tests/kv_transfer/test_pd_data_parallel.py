@@ -14,7 +14,6 @@ the test, so blocks freed in time were released, not expired. Every server is ki
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +26,7 @@ from tests.distributed.conftest import save_tiny_llama
 from tests.kv_transfer.test_pd_router import COMMON, PROMPTS, _invariants, _metric, _model
 from tests.router.fake_backend import RouterThread
 from tests.server.server_proc import start_server
+from tokenmill import envs
 from tokenmill import LLM, SamplingParams
 from tokenmill.router.app import RouterConfig
 from tokenmill.router.backends import BackendSpec
@@ -55,7 +55,7 @@ def _kv(role: str) -> str:
 
 @pytest.fixture(scope="module")
 def dp_pd(tiny):
-    os.environ["TOKENMILL_DEBUG_ENDPOINTS"] = "1"
+    envs.set("TOKENMILL_DEBUG_ENDPOINTS", "1")
     servers, errors, router = [], [], None
     try:
         with ThreadPoolExecutor(2) as ex:

@@ -24,6 +24,7 @@ import pytest
 from tests.distributed.conftest import save_tiny_llama
 from tests.router.fake_backend import RouterThread
 from tests.server.server_proc import start_server
+from tokenmill import envs
 from tokenmill import LLM, SamplingParams
 from tokenmill.router.app import RouterConfig
 from tokenmill.router.backends import BackendSpec
@@ -55,7 +56,7 @@ def _kv(connector: str, role: str, shm_dir: str) -> str:
 
 
 def _start_pair(tiny: str, connector: str, shm_dir: str):
-    os.environ["TOKENMILL_DEBUG_ENDPOINTS"] = "1"
+    envs.set("TOKENMILL_DEBUG_ENDPOINTS", "1")
     with ThreadPoolExecutor(2) as ex:
         futs = [ex.submit(start_server, "--model", tiny, *COMMON, "--kv-transfer-config", _kv(connector, role, shm_dir))
                 for role in ("kv_producer", "kv_consumer")]

@@ -5,8 +5,9 @@ Used by the crash, fuzz and soak tests, which need a live server but no model.""
 
 from __future__ import annotations
 
-import os
 import sys
+
+from tokenmill import envs
 
 
 def main(argv: list[str]) -> int:
@@ -19,7 +20,7 @@ def main(argv: list[str]) -> int:
     config = config_from_args(args).replace(served_model_name="fake", max_model_len=args.max_model_len or 512,
                                              num_kv_blocks=args.num_kv_blocks or 256)
     tok = fakes.CharTokenizer()
-    factory = getattr(fakes, os.environ.get("TOKENMILL_FAKE_EXECUTOR", "make_fake_executor"))
+    factory = getattr(fakes, envs.TOKENMILL_FAKE_EXECUTOR)
     engine = AsyncEngine(config, tok, executor_factory=factory, start_timeout=300)   # a loaded 2-core machine is slow to spawn
     engine.start()
     print(f"engine core pid {engine.info.pid}", flush=True)

@@ -9,7 +9,6 @@ not the model. ``TOKENMILL_FUZZ_EXAMPLES`` raises the bound for a longer run (de
 from __future__ import annotations
 
 import collections
-import os
 
 import pytest
 
@@ -20,7 +19,9 @@ from schemathesis.specs.openapi.checks import response_schema_conformance, statu
 
 from tests.server.live_fake import live_fake_server  # noqa: E402
 
-EXAMPLES = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", "25"))
+from tokenmill import envs
+
+EXAMPLES = envs.TOKENMILL_FUZZ_EXAMPLES
 
 
 def fuzz(url: str, examples: int) -> dict[str, collections.Counter]:
@@ -42,7 +43,7 @@ def fuzz(url: str, examples: int) -> dict[str, collections.Counter]:
             resp = case.call_and_validate(base_url=url, timeout=60, checks=[
                 not_a_server_error, status_code_conformance, response_schema_conformance])
             seen[resp.status_code] += 1
-            if resp.status_code == 400 and os.environ.get("TOKENMILL_FUZZ_VERBOSE"):
+            if resp.status_code == 400 and envs.TOKENMILL_FUZZ_VERBOSE:
                 print(op.label, resp.json()["error"]["message"][:150])
 
         run()

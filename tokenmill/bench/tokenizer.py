@@ -29,6 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,7 +84,7 @@ def resolve_tokenizer_path(tokenizer: str | None, model_id: str | None) -> Path:
 
 
 def _cache_root() -> Path:
-    return Path(os.environ.get("TOKENMILL_CACHE_DIR", Path.home() / ".cache" / "tokenmill"))
+    return Path(envs.TOKENMILL_CACHE_DIR)
 
 
 def _load_gguf(gguf: Path) -> Any:

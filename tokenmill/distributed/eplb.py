@@ -47,7 +47,6 @@ point-to-point operations).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Sequence
@@ -55,6 +54,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from tokenmill import envs
 from tokenmill.metrics.stats import EPLB_MAX_LOAD_SERIES, EplbStats
 
 logger = logging.getLogger(__name__)
@@ -694,8 +694,9 @@ class EplbController:
             divide over ``ep_size``.
     """
 
-    # refresh the metrics snapshot (two small all-reduces) this often, in steps (TOKENMILL_EPLB_STATS_STEPS)
-    STATS_EVERY = int(os.environ.get("TOKENMILL_EPLB_STATS_STEPS", "32"))
+    # refresh the metrics snapshot (two small all-reduces) this often, in steps: TOKENMILL_EPLB_STATS_STEPS,
+    # read when the state is built (``__init__``)
+    STATS_EVERY = 32
 
     def __init__(self, layers: Sequence, config, ep_rank: int = 0, ep_size: int = 1, group=None,
                  global_ranks: Sequence[int] | None = None, num_groups: int = 1, num_nodes: int = 1) -> None:
@@ -708,6 +709,7 @@ class EplbController:
                 raise ValueError("MoE layers with different expert counts")
         self.layers = list(layers)
         self.config = config
+        self.STATS_EVERY = envs.TOKENMILL_EPLB_STATS_STEPS
         self.ep_rank, self.ep_size = ep_rank, ep_size
         self.group, self.global_ranks = group, global_ranks
         self.num_groups, self.num_nodes = num_groups, num_nodes

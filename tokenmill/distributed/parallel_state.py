@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import datetime
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from tokenmill import envs
 from tokenmill.distributed.communicator import Communicator
 
 logger = logging.getLogger(__name__)
@@ -23,9 +23,8 @@ logger = logging.getLogger(__name__)
 # How long one collective may wait for its peers before it raises (s). A peer that died closes its sockets at
 # once (gloo raises "connection closed"; the executor sees the process exit); this only bounds a peer that is
 # alive but stuck. Generous: a loaded 2-core machine can stall a rank for tens of seconds.
-DEFAULT_TIMEOUT_S = float(os.environ.get("TOKENMILL_DIST_TIMEOUT", "600"))
-# How long the data-parallel engine cores wait for each other to join their group at start-up (s).
-RENDEZVOUS_TIMEOUT_S = float(os.environ.get("TOKENMILL_WORKER_START_TIMEOUT", "600"))
+# TOKENMILL_DIST_TIMEOUT (tokenmill/envs.py), read when a group is built. How long the data-parallel engine
+# cores wait for each other to join their group at start-up (s): TOKENMILL_WORKER_START_TIMEOUT.
 
 
 @dataclass
@@ -118,7 +117,7 @@ def _new_group(ranks: list[int], backend: str, timeout_s: float):
 
 
 def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
-                     device: torch.device | str = "cpu", timeout_s: float = DEFAULT_TIMEOUT_S,
+                     device: torch.device | str = "cpu", timeout_s: float | None = None,
                      dp_size: int = 1, dp_rank: int = 0) -> ParallelContext:
     """Join the process group and build this rank's communicators.
 
@@ -156,7 +155,9 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     world, grank = local * dp_size, dp_rank * local + rank
-    _join_world(backend, init_method, grank, world, timeout_s, RENDEZVOUS_TIMEOUT_S if dp_size > 1 else None)
+    timeout_s = envs.TOKENMILL_DIST_TIMEOUT if timeout_s is None else timeout_s
+    _join_world(backend, init_method, grank, world, timeout_s,
+                envs.TOKENMILL_WORKER_START_TIMEOUT if dp_size > 1 else None)
     tp_group = None
     for d in range(dp_size):           # every rank must create every group, in the same order
         for stage in range(pp_size):
@@ -180,7 +181,7 @@ def init_distributed(rank: int, tp_size: int, pp_size: int, init_method: str,
 
 
 def init_data_parallel_ep(dp_rank: int, dp_size: int, init_method: str, device: torch.device | str = "cpu",
-                          timeout_s: float = DEFAULT_TIMEOUT_S) -> ParallelContext:
+                          timeout_s: float | None = None) -> ParallelContext:
     """Join the expert-parallel group of ``dp_size`` data-parallel engine cores (tensor and pipeline size 1).
 
     Every engine core calls this with the same ``init_method`` (the API process picks it). The world is
@@ -201,7 +202,8 @@ def init_data_parallel_ep(dp_rank: int, dp_size: int, init_method: str, device: 
         torch.cuda.set_device(device)
     # The rendezvous waits up to the start-up timeout (a loaded machine starts one core tens of seconds after
     # the other); collectives then use ``timeout_s``.
-    _join_world(backend, init_method, dp_rank, dp_size, timeout_s, RENDEZVOUS_TIMEOUT_S)
+    timeout_s = envs.TOKENMILL_DIST_TIMEOUT if timeout_s is None else timeout_s
+    _join_world(backend, init_method, dp_rank, dp_size, timeout_s, envs.TOKENMILL_WORKER_START_TIMEOUT)
     sync_group = _new_group(list(range(dp_size)), backend, timeout_s)
     logger.info("data-parallel engine %d/%d joined the expert-parallel group (%s, collective timeout %.0f s)",
                 dp_rank, dp_size, backend, timeout_s)

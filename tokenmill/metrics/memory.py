@@ -14,6 +14,8 @@ import os
 import tracemalloc
 from typing import Any
 
+from tokenmill import envs
+
 ENV = "TOKENMILL_TRACEMALLOC"
 
 
@@ -23,10 +25,7 @@ def maybe_start_tracemalloc() -> bool:
     Returns:
         True when tracing is on (started now or before).
     """
-    try:
-        frames = int(os.environ.get(ENV, "0") or 0)
-    except ValueError:
-        frames = 0
+    frames = envs.get(ENV)
     if frames > 0 and not tracemalloc.is_tracing():
         tracemalloc.start(frames)
     return tracemalloc.is_tracing()

@@ -109,9 +109,9 @@ def allocate_kv_caches(layout: KVCacheLayout, device: torch.device, zero: bool =
     fills the pool with NaN and checks every path against a zeroed pool.
     ``TOKENMILL_KV_CACHE_ZERO=1`` (or ``zero=True``) zeroes it anyway.
     """
-    import os
+    from tokenmill import envs
 
-    zero = zero or os.environ.get("TOKENMILL_KV_CACHE_ZERO", "0") == "1"
+    zero = zero or envs.TOKENMILL_KV_CACHE_ZERO
     make = torch.zeros if zero else torch.empty
     per_layer = torch.Size(layout.shape).numel() * torch.empty((), dtype=layout.dtype).element_size()
     logger.info("allocating the KV cache: %d layers x %.1f MiB%s", layout.num_layers, per_layer / 2**20,

@@ -19,6 +19,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.model.arch_config import ModelArchConfig
 from tokenmill.model.default_model import default_model_path  # noqa: F401 - re-exported
 from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
@@ -92,7 +93,7 @@ def cpu_has_native_bf16() -> bool:
     On CPUs without it bfloat16 GEMMs are emulated and slower than float32.
     ``TOKENMILL_CPU_BF16=0`` forces False (so ``dtype=auto`` means float32).
     """
-    if os.environ.get("TOKENMILL_CPU_BF16", "1") == "0":
+    if not envs.TOKENMILL_CPU_BF16:
         return False
     cpu = getattr(torch, "cpu", None)
     native = any(bool(getattr(cpu, name, lambda: False)())

@@ -13,6 +13,8 @@ import os
 
 import torch
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 
@@ -38,7 +40,7 @@ def configure_allocator(device: torch.device) -> bool:
     Returns:
         True when the thresholds were set.
     """
-    if device.type != "cpu" or os.environ.get("TOKENMILL_MALLOC_TUNING", "1") == "0":
+    if device.type != "cpu" or not envs.TOKENMILL_MALLOC_TUNING:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -62,7 +64,7 @@ def configure_threads(device: torch.device) -> int:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):          # not Linux
         usable = os.cpu_count() or 1
-    explicit = int(os.environ.get("TOKENMILL_NUM_THREADS", "0"))
+    explicit = envs.TOKENMILL_NUM_THREADS
     n = explicit or usable
     if device.type == "cpu":
         torch.set_num_threads(n)

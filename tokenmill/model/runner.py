@@ -29,7 +29,6 @@ the same hook is where CUDA graphs (``mode="reduce-overhead"``) would go.
 from __future__ import annotations
 
 import bisect
-import os
 import logging
 import time
 from itertools import chain
@@ -37,6 +36,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
@@ -227,7 +227,7 @@ class ModelRunner:
                                     sched.max_num_seqs, blocks_per_seq, device)
         # eager: the oneDNN packing runs in a background thread (start-up does not wait for it; a layer needed
         # packed earlier is packed on the spot); TOKENMILL_CPU_PACK_BACKGROUND=0 packs before the runner is ready
-        background = config.model.enforce_eager and os.environ.get("TOKENMILL_CPU_PACK_BACKGROUND", "1") != "0"
+        background = config.model.enforce_eager and envs.TOKENMILL_CPU_PACK_BACKGROUND
         self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager,
                                                      background=background)
         self.lowbit_max_tokens = 0

@@ -50,9 +50,10 @@ returns live in a buffer the next call overwrites.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
+
+from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 def step_graph_enabled() -> bool:
     """False when ``TOKENMILL_CPU_STEP_GRAPH=0``."""
-    return os.environ.get(ENV_SWITCH, "1") != "0"
+    return envs.get(ENV_SWITCH)
 
 
 def max_tokens_from_env(default: int) -> int:
@@ -73,16 +74,8 @@ def max_tokens_from_env(default: int) -> int:
     Raises:
         ValueError: the variable is not a positive integer.
     """
-    raw = os.environ.get(MAX_TOKENS_ENV, "").strip()
-    if not raw:
-        return default
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise ValueError(f"{MAX_TOKENS_ENV} must be a positive integer, got {raw!r}")
-    return n
+    n = envs.get(MAX_TOKENS_ENV)
+    return default if n is None else n
 
 
 def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,

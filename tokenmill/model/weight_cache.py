@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -54,9 +56,8 @@ MAGIC = b"TMWCACHE"
 ENV_SWITCH = "TOKENMILL_WEIGHT_CACHE"
 _ALIGN = 64
 _STALE_TMP_S = 3600   # a temporary file this old belongs to no live writer
-# Environment variables that change the processed weights (so they are part of the key).
-_ENV_IN_KEY = ("TOKENMILL_CPU_ISA", "TOKENMILL_CPU_LOWBIT_KERNEL", "TOKENMILL_CPU_INT4_MAX_TOKENS",
-               "TOKENMILL_CPU_PACKED_LINEAR", "TOKENMILL_CPU_BF16")
+# The environment switches that change the processed weights are part of the key: those declared with
+# ``in_weight_key`` in tokenmill/envs.py (envs.weight_key_switches()).
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8,
                                torch.int16, torch.int32, torch.int64, torch.bool)}
 _BUFFER = "buffer/"
@@ -68,13 +69,12 @@ class CorruptCacheError(ValueError):
 
 def cache_enabled(flag: bool = True) -> bool:
     """``flag`` (``--weight-cache``) and not ``TOKENMILL_WEIGHT_CACHE=0``."""
-    return bool(flag) and os.environ.get(ENV_SWITCH, "1") != "0"
+    return bool(flag) and envs.TOKENMILL_WEIGHT_CACHE
 
 
 def cache_root() -> str:
     """``$TOKENMILL_CACHE_DIR/weights`` or ``~/.cache/tokenmill/weights``."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
-    return os.path.join(root, "weights")
+    return os.path.join(envs.TOKENMILL_CACHE_DIR, "weights")
 
 
 def checkpoint_files(kind: str, path: str) -> list[str]:
@@ -101,7 +101,7 @@ def cache_key(kind: str, path: str, recipe: dict[str, Any]) -> tuple[str, str]:
     for f in checkpoint_files(kind, path):
         st = os.stat(f)
         ident.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
-    env = {k: os.environ.get(k) for k in _ENV_IN_KEY}
+    env = envs.weight_key_switches()
     key = json.dumps({"files": ident, "recipe": recipe, "env": env, "versions": _versions()}, sort_keys=True)
     ckpt = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]

@@ -39,6 +39,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.config import parse_size
 
 # Bytes per element of --dtype / --kv-cache-dtype values.
@@ -577,8 +578,7 @@ def kv_cache_dtype_for(shape: ModelShape, opts: PlanOptions, dtype: str) -> str:
         return opts.kv_cache_dtype
     lowbit = (shape.gguf_lowbit and opts.quantization is None
               and opts.tensor_parallel_size * opts.pipeline_parallel_size == 1
-              and os.environ.get("TOKENMILL_CPU_INT4_MAX_TOKENS", "8").strip() not in ("0", "")
-              and os.environ.get("TOKENMILL_CPU_KV_BF16", "1") != "0")
+              and envs.TOKENMILL_CPU_INT4_MAX_TOKENS > 0 and envs.TOKENMILL_CPU_KV_BF16)
     if dtype == "float32" and resolve_plan_device(opts.device) == "cpu" and lowbit:
         return "bfloat16"
     return dtype

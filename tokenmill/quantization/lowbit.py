@@ -31,10 +31,11 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
         lib.tm_lowbit_isa.argtypes = []
         lib.tm_lowbit_set_bf16_dot.restype = ctypes.c_int
         lib.tm_lowbit_set_bf16_dot.argtypes = [ctypes.c_int]
-        set_bf16_dot(lib, os.environ.get(BF16_DOT_SWITCH, "1") != "0")
+        set_bf16_dot(lib, envs.get(BF16_DOT_SWITCH))
     return lib
 
 
@@ -291,7 +292,7 @@ def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = 
 def _default_kernel() -> ctypes.CDLL | None:
     lib = load_kernel()
     if lib is not None:
-        dot = bool(lib.tm_lowbit_set_bf16_dot(int(os.environ.get(BF16_DOT_SWITCH, "1") != "0")))
+        dot = bool(lib.tm_lowbit_set_bf16_dot(int(envs.get(BF16_DOT_SWITCH))))
         logger.info("low-bit GEMM kernel: %s path%s", lib.tm_lowbit_isa().decode(),
                     ", bfloat16 activations on AVX512-BF16 dot products" if dot else "")
     return lib

@@ -44,18 +44,18 @@ divide a layer's inputs, a pre-quantised checkpoint with other than 4 bits.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.quantization.lowbit import LowBitWeight, cpu_flags, lowbit_linear
 
 logger = logging.getLogger(__name__)
 
 METHODS = ("int8", "w8a8", "int4", "awq", "gptq")
 GROUP_ENV = "TOKENMILL_INT4_GROUP_SIZE"
-DEFAULT_INT4_GROUP = 32
+DEFAULT_INT4_GROUP = envs.var(GROUP_ENV).default
 DENSE_ABOVE_ROWS = 64  # larger steps dequantise the layer once and run one dense GEMM
 VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
@@ -67,16 +67,7 @@ def int4_group_size() -> int:
     Raises:
         ValueError: not an integer in 32..128 divisible by 4.
     """
-    raw = os.environ.get(GROUP_ENV, "").strip()
-    if not raw:
-        return DEFAULT_INT4_GROUP
-    try:
-        g = int(raw)
-    except ValueError:
-        g = -1
-    if not 32 <= g <= 128 or g % 4:
-        raise ValueError(f"{GROUP_ENV} must be a multiple of 4 from 32 to 128, got {raw!r}")
-    return g
+    return envs.get(GROUP_ENV)
 
 
 def int4_group_for(in_features: int) -> int:

@@ -11,12 +11,12 @@ second over the last :attr:`AdmissionController.window` seconds).
 from __future__ import annotations
 
 import math
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from tokenmill import envs
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats import IterationStats
 
@@ -309,7 +309,7 @@ class SLOAdmission:
         # TPOT ratio measured / predicted (0.5x .. 4x); ``calibrate=False`` judges the raw model
         # (default: on, unless the environment sets TOKENMILL_SLO_CALIBRATION=0, the ablation switch)
         if calibrate is None:
-            calibrate = os.environ.get("TOKENMILL_SLO_CALIBRATION", "1") not in ("0", "false", "off")
+            calibrate = envs.TOKENMILL_SLO_CALIBRATION
         self.calibrate = calibrate
         bound = slo.ttft if slo.ttft is not None else 1.0
         self.ttft_margin = ErrorCalibration(self.CALIBRATION_QUANTILE, lo=-0.5 * bound, hi=0.5 * bound)

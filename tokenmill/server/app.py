@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,6 +30,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
+from tokenmill import envs
 from tokenmill.metrics.prometheus import CONTENT_TYPE_LATEST
 from tokenmill.server.body_limit import BodySizeLimitMiddleware
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -257,7 +257,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
         return Response(status_code=200)
 
-    if os.environ.get("TOKENMILL_DEBUG_ENDPOINTS") == "1":
+    if envs.TOKENMILL_DEBUG_ENDPOINTS:
         @app.get("/debug/invariants", include_in_schema=False)
         async def invariants() -> dict[str, Any]:
             """The engine's bookkeeping check (leaked blocks, stray requests) for tests and soak runs."""

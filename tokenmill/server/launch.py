@@ -16,6 +16,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from tokenmill import envs
 from tokenmill.config import GEMM_SHAPE_CACHE_CAPACITY, EngineConfig, bound_gemm_shape_caches  # noqa: F401
 
 if TYPE_CHECKING:
@@ -92,7 +93,7 @@ def run_server(config: EngineConfig) -> int:
         RuntimeError: the engine core failed to start (message from the core).
         FileNotFoundError / ValueError: bad model or tokenizer path.
     """
-    level = os.environ.get("TOKENMILL_LOG_LEVEL", "INFO").upper()
+    level = envs.TOKENMILL_LOG_LEVEL
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from tokenmill.metrics.memory import maybe_start_tracemalloc
 

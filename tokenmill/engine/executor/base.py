@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -163,7 +164,7 @@ def plan_cpus(world_size: int, cpus: list[int] | None = None) -> list[list[int] 
     caller logs it: workers then compete for cores). ``TOKENMILL_WORKER_CPUS=0``
     turns pinning off (None for every rank).
     """
-    if os.environ.get("TOKENMILL_WORKER_CPUS", "1") == "0":
+    if not envs.TOKENMILL_WORKER_CPUS:
         return [None] * world_size
     if cpus is None:
         try:

@@ -36,6 +36,7 @@ import weakref
 from multiprocessing.connection import Client, Connection, Listener, wait
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, eplb_stats_of, load_frontend,
@@ -47,7 +48,6 @@ logger = logging.getLogger(__name__)
 
 _AUTHKEY_ENV = "TOKENMILL_WORKER_AUTHKEY"
 # Seconds a worker may take to connect, join the group and load its shard.
-START_TIMEOUT_S = float(os.environ.get("TOKENMILL_WORKER_START_TIMEOUT", "600"))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -117,7 +117,7 @@ class MultiprocExecutor:
         authkey = secrets.token_bytes(32)
         address = os.path.join(self._tmpdir, "workers.sock")
         listener = Listener(address, family="AF_UNIX", authkey=authkey)
-        env = dict(os.environ, **{_AUTHKEY_ENV: authkey.hex()})
+        env = dict(os.environ, **{envs.var(_AUTHKEY_ENV).name: authkey.hex()})
         init_method = self._init_method or f"tcp://127.0.0.1:{free_port()}"
         try:
             for rank in range(self.world_size):
@@ -125,12 +125,13 @@ class MultiprocExecutor:
                     [sys.executable, "-m", "tokenmill.engine.executor.mp", address, str(rank),
                      str(logging.getLogger().getEffectiveLevel())], env=env))
             by_rank: dict[int, Connection] = {}
-            deadline = time.monotonic() + START_TIMEOUT_S
+            start_timeout_s = envs.TOKENMILL_WORKER_START_TIMEOUT
+            deadline = time.monotonic() + start_timeout_s
             listener._listener._socket.settimeout(1.0)   # accept() wakes up to check the processes
             while len(by_rank) < self.world_size:
                 self._check_procs("starting")
                 if time.monotonic() > deadline:
-                    raise WorkerDiedError(f"workers did not connect within {START_TIMEOUT_S:.0f} s")
+                    raise WorkerDiedError(f"workers did not connect within {start_timeout_s:.0f} s")
                 try:
                     conn = listener.accept()
                 except (socket.timeout, TimeoutError):
@@ -142,7 +143,7 @@ class MultiprocExecutor:
         self._conns.extend(by_rank[r] for r in range(self.world_size))
         for rank, conn in enumerate(self._conns):
             conn.send(("init", self.config, init_method, cpus[rank], self.dp_rank, self.dp_size))
-        replies = self._collect(timeout=START_TIMEOUT_S, what="loading")
+        replies = self._collect(timeout=envs.TOKENMILL_WORKER_START_TIMEOUT, what="loading")
         errors = [m for m in replies if m[0] == "error"]
         if errors:
             raise ValueError(f"worker start-up failed: {errors[0][1]}")
@@ -288,7 +289,7 @@ def worker_main(address: str, rank: int, log_level: int = logging.INFO) -> int:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [worker {rank}] %(name)s: %(message)s")
-    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(os.environ.pop(_AUTHKEY_ENV)))
+    conn = Client(address, family="AF_UNIX", authkey=bytes.fromhex(envs.unset(_AUTHKEY_ENV)))
     conn.send(("hello", rank))
     worker = None
     try:

@@ -24,6 +24,7 @@ import pickle
 import time
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, eplb_stats_of, load_frontend,
@@ -51,7 +52,7 @@ class _RankActor:
     def start(self, config: EngineConfig, rank: int, init_method: str, num_cpus: int) -> Any:
         from tokenmill.engine.executor.worker import Worker
 
-        os.environ.setdefault("TOKENMILL_NUM_THREADS", str(num_cpus))
+        envs.setdefault("TOKENMILL_NUM_THREADS", num_cpus)
         logging.basicConfig(level=logging.INFO,
                             format=f"%(asctime)s %(levelname)s [ray rank {rank}] %(name)s: %(message)s")
         self.worker = Worker(config, rank, init_method, cpus=None)
@@ -104,7 +105,7 @@ class RayExecutor:
             ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, log_to_driver=True,
                      configure_logging=False)
             self._owns_ray = True
-        num_cpus = float(os.environ.get("TOKENMILL_RAY_WORKER_CPUS", "1"))
+        num_cpus = envs.TOKENMILL_RAY_WORKER_CPUS
         actor_cls = ray.remote(num_cpus=num_cpus, max_restarts=0)(_RankActor)
         self._actors = [actor_cls.remote() for _ in range(self.world_size)]
         try:

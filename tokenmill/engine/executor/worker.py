@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from tokenmill import envs
 from tokenmill.config import EngineConfig
 
 logger = logging.getLogger(__name__)
@@ -81,7 +82,7 @@ def pin_process(cpus: list[int] | None) -> int:
         usable = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         usable = os.cpu_count() or 1
-    n = int(os.environ.get("TOKENMILL_NUM_THREADS", "0")) or usable
+    n = envs.TOKENMILL_NUM_THREADS or usable
     torch.set_num_threads(n)
     return n
 

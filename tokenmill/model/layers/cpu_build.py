@@ -41,6 +41,8 @@ from typing import Sequence
 
 import torch
 
+from tokenmill import envs
+
 logger = logging.getLogger(__name__)
 
 _lock = threading.Lock()
@@ -98,7 +100,7 @@ def cpu_isa() -> str:
     Raises:
         ValueError: ``TOKENMILL_CPU_ISA`` names an unknown variant or one this CPU cannot run.
     """
-    forced = os.environ.get("TOKENMILL_CPU_ISA", "").strip().lower()
+    forced = envs.TOKENMILL_CPU_ISA
     if forced:
         if forced not in ISAS:
             raise ValueError(f"TOKENMILL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
@@ -175,7 +177,7 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         if key in _libs:
             return _libs[key]
         lib = None
-        if os.environ.get(env_switch, "1") == "0":
+        if not envs.get(env_switch):
             logger.info("CPU %s kernels disabled by %s=0", name, env_switch)
         elif not isa_supported(isa):
             logger.warning("CPU %s kernels: this CPU cannot run the %s variant", name, isa)

@@ -22,10 +22,11 @@ saturate (clamped) instead of becoming inf/NaN.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill import envs
 
 #: ``--kv-cache-dtype`` value -> cache dtype (None: the model's dtype, see :func:`resolve_kv_cache_dtype`).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
@@ -64,7 +65,7 @@ def auto_kv_bf16(model_dtype: torch.dtype, device: torch.device | str, lowbit: b
     do not attach the low-bit codes) keep the model's dtype.
     """
     return (model_dtype == torch.float32 and torch.device(device).type == "cpu" and lowbit
-            and os.environ.get(CPU_KV_BF16_ENV, "1") != "0")
+            and envs.get(CPU_KV_BF16_ENV))
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str = "cpu",

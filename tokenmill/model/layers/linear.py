@@ -24,13 +24,13 @@ packing happens after the checkpoint is loaded, in the model runner. Set
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 import torch
 from torch import nn
 
+from tokenmill import envs
 from tokenmill.quantization.lowbit import LowBitWeight, lowbit_linear
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def packed_linear_available(device: torch.device | str, dtype: torch.dtype) -> b
     bfloat16 weights (bfloat16 only where oneDNN supports it on this CPU);
     ``TOKENMILL_CPU_PACKED_LINEAR=0`` turns it off.
     """
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if not envs.get(ENV_SWITCH):
         return False
     if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
@@ -265,23 +265,17 @@ def int8_act_max_tokens(lowbit_limit: int) -> int:
     Raises:
         ValueError: the variable is neither ``auto`` nor a non-negative integer.
     """
-    raw = os.environ.get(INT8_ACT_ENV, "auto").strip().lower()
+    value = envs.get(INT8_ACT_ENV)
     if not lowbit_limit:
         return 0
-    if raw == "auto":
+    if value == "auto":
         from tokenmill.model.layers.cpu_build import cpu_isa
 
         try:
             return INT8_ACT_AUTO.get(cpu_isa(), 0)
         except ValueError:
             return 0
-    try:
-        limit = int(raw)
-    except ValueError:
-        limit = -1
-    if limit < 0:
-        raise ValueError(f"{INT8_ACT_ENV} must be 'auto' or a non-negative integer, got {raw!r}")
-    return limit
+    return value
 
 
 def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int,
