@@ -157,9 +157,9 @@ def _config_or_exit(args: argparse.Namespace, command: str):
         int4_max_tokens_from_env()
         config = config_from_args(args)
         if config.model.quantization is not None:   # (imports torch, which the API process otherwise never needs)
-            from tokenmill.quantization.methods import check_startup
+            from tokenmill.model.checkpoint import check_quantization
 
-            check_startup(config.model.quantization, config.model.device, config.model.model, check_model=True)
+            check_quantization(config.model.quantization, config.model.device, config.model.model, check_model=True)
         return config
     except ValueError as e:
         print(f"tokenmill {command}: error: {e}", file=sys.stderr)

@@ -113,9 +113,9 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
 
 def checkpoint_weights(path: str | None, arch: ModelArchConfig) -> Iterable[tuple[str, torch.Tensor]]:
     """The full checkpoint's ``(hf_name, tensor)`` pairs (GGUF dequantized; HF safetensors as stored)."""
-    from tokenmill.model.loader import _resolve_checkpoint
+    from tokenmill.model.checkpoint import resolve_checkpoint
 
-    kind, path = _resolve_checkpoint(path)
+    kind, path = resolve_checkpoint(path)
     if kind == "gguf":
         from tokenmill.model.gguf_loader import iter_gguf_weights, open_gguf
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import glob
 import logging
 import os
 from dataclasses import dataclass, field
@@ -21,6 +20,8 @@ from torch import nn
 
 from tokenmill import envs
 from tokenmill.model.arch_config import ModelArchConfig
+from tokenmill.model.checkpoint import load_arch_config  # noqa: F401 - re-exported
+from tokenmill.model.checkpoint import resolve_checkpoint as _resolve_checkpoint
 from tokenmill.model.default_model import default_model_path  # noqa: F401 - re-exported
 from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
 from tokenmill.model.registry import get_model_class
@@ -227,37 +228,6 @@ def with_redundant_experts(arch: ModelArchConfig, num_redundant_experts: int) ->
     return dataclasses.replace(arch, num_redundant_experts=int(num_redundant_experts))
 
 
-def _resolve_checkpoint(path: str | None) -> tuple[str, str]:
-    """``(kind, path)`` with kind ``"gguf"`` or ``"hf"``."""
-    if path is None:
-        path = default_model_path()
-    path = os.path.expanduser(path)
-    if os.path.isfile(path):
-        if path.endswith(".gguf"):
-            return "gguf", path
-        raise ValueError(f"{path}: expected a .gguf file or a Hugging Face checkpoint folder")
-    if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return "hf", path
-        ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
-        if len(ggufs) == 1:
-            return "gguf", ggufs[0]
-        raise ValueError(f"{path}: folder has no config.json and {len(ggufs)} .gguf files; pass one file")
-    raise FileNotFoundError(f"model path {path!r} does not exist")
-
-
-def load_arch_config(path: str | None) -> ModelArchConfig:
-    """Read only the architecture of a checkpoint (no weights). Raises like :func:`load_model`."""
-    kind, path = _resolve_checkpoint(path)
-    if kind == "gguf":
-        from tokenmill.model.gguf_loader import open_gguf, read_arch_config
-
-        return read_arch_config(open_gguf(path))
-    from tokenmill.model.hf_loader import read_hf_config
-
-    return read_hf_config(path)
-
-
 def resolve_tokenizer(path: str, arch, template: str | None,
                       with_tokenizer: bool | str) -> tuple[object | None, str | None, list[int]]:
     """The tokenizer, chat template and EOS ids for a checkpoint at ``path``.
@@ -399,13 +369,14 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
 
     t0 = time.perf_counter()
     from tokenmill.quantization.methods import check_method, quantize_model
+    from tokenmill.quantization.registry import get_method
 
     lowbit_weights = None
     kind, path = _resolve_checkpoint(path)
     device = resolve_device(device)
     dt = resolve_dtype(dtype, device)
     check_method(quantization, device)
-    if kind == "gguf" and quantization in ("awq", "gptq"):
+    if kind == "gguf" and quantization is not None and get_method(quantization).from_checkpoint:
         raise ValueError(f"--quantization {quantization} needs an {quantization} safetensors checkpoint, not a GGUF file")
     applied = quantization
     if kind == "gguf":
@@ -446,7 +417,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             load_prequantized(model, iter_hf_weights(path), method, qcfg)
             applied = method
         else:
-            if quantization in ("awq", "gptq"):
+            if quantization is not None and get_method(quantization).from_checkpoint:
                 raise ValueError(f"--quantization {quantization} needs a checkpoint with a {quantization} "
                                  f"quantization_config; {path} has none")
             entry = _weight_cache_entry(weight_cache, kind, path, dt, device, False, quantization,
@@ -459,7 +430,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
                 _save_cached(entry, model, None)
         template = None
         name = os.path.basename(os.path.normpath(path))
-    if applied in ("int8", "w8a8", "int4"):
+    if applied is not None and get_method(applied).at_load:
         quantize_model(model, applied)
     tokenizer, template, eos = resolve_tokenizer(path, arch, template, with_tokenizer)
     return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,

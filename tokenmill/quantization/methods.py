@@ -36,6 +36,9 @@ error (the step is ``(max - min) / 15`` of a smaller group). The price is
 bytes: float32 scale and minimum per 32 weights are 2 bits per weight (6 bits
 in all) where groups of 128 take 4.5.
 
+The methods are registered in :mod:`tokenmill.quantization.registry`; the start-up check of a method
+against a checkpoint is :func:`tokenmill.model.checkpoint.check_quantization`.
+
 Errors (raised at start-up, one line): an unknown method, ``w8a8`` on a CPU
 without VNNI (AVX512-VNNI, AVX-VNNI or AMX-INT8), a group size that does not
 divide a layer's inputs, a pre-quantised checkpoint with other than 4 bits.
@@ -50,10 +53,10 @@ from torch import nn
 
 from tokenmill import envs
 from tokenmill.quantization.lowbit import LowBitWeight, cpu_flags, lowbit_linear
+from tokenmill.quantization.registry import METHODS  # noqa: F401 - re-exported
 
 logger = logging.getLogger(__name__)
 
-METHODS = ("int8", "w8a8", "int4", "awq", "gptq")
 GROUP_ENV = "TOKENMILL_INT4_GROUP_SIZE"
 DEFAULT_INT4_GROUP = envs.var(GROUP_ENV).default
 DENSE_ABOVE_ROWS = 64  # larger steps dequantise the layer once and run one dense GEMM
@@ -101,46 +104,6 @@ def check_method(method: str | None, device: torch.device | str) -> None:
                          "AMX-INT8) that this CPU lacks; use --quantization int8 (weight-only) instead")
     if method == "int4":
         int4_group_size()
-
-
-def check_startup(method: str | None, device: str, model_path: str | None = None, *,
-                  check_model: bool = False) -> None:
-    """:func:`check_method` for a config's device setting (``auto`` -> cuda when available), for the CLI; with
-    ``check_model``, also the checkpoint ``model_path`` (None: the default model) against the method, reading
-    only its config (no weights), so that a bad combination is one line at start-up rather than an engine-core
-    traceback: ``int4`` on layers whose inputs no group of 32..128 divides, ``awq``/``gptq`` on a checkpoint
-    without that ``quantization_config``, a weight method on an AWQ/GPTQ checkpoint.
-
-    Raises:
-        ValueError: as :func:`check_method`, or one of the mismatches above.
-    """
-    if method is None:
-        return
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    check_method(method, dev)
-    if not check_model:
-        return
-    from tokenmill.model.loader import _resolve_checkpoint, load_arch_config
-    from tokenmill.quantization.prequantized import check_quant_config, read_quant_config
-
-    try:
-        kind, path = _resolve_checkpoint(model_path)
-    except FileNotFoundError as e:
-        raise ValueError(str(e)) from None
-    qcfg = read_quant_config(path) if kind == "hf" else None
-    ckpt_method = check_quant_config(qcfg) if qcfg is not None else None
-    if method in ("awq", "gptq") and ckpt_method != method:
-        raise ValueError(f"--quantization {method} needs a checkpoint with a {method} quantization_config; "
-                         f"{path} has " + (f"a {ckpt_method} one" if ckpt_method else "none"))
-    if ckpt_method is not None and method != ckpt_method:
-        raise ValueError(f"{path} is a {ckpt_method} checkpoint; --quantization {method} cannot apply to it")
-    if method == "int4":
-        arch = load_arch_config(path)
-        inputs = {arch.hidden_size, arch.num_attention_heads * arch.head_dim}
-        if arch.num_experts == 0:
-            inputs.add(arch.intermediate_size)
-        for k in sorted(inputs):
-            int4_group_for(k)
 
 
 def quantize_int8(w: torch.Tensor) -> LowBitWeight:

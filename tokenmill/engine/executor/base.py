@@ -73,9 +73,10 @@ def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[
     Raises:
         FileNotFoundError, ValueError: from the loader.
     """
-    from tokenmill.model.loader import _resolve_checkpoint, load_arch_config, resolve_tokenizer
+    from tokenmill.model.checkpoint import load_arch_config, resolve_checkpoint
+    from tokenmill.model.loader import resolve_tokenizer
 
-    kind, full = _resolve_checkpoint(path)
+    kind, full = resolve_checkpoint(path)
     arch = load_arch_config(full)
     template = None
     if kind == "gguf":
