@@ -122,7 +122,7 @@ def config_from_args(args: argparse.Namespace):
     Raises:
         ValueError: no backend, or a bad backend spec.
     """
-    from tokenmill.router.app import RouterConfig
+    from tokenmill.router.router import RouterConfig
     from tokenmill.router.backends import BackendSpec, load_backend_file
 
     specs = [BackendSpec.parse(s) for s in args.backend]
