@@ -81,6 +81,8 @@ class RouterConfig:
     active_decode_blocks_threshold: float | None = 1.0
     router_queue_timeout: float = 30.0
     dead_backend_timeout: float = 30.0
+    kv_placement: bool = True
+    kv_move_margin: float = 1.0
 
 
 class Router:
@@ -106,7 +108,8 @@ class Router:
         make_policy(config.policy, index=self.index, load_source=config.load_source,  # validate now
                     overlap_weight=config.kv_overlap_score_weight, temperature=config.router_temperature,
                     eviction_weight=config.kv_eviction_weight, recompute_weight=config.kv_recompute_weight,
-                    prefill_wait=config.kv_prefill_wait, busy_threshold=config.active_decode_blocks_threshold)
+                    prefill_wait=config.kv_prefill_wait, busy_threshold=config.active_decode_blocks_threshold,
+                    placement=config.kv_placement, move_margin=config.kv_move_margin)
         if config.router_queue_timeout < 0:
             raise ValueError(f"--router-queue-timeout must be >= 0, got {config.router_queue_timeout}")
         self.subscribers: dict[int, KVEventSubscriber] = {}
@@ -218,7 +221,8 @@ class Router:
                 max_tree_size=c.max_tree_size, overlap_weight=c.kv_overlap_score_weight,
                 temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source,
                 eviction_weight=c.kv_eviction_weight, recompute_weight=c.kv_recompute_weight,
-                prefill_wait=c.kv_prefill_wait, busy_threshold=c.active_decode_blocks_threshold)
+                prefill_wait=c.kv_prefill_wait, busy_threshold=c.active_decode_blocks_threshold,
+                placement=c.kv_placement, move_margin=c.kv_move_margin)
         return p
 
     def all_models(self, healthy_only: bool = True) -> list[str]:
@@ -278,6 +282,9 @@ class Router:
 
     async def route_input(self, policy: Policy, path: str, body: dict[str, Any]) -> RouteInput:
         rin = RouteInput(text=prompt_text(path, body))
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        if isinstance(mt, int) and not isinstance(mt, bool) and mt >= 0:
+            rin.max_tokens = mt
         if policy.needs_tokens and self.tokenizer is not None and path.endswith("completions"):
             if len(rin.text) > _INLINE_TOKENIZE_CHARS:
                 ids = await asyncio.to_thread(self.tokenizer.token_ids, path, body)
