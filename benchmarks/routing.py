@@ -1,12 +1,31 @@
-"""Cache-aware routing, side by side: round_robin, least_load, prefix_aware and kv_aware
-over the same replicas and the same seeded shared-prefix workload, in one run.
+"""Cache-aware routing, side by side: round_robin, least_load, prefix_aware and kv_aware.
 
-A miniature of the playbook's routing experiment (issue 14): ``--replicas``
-``tokenmill serve`` processes with small KV pools (``--num-kv-blocks``), each
-pinned to its own CPU (``os.sched_setaffinity``, like ``taskset -c``), publish
-KV events; a ``tokenmill router`` process per policy sits in front of them.
+Two halves of one benchmark:
 
-Workload: ``--groups`` groups, each a long shared system prompt of about
+**The simulated family** (``--family``, ~2 min on one core): many workloads nobody tuned for, drawn at
+random from groups 2-8, replicas 2-4, per-replica pool 0.5-4x the groups' total prefix demand,
+concurrency 1-32, uniform and zipf popularity, short (3 requests per group) and long (16 per group)
+runs, prefixes of 200-1000 tokens, questions of 8-40 tokens, 4-32 output tokens. Each member drives
+the router's real policy objects (:mod:`tokenmill.router.policies`, with the real
+:class:`~tokenmill.router.kv_index.KVIndex` fed the replicas' KV events) against simulated replicas
+whose prefix caches follow the engine's block pool (LRU free queue, lazy eviction, reverse-order
+frees) with continuous batching and a step-time model (:mod:`tokenmill.router.simulate`). Each
+member's best static placement is computed offline (:func:`~tokenmill.router.simulate.best_placement`:
+every partition of the groups over the replicas, each replica's requests replayed one at a time
+through its pool; an upper bound on what a placement caches) and every policy is reported as its
+share of it, with simulated output tok/s and p90 TTFT. The family has a tuning half (``--seed``) and a
+held-out half (``--seed + 1000``, drawn differently); kv_aware's ``--kv-move-margin`` is swept on the
+tuning half only, then both halves are reported with the default. Targets (issue 30): kv_aware >= 80%
+of best on every held-out member, and >= 1.5x round_robin wherever round_robin is below half of best.
+
+**Real servers** (default mode, minutes per member on 2 cores): a miniature of the playbook's
+routing experiment (issue 14): ``--replicas`` ``tokenmill serve`` processes with small KV pools
+(``--num-kv-blocks``), each pinned to its own CPU (``os.sched_setaffinity``, like ``taskset -c``),
+publish KV events; a ``tokenmill router`` process per policy sits in front of them. The best static
+placement of the same workload is computed offline from its token ids and printed beside each
+policy's cached prompt tokens (the replicas' ``prefix_cache_hits_total``).
+
+Workload (real servers): ``--groups`` groups, each a long shared system prompt of about
 ``--prefix-tokens`` tokens, and ``--requests-per-group`` short questions per
 group, shuffled (seeded); ``--output-len`` tokens each with ``ignore_eos``,
 sent by ``tokenmill bench``'s load generator with ``--max-concurrency``
@@ -18,10 +37,13 @@ too).
 
 Printed per policy: output tok/s, TTFT p50/p90/p99, the replicas' prefix-cache
 hit rate over the run (tokens hit / tokens queried, from their /metrics),
-the router's routing reasons, and the ratio of output tok/s to round_robin's.
+cached prompt tokens and their share of the best placement, the router's routing reasons, and the
+ratio of output tok/s to round_robin's.
 
+    .venv/bin/python benchmarks/routing.py --family --json docs/benchmarks/routing_family.json
     .venv/bin/python benchmarks/routing.py                 # 2 replicas, ~4-6 min on 2 cores
-    .venv/bin/python benchmarks/routing.py --replicas 4 --num-kv-blocks 48
+    .venv/bin/python benchmarks/routing.py --replicas 2 --num-kv-blocks 112 --groups 3 --prefix-tokens 740 \
+        --requests-per-group 8 --max-concurrency 2 --output-len 4 --workloads uniform   # issue 30's finding
 """
 
 from __future__ import annotations
@@ -46,7 +68,7 @@ from tokenmill.bench.datasets import SampleRequest  # noqa: E402
 from tokenmill.bench.loadgen import LoadConfig, run_benchmark  # noqa: E402
 from tokenmill.router.local import LocalReplica, free_ports  # noqa: E402
 
-POLICIES = ["round_robin", "prefix_aware", "kv_aware", "kv_aware:1:0:0", "kv_aware:1:1:0", "kv_aware:1:0:1"]
+POLICIES = ["round_robin", "prefix_aware", "kv_aware", "kv_aware+no-kv-placement"]
 WORDS = ("harbour ship tide berth cargo crane pilot anchor hull deck mast sail rope knot chart compass "
          "lighthouse buoy quay dock storm wave current reef channel manifest customs ledger clerk watch "
          "mountain snow glacier valley river forest meadow stone bridge tower castle village market").split()
@@ -231,6 +253,166 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(5)
 
 
+# -- the simulated family ----------------------------------------------------------------------------
+
+# name -> (policy, make_policy keyword arguments); the ablations of kv_aware's levers ride along
+FAMILY_POLICIES = {
+    "round_robin": ("round_robin", {}),
+    "least_load": ("least_load", {}),
+    "prefix_aware": ("prefix_aware", {}),
+    "kv_aware": ("kv_aware", {}),
+    "kv_aware-no-placement": ("kv_aware", {"placement": False}),
+    "dynamo": ("kv_aware", {"placement": False, "eviction_weight": 0.0, "recompute_weight": 0.0,
+                            "prefill_wait": False, "busy_threshold": None}),
+}
+TUNE_MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
+
+
+def family_member(rng: random.Random, idx: int, half: str) -> dict:
+    """One workload of the family, drawn from ``rng`` (see the module docstring for the ranges)."""
+    groups, replicas = rng.randint(2, 8), rng.randint(2, 4)
+    long_run = rng.random() < 0.5
+    return {"half": half, "idx": idx, "groups": groups, "replicas": replicas,
+            "pool_factor": round(2 ** rng.uniform(-1, 2), 3), "concurrency": rng.choice([1, 2, 4, 8, 16, 32]),
+            "zipf": round(rng.choice([0.0, rng.uniform(0.8, 1.4)]), 2), "run": "long" if long_run else "short",
+            "prefix_tokens": [rng.randint(200, 1000) for _ in range(groups)], "question_tokens": rng.randint(8, 40),
+            "output_len": rng.randint(4, 32), "requests": groups * (16 if long_run else 3),
+            "seed": rng.randrange(1 << 30)}
+
+
+def run_member(m: dict, policies: dict[str, tuple[str, dict]]) -> dict:
+    """Simulate every policy on member ``m``; its best placement; per policy cached tokens, share of best,
+    output tok/s and TTFT p90 (simulated seconds)."""
+    import copy
+
+    from tokenmill.router.simulate import SimFleet, best_placement, make_workload
+
+    bs = 16
+    reqs = make_workload(m["groups"], m["prefix_tokens"], m["requests"], m["question_tokens"], m["output_len"],
+                         m["seed"], m["zipf"], bs)
+    demand = sum(p // bs for p in m["prefix_tokens"])
+    biggest = max(-(-(len(r.tokens) + r.output_len) // bs) for r in reqs)
+    pool = max(round(m["pool_factor"] * demand), biggest + 2)   # a request must fit in one pool
+    best, parts = best_placement(reqs, m["replicas"], pool, bs)
+    out = {**m, "pool_blocks": pool, "demand_blocks": demand, "best_cached": best, "best_parts": parts,
+           "policies": {}}
+    for name, (pol, kw) in policies.items():
+        rs = copy.deepcopy(reqs)
+        fleet = SimFleet(pol, m["replicas"], pool, bs, policy_kwargs=kw)
+        fleet.run(rs, m["concurrency"])
+        cached = sum(r.cached_tokens for r in rs)
+        ttft = sorted(r.first_token - r.arrived for r in rs)
+        out["policies"][name] = {
+            "cached": cached, "share": cached / best if best else 1.0,
+            "output_tok_s": sum(r.output_len for r in rs) / fleet.now,
+            "ttft_p90_s": ttft[min(len(ttft) - 1, int(round(0.9 * (len(ttft) - 1))))]}
+    return out
+
+
+def _gmean(xs: list[float]) -> float:
+    import math
+
+    xs = [x for x in xs if x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else 0.0
+
+
+def summarize_half(rows: list[dict], names: list[str]) -> dict[str, dict]:
+    """Per policy: min / mean share of best, members under 80%, output tok/s and p90 TTFT relative to
+    round_robin (geometric means), and the issue's two targets for kv_aware-like policies."""
+    out = {}
+    for n in names:
+        sh = [r["policies"][n]["share"] for r in rows]
+        low_rr = [r for r in rows if r["policies"]["round_robin"]["share"] < 0.5]
+        out[n] = {"min_share": min(sh), "mean_share": sum(sh) / len(sh), "under_80": sum(x < 0.8 for x in sh),
+                  "tok_s_vs_rr": _gmean([r["policies"][n]["output_tok_s"] / r["policies"]["round_robin"]["output_tok_s"]
+                                         for r in rows]),
+                  "ttft_p90_vs_rr": _gmean([r["policies"][n]["ttft_p90_s"] / r["policies"]["round_robin"]["ttft_p90_s"]
+                                            for r in rows if r["policies"]["round_robin"]["ttft_p90_s"] > 0]),
+                  "rr_below_half": len(low_rr),
+                  "under_1_5x_rr_there": sum(r["policies"][n]["cached"] < 1.5 * r["policies"]["round_robin"]["cached"]
+                                             for r in low_rr)}
+    return out
+
+
+def print_half(title: str, rows: list[dict], names: list[str]) -> None:
+    print(f"\n### {title}: {len(rows)} members\n")
+    short = {"round_robin": "rr", "least_load": "ll", "prefix_aware": "prefix", "kv_aware": "kv",
+             "kv_aware-no-placement": "kv-noplace", "dynamo": "dynamo"}
+    head = " | ".join(f"{short.get(n, n)} share" for n in names)
+    print(f"| # | groups | replicas | pool (x demand) | conc. | popularity | run | best cached tok | {head} | "
+          f"kv tok/s (rr) | kv p90 TTFT s (rr) |")
+    print("|" + "---|" * (10 + len(names)))
+    for r in rows:
+        p = r["policies"]
+        pop = "uniform" if not r["zipf"] else f"zipf {r['zipf']}"
+        cells = " | ".join(f"{p[n]['share']:.0%}" for n in names)
+        print(f"| {r['idx']} | {r['groups']} | {r['replicas']} | {r['pool_blocks']} ({r['pool_factor']:.2f}) | "
+              f"{r['concurrency']} | {pop} | {r['run']} ({r['requests']}) | {r['best_cached']} | {cells} | "
+              f"{p['kv_aware']['output_tok_s']:.0f} ({p['round_robin']['output_tok_s']:.0f}) | "
+              f"{p['kv_aware']['ttft_p90_s']:.2f} ({p['round_robin']['ttft_p90_s']:.2f}) |")
+    summ = summarize_half(rows, names)
+    print("\n| policy | min share of best | mean share | members < 80% | output tok/s vs rr (gmean) | "
+          "p90 TTFT vs rr (gmean) | where rr < 50% of best: members < 1.5x rr |")
+    print("|---|---|---|---|---|---|---|")
+    for n, v in summ.items():
+        print(f"| {n} | {v['min_share']:.0%} | {v['mean_share']:.1%} | {v['under_80']} | {v['tok_s_vs_rr']:.2f}x | "
+              f"{v['ttft_p90_vs_rr']:.2f}x | {v['under_1_5x_rr_there']} of {v['rr_below_half']} |")
+
+
+def run_family(args) -> int:
+    """The simulated family: sweep kv_aware's move margin on the tuning half, report both halves."""
+    t0 = time.monotonic()
+    halves = {}
+    for half, seed in (("tuning", args.seed), ("held-out", args.seed + 1000)):
+        rng = random.Random(f"routing-family-{half}-{seed}")
+        halves[half] = [family_member(rng, i, half) for i in range(args.members)]
+    # tuning half: the move margin sweep (kv_aware's one new knob), judged by min share, then mean share
+    sweep = {f"kv_aware-m{m:g}": ("kv_aware", {"move_margin": m}) for m in TUNE_MARGINS}
+    tuning_rows = [run_member(m, {**FAMILY_POLICIES, **sweep}) for m in halves["tuning"]]
+    ssum = summarize_half(tuning_rows, list(sweep))
+    print("## move-margin sweep on the tuning half\n\n| --kv-move-margin | min share | mean share | "
+          "output tok/s vs rr | p90 TTFT vs rr |\n|---|---|---|---|---|")
+    for n, v in ssum.items():
+        print(f"| {n.split('-m', 1)[1]} | {v['min_share']:.0%} | {v['mean_share']:.1%} | {v['tok_s_vs_rr']:.2f}x | "
+              f"{v['ttft_p90_vs_rr']:.2f}x |")
+    chosen = max(ssum, key=lambda n: (round(ssum[n]["min_share"], 2), round(ssum[n]["mean_share"], 3),
+                                      ssum[n]["tok_s_vs_rr"]))
+    print(f"\nbest on the tuning half: --kv-move-margin {chosen.split('-m', 1)[1]} (the default is 1)")
+    names = list(FAMILY_POLICIES)
+    held_rows = [run_member(m, FAMILY_POLICIES) for m in halves["held-out"]]
+    print_half("Tuning half", tuning_rows, names)
+    print_half("Held-out half", held_rows, names)
+    hs = summarize_half(held_rows, names)["kv_aware"]
+    ok80 = hs["under_80"] == 0
+    ok15 = hs["under_1_5x_rr_there"] == 0
+    print(f"\nheld-out targets: kv_aware >= 80% of best on every member: {'met' if ok80 else 'NOT met'} "
+          f"(min {hs['min_share']:.0%}); >= 1.5x round_robin where round_robin < 50% of best: "
+          f"{'met' if ok15 else 'NOT met'} ({hs['under_1_5x_rr_there']} of {hs['rr_below_half']} short)")
+    print(f"simulated in {time.monotonic() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "sweep": ssum, "chosen": chosen,
+                                               "tuning": tuning_rows, "held_out": held_rows,
+                                               "summary": {"tuning": summarize_half(tuning_rows, names),
+                                                           "held_out": summarize_half(held_rows, names)}},
+                                              indent=1))
+    return 0
+
+
+def real_best_placement(tokenizer, samples, replicas: int, num_blocks: int, output_len: int) -> tuple[int, list]:
+    """The offline best static placement of a real run's workload (its token ids, block size 16)."""
+    from tokenmill.router.prompt import block_hash_chain
+    from tokenmill.router.simulate import SimRequest, best_placement
+
+    reqs = []
+    for i, s in enumerate(samples):
+        toks = tokenizer.encode(s.prompt, add_special_tokens=True)
+        group = int(s.prompt.split("desk ", 1)[1].split(":", 1)[0])
+        r = SimRequest(i, group, list(toks), s.prompt, output_len)
+        r.hashes = block_hash_chain(list(toks), 16)
+        reqs.append(r)
+    return best_placement(reqs, replicas, num_blocks, 16)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--replicas", type=int, default=2)
@@ -262,6 +444,9 @@ def main() -> int:
                     help="Folder for the kv_aware routers' --decision-log files (one JSON-lines file per run, "
                          "decisions-WORKLOAD-POLICY-REPEAT.jsonl; created if missing) [default: the run's "
                          "temporary folder, printed at start].")
+    ap.add_argument("--family", action="store_true",
+                    help="Run the simulated family (tuning and held-out halves) instead of real servers.")
+    ap.add_argument("--members", type=int, default=40, help="--family: members per half [default: 40].")
     args = ap.parse_args()
     # bad output paths fail here, before minutes of replicas and runs, not in a traceback at the end
     if args.decision_log:
@@ -281,6 +466,8 @@ def main() -> int:
         except OSError as e:
             ap.error(f"--json {args.json!r} cannot be written: {e.strerror or e}")
 
+    if args.family:
+        return run_family(args)
     from tokenmill.router.prompt import PromptTokenizer
 
     tok = PromptTokenizer.load(None).tokenizer
@@ -290,6 +477,10 @@ def main() -> int:
         workloads[w] = build_workload(tok, args.groups, args.prefix_tokens, args.requests_per_group,
                                       args.question_words, args.output_len, args.seed, zipf_s)
     bs = 16
+    best = {w: real_best_placement(tok, smp, args.replicas, args.num_kv_blocks, args.output_len)
+            for w, (smp, _) in workloads.items()}
+    for w, (b, parts) in best.items():
+        print(f"{w}: best static placement caches {b} prompt tokens (groups per replica {parts})", flush=True)
     samples, prefix_lens = next(iter(workloads.values()))
     demand_blocks = sum(n // bs for n in prefix_lens)
     ncpu = len(os.sched_getaffinity(0))
@@ -380,7 +571,7 @@ def main() -> int:
                                     "cpu_share": share})
             row = {"workload": wname, "policy": policy, "repeat": rep, "output_tok_s": d["output_throughput"], "completed": d["completed"],
                    "failed": d["failed"], "ttft_p50_ms": d["p50_ttft_ms"], "ttft_p90_ms": d["p90_ttft_ms"],
-                   "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "reasons": reasons,
+                   "ttft_p99_ms": d["p99_ttft_ms"], "hit_rate": h / q if q else 0.0, "cached_tokens": h, "reasons": reasons,
                    "duration_s": d["duration"], "per_replica": per_replica, "router_cpu_share": router_cpu}
             if name == "kv_aware":
                 row["decisions"] = summarize_decisions(dlog)
@@ -402,7 +593,7 @@ def main() -> int:
     # one row per (workload, policy): the median over repeats of each figure
     import statistics
 
-    keys = ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "hit_rate")
+    keys = ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "hit_rate", "cached_tokens")
     table = []
     for w in workloads:
         for p in pols:
@@ -411,15 +602,20 @@ def main() -> int:
                 table.append({"workload": w, "policy": p, "runs": len(runs),
                               **{k: statistics.median(r[k] for r in runs) for k in keys}})
     print(f"(median of {args.repeats} runs per row)" if args.repeats > 1 else "")
-    print("| workload | policy | output tok/s | vs round_robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefix hit rate |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| workload | policy | output tok/s | vs round_robin | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | prefix hit rate "
+          "| cached prompt tokens | share of best placement |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in table:
         base = next((x for x in table if x["policy"] == "round_robin" and x["workload"] == r["workload"]), None)
         ratio = r["output_tok_s"] / base["output_tok_s"] if base and base["output_tok_s"] else 0.0
         print(f"| {r['workload']} | {r['policy']} | {r['output_tok_s']:.1f} | {ratio:.2f}x | {r['ttft_p50_ms']:.0f} | "
-              f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['hit_rate']:.1%} |")
+              f"{r['ttft_p90_ms']:.0f} | {r['ttft_p99_ms']:.0f} | {r['hit_rate']:.1%} | {r['cached_tokens']:.0f} | "
+              f"{r['cached_tokens'] / best[r['workload']][0]:.0%} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "table": table}, indent=2))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "results": results, "table": table,
+                                               "best_placement": {w: {"cached": b, "parts": p}
+                                                                  for w, (b, p) in best.items()},
+                                               "load_average": os.getloadavg()}, indent=2))
     return 0
 
 

@@ -99,3 +99,19 @@ def test_provisioning_files_parse_and_point_at_the_dashboard():
     prov = yaml.safe_load((DEPLOY / "grafana" / "provisioning" / "dashboards" / "tokenmill.yml").read_text())
     mounted = [v for v in compose["services"]["grafana"]["volumes"] if "dashboards" in v and "provisioning" not in v]
     assert mounted and mounted[0].split(":")[1] == prov["providers"][0]["options"]["path"]
+
+
+def test_every_dashboard_series_has_a_sample_on_a_default_server(scraped):
+    """Issue 30: each series a panel queries is *exported* by a default server (a sample, at 0 where the
+    feature is off, as Prometheus expects of counters), not merely declared: a panel over a family with
+    no sample shows "no data" (the spec-decode panel did, on every server without a draft model)."""
+    sampled: dict[str, float] = {}
+    for fam in text_string_to_metric_families(scraped):
+        for s in fam.samples:
+            sampled[s.name] = sampled.get(s.name, 0.0) + s.value
+    used = dashboard_metric_names(json.loads(DASHBOARD.read_text()))
+    missing = sorted(used - set(sampled))
+    assert not missing, f"dashboard series without a sample on a default server: {missing}"
+    # speculative decoding is off here: its counters exist, at zero
+    for name in ("tokenmill:spec_decode_num_accepted_tokens_total", "tokenmill:spec_decode_num_draft_tokens_total"):
+        assert name in used and sampled[name] == 0.0

@@ -4,7 +4,7 @@
 and ``/v1/chat/completions`` on 127.0.0.1 from its own thread. Each answer
 names the backend (``"backend": name``), so tests see where a request went;
 it can stream slowly, refuse with 429 + ``Retry-After``, report itself
-unhealthy, and it counts requests whose client went away mid-answer
+unhealthy, die before its headers or mid-stream, and it counts requests whose client went away mid-answer
 (``disconnects``). It can be stopped and restarted on the same port.
 """
 
@@ -38,6 +38,9 @@ class FakeBackend:
         self.health_delay_s = 0.0     # /health answers after this long (a busy machine: checks time out)
         self.drop_after: int | None = None   # streams: close the connection after this many chunks (a crash)
         self.refuse_429 = False
+        # completions: take the request, answer nothing for this long, then close the connection (a process
+        # that hung and was killed before it sent its headers)
+        self.die_before_headers_s: float | None = None
         self.requests: list[dict[str, Any]] = []
         self.disconnects = 0
         self.completed = 0
@@ -106,7 +109,11 @@ class FakeBackend:
             return web.json_response({"error": {"message": "server is full", "type": "RateLimitError",
                                                 "param": None, "code": 429}}, status=429,
                                      headers={"Retry-After": "7"})
-        if body.get("model") not in self.models:
+        if self.die_before_headers_s is not None:
+            await asyncio.sleep(self.die_before_headers_s)
+            request.transport.close()
+            return web.Response(status=500)    # never sent: the connection is gone
+        if body.get("model") is not None and body.get("model") not in self.models:
             return web.json_response({"error": {"message": "unknown model", "code": 404}}, status=404)
         try:
             if not body.get("stream"):

@@ -312,3 +312,118 @@ def test_router_refuses_a_huge_body_with_413_before_reading_it(cluster):
     assert "--max-request-body-bytes" in resp.json()["error"]["message"]
     assert post(r.url, {"model": "fake-model", "prompt": "x"}).status_code == 200
     assert not a.requests or all(isinstance(q, dict) for q in a.requests)
+
+
+def test_a_request_without_model_is_400_when_several_models_are_served(cluster):
+    r, (a, b) = cluster([FakeBackend("a", ["smol-a"]), FakeBackend("b", ["smol-b"])])
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        resp = httpx.post(r.url + path, json={"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]},
+                          timeout=10)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "model" and err["type"] == "BadRequestError"
+        assert "smol-a" in err["message"] and "smol-b" in err["message"]
+    assert not a.requests and not b.requests
+    assert post(r.url, {"model": 7, "prompt": "hi"}).status_code == 400
+    # a named model still goes to its pool; an empty name is the unknown-model 404
+    assert post(r.url, {"model": "smol-b", "prompt": "hi"}).json()["backend"] == "b"
+    assert post(r.url, {"model": "", "prompt": "hi"}).status_code == 404
+    assert 'tokenmill:router_request_errors_total{reason="bad_request"} 3.0' in httpx.get(r.url + "/metrics").text
+
+
+def test_a_request_without_model_goes_to_the_only_model(cluster):
+    r, (a, b) = cluster([FakeBackend("a", ["smol"]), FakeBackend("b", ["smol"])])
+    got = [post(r.url, {"prompt": "hi"}).json()["backend"] for _ in range(4)]
+    assert sorted(got) == ["a", "a", "b", "b"]
+    # it shares the named model's policy (one rotation), not a second one
+    assert set(r.router.policies) == {"smol"}
+
+
+def _retries(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tokenmill:router_retries_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = out.get(reason, 0.0) + float(line.rsplit(" ", 1)[-1])
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_backend_that_hangs_and_dies_before_its_headers_is_retried_elsewhere(cluster, stream):
+    """The backend takes the request, answers nothing, and its connection closes (stopped, then killed):
+    nothing reached the client, so the router sends it to another backend, counted as a retry."""
+    dying, healthy = FakeBackend("dying"), FakeBackend("healthy")
+    r, _ = cluster([dying, healthy], policy="round_robin")
+    dying.die_before_headers_s = 0.3
+    body = {"model": "fake-model", "prompt": "x", "stream": stream}
+    for _ in range(2):     # round robin: both go to the dying backend first (the retry is not a turn)
+        resp = httpx.post(r.url + "/v1/completions", json=body, timeout=10)
+        assert resp.status_code == 200, resp.text
+        assert '"backend": "healthy"' in resp.text
+    assert len(dying.requests) == 2 and len(healthy.requests) == 2
+    assert _retries(httpx.get(r.url + "/metrics").text) == {"no_response": 2.0}
+    assert all(b.in_flight == 0 for b in r.router.backends)
+
+
+def test_headers_without_a_first_byte_are_retried_but_a_started_answer_never(cluster):
+    # headers sent, the connection closed before the first body byte: still nothing reached the client
+    first, second = FakeBackend("first", chunks=3), FakeBackend("second", chunks=3)
+    r, _ = cluster([first, second], policy="round_robin")
+    first.drop_after = 0
+    lines = []
+    with httpx.stream("POST", r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True},
+                      timeout=10) as resp:
+        assert resp.status_code == 200
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert [json.loads(x[6:])["backend"] for x in lines[:-1]] == ["second"] * 3 and lines[-1] == "data: [DONE]"
+    # after the first byte, a broken backend is never retried: the stream ends with an error event
+    first.drop_after, second.drop_after = 1, 1
+    with httpx.stream("POST", r.url + "/v1/completions", json={"model": "fake-model", "prompt": "x", "stream": True},
+                      timeout=10) as resp:
+        lines = [line for line in resp.iter_lines() if line.startswith("data: ")]
+    assert json.loads(lines[0][6:])["i"] == 0 and "error" in json.loads(lines[1][6:]) and lines[-1] == "data: [DONE]"
+    assert len(first.requests) + len(second.requests) == 3
+    assert _retries(httpx.get(r.url + "/metrics").text) == {"no_response": 1.0}
+
+
+def test_retries_are_bounded_by_max_retries(cluster):
+    fakes = [FakeBackend(n) for n in "abc"]
+    r, _ = cluster(fakes, policy="round_robin", max_retries=1)
+    for f in fakes:
+        f.die_before_headers_s = 0.05
+    resp = post(r.url, {"model": "fake-model", "prompt": "x"})
+    assert resp.status_code == 502 and resp.json()["error"]["type"] == "BadGatewayError"
+    assert "before answering" in resp.json()["error"]["message"]
+    assert sum(len(f.requests) for f in fakes) == 2        # the first try and one retry
+    assert _retries(httpx.get(r.url + "/metrics").text) == {"no_response": 2.0}
+
+
+def test_pd_legs_are_retried_elsewhere_when_a_server_dies_before_its_headers():
+    """--pd-disaggregation: a prefill server and a decode server that hang and die before answering; both
+    legs go to the other server of their pool, and the client gets the answer."""
+    pa, pb, da, db = (FakeBackend(n) for n in ("pa", "pb", "da", "db"))
+    started = []
+    try:
+        for f in (pa, pb, da, db):
+            started.append(f.start())
+        pa.die_before_headers_s = da.die_before_headers_s = 0.2
+        cfg = RouterConfig(pd_disaggregation=True, prefill=[BackendSpec(pa.url), BackendSpec(pb.url)],
+                           decode=[BackendSpec(da.url), BackendSpec(db.url)], policy="round_robin",
+                           health_check_interval=0.2, health_check_timeout=0.5)
+        r = RouterThread(cfg).start()
+        started.append(r)
+        resp = post(r.url, {"model": "fake-model", "prompt": "x"})
+        assert resp.status_code == 200 and resp.json()["backend"] == "db", resp.text
+        assert len(pa.requests) == 1 and len(pb.requests) == 1 and pb.requests[0]["max_tokens"] == 1
+        assert len(da.requests) == 1 and len(db.requests) == 1
+        assert _retries(httpx.get(r.url + "/metrics").text) == {"no_response": 2.0}
+        # a PD request without model, two models served -> 400 before any leg
+        db.models = ["other"]
+        deadline = time.monotonic() + 3
+        while "other" not in r.router.all_models() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        resp = post(r.url, {"prompt": "x"})
+        assert resp.status_code == 400 and "other" in resp.json()["error"]["message"]
+    finally:
+        for s in reversed(started):
+            s.stop()

@@ -27,8 +27,9 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   ``request_generation_tokens``, ``request_params_max_tokens`` and
   ``scheduler_time_seconds`` (per-step scheduling time, from
   ``EngineStats.last_schedule_time``; tokenmill-specific);
-* with ``--speculative-config``: counters ``spec_decode_num_drafts``,
-  ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` and
+* counters ``spec_decode_num_drafts``,
+  ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` (on every server, at 0
+  without ``--speculative-config``) and, with it,
   ``spec_decode_num_accepted_tokens_per_pos{position}`` (0-based draft position).
 * with ``--enable-eplb`` (tokenmill-specific; vLLM only logs "balancedness"):
   gauge ``eplb_expert_load{layer,expert}`` (assignments routed to each logical
@@ -108,7 +109,9 @@ class _EngineSeries:
         self.last_hits = 0
         self.last_steps = 0
         self._fams = fams
-        self.spec: dict | None = None      # speculative-decoding children, created on the first spec stats
+        # speculative-decoding counters exist at 0 on every server (a dashboard panel over them shows 0, not
+        # "no data", where no draft model runs); the per-position children appear with the first drafts
+        self.spec: dict | None = {n: fams[n].labels(*lv) for n in ("spec_drafts", "spec_draft_tokens", "spec_accepted")}
         self.eplb: dict | None = None      # EPLB children, created on the first EPLB stats
         self.last_eplb = (0, 0, 0, 0.0)
         self.last_spec = (0, 0, 0)

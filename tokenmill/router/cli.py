@@ -65,6 +65,18 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "--router-queue-timeout (Dynamo's flag name; Dynamo rejects instead of waiting). At 1 a "
                         "request waits only when it cannot fit next to the KV in flight, where the engine would "
                         "queue it too; 0: off [default: 1].")
+    g.add_argument("--kv-placement", action=argparse.BooleanOptionalAction, default=True,
+                   help="Keep prefix groups resident: knowing each backend's KV pool (its /metrics "
+                        "cache_config_info) and the prefix groups' sizes (from the prompts' block hashes), "
+                        "send a group to the replicas holding it, place a new group where it fits beside the "
+                        "groups already there, and partition the groups over the replicas when they do not "
+                        "all fit in one pool (tokenmill/router/placement.py; --no-kv-placement: the cost "
+                        "alone) [default: on].")
+    g.add_argument("--kv-move-margin", type=float, default=1.0, metavar="X",
+                   help="With --kv-placement: a request of a placed group leaves (or copies the group off) its "
+                        "replicas only for one whose cost is lower by more than X times the group's prefix "
+                        "blocks, on top of the recompute term (tuned on benchmarks/routing.py's family) "
+                        "[default: 1].")
     g.add_argument("--router-queue-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="Longest a request waits at the router (--kv-prefill-wait, --active-decode-blocks-"
                         "threshold) before it is routed anyway; 0: never wait [default: 30].")
@@ -122,7 +134,7 @@ def config_from_args(args: argparse.Namespace):
     Raises:
         ValueError: no backend, or a bad backend spec.
     """
-    from tokenmill.router.app import RouterConfig
+    from tokenmill.router.router import RouterConfig
     from tokenmill.router.backends import BackendSpec, load_backend_file
 
     specs = [BackendSpec.parse(s) for s in args.backend]
@@ -157,7 +169,8 @@ def config_from_args(args: argparse.Namespace):
         load_source=args.load_source, backend_api_key=args.backend_api_key,
         pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode, decision_log=args.decision_log,
         kv_prefill_wait=args.kv_prefill_wait, active_decode_blocks_threshold=args.active_decode_blocks_threshold,
-        router_queue_timeout=args.router_queue_timeout, dead_backend_timeout=args.dead_backend_timeout)
+        router_queue_timeout=args.router_queue_timeout, dead_backend_timeout=args.dead_backend_timeout,
+        kv_placement=args.kv_placement, kv_move_margin=args.kv_move_margin)
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -96,6 +96,11 @@ class KVIndex:
         """True once any event of ``backend`` was applied (the index knows something about it)."""
         return self.num_events.get(backend, 0) > 0
 
+    def holds(self, backend: int, block_hash: bytes) -> bool:
+        """True when ``backend``'s events say it holds ``block_hash``."""
+        s = self._holders.get(block_hash)
+        return s is not None and backend in s
+
     def num_blocks(self, backend: int) -> int:
         """Blocks the index believes ``backend`` holds."""
         return len(self._held.get(backend, ()))

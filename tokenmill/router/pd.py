@@ -20,7 +20,10 @@ pull, or during it, frees nothing the pull still needs). Errors of either server
 client with their status and body. A client that disconnects during the prefill cancels it (the
 prefill server aborts the request and keeps nothing); during the decode it closes the decode stream,
 which aborts the request there.
-An unreachable server is retried on another of its pool (``--max-retries``). Both pools are routed
+A server that fails a leg before any byte of its answer (unreachable, or the connection broke
+before it answered, e.g. a process that hung and was killed) is retried on another of its pool
+(``--max-retries``, counted in ``tokenmill:router_retries_total{reason}``); a decode answer that
+started reaching the client is never retried. Both pools are routed
 with the router's ``--policy``, each pool by its own policy object. Requests with ``n > 1``, or that
 carry their own ``kv_transfer_params``, go straight to a decode server (which then computes the prompt).
 """
@@ -36,7 +39,8 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from tokenmill.router.app import _HOP_BY_HOP, _DROP_RESPONSE, Router, _Relay, _error, _wait_disconnect
+from tokenmill.router.relay import Relay, error_response, forward_headers, response_headers, wait_disconnect
+from tokenmill.router.router import Router
 
 logger = logging.getLogger(__name__)
 
@@ -62,12 +66,14 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
         body = json.loads(raw) if raw else {}
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         router.metrics.errors.labels("bad_request").inc()
-        return _error(400, f"request body is not valid JSON: {e}")
+        return error_response(400, f"request body is not valid JSON: {e}")
     if not isinstance(body, dict):
         router.metrics.errors.labels("bad_request").inc()
-        return _error(400, "request body must be a JSON object")
-    model = body.get("model")
-    model = model if isinstance(model, str) else None
+        return error_response(400, "request body must be a JSON object")
+    model = router.request_model(body)
+    if isinstance(model, JSONResponse):
+        router.metrics.errors.labels("bad_request").inc()
+        return model
     pools = {}
     for role in ("prefill", "decode"):
         pool = router.pool(model, role)
@@ -75,8 +81,8 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
             router.metrics.errors.labels("unknown_model" if pool.status_code == 404 else "no_backend").inc()
             return pool
         pools[role] = pool
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-    watcher = asyncio.create_task(_wait_disconnect(request))
+    headers = forward_headers(request)
+    watcher = asyncio.create_task(wait_disconnect(request))
     if body.get("n", 1) != 1 or body.get("kv_transfer_params") is not None:
         # n > 1 choices share one prompt on the decode server (one KV load serves one request), and a
         # client that manages kv_transfer_params itself is not second-guessed: straight to decode
@@ -106,7 +112,7 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
         raise
     if pre is None:
         return resp
-    if isinstance(resp, _Relay) and resp.status_code == 200:
+    if isinstance(resp, Relay) and resp.status_code == 200:
         return _ReleasingRelay(resp, lambda: _release_soon(router, prefill_url, pre, headers))
     # refused (4xx/5xx), unreachable (503), or the client left before the decode answered (499)
     _release_soon(router, prefill_url, pre, headers)
@@ -116,7 +122,7 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
 class _ReleasingRelay(Response):
     """A decode relay that asks the prefill server to free the kept KV when it does not end cleanly."""
 
-    def __init__(self, relay: _Relay, on_broken) -> None:  # noqa: ANN001 - a callable of no argument
+    def __init__(self, relay: Relay, on_broken) -> None:  # noqa: ANN001 - a callable of no argument
         super().__init__(status_code=relay.status_code)
         self.relay = relay
         self.on_broken = on_broken
@@ -175,6 +181,7 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], headers: dic
     raw = json.dumps(pre).encode()
     tried: set[int] = set()
     last_error = "no prefill server is available"
+    last_status = 503
     assert router.client is not None
     for _ in range(router.config.max_retries + 1):
         cands = [b for b in pool if b.healthy and b.index not in tried]
@@ -183,7 +190,7 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], headers: dic
         d = policy.select(cands, rin)
         b = d.backend
         tried.add(b.index)
-        router._begin(b, d)
+        router.begin(b, d)
         send = asyncio.create_task(router.client.post(b.url + path, content=raw, headers=headers))
         try:
             done, _ = await asyncio.wait({send, watcher}, return_when=asyncio.FIRST_COMPLETED)
@@ -199,20 +206,25 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], headers: dic
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as e:
                 last_error = f"prefill server {b.url} unreachable: {type(e).__name__}: {e}"
                 b.mark_down(last_error)
-                router._on_health_change(b)
-                router.metrics.retries.labels(b.name).inc()
+                router.on_health_change(b)
+                router.metrics.retries.labels(b.name, "unreachable").inc()
                 continue
             except httpx.HTTPError as e:
-                router.metrics.errors.labels("upstream").inc()
-                return _error(502, f"prefill server {b.url} failed: {type(e).__name__}: {e}")
+                # it took the prefill and broke the connection before answering (e.g. hung, then killed):
+                # nothing reached the client and it kept no KV for anyone, so another prefill server may
+                # take it; its decode leg is retried the same way in send_to_pool
+                last_error = f"prefill server {b.url} failed before answering: {type(e).__name__}: {e}"
+                last_status = 502
+                router.metrics.retries.labels(b.name, "no_response").inc()
+                continue
         finally:
-            router._end(b, d, policy)
+            router.end(b, d, policy)
         router.metrics.requests.labels(b.name).inc()
         router.metrics.routed.labels(policy.name, d.reason).inc()
         if resp.status_code != 200:    # the client's error (400, 404, 429...) or the server's: pass it on
             router.metrics.errors.labels("upstream").inc()
             return Response(resp.content, status_code=resp.status_code,
-                            headers={k: v for k, v in resp.headers.items() if k.lower() not in _DROP_RESPONSE})
+                            headers=response_headers(resp))
         try:
             params = resp.json().get("kv_transfer_params")
         except (ValueError, AttributeError):
@@ -221,5 +233,8 @@ async def _prefill(router: Router, path: str, body: dict[str, Any], headers: dic
             logger.warning("prefill server %s returned no kv_transfer_params (is it started with "
                            "--kv-transfer-config kv_producer?); the decode server computes the prompt", b.url)
         return params, b.url
+    if last_status == 502:
+        router.metrics.errors.labels("upstream").inc()
+        return error_response(502, last_error)
     router.metrics.errors.labels("no_backend").inc()
-    return _error(503, f"no prefill server could take the request: {last_error}")
+    return error_response(503, f"no prefill server could take the request: {last_error}")

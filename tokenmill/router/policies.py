@@ -25,6 +25,7 @@ from typing import Sequence
 
 from tokenmill.router.backends import Backend
 from tokenmill.router.kv_index import KVIndex
+from tokenmill.router.placement import Placement
 from tokenmill.router.prefix_tree import PrefixTree
 
 logger = logging.getLogger(__name__)
@@ -38,11 +39,13 @@ class RouteInput:
         block_hashes: the prompt's full-block hash chain, ``[num_tokens // block_size]``
             (kv_aware only; None otherwise).
         num_prompt_tokens: prompt length in tokens (kv_aware only; None otherwise).
+        max_tokens: the request's ``max_tokens`` / ``max_completion_tokens`` (None: not given).
     """
 
     text: str = ""
     block_hashes: list[bytes] | None = None
     num_prompt_tokens: int | None = None
+    max_tokens: int | None = None
 
 
 @dataclass
@@ -58,6 +61,7 @@ class RouteDecision:
         new_prefill_blocks, request_blocks: kv_aware's load bookkeeping (blocks).
         evicted_blocks: kv_aware's estimate of reused cached blocks the placement evicts.
         costs: kv_aware's cost per backend index (for logs and tests).
+        placement: kv_aware's :class:`~tokenmill.router.placement.PlacementInfo` (handed back at the end).
         detail: kv_aware's decision record for ``--decision-log``: per candidate the overlap from
             events and from in-flight requests, each cost term, load; the best-overlap and cheapest
             backends (JSON-serialisable).
@@ -75,6 +79,7 @@ class RouteDecision:
     started: float = 0.0
     evicted_blocks: int = 0
     detail: dict | None = None
+    placement: object = None
 
 
 class Policy(abc.ABC):
@@ -325,6 +330,9 @@ class KVAware(Policy):
         temperature: softmax temperature (0: deterministic).
         block_size: tokens per block when the index has not learnt it from events.
         seed: RNG seed for the softmax draw.
+        clock: seconds, monotonic (the grace periods; a simulation passes its own).
+        placement: keep prefix groups resident (:mod:`tokenmill.router.placement`; ``--no-kv-placement``:
+            the cost alone, as before).
     """
 
     name = "kv_aware"
@@ -335,7 +343,11 @@ class KVAware(Policy):
     def __init__(self, index: KVIndex, overlap_weight: float = 1.0, temperature: float = 0.0,
                  block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0,
                  recompute_weight: float = 1.0, prefill_wait: bool = True,
-                 busy_threshold: float | None = 1.0) -> None:
+                 busy_threshold: float | None = 1.0, clock=time.monotonic, placement: bool = True,
+                 move_margin: float = 1.0) -> None:
+        if move_margin < 0:
+            raise ValueError(f"move margin must be >= 0, got {move_margin}")
+        self.move_margin = move_margin
         if temperature < 0:
             raise ValueError(f"router temperature must be >= 0, got {temperature}")
         if overlap_weight < 0:
@@ -357,6 +369,8 @@ class KVAware(Policy):
         self.default_block_size = block_size
         self._rng = random.Random(seed)
         self._next = 0
+        self._clock = clock
+        self.placement = Placement(index, self._expected, block_size=lambda: self.block_size) if placement else None
         # blocks of in-flight requests per backend: hash -> number of requests
         self.pending: dict[int, dict[bytes, int]] = {}
         # blocks of ended requests whose BlockStored events have not arrived yet: hash -> deadline
@@ -418,7 +432,9 @@ class KVAware(Policy):
         e = self._evaluate(candidates, req)
         bs, ntok, n, hashes, costs, cands, best_ov = (e["bs"], e["ntok"], e["n"], e["hashes"], e["costs"],
                                                       e["cands"], e["best_ov"])
-        chosen = self._pick(candidates, costs)
+        allowed, info = self._allowed(candidates, req, e)
+        allowed = self._worth_moving(allowed, info, costs)
+        chosen = self._pick(allowed, costs)
         ov = min(e["overlaps"].get(chosen.index, 0), e["max_hit"])
         if ov > 0:
             reason = "kv_overlap"
@@ -430,13 +446,42 @@ class KVAware(Policy):
         detail = {"prefix": hashes[0].hex()[:12] if hashes else "", "blocks": n, "chosen": chosen.index,
                   "reason": reason, "best_overlap": [i for i, c in cands.items() if c["ov"] == best_ov] if best_ov else [],
                   "cheapest": [i for i, c in costs.items() if c == lo], "candidates": cands}
+        if info is not None:
+            detail.update(placement=info.kind, group_blocks=info.size, allowed=[b.index for b in allowed],
+                          room={i: r for i, r in info.room.items()})
+            self.placement.routed(chosen.index, hashes, info)  # type: ignore[union-attr]
         pend = self.pending.setdefault(chosen.index, {})
         for h in hashes:
             pend[h] = pend.get(h, 0) + 1
         self.index.touch(chosen.index, hashes)
         return RouteDecision(chosen, reason, matched=ov * bs, total=ntok, unit="tokens",
                              new_prefill_blocks=n - ov, request_blocks=n, costs=costs, block_hashes=list(hashes),
-                             evicted_blocks=e["evicted"].get(chosen.index, 0), detail=detail)
+                             evicted_blocks=e["evicted"].get(chosen.index, 0), detail=detail, placement=info)
+
+    def _allowed(self, candidates: Sequence[Backend], req: RouteInput, e: dict):
+        """The placement's subset of ``candidates`` for ``req`` and its record (None: placement off)."""
+        if self.placement is None:
+            return list(candidates), None
+        out_blocks = -(-(req.max_tokens if req.max_tokens is not None else 16) // e["bs"])
+        return self.placement.allowed(candidates, e["hashes"], e["n"], out_blocks)
+
+    def _worth_moving(self, allowed: list[Backend], info, costs: dict[int, float]) -> list[Backend]:
+        """Of a member's allowed replicas, its homes and the others cheaper than its cheapest home by more
+        than ``move_margin`` x its group's prefix (on top of the recompute term): a transient queue at the
+        home does not move (or copy) a group; a sustained overload does."""
+        if info is None or info.kind != "member" or not info.homes:
+            return allowed
+        home_cost = min(costs[i] for i in info.homes)
+        margin = self.move_margin * info.size * self.overlap_weight
+        return [b for b in allowed if b.index in info.homes or costs[b.index] + margin < home_cost]
+
+    def _expected(self, backend: int, block_hash: bytes) -> bool:
+        """A request routed to ``backend`` is computing ``block_hash`` or its events are due."""
+        pend = self.pending.get(backend)
+        if pend and block_hash in pend:
+            return True
+        unconf = self._unconfirmed(backend)
+        return bool(unconf) and block_hash in unconf
 
     def busy(self, b: Backend, req: RouteInput) -> bool:
         """True when ``b``'s in-flight requests plus ``req`` would hold more than ``busy_threshold`` of its pool.
@@ -478,8 +523,10 @@ class KVAware(Policy):
                 return "busy", candidates
         if self.prefill_wait and req.block_hashes:
             e = self._evaluate(avail, req)
-            lo = min(e["costs"].values())
-            ties = [b for b in avail if e["costs"][b.index] == lo]
+            allowed, info = self._allowed(avail, req, e)
+            allowed = self._worth_moving(allowed, info, e["costs"])
+            lo = min(e["costs"][b.index] for b in allowed)
+            ties = [b for b in allowed if e["costs"][b.index] == lo]
             b = ties[self._next % len(ties)] if self.temperature <= 0 else ties[0]
             c = e["cands"][b.index]
             mh = e["max_hit"]
@@ -500,11 +547,14 @@ class KVAware(Policy):
 
     def on_finish(self, decision: RouteDecision) -> None:
         b = decision.backend.index
+        if self.placement is not None and decision.placement is not None:
+            self.placement.finished(b, decision.placement)   # type: ignore[arg-type]
+            decision.placement = None
         pend = self.pending.get(b)
         if pend is None or not decision.block_hashes:
             return
         expect = self.prefill_wait and self.index.expects_events(b) and decision.backend.healthy
-        deadline = time.monotonic() + min(self.MAX_EVENT_GRACE_S,
+        deadline = self._clock() + min(self.MAX_EVENT_GRACE_S,
                                           max(self.EVENT_GRACE_S, 2 * self.index.max_lag.get(b, 0.0)))
         held = self.index.match(decision.block_hashes, [b])[b] if expect else 0
         for i, h in enumerate(decision.block_hashes):
@@ -521,7 +571,7 @@ class KVAware(Policy):
         """``backend``'s ended requests' blocks still expected (expired ones dropped)."""
         unconf = self.unconfirmed.get(backend)
         if unconf:
-            now = time.monotonic()
+            now = self._clock()
             for h in [h for h, t in unconf.items() if t <= now]:
                 del unconf[h]
         return unconf or None
@@ -529,9 +579,10 @@ class KVAware(Policy):
     def recheck_in(self) -> float | None:
         """Seconds until the earliest ``unconfirmed`` block expires (a held request is asked again then)."""
         soonest = min((t for u in self.unconfirmed.values() for t in u.values()), default=None)
-        return None if soonest is None else max(0.0, soonest - time.monotonic())
+        return None if soonest is None else max(0.0, soonest - self._clock())
 
     def _pick(self, candidates: Sequence[Backend], costs: dict[int, float]) -> Backend:
+        costs = {b.index: costs[b.index] for b in candidates}
         lo = min(costs.values())
         if self.temperature <= 0:
             ties = [b for b in candidates if costs[b.index] == lo]
@@ -545,6 +596,8 @@ class KVAware(Policy):
 
     def on_backend_down(self, backend: Backend) -> None:
         # its events resume (or restart at seq 0) when it returns; keep the index until then
+        if self.placement is not None:
+            self.placement.on_backend_down(backend.index)
         self.pending.pop(backend.index, None)
         self.unconfirmed.pop(backend.index, None)
 
@@ -557,7 +610,8 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
                 max_tree_size: int = 2**26, overlap_weight: float = 1.0, temperature: float = 0.0,
                 block_size: int = 16, seed: int | None = None, load_source: str = "inflight",
                 eviction_weight: float = 1.0, recompute_weight: float = 1.0, prefill_wait: bool = True,
-                busy_threshold: float | None = 1.0) -> Policy:
+                busy_threshold: float | None = 1.0, clock=time.monotonic, placement: bool = True,
+                move_margin: float = 1.0) -> Policy:
     """Build a policy by name.
 
     Raises:
@@ -571,5 +625,5 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
         return PrefixAware(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
     if name == "kv_aware":
         return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed, eviction_weight,
-                       recompute_weight, prefill_wait, busy_threshold)
+                       recompute_weight, prefill_wait, busy_threshold, clock, placement, move_margin)
     raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")
