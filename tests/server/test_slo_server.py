@@ -214,3 +214,57 @@ async def test_priority_displaces_queued_lower_priority_requests():
     finally:
         await client.aclose()
         engine.shutdown()
+
+
+async def _burst(client, n=40):
+    results = await asyncio.gather(*[_stream(client) for _ in range(n)])
+    return [r for r in results if r[0] == 200], [r for r in results if r[0] == 429]
+
+
+async def test_a_fresh_server_judges_its_first_burst_from_a_start_up_profile(tmp_path, monkeypatch):
+    """Issue 30: the step-time model is calibrated before the server is ready, so the first burst after
+    a start is judged (part refused with Retry-After), not admitted blind; the profile is cached by
+    key and a second start takes it from there."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))   # the spawned core inherits it
+    engine, state, client = await _start(slo="ttft:250")
+    try:
+        timing = engine.get_stats().step_timing
+        assert timing is not None and timing.ready and engine.get_stats().queue is not None
+        assert engine.info.profile_time > 0
+        # nothing of the profile shows: no step counted, no request left, every block free
+        assert engine.get_stats().num_steps == 0 and engine.get_stats().prefix_cache_queries == 0
+        admitted, refused = await _burst(client)
+        assert refused and admitted, (len(admitted), len(refused))
+        assert all(int(h["retry-after"]) >= 1 for _, _, h, _ in refused)
+        ttfts = sorted(r[1] for r in admitted)
+        burst_drain = 40 * 60 * engine.get_stats().step_timing.prefill_seconds_per_token
+        assert ttfts[int(0.9 * (len(ttfts) - 1))] <= max(0.5, 0.6 * burst_drain), (ttfts, burst_drain)
+    finally:
+        await client.aclose()
+        engine.shutdown()
+    files = list((tmp_path / "slo_profiles").glob("*.json"))
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    engine, state, client = await _start(slo="ttft:250")
+    try:
+        assert engine.get_stats().step_timing.ready
+        assert files[0].stat().st_mtime_ns == mtime        # loaded, not profiled again
+    finally:
+        await client.aclose()
+        engine.shutdown()
+
+
+async def test_without_calibration_the_first_burst_is_admitted_blind_only_in_part(tmp_path, monkeypatch):
+    """--slo-calibration off (the ablation): before the engine measured a step, at most 8 requests
+    are admitted blind (the rest 429 'warming up')."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    engine, state, client = await _start(slo="ttft:250", slo_calibration="off")
+    try:
+        assert not engine.get_stats().step_timing.ready and engine.info.profile_time == 0
+        admitted, refused = await _burst(client)
+        assert len(admitted) <= 8 < len(refused) + len(admitted), (len(admitted), len(refused))
+        assert any("warming up" in text for _, _, _, text in refused)
+    finally:
+        await client.aclose()
+        engine.shutdown()
+    assert not (tmp_path / "slo_profiles").exists()
