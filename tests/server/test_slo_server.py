@@ -13,6 +13,7 @@ measured, with generous factors, never as fixed milliseconds alone.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -268,3 +269,35 @@ async def test_without_calibration_the_first_burst_is_admitted_blind_only_in_par
         await client.aclose()
         engine.shutdown()
     assert not (tmp_path / "slo_profiles").exists()
+
+
+async def test_priority_at_a_full_house_preempts_the_lowest_priority_request_end_to_end():
+    """Issue 30: every --max-num-seqs seat taken by low-priority streams, a high-priority request starts
+    within a few steps (it waited for a whole low-priority run before) and the preempted stream still
+    returns its whole, unchanged output."""
+    engine, state, client = await _start(scheduling_policy="priority", max_num_seqs=2)
+    try:
+        ref = (await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 150,
+                                                          "ignore_eos": True})).json()["choices"][0]["text"]
+        t0 = time.perf_counter()
+        lows = [asyncio.create_task(_stream(client, max_tokens=150, priority=10, ignore_eos=True)) for _ in range(2)]
+        while engine.get_stats().num_running < 2 or engine.get_stats().queue.num_decoding < 2:
+            await asyncio.sleep(0.005)
+        t_high = time.perf_counter()
+        status, ttft, _, _ = await _stream(client, max_tokens=2, priority=0)
+        high_done = time.perf_counter()
+        results = await asyncio.gather(*lows)
+        lows_done = time.perf_counter()
+        assert status == 200
+        # it started long before a seat would have freed: the low-priority streams were still running
+        assert high_done < lows_done and ttft < 0.5 * (lows_done - t_high), (ttft, lows_done - t_high)
+        for st, _, _, text in results:           # the preempted stream's output is whole and unchanged
+            assert st == 200
+            got = "".join(json.loads(line[6:])["choices"][0]["text"] for line in text.splitlines()
+                          if line.startswith("data: {") and json.loads(line[6:])["choices"])
+            assert got == ref
+        assert engine.get_stats().num_preemptions_total >= 1
+        assert t0 < t_high
+    finally:
+        await client.aclose()
+        engine.shutdown()
