@@ -28,6 +28,25 @@ p90/p99 TTFT of the admitted requests, p99 TPOT, and goodput relative to
 the SLO at 2× overload, and goodput ≥ 1.5× the uncapped server's.
 
     .venv/bin/python benchmarks/slo_admission.py --slo ttft:1500 tpot:150 --overload 2
+
+**Cold start** (``--cold-start``, issue 30): the first burst after a start, when the step-time model
+has seen no traffic. Each cell is a freshly started server (``--slo ttft:MS``) hit at once by a
+seeded burst of streamed requests (prompts as random token ids, so nothing hits the prefix cache);
+printed per cell: admitted, refused (429, all with ``Retry-After``), the admitted requests' share
+meeting the TTFT limit, and the server's start-up time (process start to ``/health`` 200). Shapes:
+
+* ``tuned``: the issue's burst, 40 simultaneous requests of ~450 prompt tokens (±10%), 8 output
+  tokens: the shape the start-up profile's sizes were chosen on;
+* ``heldout``: a shape nothing was tuned on: 64 requests in two waves 1 s apart, prompts bimodal
+  (70% ~120 tokens, 30% ~1,100 tokens, ±30%), 24 output tokens.
+
+Servers: ``cal`` (``--slo-calibration cache`` with an empty cache: profiles at start-up, the
+default of a first start), ``cal_cached`` (the profile kept by the previous ``cal`` start: no
+profiling), ``blind`` (``--slo-calibration off``: the behaviour the issue measured, the ablation).
+Seeds form a tuning family (``--tune-seeds``, looked at while choosing the profile) and a
+held-out family (``--heldout-seeds``, run once at the end); both are reported, arms interleaved per seed.
+
+    .venv/bin/python benchmarks/slo_admission.py --cold-start --slo ttft:3000
 """
 
 from __future__ import annotations
@@ -183,6 +202,148 @@ def prediction_error(metrics_text: str) -> str:
     return out
 
 
+# -- cold start (issue 30) ------------------------------------------------------
+# burst shapes: waves of (requests, delay s), prompt-length mixture [(share, tokens, ±jitter)], output tokens
+BURST_SHAPES = {
+    "tuned": {"waves": [(40, 0.0)], "mix": [(1.0, 450, 0.10)], "output_len": 8},
+    "heldout": {"waves": [(32, 0.0), (32, 1.0)], "mix": [(0.7, 120, 0.30), (0.3, 1100, 0.30)], "output_len": 24},
+}
+
+
+def burst_requests(shape: dict, seed: int, vocab: int = 49152) -> list[tuple[float, list[int], int]]:
+    """``[(send offset s, prompt token ids, max_tokens)]`` of one seeded burst (random ids: no prefix hits)."""
+    rng = random.Random(seed)
+    out = []
+    for count, delay in shape["waves"]:
+        for _ in range(count):
+            x, acc = rng.random(), 0.0
+            for share, tokens, jitter in shape["mix"]:
+                acc += share
+                if x <= acc:
+                    break
+            n = max(4, int(tokens * rng.uniform(1 - jitter, 1 + jitter)))
+            out.append((delay, [rng.randrange(100, vocab - 100) for _ in range(n)], shape["output_len"]))
+    return out
+
+
+async def _send_burst(base_url: str, reqs: list[tuple[float, list[int], int]], model: str) -> list[dict]:
+    import asyncio
+    import time
+
+    import httpx
+
+    t0 = time.perf_counter()
+
+    async def one(client: "httpx.AsyncClient", offset: float, ids: list[int], max_tokens: int) -> dict:
+        await asyncio.sleep(max(0.0, offset - (time.perf_counter() - t0)))
+        start = time.perf_counter()
+        rec = {"prompt_tokens": len(ids), "offset": offset, "status": None, "ttft": None, "retry_after": None}
+        body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                "temperature": 0.0}
+        try:
+            async with client.stream("POST", base_url + "/v1/completions", json=body) as r:
+                rec["status"] = r.status_code
+                rec["retry_after"] = r.headers.get("retry-after")
+                if r.status_code != 200:
+                    await r.aread()
+                    return rec
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]" and rec["ttft"] is None:
+                        if json.loads(line[6:]).get("choices"):
+                            rec["ttft"] = time.perf_counter() - start
+                rec["e2e"] = time.perf_counter() - start
+        except httpx.HTTPError as e:
+            rec["error"] = f"{type(e).__name__}: {e}"
+        return rec
+
+    limits = httpx.Limits(max_connections=len(reqs) + 4, max_keepalive_connections=len(reqs) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=limits) as client:
+        return await asyncio.gather(*(one(client, o, ids, mt) for o, ids, mt in reqs))
+
+
+def cold_cell(arm: str, shape_name: str, seed: int, args, out_dir: Path, cache_dir: Path) -> dict:
+    """One fresh server of ``arm`` hit by one burst; the summary row."""
+    import asyncio
+    import urllib.request
+
+    extra = {"cal": ["--slo-calibration", "cache"], "cal_cached": ["--slo-calibration", "cache"],
+             "blind": ["--slo-calibration", "off"], "legacy": []}[arm]
+    port = free_port()
+    env = {**thread_env(args.threads), "TOKENMILL_CACHE_DIR": str(cache_dir)}
+    if arm == "cal":     # an empty calibration cache: this start profiles (weights stay cached)
+        for f in (cache_dir / "slo_profiles").glob("*.json"):
+            f.unlink()
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--slo", *args.slo, *extra]
+    server = Server(f"tokenmill-{arm}", cmd, env, port,
+                    out_dir / f"server-{arm}-{shape_name}-{seed}.log")
+    startup = server.start(args.startup_timeout)
+    set_autogroup_nice(server.proc.pid, args.autogroup_nice)
+    try:
+        with urllib.request.urlopen(server.base_url + "/v1/models", timeout=10) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+        load = load_average()
+        recs = asyncio.run(_send_burst(server.base_url, burst_requests(BURST_SHAPES[shape_name], seed), model))
+    finally:
+        server.stop()
+    limit = float(next(x for x in " ".join(args.slo).replace(",", " ").split() if x.startswith("ttft:"))[5:]) / 1000
+    ok = [r for r in recs if r["status"] == 200 and r["ttft"] is not None]
+    refused = [r for r in recs if r["status"] == 429]
+    met = sum(1 for r in ok if r["ttft"] <= limit)
+    return {"arm": arm, "shape": shape_name, "seed": seed, "n": len(recs), "admitted": len(ok),
+            "refused": len(refused), "refused_with_retry_after": sum(1 for r in refused if r["retry_after"]),
+            "met": met, "attainment_admitted": met / len(ok) if ok else float("nan"),
+            "ttft_p90_ms": pct([r["ttft"] * 1e3 for r in ok], 90), "startup_s": startup,
+            "other": len(recs) - len(ok) - len(refused), "load_average": load, "requests": recs}
+
+
+def main_cold(args) -> None:
+    out_dir = Path(tempfile.mkdtemp(prefix="slo-cold-"))
+    cache_dir = out_dir / "cache"
+    cache_dir.mkdir()
+    print(f"cold start: SLO {' '.join(args.slo)}; arms {args.arms}; shapes {args.shapes}; tuning seeds "
+          f"{args.tune_seeds}, held-out seeds {args.heldout_seeds}; load average {load_average():.2f}; "
+          f"files in {out_dir}", flush=True)
+    # prime the private cache with the processed weights (a first start converts them), so every cell's
+    # start-up time is a warm-weights start and differs only by the calibration
+    port = free_port()
+    prime = Server("tokenmill-prime", [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port)],
+                   {**thread_env(args.threads), "TOKENMILL_CACHE_DIR": str(cache_dir)}, port, out_dir / "server-prime.log")
+    prime.start(args.startup_timeout)
+    prime.stop()
+    rows = []
+    families = [("tuning", args.tune_seeds), ("held-out", args.heldout_seeds)]
+    for family, seeds in families:
+        for seed in [int(s) for s in seeds.split(",") if s]:
+            for shape in args.shapes.split(","):
+                for arm in args.arms.split(","):      # interleaved: every arm of a cell back to back
+                    row = cold_cell(arm, shape, seed, args, out_dir, cache_dir)
+                    row["family"] = family
+                    rows.append(row)
+                    print(f"  {family:>8} seed {seed:>3} {shape:>7} {arm:>10}: admitted {row['admitted']:>2}/"
+                          f"{row['n']}, refused {row['refused']:>2} ({row['refused_with_retry_after']} with "
+                          f"Retry-After), admitted meeting TTFT {row['attainment_admitted']:6.1%}, TTFT p90 "
+                          f"{row['ttft_p90_ms']:6.0f} ms, start-up {row['startup_s']:.2f} s, other "
+                          f"{row['other']}, load {row['load_average']:.2f}", flush=True)
+    print(f"\n{'family':>8} {'shape':>7} {'arm':>10} {'admitted':>8} {'refused':>7} {'met/admitted':>12} "
+          f"{'worst cell':>10} {'start-up s':>10}")
+    for family, _ in families:
+        for shape in args.shapes.split(","):
+            for arm in args.arms.split(","):
+                cell = [r for r in rows if (r["family"], r["shape"], r["arm"]) == (family, shape, arm)]
+                if not cell:
+                    continue
+                adm = sum(r["admitted"] for r in cell)
+                met = sum(r["met"] for r in cell)
+                worst = min((r["attainment_admitted"] for r in cell if r["admitted"]), default=float("nan"))
+                print(f"{family:>8} {shape:>7} {arm:>10} {adm:>8} {sum(r['refused'] for r in cell):>7} "
+                      f"{met / adm if adm else float('nan'):>12.1%} {worst:>10.1%} "
+                      f"{sum(r['startup_s'] for r in cell) / len(cell):>10.2f}")
+    print(f"load average at the end {load_average():.2f}")
+    (out_dir / "summary.json").write_text(json.dumps({"slo": args.slo, "rows": rows}, indent=1))
+    if args.save_json:
+        Path(args.save_json).write_text(json.dumps({"slo": args.slo, "rows": rows}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--slo", nargs="+", default=["ttft:1500", "tpot:150"], metavar="KEY:MS",
@@ -211,7 +372,19 @@ def main() -> None:
                     help="scheduler autogroup nice of each server's session (e.g. -10 on a shared machine where "
                          "other sessions' niced work would otherwise get an equal CPU share; see "
                          "set_autogroup_nice); run the script itself with the same (echo N > /proc/self/autogroup)")
+    ap.add_argument("--cold-start", action="store_true",
+                    help="run the cold-start arms instead (fresh server per burst; see the module docstring)")
+    ap.add_argument("--arms", default="blind,cal,cal_cached", help="cold start: servers, in the order run per cell")
+    ap.add_argument("--shapes", default="tuned,heldout", help="cold start: burst shapes (BURST_SHAPES)")
+    ap.add_argument("--tune-seeds", default="0,1,2", help="cold start: the tuning seed family")
+    ap.add_argument("--heldout-seeds", default="100,101,102", help="cold start: the held-out seed family")
+    ap.add_argument("--save-json", default=None, help="cold start: also write the rows to this file")
     args = ap.parse_args()
+    if args.cold_start:
+        if args.slo == ["ttft:1500", "tpot:150"]:
+            args.slo = ["ttft:3000"]
+        main_cold(args)
+        return
 
     slo_ms = {k: float(v) for k, v in (item.split(":") for item in " ".join(args.slo).replace(",", " ").split())}
     out_dir = Path(tempfile.mkdtemp(prefix="slo-admission-"))

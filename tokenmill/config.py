@@ -157,6 +157,7 @@ class SchedulerConfig:
     max_num_waiting_requests: int | None = _f(None, "Admission control: requests waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
     max_num_waiting_tokens: int | None = _f(None, "Admission control: prompt tokens waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
     slo: str | None = _f(None, "SLO-aware admission control: latency targets in ms, the syntax of bench --goodput, e.g. --slo ttft:500 tpot:50 (either part optional). A request predicted (from the queued work and the engine's measured step times) to miss them is refused with HTTP 429 and a Retry-After; batch-lane requests (service_tier 'batch') are never refused. Default: off.", server_only=True, nargs="+", metavar="KEY:MS")
+    slo_calibration: str = _f("cache", "With --slo: calibrate the step-time model before the server reports ready, so the first burst is judged, not admitted blind: cache (default; profile decode steps at a few batch sizes and the prefill rate with dummy requests, keep the result under $TOKENMILL_CACHE_DIR/slo_profiles keyed by model, dtype, CPU kernel variant and threads, and reuse it on the next start), profile (always profile), off (no profile: the first requests are admitted blind, at most 8 until the engine has timed its steps).", server_only=True, choices=["cache", "profile", "off"])
 
     def __post_init__(self) -> None:
         if self.scheduling_policy not in ("fcfs", "priority"):
@@ -167,6 +168,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.slo_calibration not in ("cache", "profile", "off"):
+            raise ValueError(f"slo_calibration must be cache, profile or off, got {self.slo_calibration!r}")
 
 
 @dataclass(frozen=True)

@@ -223,6 +223,19 @@ def test_cold_engine_admits_one_batch_blind_not_a_whole_burst():
     assert big.check(cold64, None, 10, 0, 0.0, 0.0)[1] is not None
 
 
+def test_before_the_first_stats_the_blind_batch_is_capped_too():
+    """Issue 30: an engine that has sent no stats yet (no queue state) was admitted without any cap:
+    a 40-request burst on a fresh server all went in; now it is capped like any cold engine."""
+    adm = SLOAdmission(SLO(ttft=3.0))
+    nothing = EngineStats()
+    for k in range(8):
+        pred, ref = adm.check(nothing, None, 450, 0, 0.0, 0.0)
+        assert pred is None and ref is None
+        adm.track(f"r{k}", pred, 0, 0.0, 450, now=0.0)
+    pred, ref = adm.check(nothing, None, 450, 0, 0.0, 0.0)
+    assert ref is not None and "warming up" in ref.message and ref.retry_after >= 1
+
+
 @dataclass
 class TPOTSink(Sink):
     tpot_predicted: list = field(default_factory=list)

@@ -13,6 +13,7 @@ measured, with generous factors, never as fixed milliseconds alone.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import httpx
@@ -211,6 +212,92 @@ async def test_priority_displaces_queued_lower_priority_requests():
                 break
             await asyncio.sleep(0.05)
         assert engine.get_stats().num_running == 0 and engine.get_stats().num_waiting == 0
+    finally:
+        await client.aclose()
+        engine.shutdown()
+
+
+async def _burst(client, n=40):
+    results = await asyncio.gather(*[_stream(client) for _ in range(n)])
+    return [r for r in results if r[0] == 200], [r for r in results if r[0] == 429]
+
+
+async def test_a_fresh_server_judges_its_first_burst_from_a_start_up_profile(tmp_path, monkeypatch):
+    """Issue 30: the step-time model is calibrated before the server is ready, so the first burst after
+    a start is judged (part refused with Retry-After), not admitted blind; the profile is cached by
+    key and a second start takes it from there."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))   # the spawned core inherits it
+    engine, state, client = await _start(slo="ttft:250")
+    try:
+        timing = engine.get_stats().step_timing
+        assert timing is not None and timing.ready and engine.get_stats().queue is not None
+        assert engine.info.profile_time > 0
+        # nothing of the profile shows: no step counted, no request left, every block free
+        assert engine.get_stats().num_steps == 0 and engine.get_stats().prefix_cache_queries == 0
+        admitted, refused = await _burst(client)
+        assert refused and admitted, (len(admitted), len(refused))
+        assert all(int(h["retry-after"]) >= 1 for _, _, h, _ in refused)
+        ttfts = sorted(r[1] for r in admitted)
+        burst_drain = 40 * 60 * engine.get_stats().step_timing.prefill_seconds_per_token
+        assert ttfts[int(0.9 * (len(ttfts) - 1))] <= max(0.5, 0.6 * burst_drain), (ttfts, burst_drain)
+    finally:
+        await client.aclose()
+        engine.shutdown()
+    files = list((tmp_path / "slo_profiles").glob("*.json"))
+    assert len(files) == 1
+    mtime = files[0].stat().st_mtime_ns
+    engine, state, client = await _start(slo="ttft:250")
+    try:
+        assert engine.get_stats().step_timing.ready
+        assert files[0].stat().st_mtime_ns == mtime        # loaded, not profiled again
+    finally:
+        await client.aclose()
+        engine.shutdown()
+
+
+async def test_without_calibration_the_first_burst_is_admitted_blind_only_in_part(tmp_path, monkeypatch):
+    """--slo-calibration off (the ablation): before the engine measured a step, at most 8 requests
+    are admitted blind (the rest 429 'warming up')."""
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    engine, state, client = await _start(slo="ttft:250", slo_calibration="off")
+    try:
+        assert not engine.get_stats().step_timing.ready and engine.info.profile_time == 0
+        admitted, refused = await _burst(client)
+        assert len(admitted) <= 8 < len(refused) + len(admitted), (len(admitted), len(refused))
+        assert any("warming up" in text for _, _, _, text in refused)
+    finally:
+        await client.aclose()
+        engine.shutdown()
+    assert not (tmp_path / "slo_profiles").exists()
+
+
+async def test_priority_at_a_full_house_preempts_the_lowest_priority_request_end_to_end():
+    """Issue 30: every --max-num-seqs seat taken by low-priority streams, a high-priority request starts
+    within a few steps (it waited for a whole low-priority run before) and the preempted stream still
+    returns its whole, unchanged output."""
+    engine, state, client = await _start(scheduling_policy="priority", max_num_seqs=2)
+    try:
+        ref = (await client.post("/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 150,
+                                                          "ignore_eos": True})).json()["choices"][0]["text"]
+        t0 = time.perf_counter()
+        lows = [asyncio.create_task(_stream(client, max_tokens=150, priority=10, ignore_eos=True)) for _ in range(2)]
+        while engine.get_stats().num_running < 2 or engine.get_stats().queue.num_decoding < 2:
+            await asyncio.sleep(0.005)
+        t_high = time.perf_counter()
+        status, ttft, _, _ = await _stream(client, max_tokens=2, priority=0)
+        high_done = time.perf_counter()
+        results = await asyncio.gather(*lows)
+        lows_done = time.perf_counter()
+        assert status == 200
+        # it started long before a seat would have freed: the low-priority streams were still running
+        assert high_done < lows_done and ttft < 0.5 * (lows_done - t_high), (ttft, lows_done - t_high)
+        for st, _, _, text in results:           # the preempted stream's output is whole and unchanged
+            assert st == 200
+            got = "".join(json.loads(line[6:])["choices"][0]["text"] for line in text.splitlines()
+                          if line.startswith("data: {") and json.loads(line[6:])["choices"])
+            assert got == ref
+        assert engine.get_stats().num_preemptions_total >= 1
+        assert t0 < t_high
     finally:
         await client.aclose()
         engine.shutdown()

@@ -31,7 +31,11 @@ mostly from the prefix cache).
 Head-of-line blocking: a waiting request that does not fit (pool or, with
 chunked prefill off, budget) stays at the head and nothing behind it is
 admitted that step. This keeps fcfs order strict and avoids starving long
-requests; no running request is preempted to admit a waiting one.
+requests. A running request is preempted to admit a waiting one only when
+the waiting one outranks it: an interactive request over the batch lane, and
+under the ``priority`` policy a request of higher priority (lower value) over
+the lowest-priority running one (:meth:`Scheduler._preempt_for`), so a
+high-priority request at a full house starts in the next step.
 
 Speculative decoding (:mod:`tokenmill.spec_decode`): speculative tokens are
 just extra tokens to verify. A decoding request's draft tokens
@@ -581,7 +585,8 @@ class Scheduler:
         Interactive requests come first (:class:`_LanedQueue`); when one finds
         no seat or no blocks, running batch-lane requests are preempted for it
         (latest first), so batch work only holds capacity interactive traffic
-        does not need.
+        does not need; under the ``priority`` policy, then running requests of
+        lower priority (:meth:`_preempt_for`).
 
         Returns:
             the budget left.
@@ -589,7 +594,7 @@ class Scheduler:
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
             if len(self.running) >= self.max_num_seqs:
-                refund = None if req.batch else self._preempt_batch(out)
+                refund = self._preempt_for(req, out)
                 if refund is None:
                     break
                 budget += refund
@@ -604,7 +609,7 @@ class Scheduler:
                 if self.kv_connector is not None and not req.kv_load_attempted:
                     started = self._start_remote_load(req, hit_blocks, num_hit)
                     if started is None:     # no blocks for the load: wait, as any admission would
-                        refund = None if req.batch else self._preempt_batch(out)
+                        refund = self._preempt_for(req, out)
                         if refund is None:
                             break
                         budget += refund
@@ -623,7 +628,7 @@ class Scheduler:
             alloc_hit = 0 if holds_blocks else num_hit
             if (self.kv_cache_manager.allocate_slots(req, n + lookahead, hit_blocks, alloc_hit) is None
                     and (not lookahead or self.kv_cache_manager.allocate_slots(req, n, hit_blocks, alloc_hit) is None)):
-                refund = None if req.batch else self._preempt_batch(out)
+                refund = self._preempt_for(req, out)
                 if refund is None:
                     break
                 budget += refund
@@ -711,6 +716,30 @@ class Scheduler:
                 req.status = RequestStatus.WAITING
                 self.waiting.add_front(req)
                 self._num_waiting_tokens += req.num_prompt_tokens
+
+    def _preempt_for(self, req: Request, out: SchedulerOutput) -> int | None:
+        """Preempt one running request to give the waiting ``req`` a seat or blocks; the budget it frees,
+        None when no running request may yield to ``req``.
+
+        An interactive ``req`` takes from the batch lane first (:meth:`_preempt_batch`). Under the
+        ``priority`` policy it then takes from the lowest-priority running request of strictly lower
+        priority (larger value; latest arrival first among equals; a batch-lane ``req`` only from the
+        batch lane), preempted by recompute like any victim: its output so far is kept and it
+        resumes when it is re-admitted. Without this a high-priority request at a full house waits
+        for a seat to free (issue 30: 5 s, about the low-priority requests' whole run); vLLM v1
+        preempts by priority only when blocks run out.
+        """
+        if not req.batch:
+            refund = self._preempt_batch(out)
+            if refund is not None:
+                return refund
+        if self.policy != "priority":
+            return None
+        victims = [r for r in self.running if r.priority > req.priority and (r.batch or not req.batch)]
+        if not victims:
+            return None
+        victim = max(victims, key=lambda r: (r.batch, r.priority, *self._sort_key_arrival(r)))
+        return self._preempt(victim, out, self._step_scheduled)
 
     def _preempt_batch(self, out: SchedulerOutput) -> int | None:
         """Preempt the lowest-priority, latest running batch-lane request; the budget it frees, None if none runs."""

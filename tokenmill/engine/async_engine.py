@@ -184,7 +184,8 @@ class AsyncEngine:
             elif time.monotonic() > deadline:
                 self._kill_proc()
                 raise RuntimeError(f"engine core did not get ready within {self.start_timeout:.0f}s")
-        self._stats = EngineStats(num_kv_blocks=self.info.num_kv_blocks, block_size=self.info.block_size)
+        self._stats = self.info.stats if self.info.stats is not None else \
+            EngineStats(num_kv_blocks=self.info.num_kv_blocks, block_size=self.info.block_size)
         logger.info("engine core ready (pid %d): max_model_len %d, %d KV blocks x %d tokens, %d torch threads, "
                     "loaded in %.1fs", self.info.pid, self.info.max_model_len, self.info.num_kv_blocks,
                     self.info.block_size, self.info.num_threads, self.info.load_time)

@@ -72,6 +72,9 @@ class CoreInfo:
         load_time: seconds spent building the engine core (model load included).
         parallel: the executor's one-line layout (``describe()``; e.g. the experts a core holds
             when data-parallel cores share them), empty when it has none.
+        stats: the idle core's first stats (queue state, and the step-time model seeded by the
+            ``--slo`` start-up profile), so admission has a basis before any step ran; None: none.
+        profile_time: seconds the start-up step-time profile took (0: none, or from the cache).
     """
 
     max_model_len: int
@@ -82,6 +85,8 @@ class CoreInfo:
     num_threads: int = 0
     load_time: float = 0.0
     parallel: str = ""
+    stats: Any = None
+    profile_time: float = 0.0
 
 
 def dumps(obj: Any) -> bytes:
@@ -188,11 +193,13 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         core = EngineCore(config, executor=executor, data_parallel_rank=data_parallel_rank)
         # the model runner set the intra-op threads (tokenmill.model.process_tuning.configure_threads)
         num_threads = torch_num_threads()
+        profile = _calibrate_for_slo(core, config, executor)
         info = CoreInfo(max_model_len=core.max_model_len, num_kv_blocks=core.executor.num_kv_blocks,
                         block_size=config.cache.block_size,
                         eos_token_ids=list(core.executor.eos_token_ids or []), pid=os.getpid(),
                         num_threads=num_threads, load_time=time.perf_counter() - t0,
-                        parallel=executor.describe() if hasattr(executor, "describe") else "")
+                        parallel=executor.describe() if hasattr(executor, "describe") else "",
+                        stats=core.get_stats(), profile_time=profile.seconds if profile is not None else 0.0)
         logger.info("engine core ready in %.1fs: pid %d, torch threads %d, %d KV blocks of %d tokens, "
                     "max_model_len %d", info.load_time, info.pid, num_threads, info.num_kv_blocks,
                     info.block_size, info.max_model_len)
@@ -221,6 +228,20 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         ctx.term()
     if code:
         sys.exit(code)
+
+
+def _calibrate_for_slo(core: Any, config: Any, executor: Any) -> Any:
+    """With ``--slo``: seed the step-time model from a start-up profile (``--slo-calibration``;
+    :mod:`tokenmill.engine.step_profile`) before "ready", so the first burst is judged. Skipped for
+    cores stepping in lockstep with others (expert-parallel data parallelism) and with a KV connector
+    (a prefill or decode server of a disaggregated pair). Returns the profile, or None."""
+    sched = getattr(config, "scheduler", None)
+    mode = getattr(sched, "slo_calibration", "off") if sched is not None and sched.slo else "off"
+    if mode == "off" or hasattr(executor, "step_sync") or getattr(core, "kv_connector", None) is not None:
+        return None
+    from tokenmill.engine.step_profile import calibrate
+
+    return calibrate(core, mode, getattr(executor, "vocab_size", None))
 
 
 def _kv_event_hook(core: Any, config: Any, data_parallel_rank: int | None = None) -> Callable[[], None] | None:

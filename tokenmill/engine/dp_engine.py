@@ -182,7 +182,8 @@ class DPAsyncEngine:
                              num_kv_blocks=sum(i.num_kv_blocks for i in infos), block_size=infos[0].block_size,
                              eos_token_ids=list(infos[0].eos_token_ids), pid=infos[0].pid,
                              num_threads=sum(i.num_threads for i in infos), load_time=max(i.load_time for i in infos))
-        self._stats = [EngineStats(num_kv_blocks=i.num_kv_blocks, block_size=i.block_size) for i in infos]
+        self._stats = [i.stats if getattr(i, "stats", None) is not None else
+                       EngineStats(num_kv_blocks=i.num_kv_blocks, block_size=i.block_size) for i in infos]
         return self.info
 
     def start(self) -> CoreInfo:

@@ -151,6 +151,27 @@ class StepTimeModel:
         self._seen = 0
 
     # -- learning ------------------------------------------------------------
+    def seed(self, decode_points: list[tuple[float, float]], prefill_seconds_per_token: float) -> None:
+        """Start from a profile (:mod:`tokenmill.engine.step_profile`) instead of nothing.
+
+        Replaces what was learnt: one bucket per ``(batch size, seconds)`` point, the prefill rate
+        (as a finished bootstrap), and the warm-up steps counted as done (the profile paid them).
+        Later steps refine the seeded values by the usual EWMA.
+
+        Raises:
+            ValueError: no decode point, or a non-positive time or rate.
+        """
+        if not decode_points or not prefill_seconds_per_token > 0 or any(t <= 0 for _, t in decode_points):
+            raise ValueError("a step-time seed needs decode points and a prefill rate, all positive")
+        self._decode = {batch_bucket(max(1, int(round(b)))): [float(b), float(t)] for b, t in decode_points}
+        tokens = 512.0
+        self._pf_tokens = tokens
+        self._pf_seconds = prefill_seconds_per_token * tokens
+        self._pf_bootstrap = [(self._pf_seconds, tokens)] * PREFILL_BOOTSTRAP_SAMPLES
+        self._pf_per_step = 0.0
+        self._seen = max(self._seen, WARMUP_STEPS)
+        self._n = max(self._n, 1)
+
     def observe(self, num_decode_reqs: int, num_prefill_tokens: int, seconds: float) -> None:
         """Learn from one step: ``num_decode_reqs`` decoded requests, ``num_prefill_tokens`` prompt
         (or recompute) tokens, ``seconds`` of wall time (schedule + execute + update + transport).

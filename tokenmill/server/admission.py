@@ -354,12 +354,13 @@ class SLOAdmission:
         pred = predict(q, t, prompt_tokens, priority, self.policy, inflight, self.prefix_hit_rate,
                        num_seqs=num_seqs, max_tokens=max_tokens, mean_prompt_tokens=self.mean_prompt_tokens,
                        mean_decode_tokens=self.mean_decode_tokens)
-        if pred is None and q is not None:
-            # no basis for a prediction yet (a cold engine has not timed a prefill and a decode step):
-            # admit a small batch blind (enough to measure both), not a whole burst
+        if pred is None:
+            # no basis for a prediction yet (a cold engine has not timed a prefill and a decode step, and
+            # no start-up profile seeded it; before its first stats even the queue is unknown): admit a
+            # small batch blind (enough to measure both), not a whole burst
             for rid in [r for r, a in self._blind.items() if now - a > PENDING_MAX_AGE_S]:
                 del self._blind[rid]
-            blind_cap = max(1, min(q.max_num_seqs, BLIND_MAX_REQUESTS))
+            blind_cap = max(1, min(q.max_num_seqs, BLIND_MAX_REQUESTS) if q is not None else BLIND_MAX_REQUESTS)
             if len(self._blind) >= blind_cap:
                 return None, Refusal(
                     f"server is warming up: {len(self._blind)} requests are running before the engine has "

@@ -1,0 +1,348 @@
+"""Start-up profile of the step-time model, so ``--slo`` admission has a basis from the first request.
+
+The step-time model (:mod:`tokenmill.metrics.step_timing`) learns from traffic; a fresh engine has
+seen none, so without a profile the first burst after a start — exactly when a new replica joins a
+fleet — is admitted blind (issue 30: 40 simultaneous ~450-token requests on a fresh ``--slo
+ttft:3000`` server were all admitted and 12% met the target). With ``--slo`` the engine core runs,
+before it reports ready, a short profile through its own scheduler and model runner — the path real
+requests take — and seeds the model with it, as vLLM profiles memory with a dummy forward before it
+serves (``determine_available_memory``):
+
+1. a warm-up step: :data:`DECODE_BATCHES`\\ [-1] requests of :data:`SHORT_PROMPT` tokens each prefill
+   (it pays the one-time costs of the first forward: kernel set-up, allocator, weight paging);
+2. decode steps at each batch size of :data:`DECODE_BATCHES` (at most ``--max-num-seqs``): the
+   requests finish in groups so the batch shrinks from the largest size to 1, each size held for
+   :data:`DECODE_STEPS` steps; its step time is their median;
+3. :data:`PREFILL_REPEATS` prefill step(s) of one :data:`PREFILL_TOKENS`-token prompt (at most the
+   token budget): the prefill rate is ``(step − decode_step_time(1)) / tokens``, the median. The
+   rate is linear in the tokens of a step on the CPU paths measured (5.0 ms/token at 256 tokens and
+   5.1 at 512 on the shared 2-core AVX-512 machine), so a short probe stands for the 2,048-token
+   steps of a burst; its cost is what bounds the start-up delay.
+
+Prompts are random token ids (nothing to share with later traffic); every block returns to the pool
+and the prefix cache is reset afterwards, and the engine's counters (steps, prefix-cache queries,
+prompt tokens by source) are zeroed, so nothing of the profile shows in ``/metrics``. The decode
+sizes bracket the batches an SLO admits on a small CPU model; between and beyond them the model
+interpolates and extrapolates (:meth:`StepTimingSnapshot.decode_step_time`) and the online EWMA
+takes over from the first real step.
+
+``--slo-calibration cache`` (the default) keeps the profile under ``$TOKENMILL_CACHE_DIR/slo_profiles``
+(or ``~/.cache/tokenmill/slo_profiles``), keyed by the model file (path, size, mtime), dtype, KV
+cache dtype, CPU kernel variant, threads, token budget, seats and the profile's version: a second
+start with the same key skips the profile. ``profile`` always profiles (and refreshes the entry);
+``off`` skips it (the first burst is admitted blind, at most ``BLIND_MAX_REQUESTS`` of it). A start
+that takes the profile from the cache still runs one warm-up step (:func:`warm_up`): the first
+forward's one-time costs (4.7 s against 1.3 s for the same 256-token step on the loaded shared
+machine) would otherwise land on the first burst, which the cached step times do not predict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenmill.core.request import RequestStatus
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+PROFILE_VERSION = 1
+# Decode batch sizes profiled (capped at --max-num-seqs), ascending.
+DECODE_BATCHES = (1, 8, 32)
+# Decode steps timed per batch size (their median is the point).
+DECODE_STEPS = 2
+# Prompt tokens of each decode-phase request.
+SHORT_PROMPT = 4
+# Prompt tokens of the prefill probe (capped at the token budget and the context).
+PREFILL_TOKENS = 128
+PREFILL_REPEATS = 1
+CALIBRATION_MODES = ("cache", "profile", "off")
+_ID_PREFIX = "__tokenmill_step_profile"
+
+
+@dataclass
+class StepProfile:
+    """The measured step times.
+
+    Attributes:
+        decode_points: ``[(batch size, seconds per decode step)]``, ascending batch size.
+        prefill_seconds_per_token: marginal seconds per prompt token.
+        seconds: wall time the profile took (0 when loaded from the cache).
+        source: ``profiled`` or ``cache``.
+        key: what the cached entry is keyed by.
+    """
+
+    decode_points: list[tuple[float, float]]
+    prefill_seconds_per_token: float
+    seconds: float = 0.0
+    source: str = "profiled"
+    key: dict[str, Any] = field(default_factory=dict)
+
+
+def profile_key(core: Any) -> dict[str, Any]:
+    """The cache key of ``core``'s step times: model file, dtypes, kernel variant, threads, budget, seats."""
+    cfg = core.config
+    path = getattr(cfg.model, "model", None)
+    if not path:
+        try:
+            from tokenmill.model.default_model import default_model_path
+
+            path = default_model_path()
+        except Exception:  # noqa: BLE001 - the key is best effort
+            path = ""
+    try:
+        st = os.stat(path)
+        size, mtime = st.st_size, int(st.st_mtime)
+    except OSError:
+        size = mtime = 0
+    runner = getattr(core.executor, "runner", None)
+    dtype = str(getattr(runner, "dtype", None) or getattr(core.executor, "dtype", None) or cfg.model.dtype)
+    kv_dtype = str(getattr(runner, "kv_cache_dtype", None) or cfg.cache.kv_cache_dtype)
+    isa = ""
+    if "torch" in sys.modules:
+        try:
+            from tokenmill.model.layers.cpu_build import cpu_isa
+
+            isa = cpu_isa()
+        except Exception:  # noqa: BLE001
+            isa = ""
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else 0
+    sched = cfg.scheduler
+    return {"version": PROFILE_VERSION, "executor": f"{type(core.executor).__module__}.{type(core.executor).__qualname__}",
+            "model": os.path.abspath(path) if path else "", "size": size,
+            "mtime": mtime, "dtype": dtype, "kv_cache_dtype": kv_dtype, "cpu_isa": isa, "threads": threads,
+            "quantization": str(getattr(cfg.model, "quantization", None)),
+            "max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs,
+            "block_size": cfg.cache.block_size}
+
+
+def cache_path(key: dict[str, Any]) -> str:
+    """The cache file of ``key`` under ``$TOKENMILL_CACHE_DIR/slo_profiles`` (or ``~/.cache/tokenmill``)."""
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    return os.path.join(root, "slo_profiles", f"{digest}.json")
+
+
+def load_cached(key: dict[str, Any]) -> StepProfile | None:
+    """The cached profile of ``key``, None when absent or unreadable (a bad entry is ignored with a warning)."""
+    path = cache_path(key)
+    try:
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("key") != key:
+            return None
+        pts = [(float(b), float(t)) for b, t in d["decode_points"]]
+        tp = float(d["prefill_seconds_per_token"])
+        if not pts or not all(t > 0 for _, t in pts) or not tp > 0:
+            raise ValueError("non-positive times")
+        return StepProfile(pts, tp, 0.0, "cache", key)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        logger.warning("ignoring the cached step-time profile %s (%s); profiling again", path, e)
+        return None
+
+
+def store(profile: StepProfile) -> None:
+    """Write ``profile`` to its cache file atomically (failures are logged, never raised)."""
+    path = cache_path(profile.key)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"key": profile.key, "decode_points": profile.decode_points,
+                       "prefill_seconds_per_token": profile.prefill_seconds_per_token,
+                       "profile_seconds": profile.seconds, "written": time.time()}, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.warning("could not cache the step-time profile at %s: %s", path, e)
+
+
+def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0) -> StepProfile:
+    """Profile ``core``'s decode and prefill steps with dummy requests (see the module docstring).
+
+    Args:
+        core: an idle :class:`~tokenmill.engine.engine_core.EngineCore` (no request queued).
+        vocab_size: prompt ids are drawn below it (default: 1000, always valid).
+        seed: of the random prompts.
+
+    Returns:
+        the :class:`StepProfile` (``key`` unset).
+
+    Raises:
+        RuntimeError: the core is not idle, or a profile request failed (its error).
+    """
+    from tokenmill.engine.engine_core import EngineCoreRequest
+
+    sched = core.scheduler
+    if sched.has_unfinished_requests():
+        raise RuntimeError("the step-time profile needs an idle engine")
+    t_start = time.perf_counter()
+    rng = random.Random(seed)
+    hi = max(2, min(vocab_size or 1000, 1000))
+    max_len = core.max_model_len
+    block = sched.block_size
+    pool = sched.kv_cache_manager.num_blocks
+    # the decode phase: the largest batch of short prompts; request i decodes while the batch is larger
+    # than i, so the batch shrinks through every profiled size, each held for DECODE_STEPS steps
+    per_req_blocks = -(-(SHORT_PROMPT + 1 + DECODE_STEPS * len(DECODE_BATCHES)) // block)
+    cap = max(1, min(sched.max_num_seqs, pool // max(1, per_req_blocks)))
+    batches = sorted({max(1, min(b, cap)) for b in DECODE_BATCHES})
+    sizes = [1 + DECODE_STEPS * sum(1 for b in batches if b > i) for i in range(batches[-1])]
+    step_times: dict[int, list[float]] = {}
+    prefill_steps: list[tuple[int, float]] = []
+    ids: list[str] = []
+
+    def add(rid: str, n_prompt: int, max_tokens: int) -> None:
+        prompt = [rng.randrange(1, hi) for _ in range(n_prompt)]
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        core.add_request(EngineCoreRequest(rid, prompt, sp))
+        ids.append(rid)
+
+    def run_until_idle(limit: int) -> None:
+        for _ in range(limit):
+            if not sched.has_unfinished_requests() and not core._pending:
+                return
+            t0 = time.perf_counter()
+            outs = core.step()
+            dt = time.perf_counter() - t0
+            for o in outs:
+                if o.finish_reason == "error":
+                    raise RuntimeError(f"step-time profile request failed: {o.error}")
+            last = core._last_step       # (decoding requests, prefill tokens, start, end) of this step
+            if last is None:
+                continue
+            nd, npf = last[0], last[1]
+            if npf == 0 and nd > 0:
+                step_times.setdefault(nd, []).append(dt)
+            elif npf > 0 and nd == 0:
+                prefill_steps.append((npf, dt))
+        if sched.has_unfinished_requests():
+            raise RuntimeError("the step-time profile did not finish")
+
+    for i, max_tokens in enumerate(sizes):     # 1 token from the prefill step, then its decode steps
+        add(f"{_ID_PREFIX}-d{i}", SHORT_PROMPT, max_tokens)
+    run_until_idle(4 * (1 + DECODE_STEPS * len(batches)) + 8)
+    budget = sched.max_num_batched_tokens
+    p = max(16, min(PREFILL_TOKENS, budget, max_len - 2, max(1, pool - 1) * block - 1))
+    warm = len(prefill_steps)       # the decode phase's prefill step was the warm-up
+    for r in range(PREFILL_REPEATS):
+        add(f"{_ID_PREFIX}-p{r}", p, 1)
+        run_until_idle(8 + -(-p // budget))
+    core._last_step = None          # the gap after the profile is no step
+    points = []
+    for b in sorted(step_times):
+        if b in batches and step_times[b]:
+            points.append((float(b), statistics.median(step_times[b])))
+    if not points:
+        raise RuntimeError("the step-time profile measured no decode step")
+    d1 = points[0][1]
+    rates = [max(dt - d1, 0.1 * dt) / n for n, dt in prefill_steps[warm:] if n > 0]
+    if not rates:
+        raise RuntimeError("the step-time profile measured no prefill step")
+    mono: list[tuple[float, float]] = []
+    for b, t in points:
+        mono.append((b, max(t, mono[-1][1]) if mono else t))
+    _forget_profile(core, ids)
+    return StepProfile(mono, statistics.median(rates), time.perf_counter() - t_start)
+
+
+def warm_up(core: Any, seed: int = 0) -> float:
+    """One dummy prefill and decode step, so the first real request does not pay the first forward's
+    one-time costs (kernel set-up, weight paging, packing) that a cached profile did not include.
+
+    Returns:
+        seconds it took.
+
+    Raises:
+        RuntimeError: the core is not idle, or the request failed.
+    """
+    from tokenmill.engine.engine_core import EngineCoreRequest
+
+    sched = core.scheduler
+    if sched.has_unfinished_requests():
+        raise RuntimeError("the warm-up needs an idle engine")
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    rid = f"{_ID_PREFIX}-w"
+    n = max(4, min(PREFILL_TOKENS, sched.max_num_batched_tokens, core.max_model_len - 3))
+    core.add_request(EngineCoreRequest(rid, [rng.randrange(1, 1000) for _ in range(n)],
+                                       SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
+    for _ in range(8 + -(-n // sched.max_num_batched_tokens)):
+        for o in core.step():
+            if o.finish_reason == "error":
+                raise RuntimeError(f"warm-up request failed: {o.error}")
+        if not sched.has_unfinished_requests():
+            break
+    core._last_step = None
+    _forget_profile(core, [rid])
+    return time.perf_counter() - t0
+
+
+def _forget_profile(core: Any, ids: list[str]) -> None:
+    """Leave no trace of the profile: blocks freed, prefix cache reset, counters zeroed."""
+    sched = core.scheduler
+    sched.finish_requests([i for i in ids if i in sched.requests], RequestStatus.FINISHED_ABORTED)
+    sched.reset_prefix_cache()
+    stats = sched.kv_cache_manager.prefix_cache_stats
+    for name in ("queries", "hits", "requests"):
+        if hasattr(stats, name):
+            setattr(stats, name, 0)
+    for k in sched.prompt_tokens_by_source:
+        sched.prompt_tokens_by_source[k] = 0
+    sched._num_preemptions_total = 0
+    core._num_steps = 0
+    core._pending = []
+
+
+def calibrate(core: Any, mode: str = "cache", vocab_size: int | None = None) -> StepProfile | None:
+    """Seed ``core.step_time_model`` with a start-up profile (``--slo-calibration``).
+
+    Args:
+        core: an idle engine core.
+        mode: ``cache`` (use a cached profile with the same key, else profile and cache it),
+            ``profile`` (always profile; refresh the cache), ``off`` (nothing).
+        vocab_size: bound of the dummy prompts' ids.
+
+    Returns:
+        the profile used, None with ``off`` or when profiling failed (logged; the server then starts
+        with an empty model, as before).
+
+    Raises:
+        ValueError: an unknown ``mode``.
+    """
+    if mode not in CALIBRATION_MODES:
+        raise ValueError(f"slo_calibration must be one of {', '.join(CALIBRATION_MODES)}, got {mode!r}")
+    if mode == "off":
+        return None
+    key = profile_key(core)
+    prof = load_cached(key) if mode == "cache" else None
+    if prof is None:
+        try:
+            prof = run_profile(core, vocab_size)
+        except Exception as e:  # noqa: BLE001 - a failed profile must not stop the server
+            logger.warning("step-time profile failed (%s: %s); --slo admits the first requests blind", type(e).__name__, e)
+            return None
+        prof.key = key
+        store(prof)
+    else:
+        try:
+            prof.seconds = warm_up(core)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("warm-up step failed (%s: %s)", type(e).__name__, e)
+    core.step_time_model.seed(prof.decode_points, prof.prefill_seconds_per_token)
+    logger.info("step-time model %s in %.2f s: decode %s; prefill %.0f tokens/s",
+                "profiled" if prof.source == "profiled" else "loaded from the cache", prof.seconds,
+                ", ".join(f"{1000 * t:.1f} ms at batch {b:g}" for b, t in prof.decode_points),
+                1.0 / prof.prefill_seconds_per_token)
+    return prof
