@@ -407,3 +407,50 @@ def test_config_errors():
         EngineConfig.from_kwargs(kv_offloading_backend="native", kv_offloading_size=1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="native"):
         EngineConfig.from_kwargs(kv_offloading_backend="lmcache", kv_offloading_size=1)
+
+
+def test_int8_cache_with_calculated_scales(tiny, tmp_path, caplog):
+    """int8 KV: scales come from the first batch. Files carry them; within a run the tier serves exact
+    blocks (greedy equal to a run without the tier that saw the same first batch); after a restart
+    whose first batch differs the old files are discarded, never loaded with the wrong scales."""
+    ref = EngineCore(_cfg(tiny, kv_cache_dtype="int8"))
+    tier = EngineCore(_cfg(tiny, tmp_path, kv_cache_dtype="int8"))
+    try:
+        want = _one_by_one(ref, PROMPTS[:3], "a") + _one_by_one(ref, PROMPTS[:3], "b")
+        got = _one_by_one(tier, PROMPTS[:3], "a")
+        assert tier.kv_offload.flush()
+        got += _one_by_one(tier, PROMPTS[:3], "b")
+        assert [t for t, _ in got] == [t for t, _ in want]
+        assert [c for _, c in got[3:]] == [28, 28, 28]
+    finally:
+        tier.shutdown()
+    n = len(_files(tmp_path))
+    again = EngineCore(_cfg(tiny, tmp_path, kv_cache_dtype="int8"))
+    try:
+        assert again.kv_offload.get_tier_stats().resident_blocks == n
+        (_, c), = _one_by_one(again, [PROMPTS[4]], "c")        # another first batch: other scales
+        assert c == 0
+        (_, c), = _one_by_one(again, [PROMPTS[0]], "d")
+        st = again.kv_offload.get_tier_stats()
+        assert c == 0 and st.num_failed_loads == 0 and st.blocks_discarded == n
+        assert any("scales differ" in r.getMessage() for r in caplog.records)
+    finally:
+        again.shutdown()
+
+
+def test_prometheus_series(tiny, tmp_path):
+    from tokenmill.metrics.prometheus import PrometheusStatLogger
+
+    core = EngineCore(_cfg(tiny, tmp_path))
+    try:
+        _one_by_one(core, PROMPTS[:3], "a")
+        assert core.kv_offload.flush()
+        _one_by_one(core, PROMPTS[:1], "b")
+        exporter = PrometheusStatLogger("tiny", 256)
+        exporter.record(core.get_stats(), None)
+        text = exporter.render().decode()
+    finally:
+        core.shutdown()
+    assert 'tokenmill:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 28.0' in text
+    assert 'tokenmill:kv_offload_blocks_total{direction="load",engine="0",model_name="tiny"} 7.0' in text
+    assert "tokenmill:kv_offload_usage_bytes" in text

@@ -533,7 +533,7 @@ class OffloadingConnector(KVConnectorBase):
         """Gather the blocks into one host tensor ``[n, num_layers, 2, block_size, kv_heads, head_dim]``
         and queue them for the writer (dropped, and counted, when the writer is behind or paused)."""
         t0 = time.perf_counter()
-        if time.monotonic() < self._paused_until:
+        if time.monotonic() < self._paused_until or not self._scales_usable():   # (scales: known after a forward)
             for _, h, _, _ in items:
                 self._pending_hashes.discard(h)
             self.tier_stats.saves_dropped += len(items)
