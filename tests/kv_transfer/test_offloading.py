@@ -454,3 +454,25 @@ def test_prometheus_series(tiny, tmp_path):
     assert 'tokenmill:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 28.0' in text
     assert 'tokenmill:kv_offload_blocks_total{direction="load",engine="0",model_name="tiny"} 7.0' in text
     assert "tokenmill:kv_offload_usage_bytes" in text
+
+
+def test_abort_while_loading_leaks_nothing(tiny, tmp_path):
+    core = EngineCore(_cfg(tiny, tmp_path))
+    try:
+        _one_by_one(core, PROMPTS[:3], "a")
+        assert core.kv_offload.flush()
+        core.add_request(EngineCoreRequest("x", list(PROMPTS[0]), _greedy()))
+        core.step()                                       # schedules the tier load
+        assert "x" in core.scheduler.waiting_for_remote
+        core.abort_requests(["x"])
+        deadline = time.monotonic() + 30
+        while core.has_unfinished_requests() and time.monotonic() < deadline:
+            core.step()
+            time.sleep(0.002)
+        inv = core.check_invariants()
+        assert inv["problems"] == [] and inv["num_free_blocks"] == 16 and not core.has_unfinished_requests()
+        assert core.kv_offload.index.pins == {}
+        (_, c), = _one_by_one(core, PROMPTS[:1], "y")      # the tier still serves the prompt
+        assert c == 28
+    finally:
+        core.shutdown()
