@@ -116,6 +116,9 @@ class CacheConfig:
 
     kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the model's dtype, except bfloat16 for a float32 model on the CPU low-bit path, unlike vLLM: half the bytes per decode step; TOKENMILL_CPU_KV_BF16=0 or --kv-cache-dtype float32 keeps float32), bfloat16, float32, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, int8 (1 byte per element; per-layer K and V scales, from the checkpoint, --calculate-kv-scales, or 1.0; int8 always calculates them unless the checkpoint has them).")
     calculate_kv_scales: bool = _f(False, "With an fp8/int8 KV cache: compute each layer's K/V scales from the first batch (fp8: amax/200 for K and amax/100 for V, as vLLM; int8: amax/100) instead of the checkpoint's or 1.0.")
+    kv_offloading_backend: str | None = _f(None, "A second KV cache tier (vLLM's flag): native keeps full prefix blocks that leave the pool in files under --kv-offloading-dir, LRU-bounded by --kv-offloading-size, and loads them instead of recomputing a prompt that misses the pool; needs prefix caching and one rank per engine (see docs/guide/kv_offload.md). Default: off.", choices=["native"])
+    kv_offloading_size: float | None = _f(None, "Size of the KV offloading tier in GiB (vLLM's flag; required with --kv-offloading-backend).")
+    kv_offloading_dir: str | None = _f(None, "Directory of the KV offloading tier's files (default: $TOKENMILL_CACHE_DIR/kv_offload or ~/.cache/tokenmill/kv_offload); each configuration and data-parallel rank gets its own subdirectory.")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
@@ -128,6 +131,15 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         parse_size(self.kv_cache_memory)
+        if self.kv_offloading_backend is not None:
+            if self.kv_offloading_backend != "native":
+                raise ValueError(f"--kv-offloading-backend must be 'native', got {self.kv_offloading_backend!r}")
+            if self.kv_offloading_size is None or not self.kv_offloading_size > 0:
+                raise ValueError("--kv-offloading-backend native needs --kv-offloading-size GiB > 0, "
+                                 f"got {self.kv_offloading_size}")
+            if not self.enable_prefix_caching:
+                raise ValueError("--kv-offloading-backend keys its blocks by prefix-cache hash: it needs "
+                                 "--enable-prefix-caching")
 
     @property
     def kv_events(self):
@@ -391,6 +403,9 @@ class EngineConfig:
             ValueError: ``--kv-transfer-config`` with more than one rank per engine (tensor or pipeline
                 parallel) or with a quantised KV cache (``--kv-cache-dtype`` other than ``auto``).
         """
+        if self.cache.kv_offloading_backend is not None and self.parallel.world_size > 1:
+            raise ValueError("--kv-offloading-backend needs one rank per engine (tensor and pipeline parallel size 1): "
+                             "the tier reads and writes the engine core's own KV pool")
         if self.cache.kv_transfer_config is not None:
             if self.parallel.world_size > 1:
                 raise ValueError("--kv-transfer-config needs one rank per engine (tensor and pipeline parallel "

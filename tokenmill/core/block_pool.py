@@ -151,6 +151,9 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         # KV cache events (tokenmill.core.kv_events) for a cache-aware router; None: not collected.
         self.kv_events: list | None = None
+        # Objects told about cached blocks leaving the pool (``on_block_evicted(block_id, block_hash)``,
+        # called before the block is reused, while its K/V is still intact): a KV offloading tier.
+        self.block_listeners: list = []
 
     # -- queries -------------------------------------------------------------
     @property
@@ -228,6 +231,8 @@ class BlockPool:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
                 del self.cached_blocks[block.block_hash]
+                for listener in self.block_listeners:
+                    listener.on_block_evicted(block.block_id, block.block_hash)
                 if self.kv_events is not None:
                     from tokenmill.core.kv_events import BlockRemoved
 

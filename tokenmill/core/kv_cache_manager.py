@@ -44,6 +44,9 @@ class KVCacheManager:
         # Leading blocks of each request already registered in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self._stats = PrefixCacheStats()
+        # Told about every block registered in the prefix cache (``on_block_cached(request, index,
+        # block_id)``) and, through the pool, about cached blocks evicted: a KV offloading tier.
+        self.block_listeners = self.block_pool.block_listeners
 
     # -- queries -------------------------------------------------------------
     @property
@@ -123,6 +126,9 @@ class KVCacheManager:
         run_start = -1
         for i in range(start, num_full):
             registered = self.block_pool.cache_block(blocks[i], hashes[i])
+            if registered:
+                for listener in self.block_listeners:
+                    listener.on_block_cached(request, i, blocks[i].block_id)
             if events is not None:
                 if registered and run_start < 0:
                     run_start = i

@@ -665,7 +665,8 @@ class Scheduler:
         self.waiting.pop()
         self._num_waiting_tokens -= req.num_prompt_tokens
         req.num_computed_tokens = num_hit
-        req.num_cached_tokens = num_hit
+        if req.num_cached_tokens < 0:       # first admission (a preempted request keeps its figure)
+            req.num_cached_tokens = num_hit
         self.prompt_tokens_by_source["local_cache_hit"] += num_hit
         req.num_external_tokens = num_ext
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
@@ -703,6 +704,8 @@ class Scheduler:
                 if ok:
                     n = min(req.num_computed_tokens + req.num_external_tokens, req.num_tokens - 1)
                     self.prompt_tokens_by_source["external_kv_transfer"] += max(0, n - req.num_computed_tokens)
+                    if req.num_preemptions == 0:   # loaded tokens are cached tokens in usage (as vLLM counts them)
+                        req.num_cached_tokens = max(req.num_cached_tokens, 0) + max(0, n - req.num_computed_tokens)
                     req.num_computed_tokens = n
                     self.kv_cache_manager.cache_blocks(req, n)
                 else:
@@ -800,6 +803,7 @@ class Scheduler:
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
+        victim.kv_load_attempted = False    # an offloading tier may hold what the victim's blocks held
         victim.num_preemptions += 1
         self._num_preemptions_total += 1
         self.waiting.add_front(victim)

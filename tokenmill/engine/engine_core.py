@@ -66,7 +66,7 @@ class EngineCore:
     """
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None,
-                 data_parallel_rank: int | None = None) -> None:
+                 data_parallel_rank: int | None = None, kv_offloading_options: dict | None = None) -> None:
         self.config = config
         kv_transfer = config.cache.kv_transfer   # (its cross-section checks are EngineConfig's)
         if executor is None:
@@ -74,10 +74,27 @@ class EngineCore:
         self.executor = executor
         self.max_model_len = executor.max_model_len
         self.kv_connector = None
+        self.pd_connector = None        # --kv-transfer-config (prefill-decode disaggregation)
+        self.kv_offload = None          # --kv-offloading-backend (tokenmill.kv_transfer.offloading)
         if kv_transfer is not None:
-            self.kv_connector = self._make_kv_connector(kv_transfer.for_rank(data_parallel_rank or 0))
+            self.kv_connector = self.pd_connector = self._make_kv_connector(kv_transfer.for_rank(data_parallel_rank or 0))
+        if config.cache.kv_offloading_backend is not None:
+            from tokenmill.kv_transfer.offloading import create_offloading_connector
+
+            # kv_offloading_options: OffloadingConfig fields (store_policy, min_load_blocks, ...) for benchmarks/tests
+            self.kv_offload = create_offloading_connector(config, executor, data_parallel_rank or 0,
+                                                          **(kv_offloading_options or {}))
+            if self.kv_connector is None:
+                self.kv_connector = self.kv_offload
+            else:       # P/D first: a request whose KV another engine computed pulls it; the others use the tier
+                from tokenmill.kv_transfer.multi import MultiConnector
+
+                self.kv_connector = MultiConnector([self.kv_connector, self.kv_offload])
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks,
                                    speculative_config=config.speculative, kv_connector=self.kv_connector)
+        bind = getattr(self.kv_connector, "bind_kv_cache_manager", None)
+        if bind is not None:
+            bind(self.scheduler.kv_cache_manager)
         self._pending: list[EngineCoreOutput] = []
         self._num_steps = 0
         self._last_step_time = 0.0
@@ -270,7 +287,8 @@ class EngineCore:
             queue=s.queue_state(), step_timing=self.step_time_model.snapshot(),
             spec_decoding=s.spec_stats.copy() if s.spec_config is not None else None,
             eplb=getattr(self.executor, "eplb_stats", None),
-            kv_transfer=self.kv_connector.stats.copy() if self.kv_connector is not None else None,
+            kv_transfer=self.pd_connector.stats.copy() if self.pd_connector is not None else None,
+            kv_offload=self.kv_offload.get_tier_stats() if self.kv_offload is not None else None,
             prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
             expert_parallel=getattr(self.executor, "expert_parallel_stats", None),
         )

@@ -51,6 +51,15 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   ``kv_transfer_expired_total`` (KV a producer kept that no consumer pulled in time),
   ``kv_transfer_released_total`` (KV a producer kept and freed early on ``POST /kv_transfer/release``), and the
   histogram ``kv_transfer_time_seconds`` (one completed load, consumer side).
+* with ``--kv-offloading-backend`` (the disk tier, :mod:`tokenmill.kv_transfer.offloading`): vLLM's
+  counters ``external_prefix_cache_queries_total`` / ``external_prefix_cache_hits_total`` (prompt
+  tokens looked up in the tier / loaded from it), and tokenmill's ``kv_offload_blocks_total{direction}``
+  and ``kv_offload_bytes_total{direction}`` (``store``: written to the tier, ``load``: read back),
+  ``kv_offload_seconds_total{direction}`` (``store``, ``load``, ``copy``: the engine loop's copy out of
+  the pool), ``kv_offload_evicted_blocks_total`` (LRU), ``kv_offload_discarded_blocks_total`` (corrupt or
+  another configuration), ``kv_offload_dropped_saves_total``, ``kv_offload_write_errors_total``,
+  ``kv_offload_failed_loads_total``, and gauges ``kv_offload_usage_bytes``, ``kv_offload_capacity_bytes``,
+  ``kv_offload_resident_blocks``, ``kv_offload_writes_paused`` (1 after a failed write, e.g. a full disk).
 
 Each exporter has its own :class:`prometheus_client.CollectorRegistry`, so
 several servers (or tests) in one process do not collide.
@@ -100,7 +109,7 @@ class _EngineSeries:
     def __init__(self, fams: dict, model_name: str, engine: str) -> None:
         lv = (model_name, engine)
         for name, fam in fams.items():
-            if name not in ("success",) and not name.startswith(("spec_", "eplb_", "kvx_")):
+            if name not in ("success",) and not name.startswith(("spec_", "eplb_", "kvx_", "kvo_")):
                 setattr(self, name, fam.labels(*lv))
         self.success = {r: fams["success"].labels(*lv, r) for r in ("stop", "length", "abort", "error")}
         self._success_fam, self._lv = fams["success"], lv
@@ -120,6 +129,8 @@ class _EngineSeries:
         self.kvx: dict | None = None       # KV-transfer children, created on the first KV-transfer stats
         self.last_kvx = (0, 0, 0, 0, 0, 0)
         self.last_kvx_transfers = 0
+        self.kvo: dict | None = None       # KV offloading children, created on the first tier stats
+        self.last_kvo: dict[str, float] = {}
 
     def record_sources(self, by_source: dict[str, int]) -> None:
         """Advance ``prompt_tokens_by_source`` to the core's cumulative counts."""
@@ -144,6 +155,31 @@ class _EngineSeries:
             for v in kt.recent_times[-new:]:
                 self.kvx["time"].observe(v)
         self.last_kvx_transfers = kt.num_transfers
+
+    def record_kv_offload(self, st) -> None:
+        """Advance the ``kv_offload_*`` / ``external_prefix_cache_*`` series to the tier's :class:`KVOffloadStats`."""
+        f, lv = self._fams, self._lv
+        if self.kvo is None:
+            self.kvo = {"queries": f["kvo_queries"].labels(*lv), "hits": f["kvo_hits"].labels(*lv),
+                        "evicted": f["kvo_evicted"].labels(*lv), "discarded": f["kvo_discarded"].labels(*lv),
+                        "dropped": f["kvo_dropped"].labels(*lv), "write_errors": f["kvo_write_errors"].labels(*lv),
+                        "failed": f["kvo_failed_loads"].labels(*lv)}
+            for d in ("store", "load"):
+                self.kvo["blocks_" + d] = f["kvo_blocks"].labels(*lv, d)
+                self.kvo["bytes_" + d] = f["kvo_bytes"].labels(*lv, d)
+            for d in ("store", "load", "copy"):
+                self.kvo["seconds_" + d] = f["kvo_seconds"].labels(*lv, d)
+        totals = {"queries": st.queries, "hits": st.hits, "evicted": st.blocks_evicted,
+                  "discarded": st.blocks_discarded, "dropped": st.saves_dropped, "write_errors": st.write_errors,
+                  "failed": st.num_failed_loads, "blocks_store": st.blocks_stored, "blocks_load": st.blocks_loaded,
+                  "bytes_store": st.bytes_stored, "bytes_load": st.bytes_loaded, "seconds_store": st.store_seconds,
+                  "seconds_load": st.load_seconds, "seconds_copy": st.copy_seconds}
+        for name, total in totals.items():
+            self.last_kvo[name] = _inc(self.kvo[name], total, self.last_kvo.get(name, 0))
+        f["kvo_usage"].labels(*lv).set(st.resident_bytes)
+        f["kvo_capacity"].labels(*lv).set(st.capacity_bytes)
+        f["kvo_resident"].labels(*lv).set(st.resident_blocks)
+        f["kvo_paused"].labels(*lv).set(1 if st.writes_paused else 0)
 
     def record_spec(self, sd) -> None:
         """Advance the ``spec_decode_*`` counters to the core's cumulative :class:`SpecDecodingStats`."""
@@ -266,6 +302,26 @@ class PrometheusStatLogger:
                                     "Requests whose kept KV was freed early because no consumer would pull it."),
             "kvx_time": hist("kv_transfer_time_seconds", "Histogram of the time of one KV load in seconds.",
                              TTFT_BUCKETS),
+            "kvo_queries": counter("external_prefix_cache_queries",
+                                   "External prefix cache queries (KV offloading tier), in prompt tokens looked up."),
+            "kvo_hits": counter("external_prefix_cache_hits",
+                                "External prefix cache hits (KV offloading tier), in prompt tokens loaded."),
+            "kvo_blocks": Counter(PREFIX + "kv_offload_blocks", "KV blocks written to / loaded from the offloading tier.",
+                                  ["model_name", "engine", "direction"], registry=r),
+            "kvo_bytes": Counter(PREFIX + "kv_offload_bytes", "Bytes written to / loaded from the offloading tier.",
+                                 ["model_name", "engine", "direction"], registry=r),
+            "kvo_seconds": Counter(PREFIX + "kv_offload_seconds", "Seconds spent storing, loading and copying "
+                                   "blocks for the offloading tier.", ["model_name", "engine", "direction"], registry=r),
+            "kvo_evicted": counter("kv_offload_evicted_blocks", "Tier files removed to stay within its size (LRU)."),
+            "kvo_discarded": counter("kv_offload_discarded_blocks",
+                                     "Tier files discarded: corrupt, or written under another configuration."),
+            "kvo_dropped": counter("kv_offload_dropped_saves", "Blocks not saved (writer behind, or writes paused)."),
+            "kvo_write_errors": counter("kv_offload_write_errors", "Tier writes that failed (e.g. a full disk)."),
+            "kvo_failed_loads": counter("kv_offload_failed_loads", "Tier loads that failed (the prompt was recomputed)."),
+            "kvo_usage": gauge("kv_offload_usage_bytes", "Bytes of files in the offloading tier."),
+            "kvo_capacity": gauge("kv_offload_capacity_bytes", "Size limit of the offloading tier in bytes."),
+            "kvo_resident": gauge("kv_offload_resident_blocks", "KV blocks held by the offloading tier."),
+            "kvo_paused": gauge("kv_offload_writes_paused", "1 while tier writes are paused after a failed write."),
             "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
                                ["model_name", "engine", "finished_reason"], registry=r),
             "ttft": hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -416,6 +472,8 @@ class PrometheusStatLogger:
                 e.record_sources(s.prompt_tokens_by_source)
             if s.kv_transfer is not None:
                 e.record_kv_transfer(s.kv_transfer)
+            if getattr(s, "kv_offload", None) is not None:
+                e.record_kv_offload(s.kv_offload)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)

@@ -17,6 +17,7 @@ from tokenmill.core.scheduler import QueueState
 from tokenmill.metrics.step_timing import StepTimingSnapshot
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
 from tokenmill.core.kv_transfer_stats import KVTransferStats
+from tokenmill.core.kv_offload_stats import KVOffloadStats
 
 
 @dataclass
@@ -102,6 +103,7 @@ class EngineStats:
             speculative decoding is off).
         eplb: expert load balancing state (None without ``--enable-eplb``).
         kv_transfer: cumulative KV-connector counters (None without ``--kv-transfer-config``).
+        kv_offload: the KV offloading tier's counters and occupancy (None without ``--kv-offloading-backend``).
         prompt_tokens_by_source: cumulative prompt tokens by where their K/V came from:
             ``local_compute``, ``local_cache_hit``, ``external_kv_transfer`` (None: not reported).
         expert_parallel: with experts shared across data-parallel engine cores, this core's cumulative
@@ -127,6 +129,7 @@ class EngineStats:
     spec_decoding: SpecDecodingStats | None = None
     eplb: EplbStats | None = None
     kv_transfer: KVTransferStats | None = None
+    kv_offload: KVOffloadStats | None = None
     prompt_tokens_by_source: dict[str, int] | None = None
     expert_parallel: dict[str, float] | None = None
 
