@@ -76,8 +76,10 @@ class EngineCore:
         self.kv_connector = None
         if kv_transfer is not None:
             self.kv_connector = self._make_kv_connector(kv_transfer.for_rank(data_parallel_rank or 0))
+        self.structured_output = self._make_structured_output_manager()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks,
-                                   speculative_config=config.speculative, kv_connector=self.kv_connector)
+                                   speculative_config=config.speculative, kv_connector=self.kv_connector,
+                                   structured_output=self.structured_output)
         self._pending: list[EngineCoreOutput] = []
         self._num_steps = 0
         self._last_step_time = 0.0
@@ -104,6 +106,25 @@ class EngineCore:
         logger.info("KV connector %s (%s), engine id %s", kv_transfer.kv_connector, kv_transfer.kv_role,
                     connector.engine_id)
         return connector
+
+    def _make_structured_output_manager(self) -> Any:
+        """The structured-output manager (:mod:`tokenmill.structured_output`): nothing is loaded until the
+        first constrained request (then the tokenizer and the grammar backend, on its compile thread)."""
+        from tokenmill.structured_output.manager import StructuredOutputManager
+
+        loaded = getattr(self.executor, "loaded", None)
+        arch = getattr(self.executor, "arch", None) or getattr(loaded, "arch", None)
+        tokenizer = getattr(loaded, "tokenizer", None)
+        if tokenizer is None:
+            model = self.config.model
+
+            def tokenizer() -> Any:   # the server's core loads no tokenizer of its own: load it on first use
+                from tokenmill.model.default_model import default_model_path
+                from tokenmill.tokenizer import load_tokenizer
+
+                return load_tokenizer(model.tokenizer or model.model or default_model_path())
+        return StructuredOutputManager(self.config.model.structured_outputs, getattr(arch, "vocab_size", 0) or 0,
+                                       list(self.executor.eos_token_ids or []), tokenizer)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -156,6 +177,9 @@ class EngineCore:
         t0 = time.perf_counter()
         self._time_last_step(t0)
         scheduler_output = self.scheduler.schedule()
+        if self.scheduler.structured_output is not None and not scheduler_output.is_empty:
+            # filled on a worker thread while the forward runs; the runner waits for it before sampling
+            scheduler_output.grammar_bitmask = self.scheduler.structured_output.grammar_bitmask(scheduler_output)
         t1 = time.perf_counter()
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
@@ -233,6 +257,8 @@ class EngineCore:
         """Stop the executor's workers, if it has any (idempotent)."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
@@ -273,6 +299,8 @@ class EngineCore:
             kv_transfer=self.kv_connector.stats.copy() if self.kv_connector is not None else None,
             prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
             expert_parallel=getattr(self.executor, "expert_parallel_stats", None),
+            structured_outputs=self.structured_output.stats.copy()
+            if self.structured_output is not None and self.structured_output.stats.requests_by_kind else None,
         )
 
 
