@@ -159,6 +159,11 @@ def constraint_key(params: StructuredOutputsParams, config: Any = None) -> tuple
 
     kind = params.kind
     value = getattr(params, kind)
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)       # a schema as text and as an object share one entry
+        except json.JSONDecodeError:
+            pass                            # (compiling it reports the error)
     if isinstance(value, (dict, list)):
         value = json.dumps(value, sort_keys=True, separators=(",", ":"))
     any_ws, no_extra = resolve_json_options(params, config)

@@ -95,12 +95,12 @@ class StructuredOutputStats:
 class _RequestState:
     """One constrained request: its compile future, then its matcher."""
 
-    __slots__ = ("req_id", "future", "submitted", "matcher", "num_accepted")
+    __slots__ = ("req_id", "future", "key", "matcher", "num_accepted")
 
-    def __init__(self, req_id: str, future: Future, submitted: float) -> None:
+    def __init__(self, req_id: str, future: Future, key: tuple) -> None:
         self.req_id = req_id
         self.future = future
-        self.submitted = submitted
+        self.key = key
         self.matcher: GrammarMatcher | None = None
         self.num_accepted = 0       # output tokens the matcher has accepted
 
@@ -168,6 +168,7 @@ class StructuredOutputManager:
         self._pool: ThreadPoolExecutor | None = None
         self._mask_thread: ThreadPoolExecutor | None = None
         self._cache: dict[tuple, Future] = {}
+        self._compile_started: dict[tuple, float] = {}   # monotonic start of each running compile
         self._states: dict[str, _RequestState] = {}
         self.stats = StructuredOutputStats()
         self.num_forced_draft_tokens = int(getattr(config, "num_forced_draft_tokens", 0))
@@ -187,15 +188,19 @@ class StructuredOutputManager:
                             time.perf_counter() - t0, self.vocab_size)
             return self._backend
 
-    def _compile(self, params: StructuredOutputsParams) -> Any:
+    def _compile(self, params: StructuredOutputsParams, key: tuple) -> Any:
+        backend = self.backend          # the first request builds it: not counted in its compile time
         t0 = time.perf_counter()
-        compiled = self.backend.compile(params)
+        self._compile_started[key] = time.monotonic()
+        try:
+            compiled = backend.compile(params)
+        finally:
+            self._compile_started.pop(key, None)
         self.stats.observe_compile(time.perf_counter() - t0)
         return compiled
 
-    def _submit(self, params: StructuredOutputsParams) -> Future:
+    def _submit(self, params: StructuredOutputsParams, key: tuple) -> Future:
         """The compile future of ``params``' constraint: cached, or newly submitted to the pool."""
-        key = constraint_key(params, self.config)
         self.stats.cache_queries += 1
         fut = self._cache.get(key)
         if fut is not None and not (fut.done() and fut.exception() is not None
@@ -205,7 +210,7 @@ class StructuredOutputManager:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max(1, int(getattr(self.config, "max_compile_threads", 2))),
                                             thread_name_prefix="tokenmill-grammar")
-        fut = self._pool.submit(self._compile, params)
+        fut = self._pool.submit(self._compile, params, key)
         self._cache[key] = fut
         return fut
 
@@ -215,7 +220,8 @@ class StructuredOutputManager:
         params = req.sampling_params.structured_outputs
         kind = params.kind
         self.stats.requests_by_kind[kind] = self.stats.requests_by_kind.get(kind, 0) + 1
-        self._states[req.request_id] = _RequestState(req.request_id, self._submit(params), time.monotonic())
+        key = constraint_key(params, self.config)
+        self._states[req.request_id] = _RequestState(req.request_id, self._submit(params, key), key)
 
     def poll(self, req: Any) -> str | None:
         """Where ``req``'s grammar stands: ``"ready"`` (its matcher exists), None (still compiling), or an
@@ -226,7 +232,8 @@ class StructuredOutputManager:
         if st.matcher is not None:
             return "ready"
         if not st.future.done():
-            if time.monotonic() - st.submitted > self.compile_timeout_s:
+            started = self._compile_started.get(st.key)
+            if started is not None and time.monotonic() - started > self.compile_timeout_s:
                 self.stats.compile_timeouts += 1
                 return (f"structured outputs: compiling the grammar took longer than {self.compile_timeout_s:g} s "
                         "(compile_timeout_s); simplify the constraint")
