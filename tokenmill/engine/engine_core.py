@@ -299,9 +299,17 @@ class EngineCore:
             kv_transfer=self.kv_connector.stats.copy() if self.kv_connector is not None else None,
             prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
             expert_parallel=getattr(self.executor, "expert_parallel_stats", None),
-            structured_outputs=self.structured_output.stats.copy()
-            if self.structured_output is not None and self.structured_output.stats.requests_by_kind else None,
+            structured_outputs=self._structured_output_stats(),
         )
+
+    def _structured_output_stats(self) -> Any:
+        """The structured-output counters (None before the first constrained request)."""
+        so = self.structured_output
+        if so is None or not so.stats.requests_by_kind:
+            return None
+        stats = so.stats.copy()
+        stats.num_waiting_for_grammar = len(self.scheduler.waiting_for_grammar)
+        return stats
 
 
 def _step_shape(so: SchedulerOutput) -> tuple[int, int]:

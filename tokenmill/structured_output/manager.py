@@ -43,8 +43,8 @@ from tokenmill.structured_output.backend import (
 
 logger = logging.getLogger(__name__)
 
-# Compile-time histogram buckets, seconds (upper bounds; the last bucket is +Inf).
-COMPILE_TIME_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+# Compile times kept for the metrics exporter between two snapshots (it observes the new ones).
+MAX_RECENT_COMPILE_TIMES = 256
 
 
 @dataclass
@@ -53,8 +53,9 @@ class StructuredOutputStats:
 
     Attributes:
         requests_by_kind: constrained requests seen, by constraint kind (json, regex, choice, ...).
-        compile_time_buckets: compiles per :data:`COMPILE_TIME_BUCKETS` upper bound (non-cumulative;
-            one extra entry for +Inf); ``compile_time_sum`` / ``compile_count`` their seconds and number.
+        compile_count, compile_time_sum: compiles run and their seconds; ``recent_compile_times`` the
+            last :data:`MAX_RECENT_COMPILE_TIMES` of them (seconds, oldest first) for the histogram.
+        num_waiting_for_grammar: requests waiting for their grammar now (set in each snapshot).
         cache_queries, cache_hits: compile-cache lookups, and those served without compiling.
         compile_failures: constraints the backend refused (the requests failed with 400).
         compile_timeouts: requests failed because their grammar took longer than ``compile_timeout_s``.
@@ -66,9 +67,10 @@ class StructuredOutputStats:
     """
 
     requests_by_kind: dict[str, int] = field(default_factory=dict)
-    compile_time_buckets: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_TIME_BUCKETS) + 1))
-    compile_time_sum: float = 0.0
     compile_count: int = 0
+    compile_time_sum: float = 0.0
+    recent_compile_times: list[float] = field(default_factory=list)
+    num_waiting_for_grammar: int = 0
     cache_queries: int = 0
     cache_hits: int = 0
     compile_failures: int = 0
@@ -81,8 +83,7 @@ class StructuredOutputStats:
     forced_accepted_tokens: int = 0
 
     def observe_compile(self, seconds: float) -> None:
-        i = next((i for i, b in enumerate(COMPILE_TIME_BUCKETS) if seconds <= b), len(COMPILE_TIME_BUCKETS))
-        self.compile_time_buckets[i] += 1
+        self.recent_compile_times = self.recent_compile_times[-(MAX_RECENT_COMPILE_TIMES - 1):] + [seconds]
         self.compile_time_sum += seconds
         self.compile_count += 1
 
