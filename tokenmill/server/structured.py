@@ -53,7 +53,8 @@ def _params(param: str, **kw: Any) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**kw)
     except ValueError as e:
-        raise APIError(f"{param}: {e}", param=param) from None
+        msg = str(e)
+        raise APIError(msg if msg.startswith(param) else f"{param}: {msg}", param=param) from None
 
 
 def _explicit(body: Any) -> list[tuple[str, dict[str, Any]]]:
