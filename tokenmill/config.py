@@ -225,6 +225,10 @@ class ParallelConfig:
         return self.distributed_executor_backend or ("uniproc" if self.world_size == 1 else "mp")
 
 
+# --tool-call-parser names (the registry of tokenmill.server.tool_parsers; a test keeps the two equal)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "mistral", "pythonic")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP front end."""
@@ -236,18 +240,15 @@ class ServerConfig:
     max_request_body_bytes: int = _f(16 * 2**20, "Largest accepted HTTP request body in bytes; larger ones are refused with HTTP 413 before parsing (0: no limit).")
     data_parallel_size: int = _f(1, "Engine core processes behind this API process, each with its own model copy, KV pool and pinned share of the CPUs; requests go to the core with the least 4 x waiting + running (vLLM's rule).")
     enable_auto_tool_choice: bool = _f(False, "Serve tool_choice 'auto' (the default when a request has tools): the model's text is parsed for tool calls by --tool-call-parser. Needs --tool-call-parser.")
-    tool_call_parser: str | None = _f(None, "How the model writes tool calls (vLLM's names): hermes (<tool_call>{json}</tool_call>, Hermes/Qwen), llama3_json (also llama4_json), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]). See docs/guide/structured_outputs.md.", metavar="NAME")
+    tool_call_parser: str | None = _f(None, "How the model writes tool calls (vLLM's names): hermes (<tool_call>{json}</tool_call>, Hermes/Qwen), llama3_json (also llama4_json), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]). See docs/guide/structured_outputs.md.", choices=list(TOOL_CALL_PARSERS))
     exclude_tools_when_tool_choice_none: bool = _f(False, "With tool_choice 'none', leave the tools out of the prompt (vLLM's flag; default: the chat template still sees them).")
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
-        if self.tool_call_parser is not None:
-            from tokenmill.server.tool_parsers import TOOL_PARSERS
-
-            if self.tool_call_parser not in TOOL_PARSERS:
-                raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; choose one of "
-                                 f"{', '.join(sorted(TOOL_PARSERS))}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; choose one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
