@@ -95,11 +95,18 @@ class ModelConfig:
     compile_sizes: str | None = _f(None, "Padded token counts captured for the compiled step when --enforce-eager is off, comma-separated (default: 1,2,4,...,512 up to --max-num-batched-tokens).")
     logprobs_mode: str = _f("raw_logprobs", "What logprobs report (vLLM's --logprobs-mode): raw_logprobs (log-softmax of the model's logits, before penalties, temperature and top-k/top-p/min-p), raw_logits, processed_logprobs (after them; truncated tokens are -inf, sent as -9999), processed_logits. Prompt logprobs are always raw log-probabilities.", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
     weight_cache: bool = _f(True, "Keep processed weights (converted to the model dtype, low-bit codes packed for our kernel) in an on-disk cache ($TOKENMILL_CACHE_DIR/weights or ~/.cache/tokenmill/weights, keyed by the checkpoint files' path/size/mtime, the recipe and the versions) and map them from there on the next start; CPU and no --quantization only. TOKENMILL_WEIGHT_CACHE=0 also turns it off.")
+    structured_outputs_config: str | None = _f(None, "Structured outputs (JSON schema, regex, choice, grammar constraints), vLLM's JSON keys: '{\"backend\": \"xgrammar\", \"disable_any_whitespace\": false, \"disable_additional_properties\": false}' plus tokenmill's \"num_forced_draft_tokens\" (grammar-forced tokens verified as free draft tokens per step, default 8, 0: off) and \"compile_timeout_s\" (a grammar compiling longer fails its request with HTTP 400, default 30). Backend: xgrammar. See docs/guide/structured_outputs_engine.md.", metavar="JSON")
     quantization: str | None = _f(None, "Weight quantisation applied at load time: int8 (weight-only, per channel), w8a8 (int8 weights and per-token int8 activations; needs VNNI on CPU), int4 (weight-only, groups of 32 inputs; TOKENMILL_INT4_GROUP_SIZE up to 128 sets larger ones); awq / gptq name a pre-quantised 4-bit checkpoint (detected from its quantization_config anyway). Default: none (a GGUF keeps its own low-bit codes for small steps).")
 
     def __post_init__(self) -> None:
         if self.quantization is not None and self.quantization not in ("int8", "w8a8", "int4", "awq", "gptq"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of int8, w8a8, int4, awq, gptq")
+        self.structured_outputs  # validates the JSON
+
+    @property
+    def structured_outputs(self) -> "StructuredOutputsConfig":
+        """The parsed ``--structured-outputs-config`` (:class:`StructuredOutputsConfig`; defaults when unset)."""
+        return StructuredOutputsConfig.from_json(self.structured_outputs_config)
 
 
 @dataclass(frozen=True)
@@ -228,6 +235,10 @@ class ParallelConfig:
         return self.distributed_executor_backend or ("uniproc" if self.world_size == 1 else "mp")
 
 
+# --tool-call-parser names (the registry of tokenmill.server.tool_parsers; a test keeps the two equal)
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "llama4_json", "mistral", "pythonic")
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """HTTP front end."""
@@ -238,10 +249,18 @@ class ServerConfig:
     log_stats_interval: float = _f(10.0, "Seconds between periodic stats log lines (0 disables).")
     max_request_body_bytes: int = _f(16 * 2**20, "Largest accepted HTTP request body in bytes; larger ones are refused with HTTP 413 before parsing (0: no limit).")
     data_parallel_size: int = _f(1, "Engine core processes behind this API process, each with its own model copy, KV pool and pinned share of the CPUs; requests go to the core with the least 4 x waiting + running (vLLM's rule).")
+    enable_auto_tool_choice: bool = _f(False, "Serve tool_choice 'auto' (the default when a request has tools): the model's text is parsed for tool calls by --tool-call-parser. Needs --tool-call-parser.")
+    tool_call_parser: str | None = _f(None, "How the model writes tool calls (vLLM's names): hermes (<tool_call>{json}</tool_call>, Hermes/Qwen), llama3_json (also llama4_json), mistral ([TOOL_CALLS]), pythonic ([f(a=1)]). See docs/guide/structured_outputs.md.", choices=list(TOOL_CALL_PARSERS))
+    exclude_tools_when_tool_choice_none: bool = _f(False, "With tool_choice 'none', leave the tools out of the prompt (vLLM's flag; default: the chat template still sees them).")
 
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {self.tool_call_parser!r}; choose one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
 
 
 _SPEC_METHODS = ("ngram", "draft_model")
@@ -683,3 +702,66 @@ class KVTransferConfig:
             return self
         return dataclasses.replace(self, kv_port=self.kv_port + rank if self.kv_port else 0,
                                    engine_id=f"{self.engine_id}-dp{rank}" if self.engine_id else None)
+
+
+STRUCTURED_OUTPUT_BACKENDS = ("xgrammar",)   # vLLM's guidance (llguidance) and outlines are not built here
+
+
+@dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """``--structured-outputs-config`` (vLLM's ``StructuredOutputsConfig`` keys, plus tokenmill's own).
+
+    Attributes:
+        backend: the grammar engine: ``xgrammar`` (the default and, for now, the only one; vLLM's
+            ``auto`` means xgrammar here).
+        disable_any_whitespace: JSON constraints emit no optional whitespace (compact output), as vLLM's
+            option; a request's own ``structured_outputs.disable_any_whitespace`` also turns it on.
+        disable_additional_properties: JSON objects without ``additionalProperties`` get ``false``.
+        num_forced_draft_tokens: the most grammar-forced tokens (where the grammar allows exactly one
+            continuation) a constrained request verifies as draft tokens in one step (0: off).
+        compile_timeout_s: seconds a grammar may take to compile before its request fails (HTTP 400).
+        max_compile_threads: threads of the compile pool (off the engine loop).
+    Raises:
+        ValueError: an unknown backend or key, or a negative / non-numeric value.
+    """
+
+    backend: str = "xgrammar"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    num_forced_draft_tokens: int = 8
+    compile_timeout_s: float = 30.0
+    max_compile_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.backend == "auto":
+            object.__setattr__(self, "backend", "xgrammar")
+        if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"--structured-outputs-config: backend must be one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.backend!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"--structured-outputs-config: {name} must be true or false")
+        k = self.num_forced_draft_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+            raise ValueError(f"--structured-outputs-config: num_forced_draft_tokens must be an integer >= 0, got {k!r}")
+        t = self.compile_timeout_s
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise ValueError(f"--structured-outputs-config: compile_timeout_s must be a number > 0, got {t!r}")
+        n = self.max_compile_threads
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"--structured-outputs-config: max_compile_threads must be an integer >= 1, got {n!r}")
+
+    @classmethod
+    def from_json(cls, text: "str | dict[str, Any] | None") -> "StructuredOutputsConfig":
+        """Parse the flag's JSON object (None: the defaults).
+
+        vLLM keys with no effect here (``disable_fallback``, ``reasoning_parser``,
+        ``enable_in_reasoning``) are accepted and ignored.
+
+        Raises:
+            ValueError: not a JSON object, an unknown key or a bad value (the message names it).
+        """
+        if text is None:
+            return cls()
+        ignored = frozenset({"disable_fallback", "reasoning_parser", "enable_in_reasoning"})
+        return cls(**_json_object_flag(text, "--structured-outputs-config", set(cls.__dataclass_fields__), ignored))

@@ -172,3 +172,32 @@ class TokenStrings:
         if len(self._cache) < 200_000:
             self._cache[token_id] = out
         return out
+
+
+_TOOLS_CACHE: dict[str, bool] = {}
+
+
+def template_accepts_tools(template: str) -> bool:
+    """True when a Jinja chat template reads the ``tools`` variable (it renders tool definitions itself).
+
+    Templates that do not are given the tools in a system message by the server (see
+    docs/guide/structured_outputs.md). The answer is cached per template text.
+
+    Raises:
+        Nothing: a template this Jinja cannot parse (an extension tag) is searched for the word ``tools``.
+    """
+    hit = _TOOLS_CACHE.get(template)
+    if hit is None:
+        import re
+
+        import jinja2
+        import jinja2.meta
+
+        try:
+            env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+            hit = "tools" in jinja2.meta.find_undeclared_variables(env.parse(template))
+        except jinja2.TemplateSyntaxError:
+            hit = re.search(r"\btools\b", template) is not None
+        if len(_TOOLS_CACHE) < 64:
+            _TOOLS_CACHE[template] = hit
+    return hit

@@ -76,7 +76,7 @@ def test_chat_checks_and_max_tokens():
             ChatCompletionRequest(messages=msgs, **kw).check()
         assert e.value.param == param, kw
     for kw, param in [({"tools": [{"type": "function"}]}, "tools"), ({"max_completion_tokens": 0}, "max_completion_tokens"),
-                      ({"response_format": {"type": "json_object"}}, "response_format")]:
+                      ({"response_format": {"type": "xml"}}, "response_format")]:
         with pytest.raises(ValidationError) as e:
             ChatCompletionRequest(messages=msgs, **kw)
         assert error_param_from_loc(e.value.errors()[0]["loc"]).startswith(param), kw

@@ -27,6 +27,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 5  # client went away or asked to abort
     FINISHED_ERROR = 6  # rejected: can never fit, or failed
     WAITING_FOR_REMOTE_KVS = 7  # its prompt's KV is being loaded by a KV connector (P/D disaggregation)
+    WAITING_FOR_FSM = 8  # its structured-output grammar is being compiled (off the engine loop)
 
     @property
     def finished(self) -> bool:
@@ -100,6 +101,8 @@ class Request:
         self.prompt_logprobs: list[Any] | None = [] if sampling_params.prompt_logprobs is not None else None
         # Draft tokens proposed for the next step (speculative decoding); never part of all_token_ids.
         self.spec_token_ids: list[int] = []
+        # True when spec_token_ids are grammar-forced tokens (structured outputs), not a proposer's drafts.
+        self.spec_forced = False
         # KV connector (P/D disaggregation): prompt tokens whose K/V is being / was loaded from another
         # engine, whether that load already ran (success or not), and the params returned to the client.
         self.num_external_tokens = 0

@@ -82,6 +82,9 @@ class SchedulerOutput:
             dynamic draft length for the current batch size; 0: none).
         kv_connector_metadata: with a KV connector, its orders for the worker side this step
             (:class:`tokenmill.kv_transfer.base.KVConnectorMetadata`); None without one.
+        grammar_bitmask: structured outputs: the step's token bitmask for the constrained sampling
+            rows (:class:`tokenmill.structured_output.manager.GrammarBitmask`, being filled while the
+            forward runs; the runner calls its ``apply(logits)``); None when no row is constrained.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -90,6 +93,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)
     num_spec_tokens: int = 0
     kv_connector_metadata: Any = None
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -260,6 +260,14 @@ class Scheduler:
             prompt (the last prompt token is always computed, for its logits); when it fails the
             request recomputes its prompt. A finished request the connector keeps for a consumer
             holds its blocks until :meth:`update_from_kv_connector` reports them sent.
+        structured_output: the engine's structured-output manager
+            (:class:`tokenmill.structured_output.manager.StructuredOutputManager`, duck-typed). A
+            constrained request waits in ``WAITING_FOR_FSM`` (no seat, no budget, no blocks) while its
+            grammar compiles, then joins the waiting queue; a constraint that fails to compile (or
+            compiles past the time limit) finishes it with an error (400). Emitted tokens advance its
+            matcher; the grammar's forced tokens become its next drafts (``Request.spec_forced``; at
+            most ``num_forced_draft_tokens``) and a proposer's drafts are cut to what the grammar allows.
+            None: constrained requests are rejected.
 
     Attributes:
         kv_cache_manager: the :class:`KVCacheManager` this scheduler owns.
@@ -272,7 +280,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int,
-                 speculative_config: SpeculativeConfig | None = None, kv_connector: Any = None) -> None:
+                 speculative_config: SpeculativeConfig | None = None, kv_connector: Any = None,
+                 structured_output: Any = None) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
         self.scheduler_config = scheduler_config
@@ -315,6 +324,12 @@ class Scheduler:
         self._kv_held: dict[str, Request] = {}
         # prompt tokens by where their K/V came from (vLLM's prompt_tokens_by_source)
         self.prompt_tokens_by_source = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
+        self.structured_output = structured_output
+        # requests whose grammar is compiling (status WAITING_FOR_FSM)
+        self.waiting_for_grammar: dict[str, Request] = {}
+        # grammar-forced drafts: not with a draft model (its drafts carry the q the rejection rule needs)
+        self._forced_k = (structured_output.num_forced_draft_tokens
+                          if structured_output is not None and self.num_lookahead_tokens == 0 else 0)
 
     # -- accessors -----------------------------------------------------------
     @property
@@ -399,7 +414,7 @@ class Scheduler:
         problems = []
         running = {r.request_id for r in self.running}
         waiting = {r.request_id for r in self.waiting}
-        remote = set(self.waiting_for_remote)
+        remote = set(self.waiting_for_remote) | set(self.waiting_for_grammar)
         if running & waiting:
             problems.append(f"requests both running and waiting: {sorted(running & waiting)[:5]}")
         if remote & (running | waiting):
@@ -443,17 +458,24 @@ class Scheduler:
             self._seq_of.pop(request.request_id)
             self._pending_outputs.append(self._make_output(request, []))
             return
-        request.status = RequestStatus.WAITING
-        self.requests[request.request_id] = request
-        self.waiting.add(request)
-        self._num_waiting_tokens += request.num_prompt_tokens
         if self.cache_config.enable_prefix_caching:
             update_block_hashes(request, self.block_size)
+        self.requests[request.request_id] = request
+        if request.sampling_params.structured_outputs is not None:
+            request.status = RequestStatus.WAITING_FOR_FSM      # joins the queue once its grammar compiled
+            self.waiting_for_grammar[request.request_id] = request
+            self.structured_output.add_request(request)
+            return
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+        self._num_waiting_tokens += request.num_prompt_tokens
 
     def _validate(self, request: Request) -> None:
         rid = request.request_id
         if rid in self.requests:
             raise RequestRejectedError(f"request id {rid!r} is already in use")
+        if request.sampling_params.structured_outputs is not None and self.structured_output is None:
+            raise RequestRejectedError(f"request {rid!r}: structured outputs are not available in this engine")
         n = request.num_prompt_tokens
         if n == 0:
             raise RequestRejectedError(f"request {rid!r}: the prompt is empty (at least 1 token is required)")
@@ -498,6 +520,8 @@ class Scheduler:
             ``max_num_seqs`` requests; ``finished_req_ids`` lists requests
             finished since the previous call.
         """
+        if self.waiting_for_grammar:
+            self._poll_grammars()
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         self._step_scheduled = {}
@@ -516,6 +540,23 @@ class Scheduler:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return out
 
+    def _poll_grammars(self) -> None:
+        """Move requests whose grammar compiled to the waiting queue; fail those whose compile failed."""
+        for rid, req in list(self.waiting_for_grammar.items()):
+            state = self.structured_output.poll(req)
+            if state is None:
+                continue
+            del self.waiting_for_grammar[rid]
+            if state == "ready":
+                req.status = RequestStatus.WAITING
+                self.waiting.add(req)
+                self._num_waiting_tokens += req.num_prompt_tokens
+                continue
+            req.status = RequestStatus.FINISHED_ERROR
+            req.error = state
+            self._finish(req, notify_connector=False)
+            self._pending_outputs.append(self._make_output(req, []))
+
     def _num_drafts(self, req: Request, n: int, budget: int) -> int:
         """How many of ``req.spec_token_ids`` ride along with its ``n`` new tokens this step.
 
@@ -526,7 +567,7 @@ class Scheduler:
         """
         if not req.spec_token_ids or req.num_computed_tokens + n != req.num_tokens:
             return 0
-        k = min(len(req.spec_token_ids), self._spec_k, budget - n,
+        k = min(len(req.spec_token_ids), self._forced_k if req.spec_forced else self._spec_k, budget - n,
                 self.max_model_len - req.num_tokens - 1)
         if req.max_tokens is not None:
             k = min(k, req.max_tokens - req.num_output_tokens - 1)
@@ -804,6 +845,7 @@ class Scheduler:
         victim.num_computed_tokens = 0
         victim.spec_token_ids = []
         victim.kv_load_attempted = False    # an offloading tier may hold what the victim's blocks held
+        victim.spec_forced = False
         victim.num_preemptions += 1
         self._num_preemptions_total += 1
         self.waiting.add_front(victim)
@@ -862,7 +904,10 @@ class Scheduler:
             num_drafts = len(sr.spec_token_ids)
             if num_drafts:
                 num_accepted = len(tokens) - 1
-                self.spec_stats.observe(num_drafts, num_accepted)
+                if req.spec_forced:
+                    self.structured_output.observe_forced(num_drafts, num_accepted)
+                else:
+                    self.spec_stats.observe(num_drafts, num_accepted)
                 req.num_computed_tokens -= num_drafts - num_accepted  # roll back over the rejected drafts
             emitted: list[int] = []
             for t in tokens:
@@ -870,6 +915,9 @@ class Scheduler:
                 emitted.append(int(t))
                 if self._check_stop(req):
                     break
+            constrained = self.structured_output is not None and self.structured_output.has(req.request_id)
+            if constrained and self.structured_output.accept(req, emitted) and not req.is_finished:
+                req.status = RequestStatus.FINISHED_STOPPED   # the grammar is complete: nothing may follow
             req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
             self.kv_cache_manager.cache_blocks(req)
             if req.first_token_time is None:
@@ -877,6 +925,9 @@ class Scheduler:
             if req.is_finished:
                 self._finish(req)
                 finished_any = True
+            elif constrained:
+                req.spec_token_ids, req.spec_forced = self.structured_output.drafts(req, list(drafts.get(sr.req_id, ())),
+                                                                              self._forced_k)
             else:
                 req.spec_token_ids = list(drafts.get(sr.req_id, ()))
             outputs.append(self._make_output(req, emitted, list(lps[:len(emitted)])))
@@ -916,6 +967,8 @@ class Scheduler:
             self._kv_held[req.request_id] = req     # freed when the connector reports it sent
         else:
             self.kv_cache_manager.free(req)
+        if self.structured_output is not None:
+            self.structured_output.free(req.request_id)
         self.requests.pop(req.request_id, None)
         self._seq_of.pop(req.request_id, None)
         self._finished_req_ids.add(req.request_id)
@@ -974,6 +1027,8 @@ class Scheduler:
                 self._seq_of.pop(rid, None)
                 self._finished_req_ids.add(rid)
                 continue
+            elif req.status == RequestStatus.WAITING_FOR_FSM:
+                del self.waiting_for_grammar[rid]
             else:
                 self.waiting.remove(req)
                 self._num_waiting_tokens -= req.num_prompt_tokens

@@ -90,8 +90,10 @@ class EngineCore:
                 from tokenmill.kv_transfer.multi import MultiConnector
 
                 self.kv_connector = MultiConnector([self.kv_connector, self.kv_offload])
+        self.structured_output = self._make_structured_output_manager()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks,
-                                   speculative_config=config.speculative, kv_connector=self.kv_connector)
+                                   speculative_config=config.speculative, kv_connector=self.kv_connector,
+                                   structured_output=self.structured_output)
         bind = getattr(self.kv_connector, "bind_kv_cache_manager", None)
         if bind is not None:
             bind(self.scheduler.kv_cache_manager)
@@ -121,6 +123,25 @@ class EngineCore:
         logger.info("KV connector %s (%s), engine id %s", kv_transfer.kv_connector, kv_transfer.kv_role,
                     connector.engine_id)
         return connector
+
+    def _make_structured_output_manager(self) -> Any:
+        """The structured-output manager (:mod:`tokenmill.structured_output`): nothing is loaded until the
+        first constrained request (then the tokenizer and the grammar backend, on its compile thread)."""
+        from tokenmill.structured_output.manager import StructuredOutputManager
+
+        loaded = getattr(self.executor, "loaded", None)
+        arch = getattr(self.executor, "arch", None) or getattr(loaded, "arch", None)
+        tokenizer = getattr(loaded, "tokenizer", None)
+        if tokenizer is None:
+            model = self.config.model
+
+            def tokenizer() -> Any:   # the server's core loads no tokenizer of its own: load it on first use
+                from tokenmill.model.default_model import default_model_path
+                from tokenmill.tokenizer import load_tokenizer
+
+                return load_tokenizer(model.tokenizer or model.model or default_model_path())
+        return StructuredOutputManager(self.config.model.structured_outputs, getattr(arch, "vocab_size", 0) or 0,
+                                       list(self.executor.eos_token_ids or []), tokenizer)
 
     # -- requests ------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
@@ -173,6 +194,9 @@ class EngineCore:
         t0 = time.perf_counter()
         self._time_last_step(t0)
         scheduler_output = self.scheduler.schedule()
+        if self.scheduler.structured_output is not None and not scheduler_output.is_empty:
+            # filled on a worker thread while the forward runs; the runner waits for it before sampling
+            scheduler_output.grammar_bitmask = self.scheduler.structured_output.grammar_bitmask(scheduler_output)
         t1 = time.perf_counter()
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(scheduler_output.kv_connector_metadata)
@@ -250,6 +274,8 @@ class EngineCore:
         """Stop the executor's workers, if it has any (idempotent)."""
         if self.kv_connector is not None:
             self.kv_connector.shutdown()
+        if self.structured_output is not None:
+            self.structured_output.shutdown()
         stop = getattr(self.executor, "shutdown", None)
         if stop is not None:
             stop()
@@ -291,7 +317,17 @@ class EngineCore:
             kv_offload=self.kv_offload.get_tier_stats() if self.kv_offload is not None else None,
             prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
             expert_parallel=getattr(self.executor, "expert_parallel_stats", None),
+            structured_outputs=self._structured_output_stats(),
         )
+
+    def _structured_output_stats(self) -> Any:
+        """The structured-output counters (None before the first constrained request)."""
+        so = self.structured_output
+        if so is None or not so.stats.requests_by_kind:
+            return None
+        stats = so.stats.copy()
+        stats.num_waiting_for_grammar = len(self.scheduler.waiting_for_grammar)
+        return stats
 
 
 def _step_shape(so: SchedulerOutput) -> tuple[int, int]:

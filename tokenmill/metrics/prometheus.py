@@ -27,6 +27,14 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   ``request_generation_tokens``, ``request_params_max_tokens`` and
   ``scheduler_time_seconds`` (per-step scheduling time, from
   ``EngineStats.last_schedule_time``; tokenmill-specific);
+* with structured outputs (after the first constrained request): counter
+  ``structured_output_requests_total{kind}`` (json, regex, choice, grammar, json_object, structural_tag),
+  histogram ``grammar_compile_time_seconds``, counters ``grammar_cache_queries_total`` /
+  ``grammar_cache_hits_total`` (compile-cache lookups, vLLM's query/hit pattern), ``grammar_compile_failures_total``
+  (invalid constraints), ``grammar_compile_timeouts_total``, gauge ``num_grammar_queue_reqs`` (SGLang's name:
+  requests waiting for their grammar), counters ``grammar_bitmask_fill_seconds_total`` (filling masks, on a
+  thread overlapping the forward), ``grammar_bitmask_wait_seconds_total`` (the part the step waited for),
+  ``grammar_forced_draft_tokens_total`` / ``grammar_forced_accepted_tokens_total`` (grammar-forced drafts);
 * counters ``spec_decode_num_drafts``,
   ``spec_decode_num_draft_tokens``, ``spec_decode_num_accepted_tokens`` (on every server, at 0
   without ``--speculative-config``) and, with it,
@@ -109,7 +117,7 @@ class _EngineSeries:
     def __init__(self, fams: dict, model_name: str, engine: str) -> None:
         lv = (model_name, engine)
         for name, fam in fams.items():
-            if name not in ("success",) and not name.startswith(("spec_", "eplb_", "kvx_", "kvo_")):
+            if name not in ("success",) and not name.startswith(("spec_", "eplb_", "kvx_", "kvo_", "so_")):
                 setattr(self, name, fam.labels(*lv))
         self.success = {r: fams["success"].labels(*lv, r) for r in ("stop", "length", "abort", "error")}
         self._success_fam, self._lv = fams["success"], lv
@@ -131,6 +139,8 @@ class _EngineSeries:
         self.last_kvx_transfers = 0
         self.kvo: dict | None = None       # KV offloading children, created on the first tier stats
         self.last_kvo: dict[str, float] = {}
+        self.so: dict | None = None        # structured-output children, created on the first such stats
+        self.last_so: dict[str, float] = {}
 
     def record_sources(self, by_source: dict[str, int]) -> None:
         """Advance ``prompt_tokens_by_source`` to the core's cumulative counts."""
@@ -180,6 +190,25 @@ class _EngineSeries:
         f["kvo_capacity"].labels(*lv).set(st.capacity_bytes)
         f["kvo_resident"].labels(*lv).set(st.resident_blocks)
         f["kvo_paused"].labels(*lv).set(1 if st.writes_paused else 0)
+    def record_structured(self, st) -> None:
+        """Advance the structured-output series to the core's cumulative
+        :class:`~tokenmill.structured_output.manager.StructuredOutputStats`."""
+        f, lv = self._fams, self._lv
+        if self.so is None:
+            self.so = {n: f[n].labels(*lv) for n in _SO_COUNTERS}
+            self.so["so_compile_time"] = f["so_compile_time"].labels(*lv)
+            self.so["so_queue"] = f["so_queue"].labels(*lv)
+        for n, attr in _SO_COUNTERS.items():
+            self.last_so[n] = _inc(self.so[n], getattr(st, attr), self.last_so.get(n, 0))
+        for kind, total in st.requests_by_kind.items():
+            key = "kind:" + kind
+            self.last_so[key] = _inc(f["so_requests"].labels(*lv, kind), total, self.last_so.get(key, 0))
+        new = st.compile_count - int(self.last_so.get("compiles", 0))
+        if new > 0:
+            for v in st.recent_compile_times[-new:]:
+                self.so["so_compile_time"].observe(v)
+        self.last_so["compiles"] = st.compile_count
+        self.so["so_queue"].set(st.num_waiting_for_grammar)
 
     def record_spec(self, sd) -> None:
         """Advance the ``spec_decode_*`` counters to the core's cumulative :class:`SpecDecodingStats`."""
@@ -322,6 +351,19 @@ class PrometheusStatLogger:
             "kvo_capacity": gauge("kv_offload_capacity_bytes", "Size limit of the offloading tier in bytes."),
             "kvo_resident": gauge("kv_offload_resident_blocks", "KV blocks held by the offloading tier."),
             "kvo_paused": gauge("kv_offload_writes_paused", "1 while tier writes are paused after a failed write."),
+            "so_requests": Counter(PREFIX + "structured_output_requests", "Constrained requests by constraint kind.",
+                                   ["model_name", "engine", "kind"], registry=r),
+            "so_compile_time": hist("grammar_compile_time_seconds", "Histogram of grammar compile time in seconds.",
+                                    [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+            "so_cache_queries": counter("grammar_cache_queries", "Grammar compile-cache lookups."),
+            "so_cache_hits": counter("grammar_cache_hits", "Grammar compile-cache lookups served without compiling."),
+            "so_failures": counter("grammar_compile_failures", "Constraints the grammar backend refused (HTTP 400)."),
+            "so_timeouts": counter("grammar_compile_timeouts", "Requests failed because their grammar compiled too long."),
+            "so_fill": counter("grammar_bitmask_fill_seconds", "Seconds filling token bitmasks (overlapping the forward)."),
+            "so_wait": counter("grammar_bitmask_wait_seconds", "Seconds the model step waited for its token bitmask."),
+            "so_forced": counter("grammar_forced_draft_tokens", "Grammar-forced tokens verified as draft tokens."),
+            "so_forced_acc": counter("grammar_forced_accepted_tokens", "Grammar-forced draft tokens accepted."),
+            "so_queue": gauge("num_grammar_queue_reqs", "Requests waiting for their grammar to compile."),
             "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
                                ["model_name", "engine", "finished_reason"], registry=r),
             "ttft": hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
@@ -474,6 +516,8 @@ class PrometheusStatLogger:
                 e.record_kv_transfer(s.kv_transfer)
             if getattr(s, "kv_offload", None) is not None:
                 e.record_kv_offload(s.kv_offload)
+            if getattr(s, "structured_outputs", None) is not None:
+                e.record_structured(s.structured_outputs)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)
@@ -499,6 +543,12 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""
         return generate_latest(self.registry)
+
+
+# structured-output counter family -> StructuredOutputStats attribute
+_SO_COUNTERS = {"so_cache_queries": "cache_queries", "so_cache_hits": "cache_hits", "so_failures": "compile_failures",
+                "so_timeouts": "compile_timeouts", "so_fill": "mask_fill_time", "so_wait": "mask_wait_time",
+                "so_forced": "forced_draft_tokens", "so_forced_acc": "forced_accepted_tokens"}
 
 
 def _inc(counter: Counter, total: int, last: int) -> int:

@@ -11,7 +11,7 @@ implement :class:`StatLogger` and receive both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from tokenmill.core.scheduler import QueueState
 from tokenmill.metrics.step_timing import StepTimingSnapshot
@@ -106,6 +106,9 @@ class EngineStats:
         kv_offload: the KV offloading tier's counters and occupancy (None without ``--kv-offloading-backend``).
         prompt_tokens_by_source: cumulative prompt tokens by where their K/V came from:
             ``local_compute``, ``local_cache_hit``, ``external_kv_transfer`` (None: not reported).
+        structured_outputs: cumulative structured-output counters
+            (:class:`tokenmill.structured_output.manager.StructuredOutputStats`; None before the first
+            constrained request).
         expert_parallel: with experts shared across data-parallel engine cores, this core's cumulative
             ``steps``, ``dummy_steps`` (no tokens of its own), ``step_seconds`` (its forwards, dummy ones
             included), ``all_to_all_seconds`` (inside the MoE dispatch/combine collectives, waiting for
@@ -132,6 +135,7 @@ class EngineStats:
     kv_offload: KVOffloadStats | None = None
     prompt_tokens_by_source: dict[str, int] | None = None
     expert_parallel: dict[str, float] | None = None
+    structured_outputs: Any = None
 
 
 @dataclass

@@ -189,7 +189,8 @@ class ModelRunner:
             linears (and the logits head) on the GGUF's own low-bit codes
             (CPU, eager; see :meth:`PackedLinear.attach_lowbit`); 0 when off.
         last_timings: seconds of the last step's parts (``prepare``, ``forward``, ``sample``; ``propose``
-            with speculative decoding: drafts for the next step).
+            with speculative decoding: drafts for the next step; ``grammar_mask`` with structured outputs:
+            waiting for the step's bitmask and applying it).
     """
 
     def __init__(self, model: torch.nn.Module, arch, config: EngineConfig, device: torch.device,
@@ -245,7 +246,8 @@ class ModelRunner:
         self.step_graph = None   # a CpuStepGraph for decode-only steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None
-        if config.speculative is not None:
+        # grammar-forced tokens (structured outputs) are verified as drafts even without a proposer
+        if config.speculative is not None or config.model.structured_outputs.num_forced_draft_tokens:
             from tokenmill.spec_decode.worker import SpecDecodeWorker
 
             self.spec_decode = SpecDecodeWorker(config.speculative, config, self)
@@ -257,7 +259,7 @@ class ModelRunner:
         from tokenmill.model.step_graph import CpuStepGraph, max_tokens_from_env, unsupported_reason
 
         reason = unsupported_reason(self.model, self.device, self.dtype, self.kv_cache_dtype, self.lowbit_max_tokens,
-                                    spec_decode=self.spec_decode is not None)
+                                    spec_decode=self.config.speculative is not None)
         if reason is None and not self.config.model.enforce_eager:
             reason = "compiled step"
         if reason is not None:
@@ -518,11 +520,16 @@ class ModelRunner:
             return ModelRunnerOutput()
         sampling = [r for r in so.scheduled if r.sample]
         out = ModelRunnerOutput()
+        mask_t = None
         if sampling:
             n = len(logits_indices)
             self.buffers.np["logits_indices"][:n] = logits_indices
             idx = self.buffers.to_device("logits_indices", n)
             logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
+            if so.grammar_bitmask is not None:      # structured outputs: disallowed tokens -> -inf
+                t_mask = time.perf_counter()
+                so.grammar_bitmask.apply(logits)     # waits for the fill that overlapped the forward
+                mask_t = time.perf_counter() - t_mask
             if self.spec_decode is not None:
                 out = self.spec_decode.sample_and_verify(logits, sampling)
             else:
@@ -536,6 +543,8 @@ class ModelRunner:
             emitted = [out.verified_token_ids.get(r.req_id) or [t] for r, t in zip(sampling, out.sampled_token_ids)]
             out.draft_token_ids = self.spec_decode.propose(so, sampling, emitted)
         self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
+        if mask_t is not None:
+            self.last_timings["grammar_mask"] = mask_t
         if self.spec_decode is not None:
             self.last_timings["propose"] = time.perf_counter() - t3
         return out

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-if TYPE_CHECKING:
-    from tokenmill.router.router import Router
 
 
 class RouterMetrics:
@@ -69,7 +66,7 @@ class RouterMetrics:
         self.hold_timeouts = Counter("tokenmill:router_hold_timeouts", "Holds that reached --router-queue-timeout.",
                                      registry=r)
 
-    def render(self, router: "Router") -> bytes:
+    def render(self, router: Any) -> bytes:  # a tokenmill.router.router.Router (not imported: no cycle)
         for b in router.backends:
             self.healthy.labels(b.name).set(1 if b.healthy else 0)
             self.in_flight.labels(b.name).set(b.in_flight)

@@ -238,7 +238,8 @@ def build_app(state: ServerState) -> FastAPI:
             add = True if body.add_special_tokens is None else body.add_special_tokens
             ids = await base.encode(body.prompt, add, param="prompt")
         else:
-            text = base.render_chat(body.messages or [], body.add_generation_prompt, body.continue_final_message)
+            text = base.render_chat(body.messages or [], body.add_generation_prompt, body.continue_final_message,
+                                    tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None)
             ids = await base.encode(text, bool(body.add_special_tokens), param="messages")
         ts = base.token_strings
         return {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids,

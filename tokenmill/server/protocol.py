@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tokenmill.kv_transfer.params import validate_kv_transfer_params
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 
 # Most log-probabilities per token a request may ask for (vLLM's default limit).
 MAX_LOGPROBS = 20
@@ -91,6 +91,42 @@ SERVICE_TIERS = ("auto", "default", "flex", "scale", "priority", "batch")
 BATCH_SERVICE_TIERS = ("batch", "flex")
 
 
+class JSONSchemaFormat(_Base):
+    """``response_format.json_schema``: OpenAI's named schema (``strict`` is accepted; the output always
+    follows the schema)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    name: str = Field("response", max_length=256, description="The schema's name (a-z, A-Z, 0-9, _ and -).")
+    description: str | None = None
+    json_schema: dict[str, Any] | bool | None = Field(None, alias="schema",
+                                                      description="The JSON Schema the output must validate against.")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Base):
+    """``response_format``: ``text`` (unconstrained), ``json_object`` (any JSON object), ``json_schema``
+    (a schema), or vLLM's ``structural_tag`` (its other fields are passed to the backend as they are)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema", "structural_tag"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Base):
+    """vLLM's ``structured_outputs`` request extra: exactly one constraint, plus JSON options."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json", description="A JSON Schema (object or its text).")
+    regex: str | None = Field(None, description="A regular expression the whole output must match.")
+    choice: list[str] | None = Field(None, description="The output is exactly one of these strings.")
+    grammar: str | None = Field(None, description="An EBNF (GBNF) grammar.")
+    json_object: bool | None = Field(None, description="Any JSON object.")
+    structural_tag: str | dict[str, Any] | None = Field(None, description="xgrammar's structural tag (object or text).")
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+
 class _SamplingFields(_Base):
     """Sampling fields shared by completions and chat (OpenAI's plus vLLM's extras)."""
 
@@ -128,6 +164,18 @@ class _SamplingFields(_Base):
                           "({do_remote_prefill: true, remote_engine_id, remote_block_ids, remote_host, remote_port, "
                           "remote_request_id, ...}) make a decode server (kv_consumer) load it instead of computing "
                           "the prompt.")
+    structured_outputs: StructuredOutputsRequest | None = Field(
+        None, description="vLLM's decoding constraint: exactly one of json, regex, choice, grammar, json_object, "
+                          "structural_tag.")
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's output format: text, json_object, json_schema (vLLM: structural_tag).")
+    # vLLM's older spellings of structured_outputs.*
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
     service_tier: Literal["auto", "default", "flex", "scale", "priority", "batch"] | None = Field(
         None, description="OpenAI's processing tier. 'batch' (tokenmill) or 'flex' (OpenAI's slower tier): the "
                           "batch lane, never refused with 429, served with the capacity interactive requests leave.")
@@ -183,8 +231,14 @@ class _SamplingFields(_Base):
                 raise APIError("prompt_logprobs is not available when stream is true", param="prompt_logprobs")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+                        prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
         """Build :class:`SamplingParams`.
+
+        Args:
+            structured_outputs: the decoding constraint (:mod:`tokenmill.server.structured`), None: none.
+            skip_special_tokens: overrides the request's (a tool parser that needs special tokens).
 
         Raises:
             APIError: 400 naming the field SamplingParams rejected.
@@ -205,9 +259,10 @@ class _SamplingFields(_Base):
                 stop_token_ids=list(self.stop_token_ids or []),
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
                 logit_bias={int(k): float(v) for k, v in self.logit_bias.items()} if self.logit_bias else None,
                 kv_transfer_params=self.kv_transfer_params,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             msg = str(e)
@@ -293,6 +348,19 @@ class ContentPart(_Base):
     text: str | None = None
 
 
+class FunctionCallParam(_Base):
+    name: str
+    arguments: str | dict[str, Any] = Field("{}", description="JSON text (an object is accepted too).")
+
+
+class ToolCallParam(_Base):
+    """An assistant message's earlier tool call (``messages[i].tool_calls[j]``)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -308,6 +376,8 @@ class ChatMessage(_Base):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[ContentPart] | None = Field(None, validate_default=True)
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="An assistant turn's tool calls.")
+    tool_call_id: str | None = Field(None, description="A tool message: the call it answers.")
 
     @field_validator("content")
     @classmethod
@@ -336,10 +406,31 @@ class ChatMessage(_Base):
         return "\n".join(out)
 
 
-class ResponseFormat(_Base):
-    """``response_format``: only plain text is supported."""
+class FunctionDefinition(_Base):
+    """``tools[i].function``: a function the model may call."""
 
-    type: Literal["text"] = "text"
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="A JSON Schema of the arguments object.")
+    strict: bool | None = None
+
+
+class ToolParam(_Base):
+    """One entry of ``tools``."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Base):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -355,15 +446,36 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(None, description="Not supported (empty or null).")
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: ResponseFormat | None = None
+    tools: list[ToolParam] | None = Field(None, max_length=1024, description="Functions the model may call.")
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="Default: auto with tools, none without.")
+    parallel_tool_calls: bool | None = Field(True, description="False: at most one call per turn.")
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """``tool_choice``, defaulting to ``auto`` when tools are given and ``none`` otherwise (OpenAI)."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
 
     def check(self) -> None:
         """Validate fields that pydantic cannot (raises :class:`APIError`)."""
         self._check_common()
+        tc = self.tool_choice
+        if tc == "auto" and not self.tools:
+            raise APIError('tool_choice "auto" needs tools', param="tool_choice")
+        if isinstance(tc, NamedToolChoice) or tc == "required":
+            if not self.tools:
+                raise APIError(f"tool_choice {'required' if tc == 'required' else 'for a named function'} "
+                               "needs tools", param="tool_choice")
+            if isinstance(tc, NamedToolChoice) and tc.function.name not in {t.function.name for t in self.tools}:
+                raise APIError(f"tool_choice names the function {tc.function.name!r}, which is not in tools "
+                               f"({', '.join(t.function.name for t in self.tools)})", param="tool_choice")
         if self.tools:
-            raise APIError("tools are not supported", param="tools")
+            names = [t.function.name for t in self.tools]
+            dup = next((n for n in names if names.count(n) > 1), None)
+            if dup is not None:
+                raise APIError(f"tools define the function {dup!r} twice", param="tools")
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
                 raise APIError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.top_logprobs}",
@@ -407,6 +519,7 @@ class TokenizeRequest(_Base):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    tools: list[ToolParam] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
@@ -468,4 +581,6 @@ def error_param_from_loc(loc: tuple | list) -> str | None:
 
 
 __all__ = ["APIError", "ErrorResponse", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ContentPart",
-           "DetokenizeRequest", "StreamOptions", "TokenizeRequest", "MAX_LOGPROBS", "error_param_from_loc"]
+           "DetokenizeRequest", "FunctionDefinition", "JSONSchemaFormat", "NamedToolChoice", "ResponseFormat",
+           "StreamOptions", "StructuredOutputsRequest", "TokenizeRequest", "ToolCallParam", "ToolParam",
+           "MAX_LOGPROBS", "error_param_from_loc"]

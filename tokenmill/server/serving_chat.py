@@ -8,13 +8,73 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from tokenmill.outputs import RequestOutput, TokenLogprobs
-from tokenmill.server.protocol import ChatCompletionRequest
+from tokenmill.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import OpenAIServing, Usage, clamp_logprob, collect, first_or_error, merge_streams, request_id
 from tokenmill.server.streaming import stream_response
+from tokenmill.server.structured import check_constraint, constraint_for
+from tokenmill.server.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStreamer, ToolParser,
+                                           get_tool_parser, parse_final)
 
 
 class OpenAIServingChat(OpenAIServing):
-    """The chat completions endpoint (OpenAI's API with vLLM's extras)."""
+    """The chat completions endpoint (OpenAI's API with vLLM's extras), tools included.
+
+    Tool choice (OpenAI's, served as vLLM serves it): ``none`` leaves the text alone; ``auto`` parses the
+    model's text with ``--tool-call-parser`` (needs ``--enable-auto-tool-choice``); ``required`` and a
+    named function constrain decoding to the tools' parameter schemas
+    (:mod:`tokenmill.server.structured`) and read the calls back. A response with tool calls has
+    ``message.tool_calls`` and ``finish_reason: "tool_calls"``.
+    """
+
+    def tool_reader(self, body: ChatCompletionRequest) -> ToolParser | None:
+        """The parser that reads tool calls out of this request's output (None: no tool calls).
+
+        Raises:
+            APIError: 400 for ``tool_choice: "auto"`` on a server without ``--enable-auto-tool-choice``.
+        """
+        if not body.tools:
+            return None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        tc = body.effective_tool_choice
+        if isinstance(tc, NamedToolChoice):
+            return NamedToolParser(tc.function.name, tools)
+        if tc == "required":
+            return RequiredToolParser(tools)
+        if tc == "auto":
+            cfg = self.state.config.server
+            if not (cfg.enable_auto_tool_choice and cfg.tool_call_parser):
+                raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                               "to be set (or send tool_choice \"required\", \"none\" or a named function)",
+                               param="tool_choice")
+            return get_tool_parser(cfg.tool_call_parser)(tools)
+        return None
+
+    def tool_prompt(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, ToolParser | None,
+                                                               str | None]:
+        """``(tools the template sees, the call syntax, the fallback's instructions)`` for rendering."""
+        if not body.tools:
+            return None, None, None
+        cfg = self.state.config.server
+        tc = body.effective_tool_choice
+        if tc == "none" and cfg.exclude_tools_when_tool_choice_none:
+            return None, None, None
+        fmt = get_tool_parser(cfg.tool_call_parser)() if cfg.tool_call_parser else None
+        instructions = None
+        if isinstance(tc, NamedToolChoice):
+            instructions = (f"Call the function {tc.function.name}: reply with only its arguments, as a JSON "
+                            "object that follows its parameters' schema.")
+        elif tc == "required":
+            instructions = ('Reply with only a JSON array of one or more calls, each {"name": <function-name>, '
+                            '"parameters": <args-json-object>}.')
+        return [t.model_dump(exclude_none=True) for t in body.tools], fmt, instructions
+
+    def strip_special(self, text: str) -> str:
+        """``text`` without a trailing end-of-sequence token (present when special tokens are kept)."""
+        tok = self.state.tokenizer
+        for s in (getattr(tok, "eos_token", None), getattr(tok, "pad_token", None), "<|eot_id|>", "<|eom_id|>"):
+            if isinstance(s, str) and s and text.endswith(s):
+                return text[:-len(s)]
+        return text
 
     def chat_logprobs(self, token_ids: list[int], lps: list[TokenLogprobs | None], top_n: int
                       ) -> list[dict[str, Any]]:
@@ -44,12 +104,20 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(body.model)
         self.check_request_token_ids(body)
         self.check_priority(body.priority)
+        reader = self.tool_reader(body)
+        tools, fmt, instructions = self.tool_prompt(body)
         prompt = self.render_chat(body.messages, body.add_generation_prompt, body.continue_final_message,
-                                  body.chat_template, body.chat_template_kwargs)
+                                  body.chat_template, body.chat_template_kwargs, tools, fmt, instructions)
         ids = await self.encode(prompt, body.add_special_tokens, param="messages")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
-        params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs)
+        constraint = constraint_for(body)
+        if constraint is not None:
+            await check_constraint(constraint, state.config.model)
+        keep_special = reader is not None and not reader.skip_special_tokens
+        params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs,
+                                      constraint.params if constraint is not None else None,
+                                      skip_special_tokens=False if keep_special else None)
         n = body.n
         ticket = self.admit(n, n * len(ids), body.priority, body.is_batch, arrival, max_tokens=mt)
         rid = request_id("chatcmpl", body.request_id)
@@ -63,14 +131,46 @@ class OpenAIServingChat(OpenAIServing):
         if body.stream:
             first = await first_or_error(merged)
             started: set[int] = set()
+            streamers: dict[int, ToolCallStreamer] = {}
+
+            def tool_delta(c: Any, first_delta: bool) -> dict[str, Any] | None:
+                """The delta of one choice's output when tool calls are read (None: nothing to send)."""
+                st = streamers.get(c.index)
+                if st is None:      # one streamer per choice; the parser itself keeps no state
+                    st = streamers[c.index] = ToolCallStreamer(reader)
+                final = c.finish_reason is not None
+                text = self.strip_special(c.text) if final and keep_special else c.text
+                content, entries = st.feed(text, final)
+                delta: dict[str, Any] = {"role": "assistant"} if first_delta else {}
+                if entries:
+                    if first_delta:
+                        delta["content"] = content or None
+                    elif content:
+                        delta["content"] = content
+                    delta["tool_calls"] = entries
+                elif content or first_delta:
+                    delta["content"] = content
+                if not content and not entries and not first_delta and not final and not body.logprobs:
+                    return None
+                return delta
 
             def chat_choices(_: int, out: RequestOutput) -> list[dict[str, Any]]:
                 choices = []
                 for c in out.outputs:
-                    if c.index not in started:
+                    fr = c.finish_reason
+                    if reader is not None:
+                        first_delta = c.index not in started
+                        started.add(c.index)
+                        d = tool_delta(c, first_delta)
+                        if d is None:
+                            continue
+                        delta: dict[str, Any] = d
+                        if fr == "stop" and streamers[c.index].called:
+                            fr = "tool_calls"
+                    elif c.index not in started:
                         # The role is announced together with the first generated token.
                         started.add(c.index)
-                        delta: dict[str, Any] = {"role": "assistant", "content": c.text}
+                        delta = {"role": "assistant", "content": c.text}
                     elif not c.text and c.finish_reason is None and not body.logprobs:
                         continue  # nothing to show yet (e.g. half a UTF-8 character)
                     else:
@@ -79,7 +179,7 @@ class OpenAIServingChat(OpenAIServing):
                     if body.logprobs:
                         lp = {"content": self.chat_logprobs(c.token_ids, c.logprobs or [], top_n)}
                     choices.append({"index": c.index, "delta": delta, "logprobs": lp,
-                                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                                    "finish_reason": fr, "stop_reason": c.stop_reason})
                 return choices
 
             head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
@@ -91,8 +191,17 @@ class OpenAIServingChat(OpenAIServing):
             fr, sr = res.finish.get(idx, (None, None))
             lp = ({"content": self.chat_logprobs(res.token_ids[idx], res.logprobs[idx], top_n)}
                   if body.logprobs else None)
-            choices.append({"index": idx, "message": {"role": "assistant", "content": "".join(res.texts[idx])},
-                            "logprobs": lp, "finish_reason": fr, "stop_reason": sr})
+            message: dict[str, Any] = {"role": "assistant", "content": "".join(res.texts[idx])}
+            if reader is not None:
+                text = self.strip_special(message["content"]) if keep_special else message["content"]
+                content, calls = parse_final(reader, text)
+                message["content"] = content
+                if calls:
+                    message["tool_calls"] = calls
+                    if fr == "stop":
+                        fr = "tool_calls"
+            choices.append({"index": idx, "message": message, "logprobs": lp, "finish_reason": fr,
+                            "stop_reason": sr})
         resp: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
                                 "model": state.model_name, "choices": choices, "usage": usage.to_dict()}
         if res.kv_transfer_params is not None:    # P/D disaggregation: where the prefill server keeps the KV

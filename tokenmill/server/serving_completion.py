@@ -12,6 +12,7 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.protocol import APIError, CompletionRequest
 from tokenmill.server.serving import OpenAIServing, Usage, clamp_logprob, collect, first_or_error, merge_streams, request_id
 from tokenmill.server.streaming import stream_response
+from tokenmill.server.structured import check_constraint, constraint_for
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -75,13 +76,17 @@ class OpenAIServingCompletion(OpenAIServing):
         if any(len(ids) == 0 for _, ids in prompts):
             raise APIError("prompt must contain at least one token", param="prompt")
         plp = body.effective_prompt_logprobs
+        constraint = constraint_for(body)
+        if constraint is not None:
+            await check_constraint(constraint, state.config.model)
         # echo with max_tokens 0 and prompt logprobs: the engine must run the prompt; it samples one
         # token that is not returned (vLLM does the same)
         echo_only = body.echo_without_generation and plp is not None
         params_list: list[SamplingParams] = []
         for _, ids in prompts:
             mt = 1 if echo_only else self.resolve_max_tokens(len(ids), body.max_tokens)
-            params_list.append(body.sampling_params(mt, body.logprobs, plp))
+            params_list.append(body.sampling_params(mt, body.logprobs, plp,
+                                                    constraint.params if constraint is not None else None))
         n = body.n
         ticket = self.admit(n * len(prompts), n * sum(len(ids) for _, ids in prompts), body.priority,
                             body.is_batch, arrival, max_tokens=max((p.max_tokens or 0) for p in params_list) or None)

@@ -43,7 +43,9 @@ class SpecDecodeWorker:
     """Verification and proposal for one model runner.
 
     Args:
-        spec: the speculative config.
+        spec: the speculative config; None for verification only: the drafts are grammar-forced tokens
+            (structured outputs, :mod:`tokenmill.structured_output`), proposed by the engine core, and
+            :meth:`propose` proposes none.
         config: the engine config (dtype, device, block size, max_model_len).
         runner: the target's model runner (its sampler, block size, KV pool size, vocabulary).
 
@@ -59,8 +61,9 @@ class SpecDecodeWorker:
         self.max_model_len = runner.max_model_len
         self.block_size = runner.block_size
         self.table = TokenTable(1024)
-        self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
-        self.draft = DraftModel(spec, config, runner) if spec.method == "draft_model" else None
+        method = spec.method if spec is not None else None
+        self.ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if method == "ngram" else None
+        self.draft = DraftModel(spec, config, runner) if method == "draft_model" else None
 
     # -- 1. verification ---------------------------------------------------------
     def sample_and_verify(self, logits: torch.Tensor, sampling: Sequence[ScheduledRequest]) -> ModelRunnerOutput:
@@ -170,7 +173,7 @@ class SpecDecodeWorker:
         """
         self.forget(so.finished_req_ids)
         k = so.num_spec_tokens
-        if k <= 0 or not sampling:
+        if k <= 0 or not sampling or (self.ngram is None and self.draft is None):
             return {}
         if self.ngram is not None:
             rows = [self.table.sync(r.req_id, r.prompt_token_ids, r.output_token_ids, e, reset=r.new)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
 
@@ -55,6 +56,7 @@ class StepDescription:
         preempted_req_ids, finished_req_ids: as in :class:`SchedulerOutput`;
             the worker drops their cached state.
         num_spec_tokens: as in :class:`SchedulerOutput` (draft tokens to propose for the next step).
+        grammar_bitmask: as in :class:`SchedulerOutput` (structured outputs; pickled filled).
     """
 
     items: list = field(default_factory=list)
@@ -62,6 +64,7 @@ class StepDescription:
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: set[str] = field(default_factory=set)
     num_spec_tokens: int = 0
+    grammar_bitmask: Any = None
 
     @property
     def num_new(self) -> int:
@@ -92,7 +95,7 @@ class StepEncoder:
         for rid in so.finished_req_ids:
             self._sent.pop(rid, None)
         return StepDescription(items, so.total_num_scheduled_tokens, list(so.preempted_req_ids),
-                               set(so.finished_req_ids), so.num_spec_tokens)
+                               set(so.finished_req_ids), so.num_spec_tokens, so.grammar_bitmask)
 
     @property
     def num_cached(self) -> int:
@@ -132,7 +135,7 @@ class StepDecoder:
         return SchedulerOutput(scheduled=scheduled, total_num_scheduled_tokens=desc.total_num_scheduled_tokens,
                                preempted_req_ids=list(desc.preempted_req_ids),
                                finished_req_ids=set(desc.finished_req_ids),
-                               num_spec_tokens=desc.num_spec_tokens)
+                               num_spec_tokens=desc.num_spec_tokens, grammar_bitmask=desc.grammar_bitmask)
 
     @property
     def num_cached(self) -> int:

@@ -1,0 +1,212 @@
+"""The xgrammar backend and the structured-output manager, on the default model's real tokenizer (no model)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from tokenmill.config import StructuredOutputsConfig
+from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenmill.structured_output import StructuredOutputError, validate_structured_outputs
+from tokenmill.structured_output.backend import constraint_key, disallow_additional_properties
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.structured_output.xgrammar_backend import XgrammarBackend, apply_bitmask_torch
+
+EOS = 2
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenmill.model.default_model import default_model_path
+    from tokenmill.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def backend(tokenizer):
+    return XgrammarBackend(tokenizer, 49152, [EOS], StructuredOutputsConfig())
+
+
+def allowed(bitmask: torch.Tensor, row: int) -> set[int]:
+    bits = np.unpackbits(bitmask[row].numpy().view(np.uint8), bitorder="little")
+    return set(np.flatnonzero(bits).tolist())
+
+
+def walk(backend, tokenizer, params, text: str):
+    """A matcher that accepted ``text`` tokenised by the model's tokenizer."""
+    m = backend.new_matcher(backend.compile(params))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert m.accept_tokens(ids) == len(ids)
+    return m
+
+
+@pytest.mark.parametrize("params, field, needle", [
+    (StructuredOutputsParams(regex="a(b"), "regex", "parenthesis"),
+    (StructuredOutputsParams(json={"type": "objec"}), "json", "objec"),
+    (StructuredOutputsParams(json="{not json"), "json", "not valid JSON"),
+    (StructuredOutputsParams(grammar='root ::= "a" | '), "grammar", "EBNF"),
+    (StructuredOutputsParams(json=SCHEMA, whitespace_pattern=r"[ ]?"), "whitespace_pattern", "not supported"),
+])
+def test_invalid_constraints_name_the_field(backend, params, field, needle):
+    for check in (lambda: backend.compile(params), lambda: validate_structured_outputs(params)):
+        with pytest.raises(StructuredOutputError) as ei:
+            check()
+        assert ei.value.field == field and ei.value.status_code == 400
+        assert str(ei.value).startswith(f"structured_outputs.{field}") and needle in str(ei.value)
+        assert "/project/cpp" not in str(ei.value)        # xgrammar's source-file prefix is stripped
+
+
+def test_validate_accepts_good_constraints(tokenizer):
+    for p in (StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"\d+"),
+              StructuredOutputsParams(choice=['a"b', "c\\d", "é"]), StructuredOutputsParams(json_object=True),
+              StructuredOutputsParams(grammar='root ::= "x" root | "y"')):
+        validate_structured_outputs(p)
+        validate_structured_outputs(p, tokenizer=tokenizer)
+
+
+def test_choice_and_regex_masks(backend, tokenizer):
+    m = walk(backend, tokenizer, StructuredOutputsParams(choice=['say "hi"', "no"]), 'say "h')
+    bm = backend.allocate_bitmask(1)
+    m.fill_bitmask(bm, 0)
+    ok = allowed(bm, 0)
+    assert tokenizer.encode('i"', add_special_tokens=False)[0] in ok and EOS not in ok
+    m = walk(backend, tokenizer, StructuredOutputsParams(regex=r"[0-9]{3}"), "123")
+    m.fill_bitmask(bm, 0)
+    assert allowed(bm, 0) == {EOS}                 # complete: only the stop token may follow
+    assert m.accept_token(EOS) and m.is_terminated()
+
+
+def test_json_whitespace_and_additional_properties(backend, tokenizer):
+    compact = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    m = walk(backend, tokenizer, compact, '{"name":')
+    bm = backend.allocate_bitmask(1)
+    m.fill_bitmask(bm, 0)
+    newline = tokenizer.encode("\n", add_special_tokens=False)[0]
+    assert newline not in allowed(bm, 0)        # compact: xgrammar's separators ", " and ": " only
+    loose = walk(backend, tokenizer, StructuredOutputsParams(json=SCHEMA), '{"name":')
+    loose.fill_bitmask(bm, 0)
+    assert newline in allowed(bm, 0)
+    assert disallow_additional_properties({"type": "object", "properties": {"a": {"type": "object"}}}) == {
+        "type": "object", "additionalProperties": False,
+        "properties": {"a": {"type": "object", "additionalProperties": False}}}
+    # the server's default and the request's flag share the cache key only when they agree
+    assert constraint_key(compact) == constraint_key(StructuredOutputsParams(json=SCHEMA),
+                                                     StructuredOutputsConfig(disable_any_whitespace=True))
+    assert constraint_key(compact) != constraint_key(StructuredOutputsParams(json=SCHEMA))
+
+
+def test_forced_tokens_are_the_forced_string(backend, tokenizer):
+    m = walk(backend, tokenizer, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), "")
+    forced = m.forced_tokens(8)
+    assert tokenizer.decode(forced) == '{"name":'[:len(tokenizer.decode(forced))] and len(forced) >= 2
+    assert m.validate_tokens(forced) == len(forced)
+    assert m.forced_tokens(1) == forced[:1]
+    assert m.accept_tokens(forced) == len(forced)        # validate_tokens left the state unchanged
+    assert m.forced_tokens(8) == [] or tokenizer.decode(m.forced_tokens(8)).startswith('"')
+
+
+def test_apply_bitmask_matches_brute_force():
+    g = torch.Generator().manual_seed(0)
+    vocab = 70                              # not a multiple of 32: the last word is partly padding
+    logits = torch.randn(5, vocab, generator=g)
+    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    want = logits.clone()
+    for i, row in enumerate([3, 1]):
+        for t in range(vocab):
+            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+                want[row, t] = float("-inf")
+    apply_bitmask_torch(logits, bitmask, [3, 1])
+    assert torch.equal(logits, want)
+
+
+class _Req:
+    def __init__(self, rid, params, outputs=()):
+        self.request_id = rid
+        self.sampling_params = SamplingParams(max_tokens=64, structured_outputs=params)
+        self.output_token_ids = list(outputs)
+
+
+class _SR:
+    def __init__(self, rid, spec=(), sample=True):
+        self.req_id, self.spec_token_ids, self.sample = rid, list(spec), sample
+
+
+def _ready(mgr, req, timeout=60.0):
+    t0 = time.monotonic()
+    while (state := mgr.poll(req)) is None:
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.01)
+    return state
+
+
+def test_manager_cache_bitmask_rows_drafts_and_rebuild(tokenizer):
+    mgr = StructuredOutputManager(StructuredOutputsConfig(), 49152, [EOS], lambda: tokenizer)
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    a, b = _Req("a", params), _Req("b", StructuredOutputsParams(json=json.dumps(SCHEMA), disable_any_whitespace=True))
+    mgr.add_request(a)
+    mgr.add_request(b)
+    assert _ready(mgr, a) == "ready" and _ready(mgr, b) == "ready"
+    assert mgr.stats.cache_queries == 2 and mgr.stats.cache_hits == 1 and mgr.stats.compile_count == 1
+    assert mgr.stats.requests_by_kind == {"json": 2}
+    drafts, forced = mgr.drafts(a, [], 8)
+    assert forced and drafts
+    # rows: an unconstrained request (2 rows), a non-sampling chunk (none), a with its drafts, b with none
+    so = type("SO", (), {"scheduled": [_SR("x", [5]), _SR("y", sample=False), _SR("a", drafts), _SR("b")]})()
+    gb = mgr.grammar_bitmask(so)
+    assert gb.rows == list(range(2, 2 + len(drafts) + 1)) + [2 + len(drafts) + 1]
+    bm = gb.result()
+    # row j of a allows draft j (the state after drafts[:j]); b's row equals a's first row (same state)
+    for j, t in enumerate(drafts):
+        assert t in allowed(bm, j)
+    assert torch.equal(bm[0], bm[len(drafts) + 1])
+    assert mgr.drafts(a, [], 8) == (drafts, True)          # the fill rolled the drafts back
+    # the step emits the drafts: accepted into the matcher; a proposer's draft the grammar refuses is cut
+    a.output_token_ids += drafts
+    assert not mgr.accept(a, drafts)
+    name = tokenizer.encode(' "Bob", "age":', add_special_tokens=False)   # compact: ", " and ": "
+    bad = tokenizer.encode("}}}", add_special_tokens=False)
+    assert mgr.drafts(a, name + bad, 0) == (name, False)
+    # out of step with the request's tokens (e.g. tokens appended elsewhere): rebuilt from them
+    a.output_token_ids += name
+    assert not mgr.accept(a, name[-1:])
+    assert mgr._states["a"].num_accepted == len(a.output_token_ids)
+    digits = tokenizer.encode(" 7}", add_special_tokens=False)
+    a.output_token_ids += digits + [EOS]
+    assert mgr.accept(a, digits + [EOS])                   # complete object, then EOS: terminated
+    mgr.free("a")
+    assert not mgr.has("a")
+    mgr.shutdown()
+
+
+def test_manager_compile_failure_and_timeout(tokenizer):
+    mgr = StructuredOutputManager(StructuredOutputsConfig(compile_timeout_s=0.05), 49152, [EOS], tokenizer)
+    bad = _Req("bad", StructuredOutputsParams(regex="(("))
+    mgr.add_request(bad)
+    err = _ready(mgr, bad)
+    assert err.startswith("structured_outputs.regex: invalid regex") and mgr.stats.compile_failures == 1
+    slow = StructuredOutputManager(StructuredOutputsConfig(compile_timeout_s=0.05), 49152, [EOS], tokenizer,
+                                   backend_factory=lambda *a: _SlowBackend(XgrammarBackend(*a)))
+    r = _Req("slow", StructuredOutputsParams(regex="x+"))
+    slow.add_request(r)
+    assert "took longer than 0.05 s" in _ready(slow, r) and slow.stats.compile_timeouts == 1
+    slow.shutdown()
+    mgr.shutdown()
+
+
+class _SlowBackend:
+    def __init__(self, inner):
+        self.inner, self.name = inner, "slow"
+
+    def compile(self, params):
+        time.sleep(0.5)
+        return self.inner.compile(params)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)

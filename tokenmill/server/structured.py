@@ -1,0 +1,198 @@
+"""From a request's ``response_format``, ``structured_outputs``, ``guided_*`` and tool choice to the engine's
+decoding constraint (:class:`~tokenmill.sampling_params.StructuredOutputsParams`), checked before admission.
+
+Where the constraint comes from, as vLLM decides it:
+
+1. ``tool_choice`` ``"required"`` or a named function (chat, with ``tools``): the tools' parameter schemas
+   (:mod:`tokenmill.server.tool_parsers.constrained`); this wins over a ``response_format``.
+2. otherwise exactly one of vLLM's ``structured_outputs`` extra, its older ``guided_json`` /
+   ``guided_regex`` / ``guided_choice`` / ``guided_grammar`` fields, or OpenAI's ``response_format``
+   (``json_object``, ``json_schema``, vLLM's ``structural_tag``; ``text`` is no constraint). Two of them
+   at once is a 400.
+
+``structured_outputs``' JSON options (``disable_any_whitespace``, ``disable_additional_properties``,
+``whitespace_pattern``) apply to whichever constraint results. :func:`check_constraint` compiles the
+constraint's grammar without a tokenizer (the backend's syntax and schema checks) so a bad schema,
+regex or grammar is a 400 naming the request field that carried it, with the backend's message,
+before the request reaches the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
+from tokenmill.server.tool_parsers.constrained import named_tool_schema, required_tools_schema, tool_parameters
+
+# A grammar that takes longer than this to check in the API process is refused (the engine compiles
+# it again, with its own --structured-outputs-config compile_timeout_s).
+CHECK_TIMEOUT_S = 20.0
+
+
+@dataclass
+class Constraint:
+    """A request's decoding constraint and where it came from.
+
+    Attributes:
+        params: what the engine decodes under.
+        param: the request field that carried it (errors name it), e.g. ``response_format``.
+        checks: ``(param, params)`` pairs to check one by one before ``params`` itself (each tool's
+            parameter schema, so an error names the tool).
+    """
+
+    params: StructuredOutputsParams
+    param: str
+    checks: list[tuple[str, StructuredOutputsParams]]
+
+
+def _params(param: str, **kw: Any) -> StructuredOutputsParams:
+    try:
+        return StructuredOutputsParams(**kw)
+    except ValueError as e:
+        msg = str(e)
+        raise APIError(msg if msg.startswith(param) else f"{param}: {msg}", param=param) from None
+
+
+def _explicit(body: Any) -> list[tuple[str, dict[str, Any]]]:
+    """The constraint fields the request sets: ``[(param, StructuredOutputsParams kwargs)]``."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    so = body.structured_outputs
+    if so is not None:
+        kinds = {"json": so.json_, "regex": so.regex, "choice": so.choice, "grammar": so.grammar,
+                 "json_object": so.json_object or None, "structural_tag": so.structural_tag}
+        given = {k: v for k, v in kinds.items() if v is not None}
+        if len(given) > 1:
+            raise APIError("structured_outputs takes exactly one of json, regex, choice, grammar, json_object, "
+                           f"structural_tag; got {', '.join(given)}", param="structured_outputs")
+        for k, v in given.items():
+            if k == "structural_tag" and isinstance(v, dict):
+                v = json.dumps(v)
+            found.append((f"structured_outputs.{k}", {k: v}))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        v = getattr(body, name, None)
+        if v is not None:
+            found.append((name, {kind: v}))
+    rf = body.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.json_schema is None:
+                raise APIError("response_format.json_schema.schema is required with type json_schema",
+                               param="response_format.json_schema")
+            found.append(("response_format.json_schema.schema", {"json": rf.json_schema.json_schema}))
+        else:   # structural_tag: vLLM passes the whole object (type included) to the backend
+            found.append(("response_format", {"structural_tag": json.dumps(rf.model_dump(exclude_none=True))}))
+    return found
+
+
+def _options(body: Any) -> dict[str, Any]:
+    so = body.structured_outputs
+    opts: dict[str, Any] = {}
+    if so is not None:
+        opts = {"disable_any_whitespace": so.disable_any_whitespace,
+                "disable_additional_properties": so.disable_additional_properties,
+                "whitespace_pattern": so.whitespace_pattern}
+    if getattr(body, "guided_whitespace_pattern", None) is not None:
+        opts["whitespace_pattern"] = body.guided_whitespace_pattern
+    return opts
+
+
+def constraint_for(body: Any) -> Constraint | None:
+    """The request's decoding constraint, or None when it has none.
+
+    Args:
+        body: a :class:`~tokenmill.server.protocol.ChatCompletionRequest` or
+            :class:`~tokenmill.server.protocol.CompletionRequest`.
+
+    Raises:
+        APIError: 400 naming the field: two constraint sources, a ``json_schema`` without ``schema``,
+            ``structured_outputs`` with options but no constraint, or a malformed constraint.
+    """
+    opts = _options(body)
+    if isinstance(body, ChatCompletionRequest) and body.tools:
+        tc = body.effective_tool_choice
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        checks = [(f"tools[{i}].function.parameters", _params(f"tools[{i}].function.parameters",
+                                                              json=tool_parameters(t), **opts))
+                  for i, t in enumerate(tools)]
+        if isinstance(tc, NamedToolChoice):
+            i = next(i for i, t in enumerate(tools) if t["function"]["name"] == tc.function.name)
+            return Constraint(_params("tool_choice", json=named_tool_schema(tools[i]), **opts),
+                              f"tools[{i}].function.parameters", [])
+        if tc == "required":
+            try:
+                schema = required_tools_schema(tools, body.parallel_tool_calls is not False)
+            except ValueError as e:
+                raise APIError(str(e), param="tools") from None
+            return Constraint(_params("tool_choice", json=schema, **opts), "tools", checks)
+    found = _explicit(body)
+    if len(found) > 1:
+        raise APIError(f"give one decoding constraint, not {' and '.join(p for p, _ in found)}",
+                       param=found[1][0].split(".")[0])
+    if not found:
+        so = body.structured_outputs
+        if so is not None and (so.disable_any_whitespace or so.disable_additional_properties
+                               or so.whitespace_pattern):
+            raise APIError("structured_outputs needs one of json, regex, choice, grammar, json_object, "
+                           "structural_tag", param="structured_outputs")
+        return None
+    param, kw = found[0]
+    return Constraint(_params(param, **kw, **opts), param, [])
+
+
+def _validator(so_config: Any):
+    """The backend's tokenizer-free check for the configured backend, or None when it has none."""
+    backend = getattr(so_config, "backend", "xgrammar")
+    if backend != "xgrammar":
+        return None     # llguidance reports errors when the engine compiles (still a 400)
+    from tokenmill.structured_output import validate_structured_outputs
+
+    return lambda params, config: validate_structured_outputs(params, None, config)
+
+
+def _rename(message: str, kind: str, param: str) -> str:
+    """The backend's ``structured_outputs.<kind>: msg`` message, with the request's own field name."""
+    prefix = f"structured_outputs.{kind}:"
+    if message.startswith(prefix):
+        return f"{param}:{message[len(prefix):]}"
+    return f"{param}: {message}"
+
+
+async def check_constraint(constraint: Constraint, model_config: Any) -> None:
+    """Check the constraint's syntax with the configured backend, off the event loop.
+
+    Args:
+        constraint: from :func:`constraint_for`.
+        model_config: the engine's :class:`~tokenmill.config.ModelConfig` (its ``structured_outputs``).
+
+    Raises:
+        APIError: 400 naming the field that carried the bad constraint, with the backend's message;
+            also when the check takes longer than :data:`CHECK_TIMEOUT_S`.
+    """
+    so_config = getattr(model_config, "structured_outputs", None)
+    validate = _validator(so_config)
+    if validate is None:
+        return
+    from tokenmill.structured_output.backend import StructuredOutputError
+
+    for param, params in [*constraint.checks, (constraint.param, constraint.params)]:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(validate, params, so_config), CHECK_TIMEOUT_S)
+        except StructuredOutputError as e:
+            field = e.field or params.kind
+            if field == "whitespace_pattern":
+                raise APIError(_rename(e.message, field, "structured_outputs.whitespace_pattern"),
+                               param="structured_outputs.whitespace_pattern") from None
+            raise APIError(_rename(e.message, field, param), param=param) from None
+        except asyncio.TimeoutError:
+            raise APIError(f"{param}: the constraint took longer than {CHECK_TIMEOUT_S:.0f} s to check",
+                           param=param) from None
+
+
+__all__ = ["Constraint", "check_constraint", "constraint_for"]

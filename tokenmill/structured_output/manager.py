@@ -1,0 +1,392 @@
+"""The engine core's structured-output state: compiles off the loop, one matcher per request, the step's bitmask.
+
+:class:`StructuredOutputManager` is owned by the engine core and handed to the
+scheduler (duck-typed: :mod:`tokenmill.core` imports none of this). Its life cycle
+per constrained request:
+
+1. :meth:`~StructuredOutputManager.add_request` — the constraint is looked up in the
+   compile cache (key: :func:`~tokenmill.structured_output.backend.constraint_key`, one
+   backend per tokenizer) or submitted to a thread pool; the request waits in the
+   scheduler (``WAITING_FOR_FSM``) and other requests keep running.
+2. :meth:`~StructuredOutputManager.poll` — each schedule: compiled → a matcher, the
+   request joins the waiting queue; failed or past ``compile_timeout_s`` → the
+   request fails with HTTP 400 and the backend's message.
+3. :meth:`~StructuredOutputManager.grammar_bitmask` — after scheduling, one bitmask
+   row per logits row of every constrained sampling request (its last token and each
+   draft: the matcher is advanced through the drafts and rolled back), filled on a
+   worker thread while the forward runs; the runner waits for it only when it has
+   logits to mask.
+4. :meth:`~StructuredOutputManager.accept` — the step's emitted tokens advance the matcher.
+5. :meth:`~StructuredOutputManager.drafts` — the next step's drafts: the tokens the
+   grammar forces (free drafts, verified in the same forward through the
+   speculative-decoding path), else the proposer's drafts cut to their longest
+   grammar-valid prefix.
+
+A matcher is tied to the request's output tokens, which survive preemption by
+recompute; if the two ever disagree (:meth:`_sync`), the matcher is rebuilt from the
+request's output tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured_output.backend import (
+    GrammarMatcher, StructuredOutputBackend, StructuredOutputError, constraint_key,
+)
+
+logger = logging.getLogger(__name__)
+
+# Compile times kept for the metrics exporter between two snapshots (it observes the new ones).
+MAX_RECENT_COMPILE_TIMES = 256
+
+
+@dataclass
+class StructuredOutputStats:
+    """Cumulative structured-output counters of one engine core (plain data, sent with the engine stats).
+
+    Attributes:
+        requests_by_kind: constrained requests seen, by constraint kind (json, regex, choice, ...).
+        compile_count, compile_time_sum: compiles run and their seconds; ``recent_compile_times`` the
+            last :data:`MAX_RECENT_COMPILE_TIMES` of them (seconds, oldest first) for the histogram.
+        num_waiting_for_grammar: requests waiting for their grammar now (set in each snapshot).
+        cache_queries, cache_hits: compile-cache lookups, and those served without compiling.
+        compile_failures: constraints the backend refused (the requests failed with 400).
+        compile_timeouts: requests failed because their grammar took longer than ``compile_timeout_s``.
+        mask_steps: steps that filled a bitmask; ``mask_fill_time`` their fill seconds (on the worker
+            thread); ``mask_wait_time`` the seconds the model runner waited for it (the critical path);
+            ``mask_rows`` rows filled.
+        forced_draft_tokens, forced_accepted_tokens: grammar-forced tokens verified as drafts, and of those
+            the ones the model's own sample agreed with (the rest differ only in tokenization).
+    """
+
+    requests_by_kind: dict[str, int] = field(default_factory=dict)
+    compile_count: int = 0
+    compile_time_sum: float = 0.0
+    recent_compile_times: list[float] = field(default_factory=list)
+    num_waiting_for_grammar: int = 0
+    cache_queries: int = 0
+    cache_hits: int = 0
+    compile_failures: int = 0
+    compile_timeouts: int = 0
+    mask_steps: int = 0
+    mask_fill_time: float = 0.0
+    mask_wait_time: float = 0.0
+    mask_rows: int = 0
+    forced_draft_tokens: int = 0
+    forced_accepted_tokens: int = 0
+
+    def observe_compile(self, seconds: float) -> None:
+        self.recent_compile_times = self.recent_compile_times[-(MAX_RECENT_COMPILE_TIMES - 1):] + [seconds]
+        self.compile_time_sum += seconds
+        self.compile_count += 1
+
+    def copy(self) -> "StructuredOutputStats":
+        import copy
+
+        return copy.deepcopy(self)
+
+
+class _RequestState:
+    """One constrained request: its compile future, then its matcher."""
+
+    __slots__ = ("req_id", "future", "key", "matcher", "num_accepted")
+
+    def __init__(self, req_id: str, future: Future, key: tuple) -> None:
+        self.req_id = req_id
+        self.future = future
+        self.key = key
+        self.matcher: GrammarMatcher | None = None
+        self.num_accepted = 0       # output tokens the matcher has accepted
+
+
+class GrammarBitmask:
+    """The bitmask of one step, being filled on the manager's worker thread.
+
+    Attributes:
+        rows: the logits row of each bitmask row (the runner's sampling rows: per sampling request in batch
+            order, its last token, then one row per draft).
+    """
+
+    def __init__(self, manager: "StructuredOutputManager", rows: list[int], future: Future) -> None:
+        self.manager = manager
+        self.rows = rows
+        self._future = future
+        self._bitmask: Any = None
+
+    def result(self) -> Any:
+        """The ``[len(rows), ceil(V / 32)]`` int32 bitmask (waits for the fill; its wait is counted)."""
+        if self._bitmask is None:
+            t0 = time.perf_counter()
+            self._bitmask = self._future.result()
+            if self.manager is not None:
+                self.manager.stats.mask_wait_time += time.perf_counter() - t0
+        return self._bitmask
+
+    def apply(self, logits: Any) -> None:
+        """Mask ``logits`` (``[num_sampling_rows, V]`` float, in place): disallowed tokens become ``-inf``."""
+        from tokenmill.structured_output.xgrammar_backend import apply_bitmask_torch
+
+        apply_bitmask_torch(logits, self.result(), self.rows)
+
+    def __getstate__(self) -> dict:
+        # crossing to a worker process (tensor/pipeline parallel): the filled bitmask travels, not the thread
+        return {"rows": self.rows, "_bitmask": self.result(), "manager": None, "_future": None}
+
+
+class StructuredOutputManager:
+    """Compiles constraints and drives every constrained request's matcher (see the module docstring).
+
+    Args:
+        config: the :class:`~tokenmill.config.StructuredOutputsConfig`.
+        vocab_size: the model's logits width.
+        eos_token_ids: the model's end-of-sequence ids (the grammar's stop tokens).
+        tokenizer: the model's Hugging Face tokenizer, or a zero-argument callable that loads it (called on
+            the compile thread with the first constrained request, so start-up pays nothing).
+        backend_factory: ``(tokenizer, vocab_size, eos_token_ids, config) -> StructuredOutputBackend``
+            (default: the configured backend).
+
+    Attributes:
+        stats: :class:`StructuredOutputStats`.
+        num_forced_draft_tokens: the most forced tokens a request verifies as drafts per step (0: off).
+    """
+
+    def __init__(self, config: Any, vocab_size: int, eos_token_ids: list[int], tokenizer: Any,
+                 backend_factory: Callable[..., StructuredOutputBackend] | None = None) -> None:
+        self.config = config
+        self.vocab_size = int(vocab_size)
+        self.eos_token_ids = list(eos_token_ids)
+        self._tokenizer = tokenizer
+        self._backend_factory = backend_factory or make_backend
+        self._backend: StructuredOutputBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._mask_thread: ThreadPoolExecutor | None = None
+        self._cache: dict[tuple, Future] = {}
+        self._compile_started: dict[tuple, float] = {}   # monotonic start of each running compile
+        self._states: dict[str, _RequestState] = {}
+        self.stats = StructuredOutputStats()
+        self.num_forced_draft_tokens = int(getattr(config, "num_forced_draft_tokens", 0))
+        self.compile_timeout_s = float(getattr(config, "compile_timeout_s", 30.0))
+
+    # -- backend and compiling -----------------------------------------------------------------
+    @property
+    def backend(self) -> StructuredOutputBackend:
+        """The backend, built on first use (loads the tokenizer and the grammar library)."""
+        with self._backend_lock:
+            if self._backend is None:
+                tok = self._tokenizer() if callable(self._tokenizer) and not hasattr(self._tokenizer, "encode") \
+                    else self._tokenizer
+                t0 = time.perf_counter()
+                self._backend = self._backend_factory(tok, self.vocab_size, self.eos_token_ids, self.config)
+                logger.info("structured outputs: %s backend ready in %.2f s (vocabulary %d)", self._backend.name,
+                            time.perf_counter() - t0, self.vocab_size)
+            return self._backend
+
+    def _compile(self, params: StructuredOutputsParams, key: tuple) -> Any:
+        backend = self.backend          # the first request builds it: not counted in its compile time
+        t0 = time.perf_counter()
+        self._compile_started[key] = time.monotonic()
+        try:
+            compiled = backend.compile(params)
+        finally:
+            self._compile_started.pop(key, None)
+        self.stats.observe_compile(time.perf_counter() - t0)
+        return compiled
+
+    def _submit(self, params: StructuredOutputsParams, key: tuple) -> Future:
+        """The compile future of ``params``' constraint: cached, or newly submitted to the pool."""
+        self.stats.cache_queries += 1
+        fut = self._cache.get(key)
+        if fut is not None and not (fut.done() and fut.exception() is not None
+                                    and not isinstance(fut.exception(), StructuredOutputError)):
+            self.stats.cache_hits += 1
+            return fut
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max(1, int(getattr(self.config, "max_compile_threads", 2))),
+                                            thread_name_prefix="tokenmill-grammar")
+        fut = self._pool.submit(self._compile, params, key)
+        self._cache[key] = fut
+        return fut
+
+    # -- request life cycle (called by the scheduler) --------------------------------------------
+    def add_request(self, req: Any) -> None:
+        """Start compiling ``req``'s constraint (``req.sampling_params.structured_outputs``)."""
+        params = req.sampling_params.structured_outputs
+        kind = params.kind
+        self.stats.requests_by_kind[kind] = self.stats.requests_by_kind.get(kind, 0) + 1
+        key = constraint_key(params, self.config)
+        self._states[req.request_id] = _RequestState(req.request_id, self._submit(params, key), key)
+
+    def poll(self, req: Any) -> str | None:
+        """Where ``req``'s grammar stands: ``"ready"`` (its matcher exists), None (still compiling), or an
+        error message (the request must fail with HTTP 400)."""
+        st = self._states.get(req.request_id)
+        if st is None:
+            return "structured outputs: the request's grammar state is missing"
+        if st.matcher is not None:
+            return "ready"
+        if not st.future.done():
+            started = self._compile_started.get(st.key)
+            if started is not None and time.monotonic() - started > self.compile_timeout_s:
+                self.stats.compile_timeouts += 1
+                return (f"structured outputs: compiling the grammar took longer than {self.compile_timeout_s:g} s "
+                        "(compile_timeout_s); simplify the constraint")
+            return None
+        e = st.future.exception()
+        if e is not None:
+            if isinstance(e, StructuredOutputError):
+                self.stats.compile_failures += 1
+                return str(e)
+            logger.error("structured outputs: backend failed to compile for %s: %r", req.request_id, e)
+            return f"structured outputs: the {getattr(self.config, 'backend', 'grammar')} backend failed: {e}"
+        st.matcher = self.backend.new_matcher(st.future.result())
+        st.num_accepted = 0
+        self._sync(req, st)
+        return "ready"
+
+    def free(self, req_id: str) -> None:
+        """Forget a finished or aborted request."""
+        self._states.pop(req_id, None)
+
+    def has(self, req_id: str) -> bool:
+        return req_id in self._states
+
+    def _sync(self, req: Any, st: _RequestState) -> None:
+        """Rebuild the matcher from the request's output tokens when they disagree (it never lost them here,
+        but a request may arrive with output tokens, e.g. resumed elsewhere)."""
+        out = req.output_token_ids
+        if st.num_accepted == len(out):
+            return
+        m = st.matcher
+        m.reset()
+        st.num_accepted = m.accept_tokens(out)
+        if st.num_accepted != len(out):
+            logger.warning("structured outputs: request %s has output tokens its grammar refuses (at %d of %d)",
+                           req.request_id, st.num_accepted, len(out))
+            st.num_accepted = len(out)     # never rebuild in a loop: the mask continues from the valid prefix
+
+    def accept(self, req: Any, tokens: list[int]) -> bool:
+        """Advance ``req``'s matcher by the step's emitted tokens (already appended to its output).
+
+        Returns:
+            True when the matcher is now terminated (its stop token was accepted, or nothing may follow).
+        """
+        st = self._states.get(req.request_id)
+        if st is None or st.matcher is None:
+            return False
+        base = len(req.output_token_ids) - len(tokens)
+        if st.num_accepted != base:
+            self._sync(req, st)         # out of step: rebuild from all output tokens
+        else:
+            n = st.matcher.accept_tokens(tokens)
+            st.num_accepted += n
+            if n != len(tokens):        # a masked sample cannot do this; logged, and the mask goes on from here
+                logger.error("structured outputs: request %s emitted token %d that its grammar refuses",
+                             req.request_id, tokens[n])
+                st.num_accepted = len(req.output_token_ids)
+        return st.matcher.is_terminated()
+
+    def drafts(self, req: Any, proposed: list[int], max_forced: int) -> tuple[list[int], bool]:
+        """The drafts ``req`` verifies next step, and whether they are grammar-forced.
+
+        Forced tokens (at most ``max_forced``; 0: none) win; otherwise ``proposed`` (the speculative
+        proposer's) is cut to its longest prefix the grammar allows.
+        """
+        st = self._states.get(req.request_id)
+        if st is None or st.matcher is None or st.matcher.is_terminated():
+            return [], False
+        if max_forced > 0:
+            forced = st.matcher.forced_tokens(max_forced)
+            if forced:
+                forced = forced[:st.matcher.validate_tokens(forced)]
+                if forced:
+                    return forced, True
+        if proposed:
+            return proposed[:st.matcher.validate_tokens(proposed)], False
+        return [], False
+
+    def observe_forced(self, num_drafts: int, num_accepted: int) -> None:
+        """Count a step's verified forced drafts (``num_drafts`` scheduled, ``num_accepted`` kept)."""
+        self.stats.forced_draft_tokens += num_drafts
+        self.stats.forced_accepted_tokens += num_accepted
+
+    # -- the step's bitmask ---------------------------------------------------------------------------
+    def grammar_bitmask(self, scheduler_output: Any) -> GrammarBitmask | None:
+        """Start filling the bitmask of this step's constrained sampling rows; None when there are none.
+
+        Row layout (the runner's ``logits`` rows): per sampling request in batch order, ``1 +
+        len(spec_token_ids)`` rows. The fill runs on one worker thread (xgrammar releases the GIL), so it
+        overlaps the forward; :meth:`GrammarBitmask.result` waits for it.
+        """
+        jobs: list[tuple[GrammarMatcher, list[int]]] = []
+        rows: list[int] = []
+        row = 0
+        for sr in scheduler_output.scheduled:
+            if not sr.sample:
+                continue
+            k = len(sr.spec_token_ids)
+            st = self._states.get(sr.req_id)
+            if st is not None and st.matcher is not None:
+                jobs.append((st.matcher, list(sr.spec_token_ids)))
+                rows.extend(range(row, row + k + 1))
+            row += k + 1
+        if not jobs:
+            return None
+        if self._mask_thread is None:
+            self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
+        fut = self._mask_thread.submit(self._fill, jobs, len(rows))
+        return GrammarBitmask(self, rows, fut)
+
+    def _fill(self, jobs: list[tuple[GrammarMatcher, list[int]]], num_rows: int) -> Any:
+        t0 = time.perf_counter()
+        bitmask = self.backend.allocate_bitmask(num_rows)
+        r = 0
+        for m, drafts in jobs:
+            m.fill_bitmask(bitmask, r)
+            r += 1
+            accepted = 0
+            for t in drafts:
+                if not m.accept_token(t):    # never for validated drafts; the row then allows what row r-1 did
+                    break
+                accepted += 1
+                m.fill_bitmask(bitmask, r)
+                r += 1
+            if accepted < len(drafts):
+                for _ in range(len(drafts) - accepted):
+                    bitmask[r] = bitmask[r - 1]
+                    r += 1
+            m.rollback(accepted)
+        self.stats.mask_steps += 1
+        self.stats.mask_rows += num_rows
+        self.stats.mask_fill_time += time.perf_counter() - t0
+        return bitmask
+
+    def shutdown(self) -> None:
+        """Stop the worker threads (a compile in progress finishes in the background)."""
+        for pool in (self._pool, self._mask_thread):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._pool = self._mask_thread = None
+
+
+def make_backend(tokenizer: Any, vocab_size: int, eos_token_ids: list[int], config: Any) -> StructuredOutputBackend:
+    """The backend ``config.backend`` names (``xgrammar``).
+
+    Raises:
+        ValueError: an unknown backend.
+    """
+    name = getattr(config, "backend", "xgrammar")
+    if name == "xgrammar":
+        from tokenmill.structured_output.xgrammar_backend import XgrammarBackend
+
+        if not vocab_size:
+            vocab_size = len(tokenizer)
+        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids, config)
+    raise ValueError(f"unknown structured outputs backend {name!r}")

@@ -1,0 +1,237 @@
+"""The xgrammar backend (Dong et al., "XGrammar: Flexible and Efficient Structured Generation Engine for
+Large Language Models", arXiv 2411.15100): JSON schema, regex, choice, EBNF/GBNF or Lark grammars and
+structural tags, compiled once per (constraint, tokenizer) by xgrammar's ``GrammarCompiler`` (which keeps
+its own compiled-grammar cache) and matched per request by ``GrammarMatcher``.
+
+xgrammar is imported when the backend is built (the first constrained request), never at engine start-up.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured_output.backend import (
+    GrammarMatcher, StructuredOutputBackend, StructuredOutputError, disallow_additional_properties,
+    resolve_json_options,
+)
+
+logger = logging.getLogger(__name__)
+
+# xgrammar prefixes its C++ error messages with "[hh:mm:ss] /path/file.cc:123: "
+_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+def backend_message(e: BaseException) -> str:
+    """The backend's own error text, without xgrammar's timestamp and source-file prefix."""
+    return _CPP_PREFIX.sub("", str(e)).strip()
+
+
+def _json_schema_text(params: StructuredOutputsParams, no_extra: bool) -> str:
+    schema = params.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise StructuredOutputError(f"structured_outputs.json: not valid JSON ({e})", "json") from None
+    if not isinstance(schema, (dict, bool)):
+        raise StructuredOutputError("structured_outputs.json: a JSON schema must be an object", "json")
+    if no_extra:
+        schema = disallow_additional_properties(schema)
+    return json.dumps(schema)
+
+
+def choice_ebnf(choices: list[str]) -> str:
+    """An EBNF grammar matching exactly one of ``choices`` (JSON string escapes are EBNF escapes)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class XgrammarMatcher(GrammarMatcher):
+    """:class:`GrammarMatcher` over an ``xgrammar.GrammarMatcher``."""
+
+    __slots__ = ("m",)
+
+    def __init__(self, matcher: Any) -> None:
+        self.m = matcher
+
+    def accept_token(self, token_id: int) -> bool:
+        return bool(self.m.accept_token(token_id))
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        self.m.fill_next_token_bitmask(bitmask, row)
+
+    def rollback(self, num_tokens: int) -> None:
+        if num_tokens > 0:
+            self.m.rollback(num_tokens)
+
+    def is_terminated(self) -> bool:
+        return bool(self.m.is_terminated())
+
+    def forced_tokens(self, max_tokens: int) -> list[int]:
+        if max_tokens <= 0 or self.m.is_terminated():
+            return []
+        # xgrammar tokenises the forced string greedily by longest vocabulary token and leaves out a last
+        # token that is a strict prefix of a longer one (the text after it could merge into it)
+        return list(self.m.find_jump_forward_tokens()[:max_tokens])
+
+    def reset(self) -> None:
+        self.m.reset()
+
+
+class XgrammarBackend(StructuredOutputBackend):
+    """Compiles with ``xgrammar.GrammarCompiler`` for one Hugging Face tokenizer.
+
+    Args:
+        tokenizer: the model's Hugging Face tokenizer (its vocabulary, decoded).
+        vocab_size: the model's logits width (may exceed the tokenizer's length: padded rows are never allowed).
+        stop_token_ids: the model's EOS ids (allowed when the output is complete).
+        config: the server's :class:`~tokenmill.config.StructuredOutputsConfig` (whitespace and
+            additional-properties defaults, compile threads).
+
+    Raises:
+        ImportError: xgrammar is not installed.
+    """
+
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], config: Any = None) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.config = config
+        self.vocab_size = int(vocab_size)
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                                 stop_token_ids=list(stop_token_ids) or None)
+        threads = getattr(config, "max_compile_threads", 2)
+        self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=True)
+
+    # -- compile ---------------------------------------------------------------------------------
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        kind = params.kind
+        if params.whitespace_pattern is not None:
+            raise StructuredOutputError("structured_outputs.whitespace_pattern is not supported by the xgrammar "
+                                        "backend (use disable_any_whitespace)", "whitespace_pattern")
+        c = self.compiler
+        try:
+            if kind == "json":
+                any_ws, no_extra = resolve_json_options(params, self.config)
+                return c.compile_json_schema(_json_schema_text(params, no_extra), any_whitespace=any_ws)
+            if kind == "json_object":
+                any_ws, _ = resolve_json_options(params, self.config)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+            if kind == "regex":
+                return c.compile_regex(params.regex)
+            if kind == "choice":
+                return c.compile_grammar(choice_ebnf(params.choice))
+            if kind == "grammar":
+                return self._compile_grammar(params.grammar)
+            if kind == "structural_tag":
+                return self._compile_structural_tag(params.structural_tag)
+        except StructuredOutputError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as e:   # xgrammar raises RuntimeError from C++
+            what = {"json": "invalid JSON schema", "json_object": "invalid JSON object constraint",
+                    "regex": "invalid regex", "choice": "invalid choice", "grammar": "invalid grammar",
+                    "structural_tag": "invalid structural tag"}[kind]
+            raise StructuredOutputError(f"structured_outputs.{kind}: {what}: {backend_message(e)}", kind) from None
+        raise StructuredOutputError(f"structured_outputs: unknown constraint kind {kind!r}")
+
+    def _compile_grammar(self, text: str) -> Any:
+        """EBNF/GBNF first (xgrammar's syntax); a grammar that fails as EBNF but parses as Lark is taken as Lark."""
+        try:
+            return self.compiler.compile_grammar(text)
+        except RuntimeError as ebnf_error:
+            if "::=" in text:
+                raise
+            try:
+                return self.compiler.compile_lark(text)
+            except RuntimeError:
+                raise ebnf_error from None
+
+    def _compile_structural_tag(self, text: str) -> Any:
+        """xgrammar's structural-tag JSON; vLLM's legacy ``{"structures": [{"begin", "schema", "end"}],
+        "triggers": [...]}`` form is accepted too."""
+        try:
+            spec = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise StructuredOutputError(f"structured_outputs.structural_tag: not valid JSON ({e})",
+                                        "structural_tag") from None
+        if isinstance(spec, dict) and "structures" in spec and "triggers" in spec:
+            tags = [self.xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                    for s in spec["structures"]]
+            return self.compiler.compile_structural_tag(tags, spec["triggers"])
+        return self.compiler.compile_structural_tag(text)
+
+    # -- matching --------------------------------------------------------------------------------
+    def new_matcher(self, compiled: Any) -> XgrammarMatcher:
+        return XgrammarMatcher(self.xgr.GrammarMatcher(compiled))
+
+    def allocate_bitmask(self, num_rows: int) -> Any:
+        return self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def apply_bitmask(self, logits: Any, bitmask: Any, rows: list[int]) -> None:
+        apply_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_bitmask_torch(logits: Any, bitmask: Any, rows: list[int]) -> None:
+    """``logits[rows[i], t] = -inf`` where bit ``t`` of ``bitmask[i]`` is clear; in place, batched.
+
+    Args:
+        logits: ``[N, V]`` float tensor.
+        bitmask: ``[len(rows), ceil(V / 32)]`` int32 tensor (bit ``t % 32`` of word ``t // 32``).
+        rows: logits row per bitmask row.
+    """
+    import torch
+
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    shifts = torch.arange(32, dtype=torch.int32)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :vocab]     # [R, V]
+    if allowed.shape[1] < vocab:        # logits wider than the bitmask: the extra ids are never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    idx = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    sub = logits.index_select(0, idx).masked_fill_(~allowed.to(logits.device), float("-inf"))
+    logits.index_copy_(0, idx, sub)
+
+
+def validate_with_xgrammar(params: StructuredOutputsParams, config: Any = None) -> None:
+    """Parse ``params``' constraint with xgrammar without a tokenizer (syntax and schema errors only).
+
+    Raises:
+        StructuredOutputError: invalid or unsupported (names the field, carries xgrammar's message).
+    """
+    import xgrammar as xgr
+
+    kind = params.kind
+    if params.whitespace_pattern is not None:
+        raise StructuredOutputError("structured_outputs.whitespace_pattern is not supported by the xgrammar "
+                                    "backend (use disable_any_whitespace)", "whitespace_pattern")
+    try:
+        if kind == "json":
+            any_ws, no_extra = resolve_json_options(params, config)
+            xgr.Grammar.from_json_schema(_json_schema_text(params, no_extra), any_whitespace=any_ws)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(params.regex)
+        elif kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
+        elif kind == "grammar":
+            try:
+                xgr.Grammar.from_ebnf(params.grammar)
+            except RuntimeError:
+                if "::=" in params.grammar:
+                    raise
+                xgr.Grammar.from_lark(params.grammar)
+        elif kind == "structural_tag":
+            spec = json.loads(params.structural_tag)
+            if not (isinstance(spec, dict) and "structures" in spec):
+                xgr.Grammar.from_structural_tag(params.structural_tag)
+    except StructuredOutputError:
+        raise
+    except json.JSONDecodeError as e:
+        raise StructuredOutputError(f"structured_outputs.{kind}: not valid JSON ({e})", kind) from None
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise StructuredOutputError(f"structured_outputs.{kind}: {backend_message(e)}", kind) from None
