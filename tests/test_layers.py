@@ -34,6 +34,7 @@ RULES: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...]]] = {
     "tokenmill.metrics": (None, ("tokenmill.engine", "tokenmill.model") + UPPER),
     "tokenmill.engine": (None, UPPER),
     "tokenmill.kv_transfer": (None, ("tokenmill.engine",) + UPPER),
+    "tokenmill.lora": (None, ("tokenmill.engine",) + UPPER),
 }
 # Third-party packages the pure-Python core must not need.
 CORE_FORBIDDEN_LIBS = ("torch", "numpy", "zmq", "fastapi", "transformers")

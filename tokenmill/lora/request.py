@@ -11,7 +11,6 @@ requests of it were in flight, still serves them).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 
@@ -38,56 +37,4 @@ class LoRARequest:
             raise ValueError("a LoRA adapter needs a non-empty name")
 
 
-@dataclass(frozen=True)
-class LoRAModule:
-    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON ``{"name", "path", "base_model_name"}``."""
-
-    name: str
-    path: str
-    base_model_name: str | None = None
-
-
-def parse_lora_modules(text: str | None) -> list[LoRAModule]:
-    """Parse ``--lora-modules`` (entries separated by newlines or spaces; JSON entries may hold spaces).
-
-    Args:
-        text: the flag's words joined by newlines (``name=path`` or one JSON object per word).
-
-    Returns:
-        the modules in order.
-
-    Raises:
-        ValueError: an entry is neither ``name=path`` nor a JSON object with ``name`` and ``path``,
-            or two entries share a name.
-    """
-    if not text:
-        return []
-    out: list[LoRAModule] = []
-    words: list[str] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        words.extend([line] if line.startswith("{") else line.split())
-    for word in words:
-        if word.startswith("{"):
-            try:
-                d = json.loads(word)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--lora-modules: {word!r} is not valid JSON: {e}") from None
-            if not isinstance(d, dict) or not d.get("name") or not d.get("path"):
-                raise ValueError(f"--lora-modules: a JSON entry needs 'name' and 'path', got {word!r}")
-            extra = set(d) - {"name", "path", "base_model_name"}
-            if extra:
-                raise ValueError(f"--lora-modules: unknown keys {sorted(extra)} in {word!r}")
-            out.append(LoRAModule(str(d["name"]), str(d["path"]), d.get("base_model_name")))
-        else:
-            name, sep, path = word.partition("=")
-            if not sep or not name or not path:
-                raise ValueError(f"--lora-modules: expected name=path or a JSON object, got {word!r}")
-            out.append(LoRAModule(name, path))
-    names = [m.name for m in out]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"--lora-modules: adapter names given twice: {dup}")
-    return out
+from tokenmill.config import LoRAModule, parse_lora_modules  # noqa: E402,F401 - re-export (config owns the flag)
