@@ -53,6 +53,7 @@ RULES: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...]]] = {
     "tokenmill.cli": (None, ()),
     "tokenmill.flags_doc": (None, ()),
     "tokenmill.structured_output": (None, ("tokenmill.engine", "tokenmill.model", "tokenmill.core") + UPPER),
+    "tokenmill.lora": (None, ("tokenmill.engine",) + UPPER),
 }
 ROOT_RULE: tuple[tuple[str, ...] | None, tuple[str, ...]] = (None, ())
 # Import cycles tolerated (none: router/app.py <-> router/pd.py was broken by router/relay.py). Any cycle fails.

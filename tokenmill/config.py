@@ -76,6 +76,61 @@ def int4_max_tokens_from_env() -> int:
     return envs.get(INT4_ENV)
 
 
+@dataclass(frozen=True)
+class LoRAModule:
+    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON ``{"name", "path", "base_model_name"}``."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_modules(text: str | None) -> list[LoRAModule]:
+    """Parse ``--lora-modules`` (entries separated by newlines or spaces; JSON entries may hold spaces).
+
+    Args:
+        text: the flag's words joined by newlines (``name=path`` or one JSON object per word).
+
+    Returns:
+        the modules in order.
+
+    Raises:
+        ValueError: an entry is neither ``name=path`` nor a JSON object with ``name`` and ``path``,
+            or two entries share a name.
+    """
+    if not text:
+        return []
+    out: list[LoRAModule] = []
+    words: list[str] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        words.extend([line] if line.startswith("{") else line.split())
+    for word in words:
+        if word.startswith("{"):
+            try:
+                d = json.loads(word)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules: {word!r} is not valid JSON: {e}") from None
+            if not isinstance(d, dict) or not d.get("name") or not d.get("path"):
+                raise ValueError(f"--lora-modules: a JSON entry needs 'name' and 'path', got {word!r}")
+            extra = set(d) - {"name", "path", "base_model_name"}
+            if extra:
+                raise ValueError(f"--lora-modules: unknown keys {sorted(extra)} in {word!r}")
+            out.append(LoRAModule(str(d["name"]), str(d["path"]), d.get("base_model_name")))
+        else:
+            name, sep, path = word.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: expected name=path or a JSON object, got {word!r}")
+            out.append(LoRAModule(name, path))
+    names = [m.name for m in out]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"--lora-modules: adapter names given twice: {dup}")
+    return out
+
+
 def _f(default: Any, help: str, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, **kw})
 
@@ -98,7 +153,25 @@ class ModelConfig:
     structured_outputs_config: str | None = _f(None, "Structured outputs (JSON schema, regex, choice, grammar constraints), vLLM's JSON keys: '{\"backend\": \"xgrammar\", \"disable_any_whitespace\": false, \"disable_additional_properties\": false}' plus tokenmill's \"num_forced_draft_tokens\" (grammar-forced tokens verified as free draft tokens per step, default 8, 0: off) and \"compile_timeout_s\" (a grammar compiling longer fails its request with HTTP 400, default 30). Backend: xgrammar. See docs/guide/structured_outputs_engine.md.", metavar="JSON")
     quantization: str | None = _f(None, "Weight quantisation applied at load time: int8 (weight-only, per channel), w8a8 (int8 weights and per-token int8 activations; needs VNNI on CPU), int4 (weight-only, groups of 32 inputs; TOKENMILL_INT4_GROUP_SIZE up to 128 sets larger ones); awq / gptq name a pre-quantised 4-bit checkpoint (detected from its quantization_config anyway). Default: none (a GGUF keeps its own low-bit codes for small steps).")
 
+    enable_lora: bool = _f(False, "Serve LoRA adapters on this base model (vLLM's --enable-lora): a request's 'model' names the adapter; rows of different adapters share one step (docs/guide/lora.md).")
+    lora_modules: str | None = _f(None, "Adapters to serve from the start, vLLM's syntax: name=path entries, or JSON objects '{\"name\": \"a\", \"path\": \"/p\", \"base_model_name\": \"m\"}' (PEFT folders with adapter_config.json + adapter_model.safetensors). Needs --enable-lora.", nargs="+", join="\n", metavar="NAME=PATH")
+    max_loras: int = _f(1, "Distinct LoRA adapters in one step (adapter slots); requests of other adapters wait, aged so they are not starved.")
+    max_lora_rank: int = _f(16, "Largest LoRA rank served; adapters above it are refused. Memory and delta FLOPs scale with it (ranks below are zero-padded).")
+    max_cpu_loras: int | None = _f(None, "LoRA adapters kept loaded in CPU memory (least recently used dropped beyond it and reloaded from their folder on the next request). Default: --max-loras.")
+    allow_runtime_lora_updating: bool = _f(False, "Enable POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM guards them with VLLM_ALLOW_RUNTIME_LORA_UPDATING; here a flag). Needs --enable-lora.", server_only=True)
+
     def __post_init__(self) -> None:
+        if self.enable_lora or self.lora_modules:
+            if not self.enable_lora:
+                raise ValueError("--lora-modules needs --enable-lora")
+            if self.max_loras < 1 or self.max_lora_rank < 1:
+                raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras} and "
+                                 f"{self.max_lora_rank}")
+            if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+                raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+            parse_lora_modules(self.lora_modules)     # ValueError naming the bad entry
+        if self.allow_runtime_lora_updating and not self.enable_lora:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
         if self.quantization is not None and self.quantization not in ("int8", "w8a8", "int4", "awq", "gptq"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of int8, w8a8, int4, awq, gptq")
         self.structured_outputs  # validates the JSON
@@ -425,6 +498,14 @@ class EngineConfig:
         if self.cache.kv_offloading_backend is not None and self.parallel.world_size > 1:
             raise ValueError("--kv-offloading-backend needs one rank per engine (tensor and pipeline parallel size 1): "
                              "the tier reads and writes the engine core's own KV pool")
+        if self.model.enable_lora:
+            if self.parallel.world_size > 1 or self.server.data_parallel_size > 1:
+                raise ValueError("--enable-lora needs one rank and one engine core (tensor, pipeline and data "
+                                 "parallel size 1)")
+            if not self.model.enforce_eager:
+                raise ValueError("--enable-lora needs the eager step (--enforce-eager)")
+            if self.speculative is not None and self.speculative.method != "ngram":
+                raise ValueError("--enable-lora works with ngram speculation only (a draft model has no adapters)")
         if self.cache.kv_transfer_config is not None:
             if self.parallel.world_size > 1:
                 raise ValueError("--kv-transfer-config needs one rank per engine (tensor and pipeline parallel "

@@ -147,7 +147,8 @@ class KVCacheManager:
         assert self.block_pool.kv_events is not None
         self.block_pool.kv_events.append(BlockStored(
             block_hashes=list(hashes[first:end]), parent_block_hash=hashes[first - 1] if first > 0 else None,
-            token_ids=list(request.all_token_ids[first * bs:end * bs]), block_size=bs))
+            token_ids=list(request.all_token_ids[first * bs:end * bs]), block_size=bs,
+            lora_id=request.lora_int_id or None))
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached hash and zero the stats; returns the number of hashes dropped.

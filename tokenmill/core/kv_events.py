@@ -54,7 +54,8 @@ class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
             when ``block_hashes[0]`` is the first block of a sequence.
         token_ids: ``[num_blocks * block_size]`` token ids of these blocks.
         block_size: tokens per block.
-        lora_id: adapter id (always None here; kept for vLLM's layout).
+        lora_id: the LoRA adapter's ``lora_int_id`` (None: the base model), as vLLM's field; the
+            adapter id is also part of the hashes (block 0's extra keys).
         medium: storage tier (None means the device pool).
     """
 

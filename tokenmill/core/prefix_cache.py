@@ -9,7 +9,8 @@ block's identity depend on the whole prefix, as in PagedAttention's
 "sharing" of §4.4, arXiv 2309.06180, and SGLang's RadixAttention, arXiv
 2312.07104 §3). The extra keys of the *first* block carry the request's
 ``cache_salt``; since every later hash contains its parent's, a salt changes
-every hash of the chain, so requests with different salts never share blocks.
+every hash of the chain, so requests with different salts never share blocks. A LoRA adapter's
+``lora_int_id`` joins the same extra keys: requests of different adapters never share blocks either.
 
 Verification of a hit: the cache index is keyed by the full 32-byte SHA-256
 digest of a canonical, length-prefixed byte encoding (no Python ``hash()``,
@@ -75,10 +76,15 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
 
 
 def block_extra_keys(request: Request, block_index: int) -> tuple[object, ...]:
-    """Extra hash keys of block ``block_index``: the cache salt on block 0 only (it then chains)."""
-    if block_index == 0 and request.cache_salt is not None:
-        return (request.cache_salt,)
-    return ()
+    """Extra hash keys of block ``block_index``: the cache salt and the LoRA adapter id on block 0 only
+    (they then chain), so requests of different adapters (or salts) never share blocks."""
+    if block_index != 0:
+        return ()
+    keys: tuple[object, ...] = () if request.cache_salt is None else (request.cache_salt,)
+    lora = getattr(request, "lora_request", None)
+    if lora is not None:
+        keys += (int(lora.lora_int_id),)
+    return keys
 
 
 def update_block_hashes(request: Request, block_size: int) -> list[BlockHash]:

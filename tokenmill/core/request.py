@@ -58,6 +58,9 @@ class Request:
         batch: a batch-lane request (``service_tier: "batch"``): it is
             scheduled only with the capacity interactive requests leave and
             is preempted before any of them.
+        lora_request: the LoRA adapter (:class:`tokenmill.lora.request.LoRARequest`, duck-typed:
+            ``lora_int_id``, ``lora_name``, ``lora_path``), None for the base model. Its id joins
+            the block hashes (adapters never share cached blocks) and the step's adapter set.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Request:
         cache_salt: str | None = None,
         max_tokens: int | None = None,
         batch: bool = False,
+        lora_request: Any = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -81,6 +85,9 @@ class Request:
         self.cache_salt = cache_salt
         self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
         self.batch = batch
+        self.lora_request = lora_request
+        # LoRA: when the request first waited for an adapter slot or load (aging; None: never)
+        self.lora_wait_since: float | None = None
         self.status = RequestStatus.WAITING
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -115,6 +122,11 @@ class Request:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     # -- sizes ---------------------------------------------------------------
+    @property
+    def lora_int_id(self) -> int:
+        """The adapter's id (0: the base model)."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

@@ -45,6 +45,8 @@ class ScheduledRequest:
             they are the last ``len(spec_token_ids)`` entries of
             ``token_ids`` (only on a sampling step). The runner samples at
             the last real token and at every draft position.
+        lora_request: the request's LoRA adapter (``lora_int_id``, ``lora_name``, ``lora_path``),
+            None for the base model; the runner maps the request's rows to its adapter slot.
     """
 
     req_id: str
@@ -58,6 +60,7 @@ class ScheduledRequest:
     new: bool = False
     prompt_logprobs: int | None = None
     spec_token_ids: list[int] = field(default_factory=list)
+    lora_request: Any = None
 
     @property
     def num_scheduled_tokens(self) -> int:

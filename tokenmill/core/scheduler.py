@@ -281,7 +281,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  max_model_len: int, num_kv_blocks: int,
                  speculative_config: SpeculativeConfig | None = None, kv_connector: Any = None,
-                 structured_output: Any = None) -> None:
+                 structured_output: Any = None, max_loras: int = 0, lora_ready: Any = None) -> None:
         if max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {max_model_len}")
         self.scheduler_config = scheduler_config
@@ -322,6 +322,10 @@ class Scheduler:
         # finished requests whose blocks stay held: kept for a consumer to pull, or aborted while
         # loading (the load thread may still write into them until it reports)
         self._kv_held: dict[str, Request] = {}
+        # LoRA: at most max_loras distinct adapters in a step (0: no adapters); lora_ready(request) ->
+        # (resident, error) asks the runner whether the adapter is loaded (starting its load when not)
+        self.max_loras = max_loras
+        self.lora_ready = lora_ready
         # prompt tokens by where their K/V came from (vLLM's prompt_tokens_by_source)
         self.prompt_tokens_by_source = {"local_compute": 0, "local_cache_hit": 0, "external_kv_transfer": 0}
         self.structured_output = structured_output
@@ -632,8 +636,24 @@ class Scheduler:
         Returns:
             the budget left.
         """
+        skipped: list[Request] = []     # LoRA: requests whose adapter has no slot or is loading yet
+        lora = _LoRAAdmission(self) if self.max_loras else None
         while len(self.waiting) and budget > 0:
             req = self.waiting.peek()
+            if lora is not None and req.lora_request is not None:
+                verdict = lora.admissible(req)
+                if verdict is not True:
+                    self.waiting.pop()
+                    if verdict is None:     # its adapter failed to load: fail it (400), never block the queue
+                        self._num_waiting_tokens -= req.num_prompt_tokens
+                        req.status = RequestStatus.FINISHED_ERROR
+                        req.error = lora.error
+                        req.finished_time = time.time()
+                        self._finish(req, notify_connector=False)
+                        self._pending_outputs.append(self._make_output(req, []))
+                    else:
+                        skipped.append(req)
+                    continue
             if len(self.running) >= self.max_num_seqs:
                 refund = self._preempt_for(req, out)
                 if refund is None:
@@ -688,6 +708,10 @@ class Scheduler:
             self._step_scheduled[req.request_id] = sr
             out.scheduled.append(sr)
             budget -= n
+            if lora is not None:
+                lora.admitted(req)
+        for req in reversed(skipped):     # back in front, in their order: they keep their age
+            self.waiting.add_front(req)
         return budget
 
     def _start_remote_load(self, req: Request, hit_blocks: list, num_hit: int) -> bool | None:
@@ -815,6 +839,7 @@ class Scheduler:
             prompt_logprobs=req.sampling_params.prompt_logprobs
             if req.needs_prompt_logprobs and start < req.num_prompt_tokens - 1 else None,
             spec_token_ids=drafts,
+            lora_request=req.lora_request,
         )
         req.num_computed_tokens = start + n + num_drafts
         if start < req.num_prompt_tokens:
@@ -1036,6 +1061,60 @@ class Scheduler:
             self._finish(req, notify_connector=False)   # no output carries params now: keep nothing
         if removed_running:
             self.running = [r for r in self.running if not r.is_finished]
+
+
+#: seconds a request may wait for an adapter slot before admissions of the adapters holding the slots
+#: stop (base-model requests still run), so the slots drain and it gets one (no starvation)
+LORA_AGING_S = 2.0
+
+
+class _LoRAAdmission:
+    """One admission pass's LoRA bookkeeping: at most ``max_loras`` distinct adapters in the step.
+
+    The step holds every running request (they run first), so the adapters of running requests
+    hold the slots. A waiting request whose adapter is among them, or that finds a free slot, may
+    be admitted once the runner has its adapter resident (``lora_ready``: a load starts in the
+    background and the request waits meanwhile); a failed load fails the request (400). A request
+    that finds no slot waits; after :data:`LORA_AGING_S` it is *aged*: for the rest of the pass no
+    request of an adapter that holds a slot is admitted, so those adapters' requests finish, a
+    slot frees and the aged request (first in the queue) takes it.
+    """
+
+    def __init__(self, sched: "Scheduler") -> None:
+        self.sched = sched
+        self.active = {r.lora_int_id for r in sched.running if r.lora_request is not None}
+        self.drain = False
+        self.now = time.time()
+        self.error = ""
+
+    def admissible(self, req: Request) -> bool | None:
+        """True: admit it (if seats, budget and blocks allow); False: it waits; None: its adapter
+        failed to load (:attr:`error` says why)."""
+        lid = req.lora_int_id
+        s = self.sched
+        if lid not in self.active:
+            if len(self.active) >= s.max_loras:
+                if req.lora_wait_since is None:
+                    req.lora_wait_since = self.now
+                if self.now - req.lora_wait_since >= LORA_AGING_S:
+                    self.drain = True
+                return False
+        elif self.drain:
+            return False
+        if s.lora_ready is None:
+            return True
+        ready, error = s.lora_ready(req)
+        if error is not None:
+            self.error = f"LoRA adapter {getattr(req.lora_request, 'lora_name', lid)!r} failed to load: {error}"
+            return None
+        if not ready and req.lora_wait_since is None:
+            req.lora_wait_since = self.now
+        return ready
+
+    def admitted(self, req: Request) -> None:
+        if req.lora_request is not None:
+            self.active.add(req.lora_int_id)
+            req.lora_wait_since = None
 
 
 def _eos_ids(eos: int | Iterable[int] | None) -> tuple[int, ...]:

@@ -100,7 +100,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         for f in dataclasses.fields(cls):
             if hasattr(args, f.name):
                 value = getattr(args, f.name)
-                values[f.name] = " ".join(map(str, value)) if isinstance(value, list) else value
+                values[f.name] = (f.metadata.get("join", " ").join(map(str, value)) if isinstance(value, list)
+                                  else value)
     tag = getattr(args, _POSITIONAL_DEST, None)
     if tag is not None:
         if values.get("model") not in (None, tag):
