@@ -75,6 +75,9 @@ several servers (or tests) in one process do not collide.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the API
 
@@ -109,6 +112,166 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
                 return out
             out.append(v)
         exp += 1
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric family, declared: the exporter builds every family from these tables.
+
+    Attributes:
+        key: where the exporter keeps it (a key of the engine families, or an attribute for the API's).
+        kind: ``Gauge``, ``Counter`` or ``Histogram`` (a counter's name gets ``_total`` from the client).
+        name: the name after :data:`PREFIX` (vLLM's, where vLLM has the metric).
+        doc: the ``# HELP`` text.
+        labels: labels after the scope's own (``model_name``, and ``engine`` for an engine's metrics).
+        buckets: histogram boundaries; ``"tokens"``: 1-2-5 buckets up to the context limit.
+    """
+
+    key: str
+    kind: type
+    name: str
+    doc: str
+    labels: tuple[str, ...] = ()
+    buckets: tuple[float, ...] | str | None = None
+
+    def build(self, registry: CollectorRegistry, scope: tuple[str, ...], token_buckets: list[int]):
+        """The family in ``registry``, labelled ``scope + labels``."""
+        kw: dict[str, Any] = {"registry": registry}
+        if self.kind is Histogram:
+            kw["buckets"] = token_buckets if self.buckets == "tokens" else list(self.buckets or ())
+        return self.kind(PREFIX + self.name, self.doc, [*scope, *self.labels], **kw)
+
+
+def _g(key: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(key, Gauge, name, doc, labels)
+
+
+def _c(key: str, name: str, doc: str, labels: tuple[str, ...] = ()) -> MetricSpec:
+    return MetricSpec(key, Counter, name, doc, labels)
+
+
+def _h(key: str, name: str, doc: str, buckets: list[float] | str) -> MetricSpec:
+    return MetricSpec(key, Histogram, name, doc, (), buckets if isinstance(buckets, str) else tuple(buckets))
+
+
+#: Every engine core's families (labels ``model_name``, ``engine``), in export order.
+ENGINE_METRICS: tuple[MetricSpec, ...] = (
+    _g("num_running", "num_requests_running", "Number of requests in the running batch."),
+    _g("num_waiting", "num_requests_waiting", "Number of requests waiting to be scheduled."),
+    _g("kv_usage", "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)."),
+    _c("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+    _c("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed."),
+    _c("generation_tokens", "generation_tokens", "Number of generation tokens processed."),
+    _c("prefix_queries", "prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."),
+    _c("prefix_hits", "prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."),
+    _c("spec_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts."),
+    _c("spec_draft_tokens", "spec_decode_num_draft_tokens", "Number of draft tokens."),
+    _c("spec_accepted", "spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    _c("spec_accepted_per_pos", "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+       ("position",)),
+    _g("eplb_expert_load", "eplb_expert_load",
+       "Assignments (token, expert) routed to each logical MoE expert over the EPLB load window; layer=\"all\" "
+       "sums the layers when there are too many series.", ("layer", "expert")),
+    _g("eplb_imbalance", "eplb_imbalance_ratio",
+       "Busiest / mean expert-parallel rank load (summed over MoE layers), measured since the last EPLB rebalance "
+       "(1 = balanced)."),
+    _g("eplb_expert_imbalance", "eplb_expert_imbalance_ratio",
+       "Most / mean loaded logical expert over the EPLB window (routing skew)."),
+    _g("eplb_before", "eplb_imbalance_ratio_before_rebalance",
+       "eplb_imbalance_ratio measured just before the last rebalance."),
+    _g("eplb_after", "eplb_imbalance_ratio_after_rebalance",
+       "Imbalance ratio predicted for the placement chosen at the last rebalance, on the same window."),
+    _c("eplb_rebalances", "eplb_rebalances", "EPLB rebalances computed."),
+    _c("eplb_changes", "eplb_placement_changes", "EPLB rebalances that changed the expert placement."),
+    _c("eplb_moved", "eplb_moved_experts", "Expert replicas copied into a new slot by EPLB (all ranks)."),
+    _c("eplb_seconds", "eplb_rebalance_seconds", "Seconds spent rebalancing (placement + weight moves)."),
+    _c("kvx_sources", "prompt_tokens_by_source", "Prompt tokens by where their KV came from.", ("source",)),
+    _c("kvx_bytes", "kv_transfer_bytes", "KV cache bytes moved by the KV connector.", ("direction",)),
+    _c("kvx_failed", "kv_transfer_failed", "KV loads that failed or timed out."),
+    _c("kvx_recomputed", "kv_transfer_recomputed_requests",
+       "Requests that recomputed their prompt because their KV could not be loaded."),
+    _c("kvx_expired", "kv_transfer_expired", "Requests whose kept KV no consumer pulled before the timeout."),
+    _c("kvx_released", "kv_transfer_released",
+       "Requests whose kept KV was freed early because no consumer would pull it."),
+    _h("kvx_time", "kv_transfer_time_seconds", "Histogram of the time of one KV load in seconds.", TTFT_BUCKETS),
+    _c("kvo_queries", "external_prefix_cache_queries",
+       "External prefix cache queries (KV offloading tier), in prompt tokens looked up."),
+    _c("kvo_hits", "external_prefix_cache_hits", "External prefix cache hits (KV offloading tier), in prompt tokens loaded."),
+    _c("kvo_blocks", "kv_offload_blocks", "KV blocks written to / loaded from the offloading tier.", ("direction",)),
+    _c("kvo_bytes", "kv_offload_bytes", "Bytes written to / loaded from the offloading tier.", ("direction",)),
+    _c("kvo_seconds", "kv_offload_seconds", "Seconds spent storing, loading and copying blocks for the offloading tier.",
+       ("direction",)),
+    _c("kvo_evicted", "kv_offload_evicted_blocks", "Tier files removed to stay within its size (LRU)."),
+    _c("kvo_discarded", "kv_offload_discarded_blocks", "Tier files discarded: corrupt, or written under another configuration."),
+    _c("kvo_dropped", "kv_offload_dropped_saves", "Blocks not saved (writer behind, or writes paused)."),
+    _c("kvo_write_errors", "kv_offload_write_errors", "Tier writes that failed (e.g. a full disk)."),
+    _c("kvo_failed_loads", "kv_offload_failed_loads", "Tier loads that failed (the prompt was recomputed)."),
+    _g("kvo_usage", "kv_offload_usage_bytes", "Bytes of files in the offloading tier."),
+    _g("kvo_capacity", "kv_offload_capacity_bytes", "Size limit of the offloading tier in bytes."),
+    _g("kvo_resident", "kv_offload_resident_blocks", "KV blocks held by the offloading tier."),
+    _g("kvo_paused", "kv_offload_writes_paused", "1 while tier writes are paused after a failed write."),
+    _c("so_requests", "structured_output_requests", "Constrained requests by constraint kind.", ("kind",)),
+    _h("so_compile_time", "grammar_compile_time_seconds", "Histogram of grammar compile time in seconds.",
+       [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
+    _c("so_cache_queries", "grammar_cache_queries", "Grammar compile-cache lookups."),
+    _c("so_cache_hits", "grammar_cache_hits", "Grammar compile-cache lookups served without compiling."),
+    _c("so_failures", "grammar_compile_failures", "Constraints the grammar backend refused (HTTP 400)."),
+    _c("so_timeouts", "grammar_compile_timeouts", "Requests failed because their grammar compiled too long."),
+    _c("so_fill", "grammar_bitmask_fill_seconds", "Seconds filling token bitmasks (overlapping the forward)."),
+    _c("so_wait", "grammar_bitmask_wait_seconds", "Seconds the model step waited for its token bitmask."),
+    _c("so_forced", "grammar_forced_draft_tokens", "Grammar-forced tokens verified as draft tokens."),
+    _c("so_forced_acc", "grammar_forced_accepted_tokens", "Grammar-forced draft tokens accepted."),
+    _g("so_queue", "num_grammar_queue_reqs", "Requests waiting for their grammar to compile."),
+    _c("success", "request_success", "Count of finished requests by finish reason.", ("finished_reason",)),
+    _h("ttft", "time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS),
+    _h("itl", "inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
+    _h("e2e", "e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS),
+    _h("queue", "request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+       REQUEST_LATENCY_BUCKETS),
+    _h("prefill", "request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+       REQUEST_LATENCY_BUCKETS),
+    _h("decode", "request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+       REQUEST_LATENCY_BUCKETS),
+    _h("inference", "request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+       REQUEST_LATENCY_BUCKETS),
+    _h("req_prompt_tokens", "request_prompt_tokens", "Number of prefill tokens processed.", "tokens"),
+    _h("req_gen_tokens", "request_generation_tokens", "Number of generation tokens processed.", "tokens"),
+    _h("req_max_tokens", "request_params_max_tokens", "Histogram of the max_tokens request parameter.", "tokens"),
+    _h("sched_time", "scheduler_time_seconds", "Histogram of per-step scheduling time (schedule + update) in seconds.",
+       SCHEDULER_TIME_BUCKETS),
+)
+
+#: The API process's own families (label ``model_name``; no ``engine``), in export order. Those without
+#: extra labels are kept as their one child (``self.predicted_ttft.observe(...)``).
+API_METRICS: tuple[MetricSpec, ...] = (
+    _c("_refused", "request_refused",
+       "Requests refused by admission control (HTTP 429), by the limit that refused them.", ("reason",)),
+    # --slo admission: TTFT / TPOT predictions, their error and the learnt margins
+    _h("predicted_ttft", "predicted_ttft_seconds", "Histogram of the TTFT predicted by SLO admission control "
+       "(--slo) for each request it judged, in seconds.", TTFT_BUCKETS),
+    _h("ttft_pred_error", "ttft_prediction_error_seconds", "Histogram of measured minus predicted TTFT of admitted "
+       "requests (--slo), in seconds (negative: the prediction was pessimistic).", PREDICTION_ERROR_BUCKETS),
+    _h("ttft_pred_abs_error", "ttft_prediction_abs_error_seconds", "Histogram of |measured - predicted| TTFT of "
+       "admitted requests (--slo), in seconds.", TTFT_BUCKETS),
+    _h("predicted_tpot", "predicted_tpot_seconds", "Histogram of the TPOT predicted by SLO admission control (--slo) "
+       "for each request it judged (the decode batch it would run in), in seconds.", ITL_BUCKETS),
+    _h("tpot_pred_error", "tpot_prediction_error_seconds", "Histogram of measured minus predicted TPOT of admitted "
+       "requests at finish (--slo), in seconds (negative: the prediction was pessimistic).", PREDICTION_ERROR_BUCKETS),
+    _h("tpot_pred_abs_error", "tpot_prediction_abs_error_seconds", "Histogram of |measured - predicted| TPOT of "
+       "admitted requests (--slo), in seconds.", ITL_BUCKETS),
+    _g("slo_decode_batch_limit", "slo_decode_batch_limit", "Largest decode batch (sequences) whose predicted TPOT "
+       "meets the --slo target, at the latest prediction."),
+    _g("slo_ttft_margin", "slo_ttft_margin_seconds", "Safety margin --slo adds to TTFT predictions, learnt from "
+       "their observed error (seconds; negative when the model is pessimistic)."),
+    _g("slo_tpot_factor", "slo_tpot_margin_factor", "Factor --slo applies to TPOT predictions, learnt from measured "
+       "/ predicted TPOT of finished requests."),
+)
+
+#: vLLM's cache_config_info: one series per engine whose labels carry the KV cache configuration (value 1); the
+#: router reads each backend's pool size (num_gpu_blocks) from it.
+CACHE_CONFIG_INFO = _g("_cache_config", "cache_config_info", "Information of the KV cache configuration (labels; "
+                       "value 1). num_gpu_blocks is the engine's KV pool size in blocks (on any device).",
+                       ("block_size", "cache_dtype", "enable_prefix_caching", "num_gpu_blocks"))
 
 
 class _EngineSeries:
@@ -272,171 +435,15 @@ class PrometheusStatLogger:
         disable_created_metrics()
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        r, ln = self.registry, ["model_name", "engine"]
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, ln, registry=r)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, ln, registry=r)
-
-        def hist(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(PREFIX + name, doc, ln, buckets=buckets, registry=r)
-
         token_buckets = build_1_2_5_buckets(max(1, max_model_len))
-        self._fams = {
-            "num_running": gauge("num_requests_running", "Number of requests in the running batch."),
-            "num_waiting": gauge("num_requests_waiting", "Number of requests waiting to be scheduled."),
-            "kv_usage": gauge("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0 to 1)."),
-            "num_preemptions": counter("num_preemptions", "Cumulative number of preemptions."),
-            "prompt_tokens": counter("prompt_tokens", "Number of prefill tokens processed."),
-            "generation_tokens": counter("generation_tokens", "Number of generation tokens processed."),
-            "prefix_queries": counter("prefix_cache_queries", "Prefix cache queries, in prompt tokens looked up."),
-            "prefix_hits": counter("prefix_cache_hits", "Prefix cache hits, in prompt tokens found cached."),
-            "spec_drafts": counter("spec_decode_num_drafts", "Number of spec decoding drafts."),
-            "spec_draft_tokens": counter("spec_decode_num_draft_tokens", "Number of draft tokens."),
-            "spec_accepted": counter("spec_decode_num_accepted_tokens", "Number of accepted tokens."),
-            "spec_accepted_per_pos": Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                             "Accepted tokens per draft position.",
-                                             ["model_name", "engine", "position"], registry=r),
-            "eplb_expert_load": Gauge(PREFIX + "eplb_expert_load",
-                                      "Assignments (token, expert) routed to each logical MoE expert over the EPLB "
-                                      "load window; layer=\"all\" sums the layers when there are too many series.",
-                                      ["model_name", "engine", "layer", "expert"], registry=r),
-            "eplb_imbalance": gauge("eplb_imbalance_ratio",
-                                    "Busiest / mean expert-parallel rank load (summed over MoE layers), measured "
-                                    "since the last EPLB rebalance (1 = balanced)."),
-            "eplb_expert_imbalance": gauge("eplb_expert_imbalance_ratio",
-                                           "Most / mean loaded logical expert over the EPLB window (routing skew)."),
-            "eplb_before": gauge("eplb_imbalance_ratio_before_rebalance",
-                                 "eplb_imbalance_ratio measured just before the last rebalance."),
-            "eplb_after": gauge("eplb_imbalance_ratio_after_rebalance",
-                                "Imbalance ratio predicted for the placement chosen at the last rebalance, on the "
-                                "same window."),
-            "eplb_rebalances": counter("eplb_rebalances", "EPLB rebalances computed."),
-            "eplb_changes": counter("eplb_placement_changes", "EPLB rebalances that changed the expert placement."),
-            "eplb_moved": counter("eplb_moved_experts", "Expert replicas copied into a new slot by EPLB (all ranks)."),
-            "eplb_seconds": counter("eplb_rebalance_seconds", "Seconds spent rebalancing (placement + weight moves)."),
-            "kvx_sources": Counter(PREFIX + "prompt_tokens_by_source",
-                                   "Prompt tokens by where their KV came from.",
-                                   ["model_name", "engine", "source"], registry=r),
-            "kvx_bytes": Counter(PREFIX + "kv_transfer_bytes", "KV cache bytes moved by the KV connector.",
-                                 ["model_name", "engine", "direction"], registry=r),
-            "kvx_failed": counter("kv_transfer_failed", "KV loads that failed or timed out."),
-            "kvx_recomputed": counter("kv_transfer_recomputed_requests",
-                                      "Requests that recomputed their prompt because their KV could not be loaded."),
-            "kvx_expired": counter("kv_transfer_expired",
-                                   "Requests whose kept KV no consumer pulled before the timeout."),
-            "kvx_released": counter("kv_transfer_released",
-                                    "Requests whose kept KV was freed early because no consumer would pull it."),
-            "kvx_time": hist("kv_transfer_time_seconds", "Histogram of the time of one KV load in seconds.",
-                             TTFT_BUCKETS),
-            "kvo_queries": counter("external_prefix_cache_queries",
-                                   "External prefix cache queries (KV offloading tier), in prompt tokens looked up."),
-            "kvo_hits": counter("external_prefix_cache_hits",
-                                "External prefix cache hits (KV offloading tier), in prompt tokens loaded."),
-            "kvo_blocks": Counter(PREFIX + "kv_offload_blocks", "KV blocks written to / loaded from the offloading tier.",
-                                  ["model_name", "engine", "direction"], registry=r),
-            "kvo_bytes": Counter(PREFIX + "kv_offload_bytes", "Bytes written to / loaded from the offloading tier.",
-                                 ["model_name", "engine", "direction"], registry=r),
-            "kvo_seconds": Counter(PREFIX + "kv_offload_seconds", "Seconds spent storing, loading and copying "
-                                   "blocks for the offloading tier.", ["model_name", "engine", "direction"], registry=r),
-            "kvo_evicted": counter("kv_offload_evicted_blocks", "Tier files removed to stay within its size (LRU)."),
-            "kvo_discarded": counter("kv_offload_discarded_blocks",
-                                     "Tier files discarded: corrupt, or written under another configuration."),
-            "kvo_dropped": counter("kv_offload_dropped_saves", "Blocks not saved (writer behind, or writes paused)."),
-            "kvo_write_errors": counter("kv_offload_write_errors", "Tier writes that failed (e.g. a full disk)."),
-            "kvo_failed_loads": counter("kv_offload_failed_loads", "Tier loads that failed (the prompt was recomputed)."),
-            "kvo_usage": gauge("kv_offload_usage_bytes", "Bytes of files in the offloading tier."),
-            "kvo_capacity": gauge("kv_offload_capacity_bytes", "Size limit of the offloading tier in bytes."),
-            "kvo_resident": gauge("kv_offload_resident_blocks", "KV blocks held by the offloading tier."),
-            "kvo_paused": gauge("kv_offload_writes_paused", "1 while tier writes are paused after a failed write."),
-            "so_requests": Counter(PREFIX + "structured_output_requests", "Constrained requests by constraint kind.",
-                                   ["model_name", "engine", "kind"], registry=r),
-            "so_compile_time": hist("grammar_compile_time_seconds", "Histogram of grammar compile time in seconds.",
-                                    [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
-            "so_cache_queries": counter("grammar_cache_queries", "Grammar compile-cache lookups."),
-            "so_cache_hits": counter("grammar_cache_hits", "Grammar compile-cache lookups served without compiling."),
-            "so_failures": counter("grammar_compile_failures", "Constraints the grammar backend refused (HTTP 400)."),
-            "so_timeouts": counter("grammar_compile_timeouts", "Requests failed because their grammar compiled too long."),
-            "so_fill": counter("grammar_bitmask_fill_seconds", "Seconds filling token bitmasks (overlapping the forward)."),
-            "so_wait": counter("grammar_bitmask_wait_seconds", "Seconds the model step waited for its token bitmask."),
-            "so_forced": counter("grammar_forced_draft_tokens", "Grammar-forced tokens verified as draft tokens."),
-            "so_forced_acc": counter("grammar_forced_accepted_tokens", "Grammar-forced draft tokens accepted."),
-            "so_queue": gauge("num_grammar_queue_reqs", "Requests waiting for their grammar to compile."),
-            "success": Counter(PREFIX + "request_success", "Count of finished requests by finish reason.",
-                               ["model_name", "engine", "finished_reason"], registry=r),
-            "ttft": hist("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                         TTFT_BUCKETS),
-            "itl": hist("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS),
-            "e2e": hist("e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
-                        REQUEST_LATENCY_BUCKETS),
-            "queue": hist("request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
-                          REQUEST_LATENCY_BUCKETS),
-            "prefill": hist("request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                            REQUEST_LATENCY_BUCKETS),
-            "decode": hist("request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                           REQUEST_LATENCY_BUCKETS),
-            "inference": hist("request_inference_time_seconds",
-                              "Histogram of time spent in RUNNING phase for request.", REQUEST_LATENCY_BUCKETS),
-            "req_prompt_tokens": hist("request_prompt_tokens", "Number of prefill tokens processed.", token_buckets),
-            "req_gen_tokens": hist("request_generation_tokens", "Number of generation tokens processed.",
-                                   token_buckets),
-            "req_max_tokens": hist("request_params_max_tokens", "Histogram of the max_tokens request parameter.",
-                                   token_buckets),
-            "sched_time": hist("scheduler_time_seconds",
-                               "Histogram of per-step scheduling time (schedule + update) in seconds.",
-                               SCHEDULER_TIME_BUCKETS),
-        }
-        self._refused = Counter(PREFIX + "request_refused",
-                                "Requests refused by admission control (HTTP 429), by the limit that refused them.",
-                                ["model_name", "reason"], registry=r)
+        self._fams = {s.key: s.build(self.registry, ("model_name", "engine"), token_buckets) for s in ENGINE_METRICS}
+        for s in API_METRICS:
+            metric = s.build(self.registry, ("model_name",), token_buckets)
+            setattr(self, s.key, metric.labels(model_name) if not s.labels else metric)
         for reason in ("waiting_requests", "waiting_tokens", "slo"):
             self._refused.labels(model_name, reason)
-        # --slo admission (the API process's; no engine label): TTFT predictions and their error
-        def api_hist(name: str, doc: str, buckets: list) -> Histogram:
-            return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
-
-        self.predicted_ttft = api_hist("predicted_ttft_seconds",
-                                       "Histogram of the TTFT predicted by SLO admission control (--slo) for "
-                                       "each request it judged, in seconds.", TTFT_BUCKETS)
-        self.ttft_pred_error = api_hist("ttft_prediction_error_seconds",
-                                        "Histogram of measured minus predicted TTFT of admitted requests (--slo), "
-                                        "in seconds (negative: the prediction was pessimistic).",
-                                        PREDICTION_ERROR_BUCKETS)
-        self.ttft_pred_abs_error = api_hist("ttft_prediction_abs_error_seconds",
-                                            "Histogram of |measured - predicted| TTFT of admitted requests "
-                                            "(--slo), in seconds.", TTFT_BUCKETS)
-        self.predicted_tpot = api_hist("predicted_tpot_seconds",
-                                       "Histogram of the TPOT predicted by SLO admission control (--slo) for "
-                                       "each request it judged (the decode batch it would run in), in seconds.",
-                                       ITL_BUCKETS)
-        self.tpot_pred_error = api_hist("tpot_prediction_error_seconds",
-                                        "Histogram of measured minus predicted TPOT of admitted requests at "
-                                        "finish (--slo), in seconds (negative: the prediction was pessimistic).",
-                                        PREDICTION_ERROR_BUCKETS)
-        self.tpot_pred_abs_error = api_hist("tpot_prediction_abs_error_seconds",
-                                            "Histogram of |measured - predicted| TPOT of admitted requests "
-                                            "(--slo), in seconds.", ITL_BUCKETS)
-        self.slo_decode_batch_limit = Gauge(PREFIX + "slo_decode_batch_limit",
-                                            "Largest decode batch (sequences) whose predicted TPOT meets the "
-                                            "--slo target, at the latest prediction.",
-                                            ["model_name"], registry=r).labels(model_name)
-        self.slo_ttft_margin = Gauge(PREFIX + "slo_ttft_margin_seconds",
-                                     "Safety margin --slo adds to TTFT predictions, learnt from their observed "
-                                     "error (seconds; negative when the model is pessimistic).",
-                                     ["model_name"], registry=r).labels(model_name)
-        self.slo_tpot_factor = Gauge(PREFIX + "slo_tpot_margin_factor",
-                                     "Factor --slo applies to TPOT predictions, learnt from measured / predicted "
-                                     "TPOT of finished requests.", ["model_name"], registry=r).labels(model_name)
         self.slo_tpot_factor.set(1.0)
-        # vLLM's cache_config_info: one series per engine whose labels carry the KV cache configuration
-        # (value 1); the router reads each backend's pool size (num_gpu_blocks) from it
-        self._cache_config = Gauge(PREFIX + "cache_config_info",
-                                   "Information of the KV cache configuration (labels; value 1). num_gpu_blocks "
-                                   "is the engine's KV pool size in blocks (on any device).",
-                                   ["model_name", "engine", "block_size", "cache_dtype", "enable_prefix_caching",
-                                    "num_gpu_blocks"], registry=r)
+        self._cache_config = CACHE_CONFIG_INFO.build(self.registry, ("model_name", "engine"), token_buckets)
         self._engines: dict[int, _EngineSeries] = {}
         self.engine(0)  # export engine 0's zeros from the start
 
