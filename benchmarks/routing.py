@@ -265,7 +265,7 @@ FAMILY_POLICIES = {
     "dynamo": ("kv_aware", {"placement": False, "eviction_weight": 0.0, "recompute_weight": 0.0,
                             "prefill_wait": False, "busy_threshold": None}),
 }
-TUNE_MARGINS = (0.0, 0.5, 1.0, 2.0, 4.0)
+TUNE_MARGINS = (0.0, 1.0, 2.0, 4.0, 8.0)
 
 
 def family_member(rng: random.Random, idx: int, half: str) -> dict:
@@ -375,9 +375,12 @@ def run_family(args) -> int:
     for n, v in ssum.items():
         print(f"| {n.split('-m', 1)[1]} | {v['min_share']:.0%} | {v['mean_share']:.1%} | {v['tok_s_vs_rr']:.2f}x | "
               f"{v['ttft_p90_vs_rr']:.2f}x |")
-    chosen = max(ssum, key=lambda n: (round(ssum[n]["min_share"], 2), round(ssum[n]["mean_share"], 3),
-                                      ssum[n]["tok_s_vs_rr"]))
-    print(f"\nbest on the tuning half: --kv-move-margin {chosen.split('-m', 1)[1]} (the default is 1)")
+    # the rule, fixed before the sweep: the held-out target is a worst case, so the best worst-member share
+    # wins; margins within a point of it count as tied and the higher output tok/s breaks the tie
+    top = max(v["min_share"] for v in ssum.values())
+    chosen = max((n for n in ssum if ssum[n]["min_share"] >= top - 0.01),
+                 key=lambda n: (ssum[n]["tok_s_vs_rr"], ssum[n]["mean_share"]))
+    print(f"\nbest on the tuning half: --kv-move-margin {chosen.split('-m', 1)[1]} (the default is 4)")
     names = list(FAMILY_POLICIES)
     held_rows = [run_member(m, FAMILY_POLICIES) for m in halves["held-out"]]
     print_half("Tuning half", tuning_rows, names)

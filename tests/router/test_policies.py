@@ -509,7 +509,7 @@ def test_kv_aware_holds_a_follower_until_its_prefix_is_computed():
 def test_kv_aware_busy_backends_are_skipped_and_all_busy_holds():
     bs = backends(2)
     idx = KVIndex()
-    p = _kv_policy(idx, busy_threshold=1.0, prefill_wait=False)
+    p = _kv_policy(idx, busy_threshold=1.0, prefill_wait=False, placement=False)  # the filter itself
     x = block_hash_chain(list(range(1000, 1040)) + [1], 4)   # 10 full blocks
     y = block_hash_chain(list(range(2000, 2040)) + [2], 4)
     z = block_hash_chain(list(range(3000, 3040)) + [3], 4)

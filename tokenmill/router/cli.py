@@ -72,11 +72,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "groups already there, and partition the groups over the replicas when they do not "
                         "all fit in one pool (tokenmill/router/placement.py; --no-kv-placement: the cost "
                         "alone) [default: on].")
-    g.add_argument("--kv-move-margin", type=float, default=1.0, metavar="X",
+    g.add_argument("--kv-move-margin", type=float, default=4.0, metavar="X",
                    help="With --kv-placement: a request of a placed group leaves (or copies the group off) its "
                         "replicas only for one whose cost is lower by more than X times the group's prefix "
-                        "blocks, on top of the recompute term (tuned on benchmarks/routing.py's family) "
-                        "[default: 1].")
+                        "blocks, on top of the recompute term (tuned on benchmarks/routing.py's family: 4 was "
+                        "best of 0-8 on its tuning half) [default: 4].")
     g.add_argument("--router-queue-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="Longest a request waits at the router (--kv-prefill-wait, --active-decode-blocks-"
                         "threshold) before it is routed anyway; 0: never wait [default: 30].")

@@ -280,7 +280,7 @@ class Placement:
         # no room anywhere: spill to the replica already over its capacity (it thrashes alone), else to the
         # one whose groups are coldest
         known = [b for b in candidates if rooms[b.index] is not None]
-        over = [b for b in known if rooms[b.index] + size < 0]    # type: ignore[operator]
+        over = [b for b in known if rooms[b.index] < 0]    # type: ignore[operator]
         if over:
             worst = min(rooms[b.index] for b in over)              # type: ignore[type-var]
             target = [b for b in over if rooms[b.index] == worst]

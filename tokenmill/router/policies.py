@@ -344,7 +344,7 @@ class KVAware(Policy):
                  block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0,
                  recompute_weight: float = 1.0, prefill_wait: bool = True,
                  busy_threshold: float | None = 1.0, clock=time.monotonic, placement: bool = True,
-                 move_margin: float = 1.0) -> None:
+                 move_margin: float = 4.0) -> None:
         if move_margin < 0:
             raise ValueError(f"move margin must be >= 0, got {move_margin}")
         self.move_margin = move_margin
@@ -516,8 +516,20 @@ class KVAware(Policy):
           timeout. Only for backends whose events the router receives.
         """
         _check(candidates)
-        avail = candidates
-        if self.busy_threshold is not None:
+        avail = list(candidates)
+        if self.placement is not None and req.block_hashes:
+            # placement first: a group whose homes are busy waits for them rather than moving, unless a
+            # replica with room is cheaper by the move margin (see _worth_moving)
+            e = self._evaluate(candidates, req)
+            allowed, info = self._allowed(candidates, req, e)
+            allowed = self._worth_moving(allowed, info, e["costs"])
+            if self.busy_threshold is not None:
+                free = [b for b in allowed if not self.busy(b, req)]
+                if not free:
+                    return "busy", allowed
+                allowed = free
+            avail = allowed
+        elif self.busy_threshold is not None:
             avail = [b for b in candidates if not self.busy(b, req)]
             if not avail:
                 return "busy", candidates
@@ -611,7 +623,7 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
                 block_size: int = 16, seed: int | None = None, load_source: str = "inflight",
                 eviction_weight: float = 1.0, recompute_weight: float = 1.0, prefill_wait: bool = True,
                 busy_threshold: float | None = 1.0, clock=time.monotonic, placement: bool = True,
-                move_margin: float = 1.0) -> Policy:
+                move_margin: float = 4.0) -> Policy:
     """Build a policy by name.
 
     Raises:

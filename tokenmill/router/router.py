@@ -82,7 +82,7 @@ class RouterConfig:
     router_queue_timeout: float = 30.0
     dead_backend_timeout: float = 30.0
     kv_placement: bool = True
-    kv_move_margin: float = 1.0
+    kv_move_margin: float = 4.0
 
 
 class Router:
