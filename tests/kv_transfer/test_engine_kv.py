@@ -164,6 +164,59 @@ def test_release_frees_the_kept_kv_at_once(tiny, tmp_path, connector):
             c.shutdown()
 
 
+@pytest.mark.parametrize("connector", CONNECTORS)
+def test_consumer_that_ends_a_request_before_the_pull_frees_the_producer_at_once(tiny, tmp_path, connector):
+    """Issue 30: every path on which the consumer ends a transfer early frees the producer's KV now
+    (not after abort_timeout_s): the consumer's release (what a decode server sends when it refused
+    the request, kv_transfer/notify.py) and a consumer engine that decides to recompute the prompt
+    instead of loading it (here: prompt logprobs, which need the prompt computed)."""
+    from tokenmill.kv_transfer.notify import release_remote
+
+    prod = EngineCore(_cfg(tiny, "kv_producer", connector, tmp_path, abort_timeout_s=600))
+    cons = EngineCore(_cfg(tiny, "kv_consumer", connector, tmp_path, transfer_timeout_s=5))
+    try:
+        base = prod.check_invariants()["num_free_blocks"]
+        held = []
+        for i in range(4):
+            _, out = _run(prod, f"p{i}", SamplingParams(max_tokens=1, temperature=0,
+                                                         kv_transfer_params={"do_remote_decode": True}),
+                          prompt=[p + i for p in PROMPT])
+            held.append(out.kv_transfer_params)
+        _settle(prod, timeout=0.5)
+        if connector == "TcpConnector":
+            assert prod.check_invariants()["num_free_blocks"] == base - 4 * 10    # kept for a consumer
+        else:       # the shared-memory producer frees its blocks once the file is written
+            deadline = time.monotonic() + 10
+            while not all(os.path.exists(p["remote_shm_path"]) for p in held) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        # a refusal on the decode side (the API process calls this): freed at once
+        for p in held[:3]:
+            assert release_remote(p)
+        assert not release_remote(held[0]) and not release_remote(None) and not release_remote({"x": 1})
+        # the consumer engine declines to load (prompt logprobs): it tells the producer itself
+        _run(cons, "d3", SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1,
+                                        kv_transfer_params=held[3]), prompt=[p + 3 for p in PROMPT])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            _settle(prod, timeout=0.2)
+            if prod.check_invariants()["num_free_blocks"] == base and (connector == "TcpConnector" or not any(
+                    os.path.exists(p["remote_shm_path"]) for p in held)):
+                break
+            time.sleep(0.02)
+        inv = prod.check_invariants()
+        assert inv["num_free_blocks"] == base and inv["problems"] == [] and not prod.has_unfinished_requests()
+        if connector == "TcpConnector":
+            assert prod.get_stats().kv_transfer.num_released == 4 and prod.get_stats().kv_transfer.num_expired == 0
+        else:
+            assert not any(os.path.exists(p["remote_shm_path"]) for p in held)
+        # a later prefill is served at once
+        _, out = _run(prod, "later", SamplingParams(max_tokens=1, temperature=0), timeout=30)
+        assert out.finish_reason == "length"
+    finally:
+        for c in (prod, cons):
+            c.shutdown()
+
+
 def test_release_during_a_pull_frees_nothing_the_pull_reads(tiny):
     prod = EngineCore(_cfg(tiny, "kv_producer", abort_timeout_s=600))
     try:

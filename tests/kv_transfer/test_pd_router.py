@@ -215,6 +215,39 @@ def test_client_disconnect_aborts_upstream(pd):
     assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
 
 
+def test_a_decode_side_refusal_frees_the_prefill_pool_at_once(pd):
+    """Issue 30: a client managing kv_transfer_params itself (prefill server first, then the decode
+    server, directly or through the router) whose decode request is refused before admission (an
+    unknown model) left the prefill server's KV held (usage 0.235 after four) until abort_timeout_s.
+    The decode server, and the router when it refuses, now tell the producer at once: the pool is back
+    at its baseline, nothing expired, and a later prefill is served."""
+    prefill, decode, router = pd
+    model = _model(decode.url)
+    base = _wait_free(prefill.url)
+    assert base["num_free_blocks"] == base["num_kv_blocks"]
+    released0 = _metric(prefill.url, "tokenmill:kv_transfer_released_total")
+    t0 = time.monotonic()
+    for i in range(4):
+        r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": PROMPTS[i % 3] + f" w{i}", "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True}})
+        assert r.status_code == 200, r.text
+        params = r.json()["kv_transfer_params"]
+        target = decode.url if i < 3 else router.url      # the last one through the router (it 404s itself)
+        r = httpx.post(target + "/v1/completions", timeout=60, json={
+            "model": "nope", "prompt": PROMPTS[i % 3] + f" w{i}", "max_tokens": 4, "kv_transfer_params": params})
+        assert r.status_code == 404, r.text
+    inv = _wait_free(prefill.url, timeout=ABORT_TIMEOUT_S + 30)
+    assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
+    assert time.monotonic() - t0 < ABORT_TIMEOUT_S
+    assert _metric(prefill.url, "tokenmill:kv_transfer_expired_total") == 0
+    if router.connector == "TcpConnector":
+        assert _metric(prefill.url, "tokenmill:kv_transfer_released_total") == released0 + 4
+    r = httpx.post(router.url + "/v1/completions", timeout=60, json={"model": model, "prompt": PROMPTS[0],
+                                                                     "max_tokens": 3})
+    assert r.status_code == 200, r.text
+
+
 def test_killed_prefill_server_before_the_pull_recomputes(pd, reference):
     """Runs last for its pair: it kills the prefill server."""
     prefill, decode, router = pd

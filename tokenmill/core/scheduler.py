@@ -58,11 +58,9 @@ no token in a step (as in vLLM); keep the budget at least ``max_num_seqs``.
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +68,7 @@ from tokenmill.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager, cdiv
 from tokenmill.core.prefix_cache import PrefixCacheStats, update_block_hashes
 from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.request_queue import FCFSQueue, LanedQueue, PriorityQueue
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
 from tokenmill.core.sched_output import (
     EngineCoreOutput,
@@ -81,130 +80,6 @@ from tokenmill.core.sched_output import (
 
 class RequestRejectedError(ValueError):
     """A request can never be served (empty prompt, too long for the context, or larger than the whole KV pool)."""
-
-
-# -- waiting queues -----------------------------------------------------------
-class _FCFSQueue:
-    """Arrival order; preempted requests go back to the front."""
-
-    def __init__(self) -> None:
-        self._q: deque[Request] = deque()
-
-    def add(self, req: Request) -> None:
-        self._q.append(req)
-
-    def add_front(self, req: Request) -> None:
-        self._q.appendleft(req)
-
-    def peek(self) -> Request:
-        return self._q[0]
-
-    def pop(self) -> Request:
-        return self._q.popleft()
-
-    def remove(self, req: Request) -> None:
-        self._q.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._q)
-
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._q)
-
-
-class _PriorityQueue:
-    """Order by ``(priority, arrival_time, sequence number)``; lower first.
-
-    A preempted request keeps its key, which already orders it before every
-    later arrival of the same priority, so it needs no special "front".
-    """
-
-    def __init__(self, seq_of: dict[str, int]) -> None:
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq_of = seq_of
-
-    def _key(self, req: Request) -> tuple[int, float, int, Request]:
-        return (req.priority, req.arrival_time, self._seq_of[req.request_id], req)
-
-    def add(self, req: Request) -> None:
-        heapq.heappush(self._heap, self._key(req))
-
-    add_front = add
-
-    def peek(self) -> Request:
-        return self._heap[0][3]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3]
-
-    def remove(self, req: Request) -> None:
-        self._heap = [e for e in self._heap if e[3] is not req]
-        heapq.heapify(self._heap)
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def __iter__(self) -> Iterator[Request]:
-        return (e[3] for e in sorted(self._heap, key=lambda e: e[:3]))
-
-
-class _LanedQueue:
-    """Two waiting queues, interactive before batch (the batch lane), with per-priority token counts.
-
-    ``peek``/``pop`` serve the interactive queue while it holds a request, the
-    batch queue only when it is empty, so a batch-lane request is admitted
-    only with the budget, seats and blocks interactive requests leave. Both
-    lanes follow the scheduling policy inside. The counts (requests and
-    prompt tokens still to prefill, by lane and priority) are kept on every
-    change, so :meth:`Scheduler.queue_state` costs nothing per waiting request.
-    """
-
-    def __init__(self, make_queue) -> None:  # noqa: ANN001 - a queue class factory
-        self.interactive = make_queue()
-        self.batch = make_queue()
-        # (batch lane?, priority) -> [requests, tokens]
-        self.counts: dict[tuple[bool, int], list[int]] = {}
-        self._counted: dict[str, int] = {}
-
-    def _lane(self, req: Request):
-        return self.batch if req.batch else self.interactive
-
-    def _count(self, req: Request, sign: int) -> None:
-        if sign > 0:
-            tokens = self._counted[req.request_id] = req.num_tokens
-        else:
-            tokens = self._counted.pop(req.request_id, 0)
-        c = self.counts.setdefault((req.batch, req.priority), [0, 0])
-        c[0] += sign
-        c[1] += sign * tokens
-        if c[0] == 0:
-            del self.counts[(req.batch, req.priority)]
-
-    def add(self, req: Request) -> None:
-        self._lane(req).add(req)
-        self._count(req, +1)
-
-    def add_front(self, req: Request) -> None:
-        self._lane(req).add_front(req)
-        self._count(req, +1)
-
-    def peek(self) -> Request:
-        return self.interactive.peek() if len(self.interactive) else self.batch.peek()
-
-    def pop(self) -> Request:
-        req = self.interactive.pop() if len(self.interactive) else self.batch.pop()
-        self._count(req, -1)
-        return req
-
-    def remove(self, req: Request) -> None:
-        self._lane(req).remove(req)
-        self._count(req, -1)
-
-    def __len__(self) -> int:
-        return len(self.interactive) + len(self.batch)
-
-    def __iter__(self) -> Iterator[Request]:
-        return itertools.chain(self.interactive, self.batch)
 
 
 # Most remaining-output-token counts of running requests reported in a QueueState.
@@ -299,8 +174,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._seq_counter = itertools.count()
         self._seq_of: dict[str, int] = {}
-        self.waiting = _LanedQueue(
-            (lambda: _PriorityQueue(self._seq_of)) if self.policy == "priority" else _FCFSQueue)
+        self.waiting = LanedQueue(
+            (lambda: PriorityQueue(self._seq_of)) if self.policy == "priority" else FCFSQueue)
         self.running: list[Request] = []
         self._num_waiting_tokens = 0
         # Finished or aborted since the last schedule(): reported to the runner.
@@ -627,7 +502,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> int:
         """Admit waiting requests in policy order while budget, seats and blocks last.
 
-        Interactive requests come first (:class:`_LanedQueue`); when one finds
+        Interactive requests come first (:class:`~tokenmill.core.request_queue.LanedQueue`); when one finds
         no seat or no blocks, running batch-lane requests are preempted for it
         (latest first), so batch work only holds capacity interactive traffic
         does not need; under the ``priority`` policy, then running requests of

@@ -8,16 +8,21 @@ before it reports ready, a short profile through its own scheduler and model run
 requests take — and seeds the model with it, as vLLM profiles memory with a dummy forward before it
 serves (``determine_available_memory``):
 
-1. a warm-up step: :data:`DECODE_BATCHES`\\ [-1] requests of :data:`SHORT_PROMPT` tokens each prefill
-   (it pays the one-time costs of the first forward: kernel set-up, allocator, weight paging);
-2. decode steps at each batch size of :data:`DECODE_BATCHES` (at most ``--max-num-seqs``): the
-   requests finish in groups so the batch shrinks from the largest size to 1, each size held for
-   :data:`DECODE_STEPS` steps; its step time is their median;
-3. :data:`PREFILL_REPEATS` prefill step(s) of one :data:`PREFILL_TOKENS`-token prompt (at most the
-   token budget): the prefill rate is ``(step − decode_step_time(1)) / tokens``, the median. The
+1. a warm-up step: one :data:`PREFILL_TOKENS`-token prompt prefills (it pays the one-time costs
+   of the first forward on the path prompts take: kernel set-up, weight packing, allocator);
+2. one decode step of it, not timed (the first decode pays its own path's one-time costs: 295 ms
+   against 38 ms for the next on the loaded machine), then :data:`DECODE_STEPS` decode steps of it
+   alone (batch 1);
+3. :data:`PREFILL_REPEATS` prefill probe(s): a second :data:`PREFILL_TOKENS`-token prompt joins and
+   prefills in one step beside the decode, as prompts do under load; the prefill rate is
+   ``(step − decode_step_time(1)) / tokens`` (the split the online model makes), the median. The
    rate is linear in the tokens of a step on the CPU paths measured (5.0 ms/token at 256 tokens and
    5.1 at 512 on the shared 2-core AVX-512 machine), so a short probe stands for the 2,048-token
-   steps of a burst; its cost is what bounds the start-up delay.
+   steps of a burst;
+4. while less than :data:`PROFILE_BUDGET_S` has passed: short requests join until the batch is the
+   next size of :data:`DECODE_BATCHES` (at most ``--max-num-seqs``), then :data:`DECODE_STEPS`
+   decode steps at that size (each size's point is the median of its pure decode steps). On a
+   loaded machine the larger sizes are skipped and extrapolated, so start-up does not wait for them.
 
 Prompts are random token ids (nothing to share with later traffic); every block returns to the pool
 and the prefix cache is reset afterwards, and the engine's counters (steps, prefix-cache queries,
@@ -65,6 +70,9 @@ SHORT_PROMPT = 4
 # Prompt tokens of the prefill probe (capped at the token budget and the context).
 PREFILL_TOKENS = 128
 PREFILL_REPEATS = 1
+# Seconds after which the profile adds no larger decode batch (the warm-up, batch 1 and the prefill probe
+# always run): on a loaded machine each step is many times slower, and start-up must not wait for it.
+PROFILE_BUDGET_S = 1.0
 CALIBRATION_MODES = ("cache", "profile", "off")
 _ID_PREFIX = "__tokenmill_step_profile"
 
@@ -168,13 +176,16 @@ def store(profile: StepProfile) -> None:
         logger.warning("could not cache the step-time profile at %s: %s", path, e)
 
 
-def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0) -> StepProfile:
+def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
+                budget_s: float | None = None) -> StepProfile:
     """Profile ``core``'s decode and prefill steps with dummy requests (see the module docstring).
 
     Args:
         core: an idle :class:`~tokenmill.engine.engine_core.EngineCore` (no request queued).
         vocab_size: prompt ids are drawn below it (default: 1000, always valid).
         seed: of the random prompts.
+        budget_s: seconds after which no further decode batch size is profiled (default
+            :data:`PROFILE_BUDGET_S`); the warm-up, batch 1 and the prefill probe always run.
 
     Returns:
         the :class:`StepProfile` (``key`` unset).
@@ -187,73 +198,84 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0) -> Step
     sched = core.scheduler
     if sched.has_unfinished_requests():
         raise RuntimeError("the step-time profile needs an idle engine")
+    budget_s = PROFILE_BUDGET_S if budget_s is None else budget_s
     t_start = time.perf_counter()
     rng = random.Random(seed)
     hi = max(2, min(vocab_size or 1000, 1000))
-    max_len = core.max_model_len
     block = sched.block_size
     pool = sched.kv_cache_manager.num_blocks
-    # the decode phase: the largest batch of short prompts; request i decodes while the batch is larger
-    # than i, so the batch shrinks through every profiled size, each held for DECODE_STEPS steps
-    per_req_blocks = -(-(SHORT_PROMPT + 1 + DECODE_STEPS * len(DECODE_BATCHES)) // block)
-    cap = max(1, min(sched.max_num_seqs, pool // max(1, per_req_blocks)))
+    budget = sched.max_num_batched_tokens
+    p = max(16, min(PREFILL_TOKENS, budget - 1, core.max_model_len - 64, (pool // 4) * block))
+    max_tokens = 3 + (1 + DECODE_STEPS) * (len(DECODE_BATCHES) + 1)
+    long_blocks = 2 * -(-(p + max_tokens) // block)                  # the warm-up and probe requests
+    short_blocks = -(-(SHORT_PROMPT + max_tokens) // block)
+    cap = max(1, min(sched.max_num_seqs, 2 + max(0, pool - long_blocks) // short_blocks))
     batches = sorted({max(1, min(b, cap)) for b in DECODE_BATCHES})
-    sizes = [1 + DECODE_STEPS * sum(1 for b in batches if b > i) for i in range(batches[-1])]
-    step_times: dict[int, list[float]] = {}
-    prefill_steps: list[tuple[int, float]] = []
     ids: list[str] = []
+    decode: dict[int, list[float]] = {}
+    rates: list[float] = []
 
-    def add(rid: str, n_prompt: int, max_tokens: int) -> None:
+    def add(n_prompt: int) -> None:
+        rid = f"{_ID_PREFIX}-{len(ids)}"
         prompt = [rng.randrange(1, hi) for _ in range(n_prompt)]
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        core.add_request(EngineCoreRequest(rid, prompt, sp))
+        core.add_request(EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                       ignore_eos=True)))
         ids.append(rid)
 
-    def run_until_idle(limit: int) -> None:
-        for _ in range(limit):
-            if not sched.has_unfinished_requests() and not core._pending:
-                return
-            t0 = time.perf_counter()
-            outs = core.step()
-            dt = time.perf_counter() - t0
-            for o in outs:
-                if o.finish_reason == "error":
-                    raise RuntimeError(f"step-time profile request failed: {o.error}")
-            last = core._last_step       # (decoding requests, prefill tokens, start, end) of this step
-            if last is None:
-                continue
-            nd, npf = last[0], last[1]
-            if npf == 0 and nd > 0:
-                step_times.setdefault(nd, []).append(dt)
-            elif npf > 0 and nd == 0:
-                prefill_steps.append((npf, dt))
-        if sched.has_unfinished_requests():
-            raise RuntimeError("the step-time profile did not finish")
+    def step() -> tuple[int, int, float]:
+        t0 = time.perf_counter()
+        outs = core.step()
+        dt = time.perf_counter() - t0
+        for o in outs:
+            if o.finish_reason == "error":
+                raise RuntimeError(f"step-time profile request failed: {o.error}")
+        last = core._last_step       # (decoding requests, prefill tokens, start, end) of this step
+        nd, npf = (last[0], last[1]) if last is not None else (0, 0)
+        if npf == 0 and nd > 0:
+            decode.setdefault(nd, []).append(dt)
+        return nd, npf, dt
 
-    for i, max_tokens in enumerate(sizes):     # 1 token from the prefill step, then its decode steps
-        add(f"{_ID_PREFIX}-d{i}", SHORT_PROMPT, max_tokens)
-    run_until_idle(4 * (1 + DECODE_STEPS * len(batches)) + 8)
-    budget = sched.max_num_batched_tokens
-    p = max(16, min(PREFILL_TOKENS, budget, max_len - 2, max(1, pool - 1) * block - 1))
-    warm = len(prefill_steps)       # the decode phase's prefill step was the warm-up
-    for r in range(PREFILL_REPEATS):
-        add(f"{_ID_PREFIX}-p{r}", p, 1)
-        run_until_idle(8 + -(-p // budget))
-    core._last_step = None          # the gap after the profile is no step
-    points = []
-    for b in sorted(step_times):
-        if b in batches and step_times[b]:
-            points.append((float(b), statistics.median(step_times[b])))
-    if not points:
-        raise RuntimeError("the step-time profile measured no decode step")
-    d1 = points[0][1]
-    rates = [max(dt - d1, 0.1 * dt) / n for n, dt in prefill_steps[warm:] if n > 0]
+    def decode_steps() -> None:
+        for _ in range(DECODE_STEPS):
+            step()
+
+    try:
+        add(p)
+        step()                      # the warm-up: the first forward's one-time costs ...
+        decode.clear()
+        step()                      # ... and the first decode's (its kernel path differs from a prompt's)
+        decode.clear()
+        decode_steps()              # batch 1
+        if not decode:
+            raise RuntimeError("the step-time profile measured no decode step")
+        d1 = min(decode[min(decode)])
+        for _ in range(PREFILL_REPEATS):   # the prefill probe rides with one decode, as prompts do under load
+            add(p)
+            nd, npf, dt = step()
+            if npf > 0:
+                rates.append(max(dt - d1, 0.1 * dt) / npf)
+            step()                  # then both decode (a point at batch 2)
+        for b in batches:
+            running = len(sched.running)
+            if b <= running:
+                continue
+            if time.perf_counter() - t_start > budget_s:
+                logger.info("step-time profile: %.1f s spent, batches above %d are extrapolated",
+                            time.perf_counter() - t_start, running)
+                break
+            for _ in range(b - running):
+                add(SHORT_PROMPT)
+            step()                  # their prefill (mixed: not a sample)
+            decode_steps()
+    finally:
+        core._last_step = None      # the gap after the profile is no step
+        _forget_profile(core, ids)
     if not rates:
         raise RuntimeError("the step-time profile measured no prefill step")
+    points = [(float(n), statistics.median(ts)) for n, ts in sorted(decode.items())]
     mono: list[tuple[float, float]] = []
-    for b, t in points:
-        mono.append((b, max(t, mono[-1][1]) if mono else t))
-    _forget_profile(core, ids)
+    for n, t in points:
+        mono.append((n, max(t, mono[-1][1]) if mono else t))
     return StepProfile(mono, statistics.median(rates), time.perf_counter() - t_start)
 
 

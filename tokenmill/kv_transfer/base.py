@@ -256,17 +256,33 @@ class PullConnector(KVConnectorBase):
     # -- scheduler side ------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.sampling_params.kv_transfer_params
-        if (not self.config.is_consumer or not wants_remote_prefill(params) or request.num_preemptions
-                or request.sampling_params.prompt_logprobs is not None):   # prompt logprobs need the prompt computed
+        if not self.config.is_consumer or not wants_remote_prefill(params):
+            return 0, False
+        if request.num_preemptions or request.sampling_params.prompt_logprobs is not None:
+            # prompt logprobs need the prompt computed; a preempted request recomputes
+            self._decline(request)
             return 0, False
         num_remote = min(int(params.get("remote_num_tokens") or request.num_prompt_tokens),
                          len(params["remote_block_ids"]) * self.block_size, request.num_prompt_tokens)
         if int(params.get("remote_block_size") or self.block_size) != self.block_size:
             logger.warning("request %s: remote block size %s != ours %d; recomputing the prompt",
                            request.request_id, params.get("remote_block_size"), self.block_size)
+            self._decline(request)
             return 0, False
         n = num_remote - num_computed_tokens
+        if n <= 0:
+            self._decline(request)       # the local prefix cache has it all
         return (n, True) if n > 0 else (0, False)
+
+    def _decline(self, request: Request) -> None:
+        """The consumer will not pull ``request``'s KV: ask the producer to free it now, in the background
+        and once per request (:func:`tokenmill.kv_transfer.notify.release_remote`)."""
+        if request.kv_load_attempted or self._closed:
+            return
+        request.kv_load_attempted = True     # never loaded now; also marks the release as sent
+        from tokenmill.kv_transfer.notify import release_remote
+
+        self._pool.submit(release_remote, dict(request.sampling_params.kv_transfer_params or {}))
 
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         params = request.sampling_params.kv_transfer_params or {}

@@ -14,6 +14,11 @@ Conversation of :class:`~tokenmill.kv_transfer.tcp.TcpConnector` (consumer → p
     < R layer 0   < R layer 1   ...   < R layer L-1
     > M {"ok": true}                                         (the consumer wrote every layer)
 
+or, when the consumer ends the request without pulling (:mod:`tokenmill.kv_transfer.notify`)::
+
+    > M {"op": "release", "req": remote_request_id, "engine": remote_engine_id}
+    < M {"ok": true, "released": bool}
+
 A :class:`~tokenmill.kv_transfer.shared_memory.SharedMemoryConnector` file is the same as the
 producer's side of that conversation: ``M {"geometry": {...}, "block_ids": [...]}`` then one ``R``
 frame per layer.

@@ -91,6 +91,11 @@ class TcpConnector(PullConnector):
         try:
             req = recv_msg(sock, time.monotonic() + 10.0)
             rid = req.get("req") if isinstance(req, dict) else None
+            if isinstance(req, dict) and req.get("op") == "release" and isinstance(rid, str):
+                # a consumer ended the request before pulling (kv_transfer/notify.py): free it now
+                released = self.release(rid, req.get("engine"))
+                sock.sendall(encode_msg({"ok": True, "released": released}))
+                return
             if not isinstance(req, dict) or req.get("op") != "pull" or not isinstance(rid, str):
                 sock.sendall(encode_msg({"ok": False, "error": "expected {op: pull, req: ...}"}))
                 return

@@ -79,6 +79,7 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
         pool = router.pool(model, role)
         if isinstance(pool, JSONResponse):
             router.metrics.errors.labels("unknown_model" if pool.status_code == 404 else "no_backend").inc()
+            _release_client_kv(body)
             return pool
         pools[role] = pool
     headers = forward_headers(request)
@@ -88,7 +89,10 @@ async def proxy_pd(router: Router, request: Request, path: str) -> Response:
         # client that manages kv_transfer_params itself is not second-guessed: straight to decode
         policy = router.policy_for(("decode", model))  # type: ignore[arg-type]
         rin = await router.route_input(policy, path, body)
-        return await router.send_to_pool(raw, headers, path, pools["decode"], policy, rin, watcher)
+        resp = await router.send_to_pool(raw, headers, path, pools["decode"], policy, rin, watcher)
+        if resp.status_code >= 500 or resp.status_code == 499:   # no decode server took it (a 4xx: it released)
+            _release_client_kv(body)
+        return resp
     try:
         got = await _prefill(router, path, body, headers, pools["prefill"], model, watcher)
     except BaseException:
@@ -146,6 +150,18 @@ class _ReleasingRelay(Response):
 
 
 _release_tasks: set[asyncio.Task] = set()
+
+
+def _release_client_kv(body: dict[str, Any]) -> None:
+    """A client-managed ``do_remote_prefill`` request the router ends before a decode server admitted it:
+    free the producer's KV through its side channel (:func:`tokenmill.kv_transfer.notify.release_remote`)."""
+    params = body.get("kv_transfer_params")
+    if isinstance(params, dict) and params.get("do_remote_prefill"):
+        from tokenmill.kv_transfer.notify import release_remote
+
+        fut = asyncio.get_running_loop().run_in_executor(None, release_remote, dict(params))
+        _release_tasks.add(fut)  # type: ignore[arg-type]
+        fut.add_done_callback(_release_tasks.discard)  # type: ignore[arg-type]
 
 
 def _release_soon(router: Router, prefill_url: str, params: dict[str, Any], headers: dict[str, str]) -> None:

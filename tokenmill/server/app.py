@@ -163,6 +163,36 @@ def api_key_dependency(state: ServerState):
     return check_api_key
 
 
+_kv_release_tasks: set[asyncio.Future] = set()
+
+
+async def _releasing_remote_kv(state: ServerState, body: Any, handler: Any) -> Any:
+    """Run a generation handler; on a decode server (``kv_consumer``), when a ``do_remote_prefill`` request
+    ends without a response (refused: unknown model, validation, admission, engine rejection; or the
+    client left: 499), tell its producer to free the KV it keeps for it, in the background
+    (:func:`tokenmill.kv_transfer.notify.release_remote`; a no-op on the producer when it was pulled)."""
+    params = getattr(body, "kv_transfer_params", None)
+    kvt = state.config.cache.kv_transfer if params else None
+    if kvt is None or not kvt.is_consumer or not isinstance(params, dict) or not params.get("do_remote_prefill"):
+        return await handler
+    try:
+        resp = await handler
+    except BaseException:
+        _release_remote_soon(params)
+        raise
+    if getattr(resp, "status_code", 200) == 499:
+        _release_remote_soon(params)
+    return resp
+
+
+def _release_remote_soon(params: dict[str, Any]) -> None:
+    from tokenmill.kv_transfer.notify import release_remote
+
+    fut = asyncio.get_running_loop().run_in_executor(None, release_remote, dict(params))
+    _kv_release_tasks.add(fut)
+    fut.add_done_callback(_kv_release_tasks.discard)
+
+
 def build_app(state: ServerState) -> FastAPI:
     """Create the FastAPI app serving ``state`` (the engine must be started).
 
@@ -208,11 +238,11 @@ def build_app(state: ServerState) -> FastAPI:
 
     @v1.post("/v1/completions", responses={**GENERATION_OK, **V1_ERRORS})
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:
-        return await with_disconnect(raw, completions.create_completion(body))
+        return await _releasing_remote_kv(state, body, with_disconnect(raw, completions.create_completion(body)))
 
     @v1.post("/v1/chat/completions", responses={**GENERATION_OK, **V1_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await with_disconnect(raw, chat.create_chat_completion(body))
+        return await _releasing_remote_kv(state, body, with_disconnect(raw, chat.create_chat_completion(body)))
 
     @v1.post("/kv_transfer/release", responses=_errors(400, 401, 503))
     async def kv_transfer_release(body: KVTransferReleaseRequest) -> dict[str, Any]:
