@@ -61,7 +61,7 @@ def test_response_format_and_extras_map_onto_structured_outputs():
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
     c = constraint_for(chat(response_format={"type": "json_schema",
                                              "json_schema": {"name": "x", "schema": schema, "strict": True}}))
-    assert c.params.json == schema and c.param == "response_format.json_schema.schema"
+    assert json.loads(c.params.json) == schema and c.param == "response_format.json_schema.schema"
     c = constraint_for(CompletionRequest(prompt="p", structured_outputs={"regex": "[ab]+",
                                                                          "disable_any_whitespace": True}))
     assert c.params.regex == "[ab]+" and c.params.disable_any_whitespace and c.param == "structured_outputs.regex"
@@ -71,14 +71,21 @@ def test_response_format_and_extras_map_onto_structured_outputs():
     for field, kind, value in (("guided_json", "json", schema), ("guided_regex", "regex", "a|b"),
                                ("guided_choice", "choice", ["x", "y"]), ("guided_grammar", "grammar", 'root ::= "a"')):
         c = constraint_for(chat(**{field: value}))
-        assert getattr(c.params, kind) == value and c.param == field
+        got = getattr(c.params, kind)
+        assert (json.loads(got) if kind == "json" else got) == value and c.param == field
     # options apply to the response_format's constraint
     c = constraint_for(chat(response_format={"type": "json_object"},
                             structured_outputs={"disable_additional_properties": True}))
     assert c.params.json_object and c.params.disable_additional_properties
+    assert json.loads(constraint_for(chat(guided_json=True)).params.json) == {}     # the schema true: any JSON
     st = constraint_for(chat(response_format={"type": "structural_tag", "format": {"type": "const_string",
                                                                                    "value": "hi"}}))
     assert json.loads(st.params.structural_tag)["format"]["value"] == "hi"
+
+
+DEEP: dict = {"type": "integer"}
+for _ in range(300):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}
 
 
 @pytest.mark.parametrize("kw,param", [
@@ -88,6 +95,9 @@ def test_response_format_and_extras_map_onto_structured_outputs():
     ({"structured_outputs": {"disable_any_whitespace": True}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": DEEP}, "guided_json"),
 ])
 def test_bad_constraint_requests_are_400_naming_the_field(kw, param):
     with pytest.raises(APIError) as e:
@@ -133,10 +143,12 @@ def test_tool_choice_checks_and_constraints():
         assert e.value.param == param and e.value.status == 400, kw
     named = constraint_for(chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}},
                                 response_format={"type": "json_object"}))   # the tool choice wins (vLLM)
-    assert named.params.json == TOOLS[0]["function"]["parameters"] and named.param == "tools[0].function.parameters"
+    assert json.loads(named.params.json) == TOOLS[0]["function"]["parameters"]
+    assert named.param == "tools[0].function.parameters"
     req = constraint_for(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False))
-    assert req.params.json["maxItems"] == 1 and len(req.checks) == 2
-    assert [v["properties"]["name"]["enum"] for v in req.params.json["items"]["anyOf"]] == [["get_weather"], ["now"]]
+    schema = json.loads(req.params.json)
+    assert schema["maxItems"] == 1 and len(req.checks) == 2
+    assert [v["properties"]["name"]["enum"] for v in schema["items"]["anyOf"]] == [["get_weather"], ["now"]]
     assert constraint_for(chat(tools=TOOLS, tool_choice="none")) is None
     assert constraint_for(chat(tools=TOOLS, tool_choice="auto")) is None
     assert chat(tools=TOOLS).effective_tool_choice == "auto" and chat().effective_tool_choice == "none"

@@ -207,6 +207,8 @@ class EngineCore:
                 release(scheduler_output.finished_req_ids)  # per-request state of the runner (spec decode)
             outputs += self.scheduler.update_from_output(scheduler_output, ModelRunnerOutput())
             self._kv_connector_after_step()
+            if not outputs and self.scheduler.waiting_for_grammar:
+                self.structured_output.wait_for_compiles(0.005)   # nothing else to do: no busy loop
             return outputs
         try:
             runner_output = self.executor.execute_model(scheduler_output)
@@ -216,6 +218,8 @@ class EngineCore:
             logger.exception("model step failed; failing the %d requests of this step", len(scheduler_output.scheduled))
             return outputs + self._fail_step(scheduler_output, e)
         t2 = time.perf_counter()
+        if scheduler_output.grammar_bitmask is not None:
+            scheduler_output.grammar_bitmask.result()   # (done already if sampled) matchers are the update's now
         outputs.extend(self.scheduler.update_from_output(scheduler_output, runner_output))
         self._kv_connector_after_step()
         t3 = time.perf_counter()

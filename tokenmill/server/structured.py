@@ -49,7 +49,47 @@ class Constraint:
     checks: list[tuple[str, StructuredOutputsParams]]
 
 
+# Deepest nesting of a JSON schema a request may send: deeper ones are refused with 400 (Python's
+# recursion limit would otherwise turn them into a 500 on the way to the engine).
+MAX_SCHEMA_DEPTH = 64
+
+
+def _depth(v: Any, limit: int) -> int:
+    """Nesting depth of a JSON value, stopping once past ``limit``."""
+    stack = [(v, 1)]
+    deepest = 0
+    while stack:
+        x, d = stack.pop()
+        deepest = max(deepest, d)
+        if deepest > limit:
+            return deepest
+        if isinstance(x, dict):
+            stack.extend((y, d + 1) for y in x.values())
+        elif isinstance(x, list):
+            stack.extend((y, d + 1) for y in x)
+    return deepest
+
+
+def _schema_text(param: str, schema: Any) -> str:
+    """A JSON schema as the JSON text the engine receives (``true`` is the schema ``{}``).
+
+    Raises:
+        APIError: 400 for the schema ``false`` (nothing matches) or nesting past :data:`MAX_SCHEMA_DEPTH`.
+    """
+    if isinstance(schema, str):
+        return schema
+    if schema is True:
+        schema = {}
+    if schema is False:
+        raise APIError(f"{param}: the schema false matches nothing", param=param)
+    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise APIError(f"{param}: the schema nests deeper than {MAX_SCHEMA_DEPTH} levels", param=param)
+    return json.dumps(schema, ensure_ascii=False)
+
+
 def _params(param: str, **kw: Any) -> StructuredOutputsParams:
+    if "json" in kw:
+        kw["json"] = _schema_text(param, kw["json"])
     try:
         return StructuredOutputsParams(**kw)
     except ValueError as e:

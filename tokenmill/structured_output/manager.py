@@ -251,6 +251,14 @@ class StructuredOutputManager:
         self._sync(req, st)
         return "ready"
 
+    def wait_for_compiles(self, timeout: float) -> None:
+        """Block until a running compile finishes or ``timeout`` seconds pass (an idle engine's wait)."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        pending = {st.future for st in self._states.values() if st.matcher is None and not st.future.done()}
+        if pending:
+            wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+
     def free(self, req_id: str) -> None:
         """Forget a finished or aborted request."""
         self._states.pop(req_id, None)
