@@ -57,6 +57,8 @@ several servers (or tests) in one process do not collide.
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the API
 
@@ -292,6 +294,13 @@ class PrometheusStatLogger:
                                 ["model_name", "reason"], registry=r)
         for reason in ("waiting_requests", "waiting_tokens", "slo"):
             self._refused.labels(model_name, reason)
+        # LoRA (--enable-lora): vLLM's lora_requests_info (value: the update's Unix time) and requests per adapter
+        self._lora_info = Gauge(PREFIX + "lora_requests_info", "Running stats on LoRA requests: adapters of "
+                                "running and waiting requests (comma-separated) and max_lora.",
+                                ["running_lora_adapters", "max_lora", "waiting_lora_adapters"], registry=r)
+        self._lora_requests = Counter(PREFIX + "lora_requests", "Requests added per LoRA adapter.",
+                                      ["model_name", "lora_name"], registry=r)
+        self._lora_last: dict[str, int] = {}
         # --slo admission (the API process's; no engine label): TTFT predictions and their error
         def api_hist(name: str, doc: str, buckets: list) -> Histogram:
             return Histogram(PREFIX + name, doc, ["model_name"], buckets=buckets, registry=r).labels(model_name)
@@ -413,6 +422,8 @@ class PrometheusStatLogger:
                 e.record_sources(s.prompt_tokens_by_source)
             if s.kv_transfer is not None:
                 e.record_kv_transfer(s.kv_transfer)
+            if getattr(s, "lora", None) is not None:
+                self.record_lora(s.lora)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)
@@ -434,6 +445,15 @@ class PrometheusStatLogger:
                 e.req_gen_tokens.observe(f.num_generation_tokens)
                 if f.max_tokens_param is not None:
                     e.req_max_tokens.observe(f.max_tokens_param)
+
+    def record_lora(self, lora: dict) -> None:
+        """``lora_requests_info`` and ``lora_requests`` from the core's LoRA snapshot (:attr:`EngineStats.lora`)."""
+        self._lora_info.clear()
+        self._lora_info.labels(",".join(lora["running"]), str(lora["max_lora"]),
+                               ",".join(lora["waiting"])).set(time.time())
+        for name, total in lora["requests_total"].items():
+            self._lora_last[name] = _inc(self._lora_requests.labels(self.model_name, name), total,
+                                         self._lora_last.get(name, 0))
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""
