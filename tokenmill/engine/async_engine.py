@@ -349,11 +349,13 @@ class AsyncEngine:
     # -- requests ------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None, batch: bool = False) -> AsyncIterator[RequestOutput]:
+                       arrival_time: float | None = None, batch: bool = False,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
         """Run one request; yield a :class:`RequestOutput` *delta* per batch of new tokens.
 
         ``batch`` puts it in the batch lane (scheduled with the capacity
-        interactive requests leave, preempted first).
+        interactive requests leave, preempted first). ``lora_request``
+        (:class:`tokenmill.lora.request.LoRARequest`) runs it with that adapter.
 
         Each delta's choices carry only new text/token ids/logprobs; the last
         one has ``finished=True`` (and ``error`` set if the core rejected the
@@ -376,7 +378,8 @@ class AsyncEngine:
         try:
             for i, cid in enumerate(child_ids):
                 self._send(("add", EngineCoreRequest(cid, list(prompt_token_ids), child_params(params, i),
-                                                     arrival_time, priority, cache_salt, batch)))
+                                                     arrival_time, priority, cache_salt, batch,
+                                                     lora_request)))
                 self._num_adds_sent += 1
                 self._inflight.append((self._num_adds_sent, len(prompt_token_ids), priority, batch))
                 if self.on_add is not None:
@@ -452,6 +455,36 @@ class AsyncEngine:
         finally:
             self._invariant_waiters.pop(token, None)
 
+    async def load_lora(self, lora_request: Any, timeout: float = 300.0) -> str | None:
+        """Have the core load and validate an adapter (off its step loop); None when it loaded, else
+        the error message (the adapter is then not usable).
+
+        Raises:
+            EngineDeadError: the core is not running.
+            TimeoutError: no answer within ``timeout`` seconds.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        self._invariant_token += 1
+        token = ("lora", self._invariant_token)
+        fut = asyncio.get_running_loop().create_future()
+        self._invariant_waiters[token] = fut
+        self._send(("load_lora", (token, lora_request)))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._invariant_waiters.pop(token, None)
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """Tell the core to drop an adapter once its queued and running requests finished (fire and forget).
+
+        Raises:
+            EngineDeadError: the core is not running.
+        """
+        if not self.is_healthy:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        self._send(("unload_lora", lora_int_id))
+
     def release_kv(self, request_id: str, engine_id: str | None = None) -> None:
         """Tell the core to free the KV it keeps for a consumer of ``request_id`` (the core's request id
         from ``kv_transfer_params.remote_request_id``); fire and forget, a no-op where nothing is held.
@@ -482,7 +515,7 @@ class AsyncEngine:
                 if kind == "outputs":
                     outputs, stats, num_adds_seen = payload
                     self._handle_outputs(outputs, stats, num_adds_seen)
-                elif kind == "invariants":
+                elif kind in ("invariants", "lora_loaded"):
                     token, report = payload
                     fut = self._invariant_waiters.pop(token, None)
                     if fut is not None and not fut.done():

@@ -10,7 +10,9 @@ Transport: two ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temp
 directory, both bound by the API process:
 
 * input (API → core): ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
-  ``("stop", [ids])``, ``("check_invariants", token)``, ``("release_kv", [(engine_id, request_id)])``
+  ``("stop", [ids])``, ``("check_invariants", token)``, ``("load_lora", (token, LoRARequest))`` (answered
+  with ``("lora_loaded", token, error or None)`` once the adapter loaded off the step loop),
+  ``("unload_lora", lora_int_id)``, ``("release_kv", [(engine_id, request_id)])``
   (free KV kept for a consumer that will not come), ``("shutdown", None)``; with experts shared across
   data-parallel cores also ``("wake", n)``: the API process's n-th request was added (to this core or
   another), see :func:`_lockstep_core_loop`.
@@ -118,6 +120,10 @@ def _handle_request_message(core: EngineCore, out_sock: Any, kind: str, payload:
         core.stop_requests(payload)
     elif kind == "release_kv":
         core.release_kv(payload)
+    elif kind == "load_lora":      # (token, LoRARequest): answered with ("lora_loaded", token, error | None)
+        core.load_lora(*payload)
+    elif kind == "unload_lora":    # lora_int_id
+        core.unload_lora(payload)
     elif kind == "check_invariants":
         report = core.check_invariants()
         sites = top_allocation_sites()
@@ -314,6 +320,8 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
                 return
             else:
                 _handle_request_message(core, out_sock, kind, payload)
+        for token, error in (core.take_lora_results() if hasattr(core, "take_lora_results") else ()):
+            out_sock.send(dumps(("lora_loaded", token, error)))
         outputs: list = []
         steps_before = core.num_steps if handled == 0 else -1   # (not get_stats(): a full snapshot a step)
         went_idle = False

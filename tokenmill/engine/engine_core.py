@@ -41,6 +41,7 @@ class EngineCoreRequest:
         priority: lower runs sooner under ``--scheduling-policy priority``.
         cache_salt: isolates this request's prefix-cache entries.
         batch: a batch-lane request (scheduled after interactive ones, never refused).
+        lora_request: the LoRA adapter (:class:`tokenmill.lora.request.LoRARequest`), None for the base.
     """
 
     request_id: str
@@ -50,6 +51,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     batch: bool = False
+    lora_request: Any = None
 
 
 class EngineCore:
@@ -90,10 +92,26 @@ class EngineCore:
                 from tokenmill.kv_transfer.multi import MultiConnector
 
                 self.kv_connector = MultiConnector([self.kv_connector, self.kv_offload])
+        # LoRA: the runner's adapter manager (uniproc executor: the runner is the executor)
+        self.lora_manager = getattr(executor, "lora_manager", None) if config.model.enable_lora else None
+        self._lora_loads: list[tuple[Any, Any, Any]] = []     # (token, LoRARequest, future) of runtime loads
+        self._lora_results: list[tuple[Any, str | None]] = []
+        self._lora_unloading: set[int] = set()
+        self._lora_requests_total: dict[str, int] = {}
+        if self.lora_manager is not None and config.model.lora_modules:
+            # --lora-modules: loaded (and validated) before the core is ready; a bad one names its file
+            from tokenmill.lora.registry import startup_requests
+            from tokenmill.config import parse_lora_modules
+
+            for lr in startup_requests(parse_lora_modules(config.model.lora_modules)):
+                self.lora_manager.load_now(lr)
+                logger.info("LoRA adapter %r (%d) loaded from %s", lr.lora_name, lr.lora_int_id, lr.lora_path)
         self.structured_output = self._make_structured_output_manager()
         self.scheduler = Scheduler(config.scheduler, config.cache, self.max_model_len, executor.num_kv_blocks,
                                    speculative_config=config.speculative, kv_connector=self.kv_connector,
-                                   structured_output=self.structured_output)
+                                   structured_output=self.structured_output,
+                                   max_loras=config.model.max_loras if self.lora_manager is not None else 0,
+                                   lora_ready=self._lora_ready if self.lora_manager is not None else None)
         bind = getattr(self.kv_connector, "bind_kv_cache_manager", None)
         if bind is not None:
             bind(self.scheduler.kv_cache_manager)
@@ -155,8 +173,17 @@ class EngineCore:
             req.request_id, req.prompt_token_ids, req.sampling_params,
             eos_token_id=(eos[0] if len(eos) == 1 else list(eos)) if eos else None,
             arrival_time=req.arrival_time, priority=req.priority, cache_salt=req.cache_salt,
-            batch=req.batch,
+            batch=req.batch, lora_request=req.lora_request,
         )
+        if req.lora_request is not None:
+            if self.lora_manager is None:
+                self._pending.append(EngineCoreOutput(
+                    req_id=req.request_id, finish_reason="error", arrival_time=request.arrival_time,
+                    error=f"LoRA adapter {req.lora_request.lora_name!r} asked for, but LoRA is off (--enable-lora)",
+                    finished_time=time.time(), num_prompt_tokens=request.num_prompt_tokens))
+                return
+            name = req.lora_request.lora_name
+            self._lora_requests_total[name] = self._lora_requests_total.get(name, 0) + 1
         try:
             self.scheduler.add_request(request)
         except RequestRejectedError as e:
@@ -185,12 +212,69 @@ class EngineCore:
         self.scheduler.finish_requests(req_ids, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return (bool(self._pending) or self.scheduler.has_unfinished_requests() or bool(self._lora_loads)
+                or bool(self._lora_results))
+
+    # -- LoRA adapters ---------------------------------------------------------
+    def _lora_ready(self, request: Request) -> tuple[bool, str | None]:
+        """The scheduler's hook: is the request's adapter resident (its load starts when not)?"""
+        return self.lora_manager.ensure(request.lora_request)
+
+    def load_lora(self, token: Any, lora_request: Any) -> None:
+        """Start loading an adapter (``POST /v1/load_lora_adapter``) on the runner's loader thread; the
+        result (None or the error message) comes out of :meth:`take_lora_results` with ``token``."""
+        if self.lora_manager is None:
+            self._lora_results.append((token, "LoRA is off (--enable-lora)"))
+            return
+        self._lora_unloading.discard(lora_request.lora_int_id)
+        self._lora_loads.append((token, lora_request, self.lora_manager.load_async(lora_request)))
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """Forget an adapter once no queued or running request uses it (those finish with it)."""
+        if self.lora_manager is not None:
+            self._lora_unloading.add(lora_int_id)
+            self._lora_housekeeping()
+
+    def take_lora_results(self) -> list[tuple[Any, str | None]]:
+        """Finished runtime loads since the last call: ``(token, None | error message)``."""
+        if self.lora_manager is None:
+            return []
+        self._lora_housekeeping()
+        out, self._lora_results = self._lora_results, []
+        return out
+
+    def _lora_housekeeping(self) -> None:
+        mgr = self.lora_manager
+        mgr.poll()
+        for item in list(self._lora_loads):
+            token, _, fut = item
+            if fut.done():
+                self._lora_loads.remove(item)
+                err = fut.exception()
+                self._lora_results.append((token, None if err is None else str(err)))
+        in_use = {r.lora_int_id for r in self.scheduler.requests.values() if r.lora_request is not None}
+        mgr.pinned = in_use
+        for lid in list(self._lora_unloading):
+            if lid not in in_use:
+                mgr.remove(lid)
+                self._lora_unloading.discard(lid)
+
+    def lora_stats(self) -> dict | None:
+        """Adapters of running and waiting requests, ``max_lora`` and requests per adapter (metrics)."""
+        if self.lora_manager is None:
+            return None
+        s = self.scheduler
+        running = sorted({r.lora_request.lora_name for r in s.running if r.lora_request is not None})
+        waiting = sorted({r.lora_request.lora_name for r in s.waiting if r.lora_request is not None})
+        return {"running": running, "waiting": waiting, "max_lora": self.config.model.max_loras,
+                "requests_total": dict(self._lora_requests_total)}
 
     # -- the loop ------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Run one iteration; return outputs for requests that got a token or finished."""
         outputs, self._pending = self._pending, []
+        if self.lora_manager is not None:
+            self._lora_housekeeping()
         t0 = time.perf_counter()
         self._time_last_step(t0)
         scheduler_output = self.scheduler.schedule()
@@ -322,6 +406,7 @@ class EngineCore:
             prompt_tokens_by_source=dict(s.prompt_tokens_by_source),
             expert_parallel=getattr(self.executor, "expert_parallel_stats", None),
             structured_outputs=self._structured_output_stats(),
+            lora=self.lora_stats(),
         )
 
     def _structured_output_stats(self) -> Any:

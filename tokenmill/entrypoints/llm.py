@@ -73,6 +73,7 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         cache_salt: str | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate completions for every prompt, batched continuously.
 
@@ -82,6 +83,8 @@ class LLM:
                 (default: ``SamplingParams()``).
             priority: per-prompt priority (priority policy only).
             cache_salt: prefix-cache salt applied to every prompt.
+            lora_request: a :class:`tokenmill.lora.request.LoRARequest` for every prompt, or one per
+                prompt (None entries: the base model); needs ``enable_lora=True``.
 
         Returns:
             one :class:`RequestOutput` per prompt, in order, with full texts,
@@ -102,9 +105,12 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         prio = list(priority) if priority is not None else [0] * len(prompts)
+        loras = list(lora_request) if isinstance(lora_request, (list, tuple)) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         ids: list[str] = []
-        for prompt, params, p in zip(prompts, params_list, prio):
-            ids.append(self._add(prompt, params, p, cache_salt))
+        for prompt, params, p, lr in zip(prompts, params_list, prio, loras):
+            ids.append(self._add(prompt, params, p, cache_salt, lr))
         self._run_until_done(ids)
         results = [self.processor.final_output(rid) for rid in ids]
         for rid in ids:
@@ -120,7 +126,8 @@ class LLM:
         return self.generate([self.tokenizer.encode(p, add_special_tokens=False) for p in prompts], sampling_params)
 
     # -- internals ---------------------------------------------------------------
-    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, cache_salt: str | None) -> str:
+    def _add(self, prompt: PromptType, params: SamplingParams, priority: int, cache_salt: str | None,
+             lora_request: Any = None) -> str:
         rid = str(next(self._counter))
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -134,7 +141,8 @@ class LLM:
         child_ids = self.processor.add_request(rid, text, token_ids, params)
         for i, cid in enumerate(child_ids):
             self.engine_core.add_request(EngineCoreRequest(cid, token_ids, child_params(params, i),
-                                                           priority=priority, cache_salt=cache_salt))
+                                                           priority=priority, cache_salt=cache_salt,
+                                                           lora_request=lora_request))
         return rid
 
     def _run_until_done(self, ids: list[str]) -> None:

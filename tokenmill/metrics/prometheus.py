@@ -75,6 +75,7 @@ several servers (or tests) in one process do not collide.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -442,6 +443,14 @@ class PrometheusStatLogger:
             setattr(self, s.key, metric.labels(model_name) if not s.labels else metric)
         for reason in ("waiting_requests", "waiting_tokens", "slo"):
             self._refused.labels(model_name, reason)
+        # LoRA (--enable-lora): vLLM's lora_requests_info (value: the update's Unix time; vLLM's labels, no
+        # model_name) and requests per adapter
+        self._lora_info = Gauge(PREFIX + "lora_requests_info", "Running stats on LoRA requests: adapters of "
+                                "running and waiting requests (comma-separated) and max_lora.",
+                                ["running_lora_adapters", "max_lora", "waiting_lora_adapters"], registry=self.registry)
+        self._lora_requests = Counter(PREFIX + "lora_requests", "Requests added per LoRA adapter.",
+                                      ["model_name", "lora_name"], registry=self.registry)
+        self._lora_last: dict[str, int] = {}
         self.slo_tpot_factor.set(1.0)
         self._cache_config = CACHE_CONFIG_INFO.build(self.registry, ("model_name", "engine"), token_buckets)
         self._engines: dict[int, _EngineSeries] = {}
@@ -525,6 +534,8 @@ class PrometheusStatLogger:
                 e.record_kv_offload(s.kv_offload)
             if getattr(s, "structured_outputs", None) is not None:
                 e.record_structured(s.structured_outputs)
+            if getattr(s, "lora", None) is not None:
+                self.record_lora(s.lora)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)
@@ -546,6 +557,15 @@ class PrometheusStatLogger:
                 e.req_gen_tokens.observe(f.num_generation_tokens)
                 if f.max_tokens_param is not None:
                     e.req_max_tokens.observe(f.max_tokens_param)
+
+    def record_lora(self, lora: dict) -> None:
+        """``lora_requests_info`` and ``lora_requests`` from the core's LoRA snapshot (:attr:`EngineStats.lora`)."""
+        self._lora_info.clear()
+        self._lora_info.labels(",".join(lora["running"]), str(lora["max_lora"]),
+                               ",".join(lora["waiting"])).set(time.time())
+        for name, total in lora["requests_total"].items():
+            self._lora_last[name] = _inc(self._lora_requests.labels(self.model_name, name), total,
+                                         self._lora_last.get(name, 0))
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

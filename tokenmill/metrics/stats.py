@@ -136,6 +136,9 @@ class EngineStats:
     prompt_tokens_by_source: dict[str, int] | None = None
     expert_parallel: dict[str, float] | None = None
     structured_outputs: Any = None
+    # LoRA (--enable-lora): {"running": [adapter names], "waiting": [...], "max_lora": n,
+    # "requests_total": {adapter name: requests added}}; None without LoRA
+    lora: dict | None = None
 
 
 @dataclass

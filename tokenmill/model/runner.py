@@ -243,6 +243,13 @@ class ModelRunner:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
         self._setup_kv_scales(config.cache.calculate_kv_scales)   # after capture: its warm-up steps are no batch
         log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
+        self.lora_manager = None   # a tokenmill.lora.manager.LoRAManager with --enable-lora
+        if config.model.enable_lora:
+            from tokenmill.lora.manager import LoRAManager
+
+            m = config.model
+            self.lora_manager = LoRAManager(model, arch, m.max_loras, m.max_lora_rank,
+                                            m.max_cpu_loras or m.max_loras, dtype)
         self.step_graph = None   # a CpuStepGraph for decode-only steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None
@@ -506,6 +513,10 @@ class ModelRunner:
             return ModelRunnerOutput()
         t0 = time.perf_counter()
         input_ids, positions, md, logits_indices = self.prepare_inputs(so)
+        if self.lora_manager is not None:   # each row's adapter slot (the LoRA layers read it in the forward)
+            self.lora_manager.set_batch([r.lora_request for r in so.scheduled],
+                                        np.fromiter((len(r.token_ids) for r in so.scheduled), dtype=np.int64,
+                                                    count=len(so.scheduled)), input_ids.shape[0])
         t1 = time.perf_counter()
         graph = self.step_graph
         if graph is not None and graph.accepts(md.num_reqs, md.max_query_len, input_ids.shape[0]):

@@ -128,10 +128,18 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
         if type(layer) is not LlamaDecoderLayer or type(layer.mlp) is not SwiGLUMLP:
             return "a layer that is not a plain Llama block"
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            lin = _lora_base(lin)
             # exactly PackedLinear: a subclass (or a tensor-parallel wrapper) may do more than the GEMM
             if type(lin) is not PackedLinear or lin.lowbit is None or lin.lowbit_max_rows < max_tokens:
                 return "a linear layer without low-bit codes (or a tensor-parallel one)"
     return None
+
+
+def _lora_base(lin):
+    """The base layer of a LoRA-wrapped linear (``LoRALinear.base``), else ``lin`` itself."""
+    from tokenmill.model.layers.lora import LoRALinear
+
+    return lin.base if isinstance(lin, LoRALinear) else lin
 
 
 class CpuStepGraph:
@@ -203,7 +211,19 @@ class CpuStepGraph:
 
     # -- building -----------------------------------------------------------
     def _gemm_args(self, lin, x: torch.Tensor, y: torch.Tensor, m: int) -> tuple:
-        """The call :meth:`PackedLinear.forward` makes for ``m`` rows of ``x``, writing into ``y``."""
+        """The call :meth:`PackedLinear.forward` makes for ``m`` rows of ``x``, writing into ``y``.
+
+        A LoRA layer (:class:`~tokenmill.model.layers.lora.LoRALinear`) runs its base's call, then
+        adds the step's adapter delta into ``y`` (nothing when the step has no adapter rows)."""
+        base = _lora_base(lin)
+        if base is not lin:
+            fn, args = self._gemm_args(base, x, y, m)
+            xv, yv, add = x[:m], y[:m], lin.add_delta_
+
+            def with_lora() -> None:
+                fn(*args)
+                add(xv, yv)
+            return (with_lora, ())
         if m > lin.lowbit_max_rows and m > lin.lowbit_i8_max_rows:
             # oneDNN's packed GEMM, as the eager layer runs it, then into the persistent buffer
             xv, yv, packed, bias = x[:m], y[:m], lin.ensure_packed(), lin.bias

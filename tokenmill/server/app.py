@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tokenmill
@@ -34,7 +34,8 @@ from tokenmill import envs
 from tokenmill.metrics.prometheus import CONTENT_TYPE_LATEST
 from tokenmill.server.body_limit import BodySizeLimitMiddleware
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                       ErrorResponse, KVTransferReleaseRequest, TokenizeRequest,
+                                       ErrorResponse, KVTransferReleaseRequest, LoadLoRAAdapterRequest,
+                                       TokenizeRequest, UnloadLoRAAdapterRequest,
                                        error_param_from_loc)
 from tokenmill.server.serving import OpenAIServing, ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
@@ -232,9 +233,48 @@ def build_app(state: ServerState) -> FastAPI:
 
     @v1.get("/v1/models", responses=_errors(401, 500))
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
-            "root": state.model_path, "parent": None, "max_model_len": state.max_model_len, "permission": []}]}
+        data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+                 "root": state.model_path, "parent": None, "max_model_len": state.max_model_len, "permission": []}]
+        for lr in state.lora or ():    # vLLM's shape: each adapter is a model whose parent is the base
+            data.append({"id": lr.lora_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
+                         "root": lr.lora_path, "parent": lr.base_model_name or state.model_name,
+                         "max_model_len": state.max_model_len, "permission": []})
+        return {"object": "list", "data": data}
+
+    def runtime_lora() -> Any:
+        if state.lora is None or not state.config.model.allow_runtime_lora_updating:
+            raise APIError("runtime LoRA updating is off: start the server with --enable-lora "
+                           "--allow-runtime-lora-updating", 404)
+        if not state.engine.is_healthy:
+            raise APIError(f"engine is not running: {state.engine.dead_reason}", 503)
+        return state.lora
+
+    @v1.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401, 404, 503))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Any:
+        """Load and validate a PEFT adapter folder, then serve it as model ``lora_name`` (400 when invalid)."""
+        reg = runtime_lora()
+        try:
+            req = reg.new_request(body.lora_name, body.lora_path)
+        except ValueError as e:
+            raise APIError(str(e), param="lora_name") from None
+        error = await state.engine.load_lora(req)
+        if error is not None:
+            raise APIError(error, param="lora_path")
+        if reg.get(body.lora_name) is not None:    # a concurrent load of the same name won
+            raise APIError(f"The lora adapter '{body.lora_name}' has already been loaded.", param="lora_name")
+        reg.add(req)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @v1.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_errors(400, 401, 404, 503))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Any:
+        """Stop serving an adapter: new requests naming it get 404; those in flight finish with it."""
+        reg = runtime_lora()
+        req = reg.get(body.lora_name)
+        if req is None or (body.lora_int_id is not None and body.lora_int_id != req.lora_int_id):
+            raise APIError(f"The lora adapter '{body.lora_name}' cannot be found.", 404, param="lora_name")
+        reg.remove(body.lora_name)
+        state.engine.unload_lora(req.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @v1.post("/v1/completions", responses={**GENERATION_OK, **V1_ERRORS})
     async def create_completion(body: CompletionRequest, raw: Request) -> Any:

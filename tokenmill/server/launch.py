@@ -67,10 +67,16 @@ def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: An
         engine.stat_loggers.append(slo)
         logger.info("SLO-aware admission control: %s (requests predicted to miss it get 429)", slo.slo)
     template = getattr(tokenizer, "chat_template", None)
+    lora = None
+    if config.model.enable_lora:     # the --lora-modules adapters: the engine core loaded them before "ready"
+        from tokenmill.config import parse_lora_modules
+        from tokenmill.lora.registry import LoRARegistry
+
+        lora = LoRARegistry(name, parse_lora_modules(config.model.lora_modules))
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
                        chat_template=template if isinstance(template, str) else None, model_name=name,
                        model_path=model_path, max_model_len=engine.info.max_model_len, admission=admission,
-                       prometheus=prom, log_stats=log_stats, slo=slo)
+                       prometheus=prom, log_stats=log_stats, slo=slo, lora=lora)
 
 
 # Seconds the API process keeps answering (/health 503, requests 503) after the engine core died,

@@ -526,6 +526,22 @@ class TokenizeRequest(_Base):
             raise APIError("give exactly one of prompt or messages", param="prompt")
 
 
+class LoadLoRAAdapterRequest(_Base):
+    """``POST /v1/load_lora_adapter`` (vLLM's body): serve the PEFT adapter folder ``lora_path`` as model
+    ``lora_name`` (needs ``--enable-lora --allow-runtime-lora-updating``)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_Base):
+    """``POST /v1/unload_lora_adapter`` (vLLM's body): stop serving ``lora_name``; its requests in flight
+    finish with it. ``lora_int_id`` is accepted (vLLM sends it) and must match when given."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+
+
 class KVTransferReleaseRequest(_Base):
     """``POST /kv_transfer/release``: free the KV a prefill server keeps for a decode server that will not
     come (sent by ``tokenmill router --pd-disaggregation`` when the decode leg fails).

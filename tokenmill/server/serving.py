@@ -78,6 +78,8 @@ class ServerState:
         log_stats: the periodic log line.
         token_strings: text/bytes of single tokens for logprobs (built from the tokenizer).
         slo: SLO-aware admission control (``--slo``), None when off.
+        lora: the served LoRA adapters (:class:`tokenmill.lora.registry.LoRARegistry`), None without
+            ``--enable-lora``.
     """
 
     config: EngineConfig
@@ -93,6 +95,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     token_strings: TokenStrings | None = None
     slo: SLOAdmission | None = None
+    lora: Any = None
 
     def __post_init__(self) -> None:
         if self.token_strings is None:
@@ -133,11 +136,20 @@ class OpenAIServing:
         return self.state.token_strings
 
     # -- validation ----------------------------------------------------------
-    def check_model(self, name: str | None) -> None:
-        """Raises: APIError 404 when ``name`` is given and is not the served model."""
-        if name is not None and name != self.state.model_name:
-            raise APIError(f"The model `{name}` does not exist. This server serves `{self.state.model_name}`.",
-                           404, param="model")
+    def check_model(self, name: str | None) -> Any:
+        """The LoRA adapter ``name`` picks (:class:`~tokenmill.lora.request.LoRARequest`), None for the base.
+
+        Raises:
+            APIError: 404 when ``name`` is given and is neither the served model nor a served adapter.
+        """
+        if name is None or name == self.state.model_name:
+            return None
+        lora = self.state.lora.get(name) if self.state.lora is not None else None
+        if lora is not None:
+            return lora
+        also = f" and {len(self.state.lora)} LoRA adapters (GET /v1/models)" if self.state.lora else ""
+        raise APIError(f"The model `{name}` does not exist. This server serves `{self.state.model_name}`{also}.",
+                       404, param="model")
 
     def check_token_ids(self, ids: Any, param: str = "prompt") -> None:
         """Raises: APIError 400 naming the first id outside ``[0, vocab_size)`` and the range."""

@@ -101,7 +101,7 @@ class OpenAIServingChat(OpenAIServing):
         state = self.state
         arrival = time.time()
         body.check()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_request_token_ids(body)
         self.check_priority(body.priority)
         reader = self.tool_reader(body)
@@ -122,8 +122,9 @@ class OpenAIServingChat(OpenAIServing):
         ticket = self.admit(n, n * len(ids), body.priority, body.is_batch, arrival, max_tokens=mt)
         rid = request_id("chatcmpl", body.request_id)
         created = int(time.time())
+        extra = {"lora_request": lora} if lora is not None else {}
         merged = merge_streams([state.engine.generate(rid, prompt, ids, params, body.priority, body.cache_salt,
-                                                      arrival, batch=body.is_batch)])
+                                                      arrival, batch=body.is_batch, **extra)])
         self.admitted(ticket, [rid])
         usage = Usage([len(ids)])
         top_n = body.top_logprobs or 0
@@ -182,7 +183,7 @@ class OpenAIServingChat(OpenAIServing):
                                     "finish_reason": fr, "stop_reason": c.stop_reason})
                 return choices
 
-            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": state.model_name}
+            head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": lora.lora_name if lora is not None else state.model_name}
             return stream_response(merged, first, usage, head, body.stream_options, chat_choices)
 
         res = await collect(merged, usage, n=1)
@@ -203,7 +204,7 @@ class OpenAIServingChat(OpenAIServing):
             choices.append({"index": idx, "message": message, "logprobs": lp, "finish_reason": fr,
                             "stop_reason": sr})
         resp: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
-                                "model": state.model_name, "choices": choices, "usage": usage.to_dict()}
+                                "model": lora.lora_name if lora is not None else state.model_name, "choices": choices, "usage": usage.to_dict()}
         if res.kv_transfer_params is not None:    # P/D disaggregation: where the prefill server keeps the KV
             resp["kv_transfer_params"] = res.kv_transfer_params
         if body.prompt_logprobs is not None:   # vLLM puts them on the response, not the choice

@@ -57,7 +57,7 @@ class OpenAIServingCompletion(OpenAIServing):
         state = self.state
         arrival = time.time()
         body.check()
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_request_token_ids(body)
         self.check_priority(body.priority)
         p = body.prompt
@@ -93,8 +93,9 @@ class OpenAIServingCompletion(OpenAIServing):
         rid = request_id("cmpl", body.request_id)
         created = int(time.time())
         engine_ids = [rid if len(prompts) == 1 else f"{rid}-p{i}" for i in range(len(prompts))]
+        extra = {"lora_request": lora} if lora is not None else {}
         gens = [state.engine.generate(engine_ids[i], text, ids, params_list[i],
-                                      body.priority, body.cache_salt, arrival, batch=body.is_batch)
+                                      body.priority, body.cache_salt, arrival, batch=body.is_batch, **extra)
                 for i, (text, ids) in enumerate(prompts)]
         self.admitted(ticket, engine_ids)
         usage = Usage([len(ids) for _, ids in prompts], count_completion=not echo_only)
@@ -131,7 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                     "stop_reason": sr})
                 return choices
 
-            head = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name}
+            head = {"id": rid, "object": "text_completion", "created": created, "model": lora.lora_name if lora is not None else state.model_name}
             return stream_response(merged, first, usage, head, body.stream_options, completion_choices)
 
         # Non-streaming: collect everything.
@@ -153,7 +154,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = self.vllm_prompt_logprobs(prompts[i][1], res.prompt_logprobs.get(i))
             choices.append(choice)
-        resp = {"id": rid, "object": "text_completion", "created": created, "model": state.model_name,
+        resp = {"id": rid, "object": "text_completion", "created": created, "model": lora.lora_name if lora is not None else state.model_name,
                 "choices": choices, "usage": usage.to_dict()}
         if res.kv_transfer_params is not None:    # P/D disaggregation: where the prefill server keeps the KV
             resp["kv_transfer_params"] = res.kv_transfer_params
