@@ -33,7 +33,6 @@ Time is virtual: the policies get the simulated clock (:class:`~tokenmill.router
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import random
 import time
@@ -318,15 +317,11 @@ class SimFleet:
     def _end(self, req: SimRequest) -> None:
         d = self._decisions.pop(req.rid)
         self.policy.on_finish(d)
-        self._first_byte_if_needed(d)
+        d.backend.prefill_blocks -= d.new_prefill_blocks     # the router's end(): first byte bookkeeping
+        d.new_prefill_blocks = 0
         d.backend.in_flight -= 1
         d.backend.active_blocks -= d.request_blocks
         d.request_blocks = 0
-
-    @staticmethod
-    def _first_byte_if_needed(d: RouteDecision) -> None:
-        d.backend.prefill_blocks -= d.new_prefill_blocks
-        d.new_prefill_blocks = 0
 
     def run(self, requests: Sequence[SimRequest], concurrency: int, max_sim_s: float = 1e7) -> list[SimRequest]:
         """Send ``requests`` in order with ``concurrency`` in flight; returns them, finished (in place).
@@ -521,7 +516,3 @@ def best_placement(requests: Sequence[SimRequest], num_replicas: int, num_blocks
     parts = [[groups[i] for i in range(n) if m >> i & 1] for m in choice[full]]
     return f[full], parts
 
-
-def salt_for(*parts: object) -> str:
-    """A short cache salt from ``parts`` (each run its own, so runs never share blocks)."""
-    return hashlib.sha256("/".join(map(str, parts)).encode()).hexdigest()[:12]
