@@ -591,11 +591,10 @@ class KVAware(Policy):
             allowed, info = self._allowed(candidates, req, e)
             allowed = self._worth_moving(allowed, info, e["costs"])
             if self.busy_threshold is not None:
-                free = [b for b in allowed if not self.busy(b, req)]
-                if not free:
+                if not any(not self.busy(b, req) for b in allowed):
                     return "busy", allowed
-                allowed = free
-            avail = allowed
+                # select applies the placement again; it sees every free candidate (for the decision log)
+                avail = [b for b in candidates if not self.busy(b, req)]
         elif self.busy_threshold is not None:
             avail = [b for b in candidates if not self.busy(b, req)]
             if not avail:
