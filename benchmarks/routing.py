@@ -260,6 +260,7 @@ FAMILY_POLICIES = {
     "round_robin": ("round_robin", {}),
     "least_load": ("least_load", {}),
     "prefix_aware": ("prefix_aware", {}),
+    "prefix_aware+placement": ("prefix_aware", {"prefix_placement": True}),
     "kv_aware": ("kv_aware", {}),
     "kv_aware-no-placement": ("kv_aware", {"placement": False}),
     "dynamo": ("kv_aware", {"placement": False, "eviction_weight": 0.0, "recompute_weight": 0.0,
@@ -336,7 +337,8 @@ def summarize_half(rows: list[dict], names: list[str]) -> dict[str, dict]:
 
 def print_half(title: str, rows: list[dict], names: list[str]) -> None:
     print(f"\n### {title}: {len(rows)} members\n")
-    short = {"round_robin": "rr", "least_load": "ll", "prefix_aware": "prefix", "kv_aware": "kv",
+    short = {"round_robin": "rr", "least_load": "ll", "prefix_aware": "prefix",
+             "prefix_aware+placement": "prefix+place", "kv_aware": "kv",
              "kv_aware-no-placement": "kv-noplace", "dynamo": "dynamo"}
     head = " | ".join(f"{short.get(n, n)} share" for n in names)
     print(f"| # | groups | replicas | pool (x demand) | conc. | popularity | run | best cached tok | {head} | "

@@ -181,3 +181,18 @@ def test_make_policy_rejects_a_negative_move_margin():
 def test_simulated_requests_never_exceed_the_pool():
     with pytest.raises(ValueError, match="needs"):
         _lru_replay([SimRequest(0, 0, list(range(100)), "", 4, block_hash_chain(list(range(100)), 16))], 4, 16)
+
+
+def test_prefix_aware_places_groups_from_the_text_and_the_reported_pools():
+    """prefix_aware has no token ids and no KV events; its placement (--prefix-placement, off by default)
+    works on chained hashes of text chunks and the pools the backends report: on the overflow workload it
+    keeps >= 90% of the best."""
+    reqs = make_workload(5, [480] * 5, 60, 10, 4, seed=2)
+    best, _ = best_placement(reqs, 3, 40)
+    on, rs = _cached("prefix_aware", reqs, 3, 40, 1, prefix_placement=True)
+    off, _ = _cached("prefix_aware", reqs, 3, 40, 1)
+    assert on >= 0.9 * best and on >= off, (on, off, best)
+    by_replica = {}
+    for r in rs:
+        by_replica.setdefault(r.backend, set()).add(r.group)
+    assert sorted(len(g) for g in by_replica.values())[:2] == [1, 1]

@@ -37,6 +37,11 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--max-tree-size", type=int, default=2**26,
                    help="Characters kept per backend prefix tree; least recently used leaves are evicted "
                         "beyond [default: 2^26].")
+    g.add_argument("--prefix-placement", action=argparse.BooleanOptionalAction, default=False,
+                   help="prefix_aware: keep prefix groups resident as kv_aware's --kv-placement does, from the "
+                        "prompts' text (chunks of about one KV block) and the backends' reported pools (no KV "
+                        "events: a group's home is never found evicted). Off by default: it did not raise "
+                        "prefix_aware's cached tokens on benchmarks/routing.py's family [default: off].")
     g = p.add_argument_group("kv_aware (Dynamo's KV router cost)")
     g.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
                    help="Weight of prefill blocks in cost = weight x (prefill_blocks + eviction_weight x "
@@ -170,7 +175,7 @@ def config_from_args(args: argparse.Namespace):
         pd_disaggregation=args.pd_disaggregation, prefill=prefill, decode=decode, decision_log=args.decision_log,
         kv_prefill_wait=args.kv_prefill_wait, active_decode_blocks_threshold=args.active_decode_blocks_threshold,
         router_queue_timeout=args.router_queue_timeout, dead_backend_timeout=args.dead_backend_timeout,
-        kv_placement=args.kv_placement, kv_move_margin=args.kv_move_margin)
+        kv_placement=args.kv_placement, kv_move_margin=args.kv_move_margin, prefix_placement=args.prefix_placement)
 
 
 def check_writable(path: str, flag: str) -> None:

@@ -107,7 +107,7 @@ class PrefixGroups:
     """
 
     def __init__(self, member_ratio: float = 0.5, min_share_blocks: int = 2, max_groups: int = 4096,
-                 max_nodes: int = 1 << 20, half_life: float = 64.0) -> None:
+                 max_nodes: int = 1 << 18, half_life: float = 64.0) -> None:
         if not 0.0 < member_ratio <= 1.0:
             raise ValueError(f"member_ratio must be in (0, 1], got {member_ratio}")
         self.member_ratio = member_ratio

@@ -83,6 +83,7 @@ class RouterConfig:
     dead_backend_timeout: float = 30.0
     kv_placement: bool = True
     kv_move_margin: float = 4.0
+    prefix_placement: bool = False
 
 
 class Router:
@@ -139,7 +140,8 @@ class Router:
         self.health = HealthChecker(self.backends, self.client, c.health_check_interval, c.health_check_timeout,
                                     unhealthy_after=c.health_failure_threshold, api_key=c.backend_api_key,
                                     scrape_metrics=c.load_source == "metrics",
-                                    read_pool_size=c.policy == "kv_aware")
+                                    read_pool_size=c.policy == "kv_aware" or (c.policy == "prefix_aware"
+                                                                               and c.prefix_placement))
         self.health.on_change = self.on_health_change
         self.health.on_round = self._after_health_round
         self._changed = asyncio.Event()
@@ -222,7 +224,7 @@ class Router:
                 temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source,
                 eviction_weight=c.kv_eviction_weight, recompute_weight=c.kv_recompute_weight,
                 prefill_wait=c.kv_prefill_wait, busy_threshold=c.active_decode_blocks_threshold,
-                placement=c.kv_placement, move_margin=c.kv_move_margin)
+                placement=c.kv_placement, move_margin=c.kv_move_margin, prefix_placement=c.prefix_placement)
         return p
 
     def all_models(self, healthy_only: bool = True) -> list[str]:
