@@ -206,8 +206,9 @@ class CacheConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
-        self.kv_events  # validates the JSON
-        self.kv_transfer  # validates the JSON
+        # the JSON-valued flags, parsed (and validated) once here, not on every property access
+        object.__setattr__(self, "_kv_events", KVEventsConfig.from_json(self.kv_events_config))
+        object.__setattr__(self, "_kv_transfer", KVTransferConfig.from_json(self.kv_transfer_config))
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ValueError(f"num_kv_blocks must be > 0, got {self.num_kv_blocks}")
         parse_size(self.kv_cache_memory)
@@ -223,13 +224,14 @@ class CacheConfig:
 
     @property
     def kv_events(self):
-        """The parsed ``--kv-events-config`` (:class:`KVEventsConfig`)."""
-        return KVEventsConfig.from_json(self.kv_events_config)
+        """The parsed ``--kv-events-config`` (:class:`KVEventsConfig`, parsed when the config was built)."""
+        return self._kv_events
 
     @property
     def kv_transfer(self) -> "KVTransferConfig | None":
-        """The parsed ``--kv-transfer-config`` (:class:`KVTransferConfig`), None when off."""
-        return KVTransferConfig.from_json(self.kv_transfer_config)
+        """The parsed ``--kv-transfer-config`` (:class:`KVTransferConfig`, parsed when the config was built), None
+        when off."""
+        return self._kv_transfer
 
     @property
     def kv_cache_memory_bytes(self) -> int:
@@ -287,15 +289,17 @@ class ParallelConfig:
                              f"{self.world_size}: use --distributed-executor-backend mp or ray")
         if isinstance(self.eplb_config, dict):     # LLM(eplb_config={...})
             object.__setattr__(self, "eplb_config", json.dumps(self.eplb_config))
-        eplb = self.eplb      # validates the JSON
+        eplb = EplbConfig.from_json(self.eplb_config)      # parsed (and validated) once, not per access
+        object.__setattr__(self, "_eplb", eplb)
         if not self.enable_eplb and eplb.num_redundant_experts:
             raise ValueError(f"eplb_config: num_redundant_experts is {eplb.num_redundant_experts} but EPLB is off; "
                              "add --enable-eplb")
 
     @property
     def eplb(self) -> "EplbConfig":
-        """The parsed ``--eplb-config`` (:class:`EplbConfig`; vLLM's defaults when not given)."""
-        return EplbConfig.from_json(self.eplb_config)
+        """The parsed ``--eplb-config`` (:class:`EplbConfig`; vLLM's defaults when not given), parsed when the
+        config was built."""
+        return self._eplb
 
     @property
     def world_size(self) -> int:
