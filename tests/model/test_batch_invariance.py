@@ -310,5 +310,4 @@ def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, tmp_pa
         plain = engine(**kw, batch_invariant=False)
         differs |= _serve(plain, prompts, params, arrivals, threads) != alone
         del llm, plain
-    if variant_env != "scalar":      # the scalar build keeps SDPA-free paths that agree more often
-        assert differs, "the non-invariant mode gave the same bits every time: the check cannot fail"
+    assert differs, "the non-invariant mode gave the same bits every time: the check cannot fail"
