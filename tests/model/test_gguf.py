@@ -371,7 +371,7 @@ def test_runner_uses_lowbit_weights_for_small_steps(tmp_path, monkeypatch, dtype
         # runners only): this test bounds the weights' path, so that is all that may differ
         cfg = EngineConfig.from_kwargs(model=str(path), dtype=dtype, num_kv_blocks=16, block_size=4,
                                        max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                                       kv_cache_dtype=dtype)
+                                       kv_cache_dtype=dtype, batch_invariant=False)   # the per-size paths
         return ModelRunner.from_config(cfg)
 
     on, off, i8 = runner("8"), runner("0"), runner("2", "32")
@@ -449,7 +449,7 @@ def test_integer_lowbit_path_logits_on_smollm2(monkeypatch):
         # float32 KV cache in every runner (auto: bfloat16 on the low-bit runners, float32 on the dense one):
         # this test bounds the weights' paths; the bfloat16 cache's own bound is in test_kv_cache_bf16_default.py
         cfg = EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=16, block_size=16, max_model_len=256,
-                                       kv_cache_dtype="float32")
+                                       kv_cache_dtype="float32", batch_invariant=False)   # the per-size paths
         runners[name] = ModelRunner.from_config(cfg, with_tokenizer=True)
     if not runners["i8"].model.model.layers[0].mlp.down_proj.lowbit_i8_max_rows:
         pytest.skip("the integer path cannot serve this model here")

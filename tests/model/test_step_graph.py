@@ -54,7 +54,8 @@ def build(variant: str, dtype: torch.dtype, graph: bool, monkeypatch, limits: di
     model = build_model_from_config(arch, dtype=dtype, seed=5)
     weights = lowbit_weights(model)
     cfg = EngineConfig.from_kwargs(num_kv_blocks=NUM_BLOCKS, block_size=BLOCK, max_model_len=128, max_num_seqs=8,
-                                   max_num_batched_tokens=64, dtype=str(dtype).replace("torch.", ""))
+                                   max_num_batched_tokens=64, dtype=str(dtype).replace("torch.", ""),
+                                   batch_invariant=not limits)   # explicit step-size limits: the multi-path mode
     runner = ModelRunner(model, arch, cfg, torch.device("cpu"), dtype, [2], lowbit_weights=weights)
     return runner, model, arch
 
@@ -155,7 +156,8 @@ def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype, 
     """The packaged SmolLM2 GGUF: a prompt, then 12 greedy decode steps of 2 requests (on separate blocks),
     once through the graph and once through the eager forward: equal logits at every step.
     ``float32-int8``: the 2-request steps run the integer low-bit path (low-bit float32 limit 1)."""
-    if dtype == "float32-int8":
+    multi_path = dtype == "float32-int8"     # the --no-batch-invariant mode's per-size limits
+    if multi_path:
         dtype = "float32"
         monkeypatch.setenv("TOKENMILL_CPU_INT4_MAX_TOKENS", "1")
         monkeypatch.setenv("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "64")
@@ -167,7 +169,7 @@ def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype, 
 
     needs_lowbit(getattr(torch, dtype))
     cfg = EngineConfig.from_kwargs(dtype=dtype, num_kv_blocks=64, max_model_len=512, max_num_seqs=8,
-                                   enable_prefix_caching=False)
+                                   enable_prefix_caching=False, batch_invariant=not multi_path)
     runner = ModelRunner.from_config(cfg, with_tokenizer=False)
     wait_for_packing(runner.model)
     assert runner.step_graph is not None

@@ -80,7 +80,9 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
     if lowbit_max_tokens:
         weights += f", the GGUF's low-bit codes for steps <= {lowbit_max_tokens} tokens"
         i8 = max((m.lowbit_i8_max_rows for m in model.modules() if isinstance(m, PackedLinear)), default=0)
-        if i8:
+        if any(getattr(m, "lowbit_invariant", False) for m in model.modules() if isinstance(m, PackedLinear)):
+            weights += " and, batch-invariant, for every step size"
+        elif i8:
             weights += (f" (float32 activations), int8 activations x the codes for steps of "
                         f"{lowbit_max_tokens + 1}..{min(i8, 1 << 20)} tokens")
     kv = name(kv_dtype)
@@ -232,7 +234,13 @@ class ModelRunner:
         self.num_packed_linear = pack_linear_weights(model, include_layers=config.model.enforce_eager,
                                                      background=background)
         self.lowbit_max_tokens = 0
-        if lowbit_limit and attach_lowbit_weights(model, lowbit_weights, lowbit_limit)[0]:
+        # --batch-invariant (default): one kernel per linear and per attention row at every step size
+        self.batch_invariant = bool(getattr(config.model, "batch_invariant", False))
+        backend = getattr(model, "attn_backend", None)
+        if hasattr(backend, "batch_invariant"):
+            backend.batch_invariant = self.batch_invariant
+        if lowbit_limit and attach_lowbit_weights(model, lowbit_weights, lowbit_limit,
+                                                  invariant=self.batch_invariant)[0]:
             self.lowbit_max_tokens = lowbit_limit
         from tokenmill.quantization.methods import format_bytes, weight_bytes_by_format
 

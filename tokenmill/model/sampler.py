@@ -403,6 +403,25 @@ class Sampler:
         return cls._logprobs(logits, tokens, [num_top] * int(tokens.shape[0])) if tokens.numel() else []
 
     @staticmethod
+    def _top_entries(lp: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+        """The ``k`` largest values of each row of ``lp`` ``[R, V]`` and their ids, ties broken by the
+        smaller id. ``topk``'s order among equal values (common with a bfloat16 model's logits) depends on
+        the row count and layout of the call, i.e. on the batch: the tied entries are re-ranked here so a
+        request's ``top_logprobs`` never depend on its neighbours (batch invariance)."""
+        vals, ids = lp.topk(k, dim=-1)
+        vals_l, ids_l = vals.tolist(), ids.tolist()
+        last = vals[:, -1:]
+        # rows where the k-th value is tied with another entry (inside or outside the top k)
+        tied = ((lp == last).sum(dim=-1) > 1) | (vals[:, :-1] == vals[:, 1:]).any(dim=-1) if k > 1 else \
+            (lp == last).sum(dim=-1) > 1
+        for r in tied.nonzero().flatten().tolist():
+            cand = (lp[r] >= last[r]).nonzero().flatten()            # ascending ids
+            order = torch.sort(lp[r, cand], descending=True, stable=True).indices[:k]
+            ids_l[r] = cand[order].tolist()
+            vals_l[r] = lp[r, ids_l[r]].tolist()
+        return vals_l, ids_l
+
+    @staticmethod
     def _logprobs(logits: torch.Tensor, chosen: torch.Tensor, nums: list[int],
                   normalize: bool = True) -> list[TokenLogprobs]:
         """Log-probabilities (or logits) for rows that asked.
@@ -421,8 +440,7 @@ class Sampler:
         ranks = (lp > chosen_lp).sum(dim=-1) + 1
         n_max = max(nums)
         if n_max > 0:
-            top_lp, top_ids = lp.topk(min(n_max, lp.shape[1]), dim=-1)
-            top_lp_l, top_ids_l = top_lp.tolist(), top_ids.tolist()
+            top_lp_l, top_ids_l = Sampler._top_entries(lp, min(n_max, lp.shape[1]))
         else:
             top_lp_l = top_ids_l = [[] for _ in nums]
         chosen_l, ranks_l = chosen_lp.squeeze(1).tolist(), ranks.tolist()

@@ -224,7 +224,8 @@ class CpuStepGraph:
                 fn(*args)
                 add(xv, yv)
             return (with_lora, ())
-        if m > lin.lowbit_max_rows and m > lin.lowbit_i8_max_rows:
+        path = lin.lowbit_path(m)
+        if path == "dense":
             # oneDNN's packed GEMM, as the eager layer runs it, then into the persistent buffer
             xv, yv, packed, bias = x[:m], y[:m], lin.ensure_packed(), lin.bias
             linear = torch.ops.mkldnn._linear_pointwise
@@ -240,7 +241,7 @@ class CpuStepGraph:
             self._biases.append(bias)
             b = bias.data_ptr()
         bf = int(self.dtype == torch.bfloat16)
-        fn, codes = (self._gemm, w.codes) if m <= lin.lowbit_max_rows else (self._gemm_i8, w.codes_i8)
+        fn, codes = (self._gemm, w.codes) if path == "f32" else (self._gemm_i8, w.codes_i8)
         return (fn, (x.data_ptr(), bf, x.stride(0), m, w.in_features, w.out_features, w.bits,
                      codes.data_ptr(), w.group, w.scale.data_ptr(),
                      None if w.min is None else w.min.data_ptr(), b, y.data_ptr(), bf, w.out_features))

@@ -72,9 +72,12 @@ const char *tm_lowbit_isa(void) { return ISA_NAME; }
 #define AI static inline __attribute__((always_inline))
 
 /* acc[r][0..15] += sum over groups of tile t, rows r0 .. r0+MR-1 of xf / xs. */
-/* NA independent accumulator chains per row (4 for 1-2 rows, else 2) hide the FMA latency at small M.
+/* NA independent accumulator chains per row hide the FMA latency. Always 2, whatever the number of rows MR
+ * in a pass: a row's summation order (and so its bits) must not depend on how many rows share its pass, i.e.
+ * on the step's size (batch invariance, docs/guide/batch_invariance.md; passes of 1-2 rows used to take 4
+ * chains, which gave those rows other bits than the same rows in a pass of 3-8).
  * Codes are consumed 4 k at a time, so groups must be multiples of 4. */
-#define NA(MR) ((MR) <= 2 ? 4 : 2)
+#define NA(MR) 2
 #if defined(__AVX512F__)
 #define VF __m512
 #define VZERO() _mm512_setzero_ps()

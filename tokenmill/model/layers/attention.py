@@ -275,13 +275,22 @@ class TorchAttentionBackend(AttentionBackend):
         cpu_isa: kernel variant (``avx512``, ``avx2``, ``scalar``; None: this CPU's best).
         prefill_kernel: use the CPU prefill kernel (None: where it beats SDPA, see
             :func:`~tokenmill.model.layers.paged_attention_cpu.prefill_preferred`).
+        batch_invariant: with the CPU kernels, every query row (a decode token, a prompt or chunk token,
+            a verify row) runs the decode kernel as its own row over its own context
+            (``seq_len - query_len + j + 1`` positions), so a token's attention output has the same bits
+            whether it was computed in a decode step, in a prefill or chunk of any size, after a
+            prefix-cache hit or in a recompute after preemption, and whatever else is in the batch or the
+            thread count (docs/guide/batch_invariance.md). The runner sets it from
+            ``--batch-invariant`` (default on); off, prefills take the FlashAttention-style prefill
+            kernel, whose online softmax rounds differently from the decode kernel's two passes.
     """
 
     def __init__(self, use_cpu_kernel: bool = True, cpu_isa: str | None = None,
-                 prefill_kernel: bool | None = None) -> None:
+                 prefill_kernel: bool | None = None, batch_invariant: bool = False) -> None:
         self.use_cpu_kernel = use_cpu_kernel
         self.cpu_isa = cpu_isa
         self.prefill_kernel = prefill_kernel
+        self.batch_invariant = batch_invariant
         self._workspace: torch.Tensor | None = None
 
     def _gather(self, kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
@@ -325,7 +334,7 @@ class TorchAttentionBackend(AttentionBackend):
                                   and (self.prefill_kernel if self.prefill_kernel is not None
                                        else paged_attention_cpu.prefill_preferred(self.cpu_isa)))
             plan = md.cache["torch_plan"] = self._plan(md, q.shape[1], kv_cache.shape[3], q.device, use_kernel,
-                                                       use_prefill_kernel)
+                                                       use_prefill_kernel, self.batch_invariant)
             md.cache["kv_write_kernel"] = use_kernel and paged_attention_cpu.write_kv_supports(k, v, kv_cache,
                                                                                                self.cpu_isa)
         if md.cache.get("kv_write_kernel", False):   # one C call: scatter (and quantise) this step's K/V
@@ -357,11 +366,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     @staticmethod
     def _plan(md: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device,
-              use_kernel: bool = False, use_prefill_kernel: bool = False):
+              use_kernel: bool = False, use_prefill_kernel: bool = False, batch_invariant: bool = False):
         """Split requests into the batched decode group and the prefills; build gather indices.
 
         With ``use_prefill_kernel`` the prefills are one :class:`_KernelPrefillPlan`
-        (no gather indices); otherwise a list of :class:`_PrefillPlan`.
+        (no gather indices); otherwise a list of :class:`_PrefillPlan`. With ``batch_invariant`` and
+        ``use_kernel`` every request joins the decode group, one row per new token.
         """
         bs = md.block_size
         starts = np.zeros(md.num_reqs + 1, dtype=np.int64)
@@ -373,7 +383,8 @@ class TorchAttentionBackend(AttentionBackend):
         # numerics with a quantised KV cache (int8/fp8) are what the documented divergence bound was measured on.
         short = SHORT_QUERY_AS_DECODE if use_kernel else 1
         sl_list = md.seq_lens_list
-        as_dec = [ql == 1 or (ql <= short and sl_list[i] > ql) for i, ql in enumerate(md.query_lens)]
+        as_dec = [ql == 1 or (ql <= short and sl_list[i] > ql) or (batch_invariant and use_kernel)
+                  for i, ql in enumerate(md.query_lens)]
         dec = [i for i, d in enumerate(as_dec) if d]
         prefills = []
         pre = [i for i, d in enumerate(as_dec) if not d]

@@ -82,6 +82,8 @@ class PackedLinear(nn.Module):
         self.weight_unpacked: torch.Tensor | None = weight.detach()
         self.lowbit_max_rows = 0
         self.lowbit_i8_max_rows = 0
+        self.lowbit_i8_min_rows = 1   # set by attach_lowbit: the integer path serves lowbit_i8_min_rows..i8_max_rows
+        self.lowbit_invariant = False
         self.lowbit: LowBitWeight | None = None
         if not defer:
             self.ensure_packed()
@@ -103,7 +105,8 @@ class PackedLinear(nn.Module):
                 self.weight_unpacked = None
             return self.packed_weight
 
-    def attach_lowbit(self, weight: LowBitWeight, max_rows: int, i8_max_rows: int = 0) -> int:
+    def attach_lowbit(self, weight: LowBitWeight, max_rows: int, i8_max_rows: int = 0,
+                      invariant: bool = False) -> int:
         """Also keep the weight as low-bit codes, used for inputs of at most ``max_rows`` rows.
 
         Small-batch decode steps are memory-bound: they read every weight
@@ -120,6 +123,14 @@ class PackedLinear(nn.Module):
             i8_max_rows: inputs of more than ``max_rows`` and at most this many rows run the integer
                 path (activations quantised to int8 per 32 columns; see
                 :func:`tokenmill.quantization.lowbit.lowbit_linear`); 0: they run the dense oneDNN GEMM.
+            invariant: batch-invariant mode (``--batch-invariant``, the default): every 2-D input, whatever
+                its number of rows, runs ONE kernel over the codes, the float32 low-bit path (bfloat16
+                activations: its AVX512-BF16 dot-product variant where the CPU has it, chosen per process,
+                not per step), whose summation order per output element is fixed: the rows of a pass and
+                the threads only split the work (:file:`csrc/lowbit_gemm.c`). A row's result then depends
+                only on that row, never on the step's size. Not the integer path: its int8 activations
+                move the real model's argmax at ~7% of prefill positions (``test_integer_lowbit_path_logits_on_smollm2``),
+                an accuracy the small steps never had. ``i8_max_rows`` is ignored; no integer copy of the codes is made.
 
         Returns:
             bytes held by the low-bit copy.
@@ -131,21 +142,40 @@ class PackedLinear(nn.Module):
             raise ValueError(f"low-bit weight [{weight.out_features}, {weight.in_features}] does not fit a "
                              f"[{self.out_features}, {self.in_features}] layer")
         self.lowbit, self.lowbit_max_rows = weight, max_rows
+        self.lowbit_invariant = invariant
+        if invariant:       # one path at every size: the float32 low-bit kernel
+            self.lowbit_i8_min_rows, self.lowbit_i8_max_rows = 1, 0
+            return weight.nbytes
+        self.lowbit_i8_min_rows = max_rows + 1
         self.lowbit_i8_max_rows = i8_max_rows if i8_max_rows > max_rows and weight.prepare_i8() else 0
         return weight.nbytes
+
+    def lowbit_path(self, m: int) -> str:
+        """Which kernel an ``m``-row 2-D input runs: ``i8`` (integer low-bit path), ``f32`` (float low-bit
+        path) or ``dense`` (oneDNN's packed GEMM). The step graph asks the same question."""
+        if self.lowbit is None or not self.lowbit_max_rows:
+            return "dense"
+        if self.lowbit_i8_min_rows <= m <= self.lowbit_i8_max_rows:
+            return "i8"
+        if m <= self.lowbit_max_rows or self.lowbit_invariant:
+            return "f32"
+        return "dense"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[..., in_features]`` (weight dtype) -> ``[..., out_features]``."""
         if self.lowbit_max_rows and x.dim() == 2:
-            if x.shape[0] <= self.lowbit_max_rows:
-                return lowbit_linear(x, self.lowbit, self.bias)
-            if x.shape[0] <= self.lowbit_i8_max_rows:
+            path = self.lowbit_path(x.shape[0])
+            if path == "i8":
                 return lowbit_linear(x, self.lowbit, self.bias, int8_act=True)
+            if path == "f32":
+                return lowbit_linear(x, self.lowbit, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.ensure_packed(), self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         extra = f", {self.lowbit.fmt} codes for rows<={self.lowbit_max_rows}" if self.lowbit_max_rows else ""
-        if self.lowbit_i8_max_rows:
+        if self.lowbit_invariant:
+            extra = f", batch-invariant: {self.lowbit.fmt} codes (float32 low-bit kernel) for every step size"
+        elif self.lowbit_i8_max_rows:
             extra += f", int8 activations x {self.lowbit.fmt} codes for rows<={self.lowbit_i8_max_rows}"
         state = "oneDNN" if self.packed_weight is not None else "oneDNN (pending)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
@@ -279,7 +309,7 @@ def int8_act_max_tokens(lowbit_limit: int) -> int:
 
 
 def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int,
-                          i8_max_rows: int | None = None) -> tuple[int, dict[str, int]]:
+                          i8_max_rows: int | None = None, invariant: bool = False) -> tuple[int, dict[str, int]]:
     """Give every :class:`PackedLinear` of ``model`` named in ``weights`` its low-bit copy.
 
     ``model.embed_tokens`` codes serve a tied logits head (``_logits_head``).
@@ -291,6 +321,8 @@ def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], ma
         max_rows: inputs of at most this many rows use the codes (float32 path).
         i8_max_rows: larger inputs up to this many rows use the integer path; None:
             :func:`int8_act_max_tokens`.
+        invariant: batch-invariant mode (see :meth:`PackedLinear.attach_lowbit`): one kernel over the
+            codes for every step size.
 
     Returns:
         ``(layers, bytes per format)`` attached.
@@ -304,13 +336,17 @@ def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], ma
     for name, mod in model.named_modules():
         if name in weights and isinstance(mod, PackedLinear):
             w = weights[name]
-            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows, i8_max_rows)
+            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows, i8_max_rows, invariant)
             count += 1
             i8_count += bool(mod.lowbit_i8_max_rows)
     if count:
         logger.info("low-bit weights for %d linear layers (steps of <= %d tokens): %s", count, max_rows,
                     ", ".join(f"{f} {b / 2**20:.1f} MiB" for f, b in sorted(by_fmt.items())))
-    if i8_count:
+    if invariant and count:
+        logger.info("batch-invariant linears: %d layers on the low-bit codes at every step size (float32 low-bit "
+                    "kernel; --no-batch-invariant: steps over %d tokens on the %s)", count, max_rows,
+                    "integer low-bit path" if i8_max_rows else "dense oneDNN GEMM")
+    elif i8_count:
         logger.info("integer low-bit path (int8 activations per 32 columns x the codes) for %d linear layers, "
                     "steps of %d..%d tokens (%s)", i8_count, max_rows + 1, i8_max_rows, INT8_ACT_ENV)
     return count, by_fmt
