@@ -270,7 +270,8 @@ def cold_cell(arm: str, shape_name: str, seed: int, args, out_dir: Path, cache_d
     import urllib.request
 
     extra = {"cal": ["--slo-calibration", "cache"], "cal_cached": ["--slo-calibration", "cache"],
-             "blind": ["--slo-calibration", "off"], "legacy": []}[arm]
+             "blind": ["--slo-calibration", "off"],
+             "legacy": []}[arm]   # no flag: the default (on the code before issue 30: the uncalibrated server)
     port = free_port()
     env = {**thread_env(args.threads), "TOKENMILL_CACHE_DIR": str(cache_dir)}
     if arm == "cal":     # an empty calibration cache: this start profiles (weights stay cached)
