@@ -207,6 +207,9 @@ def prediction_error(metrics_text: str) -> str:
 BURST_SHAPES = {
     "tuned": {"waves": [(40, 0.0)], "mix": [(1.0, 450, 0.10)], "output_len": 8},
     "heldout": {"waves": [(32, 0.0), (32, 1.0)], "mix": [(0.7, 120, 0.30), (0.3, 1100, 0.30)], "output_len": 24},
+    # the issue's burst with prompts a loaded 2-core machine can prefill within the target alone
+    # (~100 tokens: ~0.8 s at 120 tokens/s), so that the target is attainable at all
+    "short": {"waves": [(40, 0.0)], "mix": [(1.0, 100, 0.10)], "output_len": 8},
 }
 
 
@@ -267,7 +270,8 @@ def cold_cell(arm: str, shape_name: str, seed: int, args, out_dir: Path, cache_d
     import urllib.request
 
     extra = {"cal": ["--slo-calibration", "cache"], "cal_cached": ["--slo-calibration", "cache"],
-             "blind": ["--slo-calibration", "off"], "legacy": []}[arm]
+             "blind": ["--slo-calibration", "off"],
+             "legacy": []}[arm]   # no flag: the default (on the code before issue 30: the uncalibrated server)
     port = free_port()
     env = {**thread_env(args.threads), "TOKENMILL_CACHE_DIR": str(cache_dir)}
     if arm == "cal":     # an empty calibration cache: this start profiles (weights stay cached)

@@ -8,7 +8,7 @@ before it reports ready, a short profile through its own scheduler and model run
 requests take — and seeds the model with it, as vLLM profiles memory with a dummy forward before it
 serves (``determine_available_memory``):
 
-1. a warm-up step: one :data:`PREFILL_TOKENS`-token prompt prefills (it pays the one-time costs
+1. a warm-up step: one :data:`WARMUP_TOKENS`-token prompt prefills (it pays the one-time costs
    of the first forward on the path prompts take: kernel set-up, weight packing, allocator);
 2. one decode step of it, not timed (the first decode pays its own path's one-time costs: 295 ms
    against 38 ms for the next on the loaded machine), then :data:`DECODE_STEPS` decode steps of it
@@ -73,6 +73,9 @@ PREFILL_REPEATS = 1
 # Seconds after which the profile adds no larger decode batch (the warm-up, batch 1 and the prefill probe
 # always run): on a loaded machine each step is many times slower, and start-up must not wait for it.
 PROFILE_BUDGET_S = 1.0
+# Prompt tokens of the warm-up request: past TOKENMILL_CPU_INT4_MAX_TOKENS (8), so the first forward
+# runs (and packs) the path prompt chunks take, at the cost of few tokens.
+WARMUP_TOKENS = 16
 CALIBRATION_MODES = ("cache", "profile", "off")
 _ID_PREFIX = "__tokenmill_step_profile"
 
@@ -240,7 +243,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
             step()
 
     try:
-        add(p)
+        add(WARMUP_TOKENS)
         step()                      # the warm-up: the first forward's one-time costs ...
         decode.clear()
         step()                      # ... and the first decode's (its kernel path differs from a prompt's)
@@ -297,7 +300,7 @@ def warm_up(core: Any, seed: int = 0) -> float:
     t0 = time.perf_counter()
     rng = random.Random(seed)
     rid = f"{_ID_PREFIX}-w"
-    n = max(4, min(PREFILL_TOKENS, sched.max_num_batched_tokens, core.max_model_len - 3))
+    n = max(4, min(WARMUP_TOKENS, sched.max_num_batched_tokens, core.max_model_len - 3))
     core.add_request(EngineCoreRequest(rid, [rng.randrange(1, 1000) for _ in range(n)],
                                        SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)))
     for _ in range(8 + -(-n // sched.max_num_batched_tokens)):
