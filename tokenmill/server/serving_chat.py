@@ -111,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
         ids = await self.encode(prompt, body.add_special_tokens, param="messages")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
-        constraint = constraint_for(body)
+        auto = reader if reader is not None and body.effective_tool_choice == "auto" else None
+        constraint = constraint_for(body, auto)
         if constraint is not None:
             await check_constraint(constraint, state.config.model)
         keep_special = reader is not None and not reader.skip_special_tokens

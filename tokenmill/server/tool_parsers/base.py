@@ -94,6 +94,12 @@ class ToolParser(ABC):
         """A fresh tool-call id in the form the family's templates accept."""
         return random_tool_call_id()
 
+    def structural_tag(self) -> dict[str, Any] | None:
+        """For ``tool_choice: "auto"``: a structural tag (xgrammar's ``structures`` + ``triggers`` form) that
+        leaves text free until the format's start marker and then constrains the call to one of the tools'
+        parameter schemas; None when the format has no unambiguous marker."""
+        return None
+
     # -- the text the system-message fallback and the re-rendered history use -------------------
     def format_calls(self, calls: list[tuple[str, str]]) -> str:
         """The text this format uses for ``calls`` (``(name, arguments JSON)``), for an assistant turn
