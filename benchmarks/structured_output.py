@@ -192,6 +192,16 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs, flags {' '.join(sorted(flags)) or '?'}"
 
 
+def save(args: argparse.Namespace, load0: tuple, results: list[dict]) -> None:
+    """Write the raw results so far to ``--json`` (with the machine and the load averages)."""
+    if not args.json:
+        return
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+                                           "load_start": load0, "load_now": os.getloadavg(), "args": vars(args),
+                                           "results": results}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint [default: packaged SmolLM2-135M-Instruct]")
@@ -258,13 +268,10 @@ def main() -> None:
                     results.append({k: v for k, v in r.items() if k not in ("texts", "lengths", "finish")}
                                    | {"workload": w, "concurrency": c, "arm": arm, "repetition": i, "num_prompts": n,
                                       "ratio_vs_unconstrained_median": r["tok_s"] / base})
+            save(args, load0, results)      # after every concurrency: a cut-short run keeps what it measured
     load1 = os.getloadavg()
     print(f"\n# load average at the end {load1[0]:.1f} {load1[1]:.1f} {load1[2]:.1f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
-                                               "load_start": load0, "load_end": load1, "args": vars(args),
-                                               "results": results}, indent=1))
+    save(args, load0, results)
     plain.shutdown()
     forced.shutdown()
 
