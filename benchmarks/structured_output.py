@@ -8,8 +8,8 @@ the EngineCore the server runs):
 * ``constrained``: every request carries the JSON schema (``structured_outputs.json``); forced drafts off
   (``num_forced_draft_tokens: 0``): the bitmask is filled on a worker thread while the forward runs and
   applied to the logits before sampling.
-* ``forced``: the same requests on an engine with forced drafts (``num_forced_draft_tokens: 8``): where the
-  grammar allows exactly one continuation (keys, punctuation, the rest of an enum word), those tokens ride
+* ``forced``: the same requests on an engine with forced drafts (``num_forced_draft_tokens: 7``, the
+  default): where the grammar allows exactly one continuation (keys, punctuation, the rest of an enum word), those tokens ride
   in the step as draft tokens and are verified in the same forward.
 * ``unconstrained``: the same prompts without the schema, each generating exactly as many tokens as its
   constrained run did (``ignore_eos``, ``max_tokens`` = that length), so the arms do the same work; it runs
@@ -210,7 +210,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--num-prompts", type=int, default=0, help="requests per concurrency [default: max(4, c)]")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--forced", type=int, default=8, help="num_forced_draft_tokens of the forced arm [default: 8]")
+    ap.add_argument("--forced", type=int, default=7, help="num_forced_draft_tokens of the forced arm [default: 7]")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--seed", type=int, default=0)
