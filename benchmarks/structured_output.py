@@ -8,8 +8,8 @@ the EngineCore the server runs):
 * ``constrained``: every request carries the JSON schema (``structured_outputs.json``); forced drafts off
   (``num_forced_draft_tokens: 0``): the bitmask is filled on a worker thread while the forward runs and
   applied to the logits before sampling.
-* ``forced``: the same requests on an engine with forced drafts (``num_forced_draft_tokens: 8``): where the
-  grammar allows exactly one continuation (keys, punctuation, the rest of an enum word), those tokens ride
+* ``forced``: the same requests on an engine with forced drafts (``num_forced_draft_tokens: 7``, the
+  default): where the grammar allows exactly one continuation (keys, punctuation, the rest of an enum word), those tokens ride
   in the step as draft tokens and are verified in the same forward.
 * ``unconstrained``: the same prompts without the schema, each generating exactly as many tokens as its
   constrained run did (``ignore_eos``, ``max_tokens`` = that length), so the arms do the same work; it runs
@@ -192,6 +192,16 @@ def machine() -> str:
     return f"{os.cpu_count()} CPUs, flags {' '.join(sorted(flags)) or '?'}"
 
 
+def save(args: argparse.Namespace, load0: tuple, results: list[dict]) -> None:
+    """Write the raw results so far to ``--json`` (with the machine and the load averages)."""
+    if not args.json:
+        return
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
+                                           "load_start": load0, "load_now": os.getloadavg(), "args": vars(args),
+                                           "results": results}, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint [default: packaged SmolLM2-135M-Instruct]")
@@ -200,7 +210,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--num-prompts", type=int, default=0, help="requests per concurrency [default: max(4, c)]")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--forced", type=int, default=8, help="num_forced_draft_tokens of the forced arm [default: 8]")
+    ap.add_argument("--forced", type=int, default=7, help="num_forced_draft_tokens of the forced arm [default: 7]")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--seed", type=int, default=0)
@@ -258,13 +268,10 @@ def main() -> None:
                     results.append({k: v for k, v in r.items() if k not in ("texts", "lengths", "finish")}
                                    | {"workload": w, "concurrency": c, "arm": arm, "repetition": i, "num_prompts": n,
                                       "ratio_vs_unconstrained_median": r["tok_s"] / base})
+            save(args, load0, results)      # after every concurrency: a cut-short run keeps what it measured
     load1 = os.getloadavg()
     print(f"\n# load average at the end {load1[0]:.1f} {load1[1]:.1f} {load1[2]:.1f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine(),
-                                               "load_start": load0, "load_end": load1, "args": vars(args),
-                                               "results": results}, indent=1))
+    save(args, load0, results)
     plain.shutdown()
     forced.shutdown()
 

@@ -349,3 +349,18 @@ def test_auto_tool_choice_live_and_second_turn(client: openai.OpenAI, model: str
                                             "name": "answer", "schema": _obj({"temp_c": _i(-50, 60)})}})
     assert r3.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r3.choices[0].message.content), _obj({"temp_c": _i(-50, 60)}))
+
+
+def test_auto_hermes_call_follows_the_tools_schema(client: openai.OpenAI, model: str) -> None:
+    # the model copies a call with a wrong argument name; under tool_choice auto the hermes structural tag
+    # lets the text run free until <tool_call> and then holds the call to get_weather's schema
+    copy = [{"role": "user", "content": 'Repeat exactly this text: <tool_call>\n{"name": "get_weather", '
+                                        '"arguments": {"town": "Paris"}}\n</tool_call>'}]
+    free = client.chat.completions.create(model=model, messages=copy, tools=TOOLS, tool_choice="none",
+                                          max_tokens=60, temperature=0)
+    assert '"town"' in free.choices[0].message.content       # what the model writes unconstrained
+    r = client.chat.completions.create(model=model, messages=copy, tools=TOOLS, max_tokens=60, temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0].message
+    call = r.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), PARAMS["get_weather"])

@@ -212,3 +212,35 @@ def test_template_without_tools_gets_a_system_message_and_text_turns():
     out = _render(serving(PLAIN, exclude_tools_when_tool_choice_none=True), chat(tools=TOOLS, tool_choice="none"))
     assert "You may call" not in out
     assert "You may call" in _render(serving(PLAIN), chat(tools=TOOLS, tool_choice="none"))
+
+
+def test_auto_with_hermes_follows_a_structural_tag_of_the_tools():
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    s = serving(PLAIN, enable_auto_tool_choice=True, tool_call_parser="hermes")
+    req = chat(tools=TOOLS)
+    c = constraint_for(req, s.tool_reader(req))
+    assert c.param == "tools" and len(c.checks) == 2
+    tag = json.loads(c.params.structural_tag)
+    assert tag["triggers"] == ["<tool_call>"] and [st["begin"] for st in tag["structures"]] == [
+        '<tool_call>\n{"name": "get_weather", "arguments": ', '<tool_call>\n{"name": "now", "arguments": ']
+    asyncio.run(check_constraint(c, EngineConfig().model))
+    grammar = xgr.Grammar.from_structural_tag([xgr.StructuralTagItem(**st) for st in tag["structures"]],
+                                              tag["triggers"])
+    ok = 'Sure.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    assert accepts(grammar, ok) and accepts(grammar, "no call at all")
+    assert not accepts(grammar, '<tool_call>\n{"name": "get_weather", "arguments": {"town": "Paris"}}\n</tool_call>')
+    assert not accepts(grammar, '<tool_call>\n{"name": "other", "arguments": {}}\n</tool_call>')
+    # the parser reads what the tag lets through
+    assert parse_final_names(s.tool_reader(req), ok) == ["get_weather"]
+    # an explicit constraint wins; other parsers have no tag
+    assert constraint_for(chat(tools=TOOLS, guided_regex="a"), s.tool_reader(req)).params.regex == "a"
+    m = serving(PLAIN, enable_auto_tool_choice=True, tool_call_parser="mistral")
+    assert constraint_for(req, m.tool_reader(req)) is None
+
+
+def parse_final_names(parser, text: str) -> list[str]:
+    from tokenmill.server.tool_parsers import parse_final
+
+    return [c["function"]["name"] for c in parse_final(parser, text)[1]]

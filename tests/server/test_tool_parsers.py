@@ -170,3 +170,13 @@ def test_required_schema_hoists_defs_and_bounds_parallel_calls():
     clash = tools + [{"type": "function", "function": {"name": "c", "parameters": {"$defs": {"P": {"type": "string"}}}}}]
     with pytest.raises(ValueError, match="P"):
         required_tools_schema(clash)
+
+
+def test_at_most_one_call_without_parallel_tool_calls():
+    p = get_tool_parser("hermes")()
+    text = '<tool_call>{"name": "a", "arguments": {}}</tool_call><tool_call>{"name": "b", "arguments": {"x": 1}}</tool_call>'
+    assert [c["function"]["name"] for c in parse_final(p, text, max_calls=1)[1]] == ["a"]
+    assert len(parse_final(p, text)[1]) == 2
+    st = ToolCallStreamer(p, max_calls=1)
+    entries = [e for ch in text for e in st.feed(ch)[1]] + st.feed("", True)[1]
+    assert {e["index"] for e in entries} == {0} and st.tool_calls()[0]["function"]["name"] == "a"

@@ -210,3 +210,21 @@ class _SlowBackend:
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+def test_bitmask_crosses_to_a_worker_process_filled(tokenizer):
+    """Tensor/pipeline parallel: the step description is pickled; the bitmask travels filled."""
+    import pickle
+
+    mgr = StructuredOutputManager(StructuredOutputsConfig(), 49152, [EOS], tokenizer)
+    r = _Req("r", StructuredOutputsParams(choice=["yes", "no"]))
+    mgr.add_request(r)
+    assert _ready(mgr, r) == "ready"
+    so = type("SO", (), {"scheduled": [_SR("u"), _SR("r")]})()
+    gb = pickle.loads(pickle.dumps(mgr.grammar_bitmask(so)))
+    logits = torch.zeros(2, 49152)
+    gb.apply(logits)
+    ok = {t for t in range(49152) if logits[1, t] == 0}
+    assert torch.all(logits[0] == 0)            # the unconstrained request's row is untouched
+    assert ok and all(any(c.startswith(tokenizer.decode([t])) for c in ("yes", "no")) for t in ok)
+    mgr.shutdown()

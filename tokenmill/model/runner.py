@@ -549,7 +549,8 @@ class ModelRunner:
                 t_mask = time.perf_counter()
                 so.grammar_bitmask.apply(logits)     # waits for the fill that overlapped the forward
                 mask_t = time.perf_counter() - t_mask
-            if self.spec_decode is not None:
+            if self.spec_decode is not None and (self.config.speculative is not None
+                                                 or any(r.spec_token_ids for r in sampling)):
                 out = self.spec_decode.sample_and_verify(logits, sampling)
             else:
                 token_ids, logprobs = self.sampler(logits, sampling)
@@ -564,7 +565,7 @@ class ModelRunner:
         self.last_timings = {"prepare": t1 - t0, "forward": t2 - t1, "sample": t3 - t2}
         if mask_t is not None:
             self.last_timings["grammar_mask"] = mask_t
-        if self.spec_decode is not None:
+        if self.config.speculative is not None:
             self.last_timings["propose"] = time.perf_counter() - t3
         return out
 

@@ -111,10 +111,13 @@ class OpenAIServingChat(OpenAIServing):
         ids = await self.encode(prompt, body.add_special_tokens, param="messages")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
-        constraint = constraint_for(body)
+        auto = reader if reader is not None and body.effective_tool_choice == "auto" else None
+        constraint = constraint_for(body, auto)
         if constraint is not None:
             await check_constraint(constraint, state.config.model)
         keep_special = reader is not None and not reader.skip_special_tokens
+        # parallel_tool_calls false: the first call only (required is held to one by its schema already)
+        max_calls = 1 if body.parallel_tool_calls is False else None
         params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs,
                                       constraint.params if constraint is not None else None,
                                       skip_special_tokens=False if keep_special else None)
@@ -138,7 +141,7 @@ class OpenAIServingChat(OpenAIServing):
                 """The delta of one choice's output when tool calls are read (None: nothing to send)."""
                 st = streamers.get(c.index)
                 if st is None:      # one streamer per choice; the parser itself keeps no state
-                    st = streamers[c.index] = ToolCallStreamer(reader)
+                    st = streamers[c.index] = ToolCallStreamer(reader, max_calls)
                 final = c.finish_reason is not None
                 text = self.strip_special(c.text) if final and keep_special else c.text
                 content, entries = st.feed(text, final)
@@ -195,7 +198,7 @@ class OpenAIServingChat(OpenAIServing):
             message: dict[str, Any] = {"role": "assistant", "content": "".join(res.texts[idx])}
             if reader is not None:
                 text = self.strip_special(message["content"]) if keep_special else message["content"]
-                content, calls = parse_final(reader, text)
+                content, calls = parse_final(reader, text, max_calls)
                 message["content"] = content
                 if calls:
                     message["tool_calls"] = calls

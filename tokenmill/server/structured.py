@@ -143,12 +143,22 @@ def _options(body: Any) -> dict[str, Any]:
     return opts
 
 
-def constraint_for(body: Any) -> Constraint | None:
+def _tool_checks(tools: list[dict[str, Any]], opts: dict[str, Any]) -> list[tuple[str, StructuredOutputsParams]]:
+    """Each tool's parameter schema as its own check, so an error names ``tools[i].function.parameters``."""
+    return [(f"tools[{i}].function.parameters", _params(f"tools[{i}].function.parameters",
+                                                        json=tool_parameters(t), **opts))
+            for i, t in enumerate(tools)]
+
+
+def constraint_for(body: Any, auto_parser: Any = None) -> Constraint | None:
     """The request's decoding constraint, or None when it has none.
 
     Args:
         body: a :class:`~tokenmill.server.protocol.ChatCompletionRequest` or
             :class:`~tokenmill.server.protocol.CompletionRequest`.
+        auto_parser: for ``tool_choice: "auto"``, the ``--tool-call-parser``; when the request has no
+            other constraint and the parser offers a structural tag (``hermes``), decoding follows it:
+            free text until the call marker, then a call valid against one tool's parameter schema.
 
     Raises:
         APIError: 400 naming the field: two constraint sources, a ``json_schema`` without ``schema``,
@@ -158,9 +168,7 @@ def constraint_for(body: Any) -> Constraint | None:
     if isinstance(body, ChatCompletionRequest) and body.tools:
         tc = body.effective_tool_choice
         tools = [t.model_dump(exclude_none=True) for t in body.tools]
-        checks = [(f"tools[{i}].function.parameters", _params(f"tools[{i}].function.parameters",
-                                                              json=tool_parameters(t), **opts))
-                  for i, t in enumerate(tools)]
+        checks = _tool_checks(tools, opts)
         if isinstance(tc, NamedToolChoice):
             i = next(i for i, t in enumerate(tools) if t["function"]["name"] == tc.function.name)
             return Constraint(_params("tool_choice", json=named_tool_schema(tools[i]), **opts),
@@ -172,6 +180,12 @@ def constraint_for(body: Any) -> Constraint | None:
                 raise APIError(str(e), param="tools") from None
             return Constraint(_params("tool_choice", json=schema, **opts), "tools", checks)
     found = _explicit(body)
+    if not found and auto_parser is not None:
+        tag = auto_parser.structural_tag()
+        if tag is not None:
+            tools = [t.model_dump(exclude_none=True) for t in body.tools]
+            return Constraint(_params("tools", structural_tag=json.dumps(tag), **opts), "tools",
+                              _tool_checks(tools, opts))
     if len(found) > 1:
         raise APIError(f"give one decoding constraint, not {' and '.join(p for p, _ in found)}",
                        param=found[1][0].split(".")[0])

@@ -4,7 +4,7 @@ Layout (docs/guide/structured_outputs_engine.md):
 
 * :mod:`.backend` — the backend interface (compile → matcher: accept tokens, fill bitmask, rollback,
   is_terminated, forced tokens) and :class:`StructuredOutputError` (HTTP 400).
-* :mod:`.xgrammar_backend` — xgrammar behind it.
+* :mod:`.xgrammar_backend` — xgrammar behind it (default); :mod:`.guidance_backend` — llguidance (optional).
 * :mod:`.manager` — the engine core's side: compile cache + thread pool, per-request matchers, the
   per-step bitmask filled while the forward runs, forced tokens as free drafts, metrics.
 
@@ -40,6 +40,11 @@ def validate_structured_outputs(params: StructuredOutputsParams, tokenizer: Any 
         StructuredOutputError: the constraint is invalid or unsupported; ``.field`` names the
             ``structured_outputs`` field, the message carries the backend's own text (HTTP 400).
     """
+    if getattr(config, "backend", "xgrammar") == "guidance":
+        from tokenmill.structured_output.guidance_backend import validate_with_guidance
+
+        validate_with_guidance(params, tokenizer, config)
+        return
     if tokenizer is None:
         from tokenmill.structured_output.xgrammar_backend import validate_with_xgrammar
 

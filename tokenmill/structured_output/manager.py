@@ -385,16 +385,20 @@ class StructuredOutputManager:
 
 
 def make_backend(tokenizer: Any, vocab_size: int, eos_token_ids: list[int], config: Any) -> StructuredOutputBackend:
-    """The backend ``config.backend`` names (``xgrammar``).
+    """The backend ``config.backend`` names (``xgrammar``, or ``guidance`` when llguidance is installed).
 
     Raises:
-        ValueError: an unknown backend.
+        ValueError: an unknown backend, or ``guidance`` without the ``llguidance`` package.
     """
     name = getattr(config, "backend", "xgrammar")
+    if not vocab_size:
+        vocab_size = len(tokenizer)
     if name == "xgrammar":
         from tokenmill.structured_output.xgrammar_backend import XgrammarBackend
 
-        if not vocab_size:
-            vocab_size = len(tokenizer)
         return XgrammarBackend(tokenizer, vocab_size, eos_token_ids, config)
+    if name == "guidance":
+        from tokenmill.structured_output.guidance_backend import GuidanceBackend
+
+        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids, config)
     raise ValueError(f"unknown structured outputs backend {name!r}")

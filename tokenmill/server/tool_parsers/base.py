@@ -94,6 +94,12 @@ class ToolParser(ABC):
         """A fresh tool-call id in the form the family's templates accept."""
         return random_tool_call_id()
 
+    def structural_tag(self) -> dict[str, Any] | None:
+        """For ``tool_choice: "auto"``: a structural tag (xgrammar's ``structures`` + ``triggers`` form) that
+        leaves text free until the format's start marker and then constrains the call to one of the tools'
+        parameter schemas; None when the format has no unambiguous marker."""
+        return None
+
     # -- the text the system-message fallback and the re-rendered history use -------------------
     def format_calls(self, calls: list[tuple[str, str]]) -> str:
         """The text this format uses for ``calls`` (``(name, arguments JSON)``), for an assistant turn
@@ -193,11 +199,13 @@ class ToolCallStreamer:
     ``function.name`` (with ``arguments`` so far, usually ``""``), the next ones argument fragments.
 
     Args:
-        parser: the choice's parser (one per choice: parsers keep no state, this class does).
+        parser: the choice's parser (parsers keep no state, this class does: one per choice).
+        max_calls: report at most this many calls (1 for ``parallel_tool_calls: false``); None: all.
     """
 
-    def __init__(self, parser: ToolParser) -> None:
+    def __init__(self, parser: ToolParser, max_calls: int | None = None) -> None:
         self.parser = parser
+        self.max_calls = max_calls
         self.text = ""
         self.content_sent = 0
         self.calls: list[list[Any]] = []       # per call: [id, name, arguments sent]
@@ -218,7 +226,7 @@ class ToolCallStreamer:
             content = res.content[self.content_sent:]
             self.content_sent = len(res.content)
         entries: list[dict[str, Any]] = []
-        for i, call in enumerate(res.calls):
+        for i, call in enumerate(res.calls[:self.max_calls]):
             if i == len(self.calls):
                 cid = self.parser.new_id()
                 self.calls.append([cid, call.name, call.arguments])
@@ -237,14 +245,15 @@ class ToolCallStreamer:
                 for cid, name, args in self.calls]
 
 
-def parse_final(parser: ToolParser, text: str) -> tuple[str | None, list[dict[str, Any]]]:
+def parse_final(parser: ToolParser, text: str, max_calls: int | None = None) -> tuple[str | None, list[dict[str, Any]]]:
     """A finished text as ``(message.content, message.tool_calls)`` for the non-streamed response.
 
-    Content is None when the text held tool calls and nothing else but whitespace; calls get fresh ids.
+    Content is None when the text held tool calls and nothing else but whitespace; calls get fresh ids;
+    at most ``max_calls`` calls are kept (None: all).
     """
     res = parser.parse(text, True)
     calls = [{"id": parser.new_id(), "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-             for c in res.calls if c.done]
+             for c in res.calls if c.done][:max_calls]
     content: str | None = res.content
     if calls and not (content or "").strip():
         content = None

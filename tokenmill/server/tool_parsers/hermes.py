@@ -2,13 +2,19 @@
 
 Content is the text before the first ``<tool_call>``; each block holds one JSON object. A block left
 open at the end of the output still counts when its object is complete (models stop on EOS right after
-the object). Text after the last block is dropped, as vLLM's parser does.
+the object). Text after the last block is dropped, as vLLM's parser does. With ``tool_choice: "auto"``
+decoding follows :meth:`HermesToolParser.structural_tag`: free text until ``<tool_call>``, then one of the
+tools' calls with arguments valid against its schema.
 """
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from tokenmill.server.tool_parsers.base import (ParseResult, PartialCall, PartialJSONError, ToolParser,
                                                 register_tool_parser, scan_call_object, skip_ws)
+from tokenmill.server.tool_parsers.constrained import tool_parameters
 from tokenmill.server.tool_parsers.partial_json import held_back
 
 
@@ -19,6 +25,13 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     START = "<tool_call>"
     END = "</tool_call>"
+
+    def structural_tag(self) -> dict[str, Any] | None:
+        if not self.tools:
+            return None
+        structures = [{"begin": f'{self.START}\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
+                       "schema": tool_parameters(t), "end": f"}}\n{self.END}"} for t in self.tools]
+        return {"type": "structural_tag", "structures": structures, "triggers": [self.START]}
 
     def parse(self, text: str, final: bool) -> ParseResult:
         idx = text.find(self.START)
