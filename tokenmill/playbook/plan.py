@@ -28,6 +28,11 @@ model that is not on disk can be planned), with no torch and no weights read:
   ``max_num_seqs`` with no preemption for prompt ``P`` + output ``O`` (every
   running request at its peak ``P + O`` at once, prefix caching not counted)
   follow by division.
+* **LoRA adapters** (``--max-loras`` > 0): the engine's slot buffers hold ``max_loras`` adapters
+  of rank ``--max-lora-rank`` (smaller ranks zero-padded) beside the weights:
+  ``max_loras × rank × layers × Σ_targets (in + out) × dtype bytes`` over q/k/v/o/gate/up/down;
+  with ``--device-memory`` they come out of the KV budget like the weights. The CPU cache of up to
+  ``--max-cpu-loras`` loaded adapters (at most the same per adapter) is reported beside.
 """
 
 from __future__ import annotations
@@ -519,6 +524,17 @@ class PlanOptions:
     speculative_config: dict[str, Any] | None = None
     data_parallel_size: int = 1
     device: str | None = None
+    max_loras: int = 0
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+
+def lora_bytes_per_adapter(shape: "ModelShape", rank: int, dtype_bytes: int) -> int:
+    """Bytes of one rank-``rank`` adapter on all seven targets of every layer (A ``[r, in]`` + B ``[out, r]``)."""
+    h, q = shape.hidden_size, shape.num_heads * shape.head_dim
+    kv, inter = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h)
+    return shape.num_layers * rank * per_layer * dtype_bytes
 
 
 def cpu_has_native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -703,6 +719,9 @@ class Plan:
     num_speculative_tokens: int = 0
     draft_weight_bytes: int = 0
     draft_kv_cache_bytes_per_token: int = 0
+    max_loras: int = 0
+    lora_slot_bytes: int = 0
+    lora_cpu_cache_bytes: int = 0
     warnings: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -761,6 +780,14 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     # The draft lives with the busiest stage (conservative for -pp > 1).
     dev_stage = max(range(pp), key=lambda st: (per_stage_w[st], len(stages[st])))
     per_stage_w = [w + (draft_w_dev if st == dev_stage else 0) for st, w in enumerate(per_stage_w)]
+    lora_slots = lora_cpu = 0
+    if opts.max_loras:
+        if opts.max_loras < 0 or opts.max_lora_rank < 1:
+            raise ValueError("--max-loras must be >= 0 and --max-lora-rank >= 1")
+        one = lora_bytes_per_adapter(shape, opts.max_lora_rank, DTYPE_BYTES[dtype])
+        lora_slots = opts.max_loras * one
+        lora_cpu = max(opts.max_cpu_loras or opts.max_loras, opts.max_loras) * one
+        per_stage_w = [w + (lora_slots if st == dev_stage else 0) for st, w in enumerate(per_stage_w)]
 
     # Per layer, per token, whole model and busiest device.
     elem_full = shape.kv_elements_per_token_per_layer(1)
@@ -836,7 +863,9 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
         output_len=opts.output_len, max_num_seqs_without_preemption=max_seqs, data_parallel_size=dp,
         devices=dp * tp * pp, max_concurrent_requests=dp * max_seqs,
         speculative_method=spec.get("method") if spec else None, num_speculative_tokens=k,
-        draft_weight_bytes=int(draft_w), draft_kv_cache_bytes_per_token=int(draft_kv), warnings=warnings,
+        draft_weight_bytes=int(draft_w), draft_kv_cache_bytes_per_token=int(draft_kv),
+        max_loras=opts.max_loras, lora_slot_bytes=int(lora_slots), lora_cpu_cache_bytes=int(lora_cpu),
+        warnings=warnings,
     )
 
 
@@ -869,6 +898,9 @@ def format_plan(p: Plan) -> str:
         lines.insert(-1, f"speculative  {p.speculative_method}, {p.num_speculative_tokens} draft tokens per step"
                      + (f"; draft weights {_size(p.draft_weight_bytes)}, draft KV {p.draft_kv_cache_bytes_per_token} "
                         f"B per token (included above)" if p.draft_weight_bytes else ""))
+    if p.max_loras:
+        lines.insert(-1, f"lora         {p.max_loras} adapter slots {_size(p.lora_slot_bytes)} beside the weights "
+                     f"(in the device budget); CPU cache of loaded adapters up to {_size(p.lora_cpu_cache_bytes)}")
     if p.data_parallel_size > 1:
         lines.append(f"replicas     {p.data_parallel_size} × (-tp × -pp) = {p.devices} devices: "
                      f"{p.max_concurrent_requests} requests at their peak without preemption in all")
@@ -912,6 +944,11 @@ def add_plan_args(p) -> None:
                    help="vLLM's speculative config, e.g. '{\"method\": \"ngram\", \"num_speculative_tokens\": 3}' or "
                         "'{\"method\": \"draft_model\", \"model\": \"PATH\", \"num_speculative_tokens\": 4}'.")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="Engine replicas [default: 1].")
+    p.add_argument("--max-loras", type=int, default=0,
+                   help="LoRA adapter slots (--enable-lora --max-loras N); 0: no adapters [default: 0].")
+    p.add_argument("--max-lora-rank", type=int, default=16, help="Rank of every slot [default: 16].")
+    p.add_argument("--max-cpu-loras", type=int, default=None,
+                   help="Adapters kept loaded in CPU memory [default: --max-loras].")
     p.add_argument("--json", action="store_true", help="Print one JSON object instead of the summary.")
 
 
@@ -959,7 +996,8 @@ def run_plan(args) -> int:
             context_lengths=[int(x) for x in str(args.context_lengths).split(",") if x.strip()],
             prompt_len=args.prompt_len, output_len=args.output_len,
             speculative_config=_json_arg(args.speculative_config, "--speculative-config"),
-            data_parallel_size=args.data_parallel_size, device=args.device)
+            data_parallel_size=args.data_parallel_size, device=args.device,
+            max_loras=args.max_loras, max_lora_rank=args.max_lora_rank, max_cpu_loras=args.max_cpu_loras)
         result = plan(shape, opts)
     except (ValueError, FileNotFoundError) as e:
         print(f"tokenmill plan: error: {e}", file=sys.stderr)

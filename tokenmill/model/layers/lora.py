@@ -37,9 +37,12 @@ import torch
 from torch import nn
 
 #: per-call cost model of :func:`pick_mode`: seconds per torch call and FLOP/s of a small GEMM
-#: (2-core AVX-512 EPYC, float32; ``benchmarks/lora.py --op`` measures the modes side by side)
-CALL_COST_S = 8e-6
-GEMM_RATE = 4e10
+#: (2-core AVX-512 EPYC, bfloat16/float32, small decode-sized GEMMs; ``benchmarks/lora.py --op`` measures
+#: the modes side by side). A first guess of 4e10 FLOP/s sent SmolLM2's gate/up at 16 decode rows to the
+#: segmented form (48 calls instead of 4) and made 8 adapters ~4x slower than the base in
+#: ``benchmarks/lora.py``; decode-sized calls are overhead-bound, so the rate only decides large steps.
+CALL_COST_S = 1e-5
+GEMM_RATE = 1e11
 
 
 @dataclass

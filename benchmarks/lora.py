@@ -1,0 +1,226 @@
+"""Multi-LoRA serving: the base alone vs N adapters cycled across requests, grouped delta vs per-request loop.
+
+Engine arms (offline engine, one closed batch of ``c`` requests, random 128-token prompts, 64 output
+tokens, ignore EOS, greedy; the same EngineCore loop the server runs):
+
+* ``base``: an engine without ``--enable-lora`` (no wrapped layers);
+* ``lora-0``: the LoRA engine serving only base requests (the wrappers' overhead);
+* ``lora-N`` for N in 2, 8, 32: request ``i`` uses adapter ``i mod N`` (rank ``--rank``, all seven
+  targets), ``--max-loras 32`` slots, delta in ``auto`` mode;
+* ``loop-8``: 8 adapters with the per-request loop (one shrink + expand GEMM pair per request per
+  layer) instead of the grouped delta — the ablation of the grouping.
+
+Arms are interleaved and repeated (``--repeat``); the machine is shared, so the figures are noisy
+(the load average is recorded before and after every cell). Prints output tok/s and mean TPOT per arm
+and concurrency, the ratio to ``base``, and memory: N merged models (N copies of the base's weights)
+vs the base plus N adapters (CPU cache bytes) plus the slot buffers.
+
+``--op`` adds a micro-benchmark of one q/k/v-shaped layer's delta (stacked / segmented / loop) at
+16 and 64 rows with 8 adapters, next to the base GEMM, to calibrate
+:data:`tokenmill.model.layers.lora.CALL_COST_S` / ``GEMM_RATE``.
+
+    .venv/bin/python benchmarks/lora.py --out docs/benchmarks/lora_2026-12-01
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"q_proj": (576, 576), "k_proj": (576, 192), "v_proj": (576, 192), "o_proj": (576, 576),
+          "gate_proj": (576, 1536), "up_proj": (576, 1536), "down_proj": (1536, 576)}
+
+
+def machine() -> dict:
+    flags = subprocess.run("grep -o -w 'amx_tile\\|avx512_bf16\\|avx512f\\|avx2' /proc/cpuinfo | sort -u",
+                           shell=True, capture_output=True, text=True).stdout.split()
+    return {"cpu_flags": flags, "nproc": os.cpu_count(), "platform": platform.platform(),
+            "torch_threads": torch.get_num_threads()}
+
+
+def loadavg() -> float:
+    return float(Path("/proc/loadavg").read_text().split()[0])
+
+
+def write_adapter(folder: Path, r: int, seed: int, layers: int = 30) -> str:
+    """A random PEFT adapter (all seven targets, rank ``r``) for SmolLM2-135M."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    g = torch.Generator().manual_seed(seed)
+    t = {}
+    for i in range(layers):
+        for mod, (fin, fout) in SHAPES.items():
+            block = "mlp" if mod in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            key = f"base_model.model.model.layers.{i}.{block}.{mod}"
+            t[f"{key}.lora_A.weight"] = torch.randn(r, fin, generator=g) * 0.1
+            t[f"{key}.lora_B.weight"] = torch.randn(fout, r, generator=g) * 0.02
+    save_file(t, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": r, "lora_alpha": 2 * r, "target_modules": list(SHAPES), "bias": "none"}))
+    return str(folder)
+
+
+def run_cell(llm, prompts, loras, output_len: int) -> dict:
+    from tokenmill import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    la0 = loadavg()
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, lora_request=loras)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    tpots = []
+    for o in outs:
+        m = o.metrics
+        k = len(o.outputs[0].token_ids)
+        if m.first_token_time and m.finished_time and k > 1:
+            tpots.append((m.finished_time - m.first_token_time) / (k - 1))
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise RuntimeError(f"requests failed: {errors[:3]}")
+    return {"output_tokens": n, "seconds": dt, "tok_s": n / dt, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
+            "load_before": la0, "load_after": loadavg()}
+
+
+def op_bench(reps: int = 200) -> list[dict]:
+    """One q/k/v-shaped LoRALinear (576 -> 960, 3 slices) with 8 adapters of rank 16: delta modes vs base GEMM."""
+    from torch import nn
+
+    from tokenmill.model.layers.lora import LoRABatch, LoRALinear
+
+    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    base = nn.Linear(576, 960, bias=False).to(dtype)
+    slices = [("q_proj", 0, 576), ("k_proj", 576, 192), ("v_proj", 768, 192)]
+    lin = LoRALinear(base, slices, 576, 8, 16, dtype)
+    for s in range(8):
+        lin.set_slot(s, {n: (torch.randn(16, 576, dtype=dtype) * .1, torch.randn(w, 16, dtype=dtype) * .1)
+                         for n, _, w in slices})
+    rows = []
+    for n in (16, 64, 512):
+        x = torch.randn(n, 576, dtype=dtype)
+        per_req = [(i, i + 1, i % 8) for i in range(n)] if n <= 64 else \
+            [(i * (n // 8), (i + 1) * (n // 8), i) for i in range(8)]   # prefill: 8 requests of n/8 rows
+        row_slot = torch.tensor([s for a, b, s in per_req for _ in range(b - a)])
+        mask = (row_slot[:, None] == torch.arange(8)[None]).to(dtype).unsqueeze(-1)
+        out = {"rows": n, "dtype": str(dtype)}
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                y = base(x)
+            out["base_gemm_us"] = 1e6 * (time.perf_counter() - t0) / reps
+            for mode in ("stacked", "segmented", "loop"):
+                lin.batch = LoRABatch(active=True, num_slots=8, mask=mask, runs=per_req, req_runs=per_req, mode=mode)
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    lin.add_delta_(x, y)
+                out[f"{mode}_us"] = 1e6 * (time.perf_counter() - t0) / reps
+        rows.append(out)
+        print(f"op  rows={n:4d} ({dtype}): base GEMM {out['base_gemm_us']:.0f} us; delta stacked "
+              f"{out['stacked_us']:.0f} us, segmented {out['segmented_us']:.0f} us, loop {out['loop_us']:.0f} us")
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
+    ap.add_argument("--adapters", type=int, nargs="+", default=[2, 8, 32])
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--op", action="store_true", help="also the per-layer delta micro-benchmark")
+    ap.add_argument("--no-loop", action="store_true", help="skip the per-request loop ablation")
+    ap.add_argument("--out", default=None, help="write OUT.json with every cell")
+    ap.add_argument("--op-only", action="store_true", help="only the per-layer delta micro-benchmark")
+    args = ap.parse_args()
+    if args.op_only:
+        print(json.dumps({"machine": machine(), "load": loadavg(), "op": op_bench()}, indent=1))
+        return
+
+    from tokenmill import LLM
+    from tokenmill.lora.request import LoRARequest
+
+    root = Path(os.environ.get("TMPDIR", "/tmp")) / f"tokenmill-lora-bench-{os.getpid()}"
+    n_max = max(args.adapters)
+    loras = [LoRARequest(f"a{i}", i + 1, write_adapter(root / f"a{i}", args.rank, seed=i)) for i in range(n_max)]
+    cmax = max(args.concurrency)
+    common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=cmax, enable_prefix_caching=False,
+                  max_num_batched_tokens=2048)
+    base = LLM(**common)
+    lora = LLM(**common, enable_lora=True, max_loras=n_max, max_lora_rank=args.rank, max_cpu_loras=n_max)
+    mgr = lora.engine_core.lora_manager
+    for lr in loras:
+        mgr.load_now(lr)
+    rng = random.Random(0)
+    vocab = base.engine_core.executor.arch.vocab_size
+    prompts = {c: [[rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(c)]
+               for c in args.concurrency}
+    # warm-up both engines (and every slot)
+    from tokenmill import SamplingParams
+
+    warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    base.generate(prompts[cmax][:8], warm)
+    lora.generate(prompts[cmax][:n_max], warm, lora_request=loras)
+    arms = [("base", base, 0, "auto"), ("lora-0", lora, 0, "auto")]
+    arms += [(f"lora-{n}", lora, n, "auto") for n in args.adapters]
+    if not args.no_loop and 8 <= n_max:
+        arms.append(("loop-8", lora, 8, "loop"))
+    cells = []
+    for rep in range(args.repeat):
+        for c in args.concurrency:
+            order = arms if rep % 2 == 0 else arms[::-1]     # interleaved, alternating order
+            for name, llm, n, mode in order:
+                if llm is lora:
+                    mgr.mode = mode
+                reqs = [loras[i % n] if n else None for i in range(c)]
+                cell = {"arm": name, "concurrency": c, "adapters": n, "mode": mode, "repeat": rep,
+                        **run_cell(llm, prompts[c], reqs, args.output_len)}
+                cells.append(cell)
+                print(f"rep {rep} c={c:3d} {name:8s}: {cell['tok_s']:7.1f} tok/s, TPOT {cell['tpot_ms']:6.1f} ms "
+                      f"(load {cell['load_before']:.1f}->{cell['load_after']:.1f})", flush=True)
+    mgr.mode = "auto"
+    summary = {}
+    for c in args.concurrency:
+        bt = [x["tok_s"] for x in cells if x["arm"] == "base" and x["concurrency"] == c]
+        b = sum(bt) / len(bt)
+        for name, *_ in arms:
+            xs = [x for x in cells if x["arm"] == name and x["concurrency"] == c]
+            t = sum(x["tok_s"] for x in xs) / len(xs)
+            tp = sum(x["tpot_ms"] for x in xs) / len(xs)
+            summary[f"{name}@c{c}"] = {"tok_s": t, "tpot_ms": tp, "vs_base": t / b}
+    print("\nsummary (mean over repeats; ratio to the base engine at the same concurrency)")
+    for k, v in summary.items():
+        print(f"  {k:14s} {v['tok_s']:7.1f} tok/s  TPOT {v['tpot_ms']:6.1f} ms  {v['vs_base']:.2f}x base")
+    wbytes = sum(base.engine_core.executor.weight_bytes.values())
+    adapter_bytes = mgr.cpu_bytes / max(len(mgr.cpu), 1)
+    memory = {"base_weight_bytes": wbytes, "adapter_bytes_each": adapter_bytes, "slot_buffer_bytes": mgr.slot_bytes,
+              "rank": args.rank, "dtype": str(lora.engine_core.executor.dtype)}
+    print(f"\nmemory: base weights {wbytes / 2**20:.1f} MiB, one rank-{args.rank} adapter "
+          f"{adapter_bytes / 2**20:.2f} MiB, slot buffers ({n_max} slots) {mgr.slot_bytes / 2**20:.1f} MiB")
+    for n in args.adapters:
+        merged = n * wbytes
+        ours = wbytes + n * adapter_bytes + mgr.slot_bytes * min(n, n_max) / n_max
+        memory[f"n{n}"] = {"merged_models_bytes": merged, "base_plus_adapters_bytes": ours}
+        print(f"  N={n:2d}: {n} merged models {merged / 2**20:8.1f} MiB vs base + {n} adapters + {min(n, n_max)} "
+              f"slots {ours / 2**20:7.1f} MiB ({merged / ours:.1f}x less)")
+    ops = op_bench() if args.op else []
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "args": vars(args),
+              "cells": cells, "summary": summary, "memory": memory, "op": ops,
+              "note": "offline engine, closed batch of c requests; shared 2-core machine, arms interleaved"}
+    if args.out:
+        Path(args.out + ".json").write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}.json")
+
+
+if __name__ == "__main__":
+    main()
