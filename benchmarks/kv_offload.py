@@ -272,18 +272,25 @@ def main() -> int:
         print(f"prefill {c['prefill_ms_per_block']:.2f} ms/block (recompute TTFT slope); tier TTFT slope "
               f"{c['tier_ttft_ms_per_block']:.2f} ms/block; tier load {c['tier']['load_ms_per_block']} ms/block",
               flush=True)
+    save(result, args.out)
     if not args.skip_traffic:
         for ratio in args.ratios:
             for rnd in range(args.rounds):
                 result["traffic"].append(bench_ratio(args, ratio, rnd))
+                save(result, args.out)          # after every round: a killed run keeps what it measured
         summarize(result)
     result["loadavg_end"] = loadavg()
+    save(result, args.out)
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
         print(f"wrote {args.out}")
     return 0
+
+
+def save(result: dict, path: str | None) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 def summarize(result: dict) -> None:
