@@ -176,6 +176,33 @@ class XgrammarBackend(StructuredOutputBackend):
         apply_bitmask_torch(logits, bitmask, rows)
 
 
+def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
+    """``logits[r, t] = -inf`` for each ``r`` in ``rows`` where bit ``t`` of ``bitmask[r]`` is clear; in place.
+
+    xgrammar's CPU kernel (``apply_token_bitmask_inplace``; measured at 2-core load 20: 64 rows x 49152
+    tokens in ~50 ms against ~130-150 ms for the unpack-and-fill in :func:`apply_bitmask_torch`).
+
+    Args:
+        logits: ``[N, V]`` float32 tensor.
+        bitmask: ``[N, ceil(V / 32)]`` int32 tensor, row ``r`` for logits row ``r`` (bit ``t % 32`` of
+            word ``t // 32``); narrower than the logits (a padded vocabulary): the extra ids are refused.
+        rows: the rows to mask.
+    """
+    import torch
+    import xgrammar as xgr
+
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        apply_bitmask_torch(logits, bitmask.index_select(0, torch.tensor(rows)), rows)
+        return
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=list(rows))
+    if covered < vocab:
+        logits[rows, covered:] = float("-inf")
+
+
 def apply_bitmask_torch(logits: Any, bitmask: Any, rows: list[int]) -> None:
     """``logits[rows[i], t] = -inf`` where bit ``t`` of ``bitmask[i]`` is clear; in place, batched.
 
