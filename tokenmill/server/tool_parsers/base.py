@@ -223,6 +223,10 @@ class ToolCallStreamer:
         res = self.parser.parse(self.text, final)
         self.last = res
         content = ""
+        if self.calls and not res.calls:
+            # the finished text no longer parses (max_tokens cut a call): what was streamed stays, the
+            # raw text is not sent again as content; finish_reason says "length"
+            return "", []
         if len(res.content) > self.content_sent:
             content = res.content[self.content_sent:]
             self.content_sent = len(res.content)
