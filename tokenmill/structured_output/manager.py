@@ -157,6 +157,7 @@ class StructuredOutputManager:
     Attributes:
         stats: :class:`StructuredOutputStats`.
         num_forced_draft_tokens: the most forced tokens a request verifies as drafts per step (0: off).
+        forced_draft_max_batch: forced drafts only in steps with at most this many running requests.
     """
 
     def __init__(self, config: Any, vocab_size: int, eos_token_ids: list[int], tokenizer: Any,
@@ -175,6 +176,7 @@ class StructuredOutputManager:
         self._states: dict[str, _RequestState] = {}
         self.stats = StructuredOutputStats()
         self.num_forced_draft_tokens = int(getattr(config, "num_forced_draft_tokens", 0))
+        self.forced_draft_max_batch = int(getattr(config, "forced_draft_max_batch", 1 << 30))
         self.compile_timeout_s = float(getattr(config, "compile_timeout_s", 30.0))
 
     # -- backend and compiling -----------------------------------------------------------------
