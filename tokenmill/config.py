@@ -805,6 +805,9 @@ class StructuredOutputsConfig:
         disable_additional_properties: JSON objects without ``additionalProperties`` get ``false``.
         num_forced_draft_tokens: the most grammar-forced tokens (where the grammar allows exactly one
             continuation) a constrained request verifies as draft tokens in one step (0: off).
+        forced_draft_max_batch: forced drafts only in steps with at most this many running requests: on the
+            2-core CPU they gain alone (c=1: 1.45x the constrained arm) and lose in a batch of 16 (0.81x: the
+            verify rows of a batch are compute, not bandwidth; benchmarks/structured_output.py).
         compile_timeout_s: seconds a grammar may take to compile before its request fails (HTTP 400).
         max_compile_threads: threads of the compile pool (off the engine loop).
     Raises:
@@ -815,6 +818,7 @@ class StructuredOutputsConfig:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     num_forced_draft_tokens: int = 7   # + the last token: 8 rows, the CPU low-bit step limit
+    forced_draft_max_batch: int = 4
     compile_timeout_s: float = 30.0
     max_compile_threads: int = 2
 
@@ -830,6 +834,9 @@ class StructuredOutputsConfig:
         k = self.num_forced_draft_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 0:
             raise ValueError(f"--structured-outputs-config: num_forced_draft_tokens must be an integer >= 0, got {k!r}")
+        b = self.forced_draft_max_batch
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise ValueError(f"--structured-outputs-config: forced_draft_max_batch must be an integer >= 1, got {b!r}")
         t = self.compile_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"--structured-outputs-config: compile_timeout_s must be a number > 0, got {t!r}")

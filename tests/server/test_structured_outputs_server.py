@@ -364,3 +364,16 @@ def test_auto_hermes_call_follows_the_tools_schema(client: openai.OpenAI, model:
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), PARAMS["get_weather"])
+
+
+def test_openai_stream_helper_assembles_tool_calls(client: openai.OpenAI, model: str) -> None:
+    # the client's own delta accumulator (ChatCompletionStreamState) rebuilds the same message
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, temperature=0,
+              parallel_tool_calls=False)
+    with client.chat.completions.stream(**kw) as s:
+        final = s.get_final_completion()
+    ref = client.chat.completions.create(**kw)
+    got, want = final.choices[0].message.tool_calls, ref.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in got] == [(c.function.name, c.function.arguments)
+                                                                      for c in want]

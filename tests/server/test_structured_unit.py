@@ -238,6 +238,12 @@ def test_auto_with_hermes_follows_a_structural_tag_of_the_tools():
     assert constraint_for(chat(tools=TOOLS, guided_regex="a"), s.tool_reader(req)).params.regex == "a"
     m = serving(PLAIN, enable_auto_tool_choice=True, tool_call_parser="mistral")
     assert constraint_for(req, m.tool_reader(req)) is None
+    # llguidance compiles no structural tags: auto stays unconstrained there
+    from tokenmill.server.structured import structural_tags_supported
+
+    assert structural_tags_supported(EngineConfig().model)
+    assert not structural_tags_supported(EngineConfig.from_kwargs(
+        structured_outputs_config='{"backend": "guidance"}').model)
 
 
 def parse_final_names(parser, text: str) -> list[str]:

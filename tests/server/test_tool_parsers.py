@@ -180,3 +180,11 @@ def test_at_most_one_call_without_parallel_tool_calls():
     st = ToolCallStreamer(p, max_calls=1)
     entries = [e for ch in text for e in st.feed(ch)[1]] + st.feed("", True)[1]
     assert {e["index"] for e in entries} == {0} and st.tool_calls()[0]["function"]["name"] == "a"
+
+
+def test_a_streamed_call_cut_by_max_tokens_is_not_repeated_as_content():
+    st = ToolCallStreamer(NamedToolParser("f"))
+    out = [st.feed(p) for p in ('{"a": ', '[1, 2')]
+    assert out[0][1][0]["function"] == {"name": "f", "arguments": ""}
+    assert st.feed("", final=True) == ("", [])        # unfinished at the end: nothing more is sent
+    assert "".join(e["function"]["arguments"] for _, es in out for e in es) == '{"a": [1, 2'

@@ -14,7 +14,7 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output import StructuredOutputError, validate_structured_outputs
 from tokenmill.structured_output.backend import constraint_key, disallow_additional_properties
 from tokenmill.structured_output.manager import StructuredOutputManager
-from tokenmill.structured_output.xgrammar_backend import XgrammarBackend, apply_bitmask_torch
+from tokenmill.structured_output.xgrammar_backend import XgrammarBackend, apply_bitmask_torch, apply_token_bitmask
 
 EOS = 2
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -105,25 +105,30 @@ def test_json_whitespace_and_additional_properties(backend, tokenizer):
 def test_forced_tokens_are_the_forced_string(backend, tokenizer):
     m = walk(backend, tokenizer, StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), "")
     forced = m.forced_tokens(8)
-    assert tokenizer.decode(forced) == '{"name":'[:len(tokenizer.decode(forced))] and len(forced) >= 2
+    # the whole forced string (compact separators ", " and ": "), as the model's tokenizer splits it
+    assert tokenizer.decode(forced) == '{"name": "' and forced == tokenizer.encode('{"name": "', add_special_tokens=False)
     assert m.validate_tokens(forced) == len(forced)
     assert m.forced_tokens(1) == forced[:1]
     assert m.accept_tokens(forced) == len(forced)        # validate_tokens left the state unchanged
     assert m.forced_tokens(8) == [] or tokenizer.decode(m.forced_tokens(8)).startswith('"')
 
 
-def test_apply_bitmask_matches_brute_force():
+@pytest.mark.parametrize("vocab", [70, 100])     # 70: the last word partly padding; 100: logits wider
+def test_apply_bitmask_matches_brute_force(vocab):
     g = torch.Generator().manual_seed(0)
-    vocab = 70                              # not a multiple of 32: the last word is partly padding
     logits = torch.randn(5, vocab, generator=g)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    full = torch.randint(-2**31, 2**31 - 1, (5, 3), generator=g, dtype=torch.int64).to(torch.int32)
     want = logits.clone()
-    for i, row in enumerate([3, 1]):
+    for row in (3, 1):
         for t in range(vocab):
-            if not (int(bitmask[i, t // 32]) >> (t % 32)) & 1:
+            if t >= 96 or not (int(full[row, t // 32]) >> (t % 32)) & 1:
                 want[row, t] = float("-inf")
-    apply_bitmask_torch(logits, bitmask, [3, 1])
-    assert torch.equal(logits, want)
+    got = logits.clone()
+    apply_token_bitmask(got, full, [3, 1])              # xgrammar's kernel, rows index the full bitmask
+    assert torch.equal(got, want)
+    got = logits.clone()
+    apply_bitmask_torch(got, full[[3, 1]], [3, 1])      # the torch path, compact bitmask rows
+    assert torch.equal(got, want)
 
 
 class _Req:
@@ -162,15 +167,16 @@ def test_manager_cache_bitmask_rows_drafts_and_rebuild(tokenizer):
     gb = mgr.grammar_bitmask(so)
     assert gb.rows == list(range(2, 2 + len(drafts) + 1)) + [2 + len(drafts) + 1]
     bm = gb.result()
+    assert bm.shape[0] == 2 + len(drafts) + 2 and torch.all(bm[:2] == -1)    # x's rows allow everything
     # row j of a allows draft j (the state after drafts[:j]); b's row equals a's first row (same state)
     for j, t in enumerate(drafts):
-        assert t in allowed(bm, j)
-    assert torch.equal(bm[0], bm[len(drafts) + 1])
+        assert t in allowed(bm, 2 + j)
+    assert torch.equal(bm[2], bm[2 + len(drafts) + 1])
     assert mgr.drafts(a, [], 8) == (drafts, True)          # the fill rolled the drafts back
     # the step emits the drafts: accepted into the matcher; a proposer's draft the grammar refuses is cut
     a.output_token_ids += drafts
     assert not mgr.accept(a, drafts)
-    name = tokenizer.encode(' "Bob", "age":', add_special_tokens=False)   # compact: ", " and ": "
+    name = tokenizer.encode('Bob", "age":', add_special_tokens=False)   # compact: ", " and ": "
     bad = tokenizer.encode("}}}", add_special_tokens=False)
     assert mgr.drafts(a, name + bad, 0) == (name, False)
     # out of step with the request's tokens (e.g. tokens appended elsewhere): rebuilt from them

@@ -191,3 +191,22 @@ def test_structured_request_without_a_manager_is_rejected():
 
     with pytest.raises(RequestRejectedError, match="structured outputs"):
         s.add_request(req("c"))
+
+
+def test_forced_drafts_only_in_small_batches():
+    mgr = FakeManager()
+    mgr.forced_draft_max_batch = 1
+    s = make(mgr)
+    for rid in ("a", "b"):
+        s.add_request(req(rid))
+        mgr.states[rid] = "ready"
+    toks = grammar_tokens(mgr)
+    run(s, s.schedule(), toks)                     # both prefill and sample 10; forced drafts proposed
+    assert s.requests["a"].spec_forced and s.requests["a"].spec_token_ids
+    so = s.schedule()                              # two running > 1: drafts dropped for this step
+    assert all(not sr.spec_token_ids for sr in so.scheduled) and len(so.scheduled) == 2
+    run(s, so, toks)
+    s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
+    so = s.schedule()                              # alone again: its forced drafts ride along
+    (sr,) = so.scheduled
+    assert sr.spec_token_ids == [12, 13]

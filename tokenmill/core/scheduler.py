@@ -209,6 +209,8 @@ class Scheduler:
         # grammar-forced drafts: not with a draft model (its drafts carry the q the rejection rule needs)
         self._forced_k = (structured_output.num_forced_draft_tokens
                           if structured_output is not None and self.num_lookahead_tokens == 0 else 0)
+        self._forced_max_batch = getattr(structured_output, "forced_draft_max_batch", 1 << 30)
+        self._forced_k_step = 0     # forced-draft length allowed in the step being scheduled
 
     # -- accessors -----------------------------------------------------------
     @property
@@ -405,6 +407,7 @@ class Scheduler:
         self._finished_req_ids = set()
         self._step_scheduled = {}
         self._spec_k = self.spec_config.num_tokens_for_batch(len(self.running)) if self.spec_config else 0
+        self._forced_k_step = self._forced_k if len(self.running) <= self._forced_max_batch else 0
         # batch lane: while interactive requests wait, running batch prefills only get what is left
         defer = len(self.waiting.interactive) > 0
         budget = self._schedule_running(out, self.max_num_batched_tokens, defer_batch_prefill=defer)
@@ -446,7 +449,7 @@ class Scheduler:
         """
         if not req.spec_token_ids or req.num_computed_tokens + n != req.num_tokens:
             return 0
-        k = min(len(req.spec_token_ids), self._forced_k if req.spec_forced else self._spec_k, budget - n,
+        k = min(len(req.spec_token_ids), self._forced_k_step if req.spec_forced else self._spec_k, budget - n,
                 self.max_model_len - req.num_tokens - 1)
         if req.max_tokens is not None:
             k = min(k, req.max_tokens - req.num_output_tokens - 1)

@@ -545,7 +545,7 @@ class OffloadingConnector(KVConnectorBase):
         idx = torch.tensor([b for b, _, _, _ in items], dtype=torch.long, device=dev)
         # one gather per layer, as bytes (exact for every KV dtype; fp8 has no index_select) into
         # [L, 2, n, bs, H, D * element size]; the writer makes each block contiguous off the loop
-        # (a permuted .contiguous() here cost ~100x more: benchmarks in docs/guide/kv_offload.md)
+        # (a permuted .contiguous() here cost ~50-100x more: docs/benchmarks/kv_offload_2026-12-01.md)
         buf = torch.empty((self.block_shape[0], 2, len(items), *self.byte_shape[2:]), dtype=torch.uint8, device=dev)
         for layer, kv in enumerate(self.kv_caches):
             torch.index_select(kv.view(torch.uint8), 1, idx, out=buf[layer])

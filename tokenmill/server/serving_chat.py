@@ -11,7 +11,7 @@ from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import OpenAIServing, Usage, clamp_logprob, collect, first_or_error, merge_streams, request_id
 from tokenmill.server.streaming import stream_response
-from tokenmill.server.structured import check_constraint, constraint_for
+from tokenmill.server.structured import check_constraint, constraint_for, structural_tags_supported
 from tokenmill.server.tool_parsers import (NamedToolParser, RequiredToolParser, ToolCallStreamer, ToolParser,
                                            get_tool_parser, parse_final)
 
@@ -111,7 +111,8 @@ class OpenAIServingChat(OpenAIServing):
         ids = await self.encode(prompt, body.add_special_tokens, param="messages")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
-        auto = reader if reader is not None and body.effective_tool_choice == "auto" else None
+        auto = (reader if reader is not None and body.effective_tool_choice == "auto"
+                and structural_tags_supported(state.config.model) else None)
         constraint = constraint_for(body, auto)
         if constraint is not None:
             await check_constraint(constraint, state.config.model)

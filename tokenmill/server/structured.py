@@ -201,13 +201,15 @@ def constraint_for(body: Any, auto_parser: Any = None) -> Constraint | None:
 
 
 def _validator(so_config: Any):
-    """The backend's tokenizer-free check for the configured backend, or None when it has none."""
-    backend = getattr(so_config, "backend", "xgrammar")
-    if backend != "xgrammar":
-        return None     # llguidance reports errors when the engine compiles (still a 400)
+    """The configured backend's tokenizer-free check (xgrammar or llguidance, chosen by the engine side)."""
     from tokenmill.structured_output import validate_structured_outputs
 
     return lambda params, config: validate_structured_outputs(params, None, config)
+
+
+def structural_tags_supported(model_config: Any) -> bool:
+    """True when the configured backend compiles structural tags (xgrammar; llguidance refuses them)."""
+    return getattr(getattr(model_config, "structured_outputs", None), "backend", "xgrammar") == "xgrammar"
 
 
 def _rename(message: str, kind: str, param: str) -> str:
@@ -231,8 +233,6 @@ async def check_constraint(constraint: Constraint, model_config: Any) -> None:
     """
     so_config = getattr(model_config, "structured_outputs", None)
     validate = _validator(so_config)
-    if validate is None:
-        return
     from tokenmill.structured_output.backend import StructuredOutputError
 
     for param, params in [*constraint.checks, (constraint.param, constraint.params)]:
@@ -249,4 +249,4 @@ async def check_constraint(constraint: Constraint, model_config: Any) -> None:
                            param=param) from None
 
 
-__all__ = ["Constraint", "check_constraint", "constraint_for"]
+__all__ = ["Constraint", "check_constraint", "constraint_for", "structural_tags_supported"]

@@ -109,9 +109,11 @@ class _RequestState:
 class GrammarBitmask:
     """The bitmask of one step, being filled on the manager's worker thread.
 
+    The bitmask has one row per logits row of the step (the runner's sampling rows: per sampling request in
+    batch order, its last token, then one row per draft); rows of unconstrained requests allow everything.
+
     Attributes:
-        rows: the logits row of each bitmask row (the runner's sampling rows: per sampling request in batch
-            order, its last token, then one row per draft).
+        rows: the constrained rows (the ones :meth:`apply` masks).
     """
 
     def __init__(self, manager: "StructuredOutputManager", rows: list[int], future: Future) -> None:
@@ -121,7 +123,7 @@ class GrammarBitmask:
         self._bitmask: Any = None
 
     def result(self) -> Any:
-        """The ``[len(rows), ceil(V / 32)]`` int32 bitmask (waits for the fill; its wait is counted)."""
+        """The ``[num_sampling_rows, ceil(V / 32)]`` int32 bitmask (waits for the fill; its wait is counted)."""
         if self._bitmask is None:
             t0 = time.perf_counter()
             self._bitmask = self._future.result()
@@ -131,9 +133,9 @@ class GrammarBitmask:
 
     def apply(self, logits: Any) -> None:
         """Mask ``logits`` (``[num_sampling_rows, V]`` float, in place): disallowed tokens become ``-inf``."""
-        from tokenmill.structured_output.xgrammar_backend import apply_bitmask_torch
+        from tokenmill.structured_output.xgrammar_backend import apply_token_bitmask
 
-        apply_bitmask_torch(logits, self.result(), self.rows)
+        apply_token_bitmask(logits, self.result(), self.rows)
 
     def __getstate__(self) -> dict:
         # crossing to a worker process (tensor/pipeline parallel): the filled bitmask travels, not the thread
@@ -155,6 +157,7 @@ class StructuredOutputManager:
     Attributes:
         stats: :class:`StructuredOutputStats`.
         num_forced_draft_tokens: the most forced tokens a request verifies as drafts per step (0: off).
+        forced_draft_max_batch: forced drafts only in steps with at most this many running requests.
     """
 
     def __init__(self, config: Any, vocab_size: int, eos_token_ids: list[int], tokenizer: Any,
@@ -173,6 +176,7 @@ class StructuredOutputManager:
         self._states: dict[str, _RequestState] = {}
         self.stats = StructuredOutputStats()
         self.num_forced_draft_tokens = int(getattr(config, "num_forced_draft_tokens", 0))
+        self.forced_draft_max_batch = int(getattr(config, "forced_draft_max_batch", 1 << 30))
         self.compile_timeout_s = float(getattr(config, "compile_timeout_s", 30.0))
 
     # -- backend and compiling -----------------------------------------------------------------
@@ -333,7 +337,7 @@ class StructuredOutputManager:
         len(spec_token_ids)`` rows. The fill runs on one worker thread (xgrammar releases the GIL), so it
         overlaps the forward; :meth:`GrammarBitmask.result` waits for it.
         """
-        jobs: list[tuple[GrammarMatcher, list[int]]] = []
+        jobs: list[tuple[GrammarMatcher, list[int], int]] = []
         rows: list[int] = []
         row = 0
         for sr in scheduler_output.scheduled:
@@ -342,21 +346,20 @@ class StructuredOutputManager:
             k = len(sr.spec_token_ids)
             st = self._states.get(sr.req_id)
             if st is not None and st.matcher is not None:
-                jobs.append((st.matcher, list(sr.spec_token_ids)))
+                jobs.append((st.matcher, list(sr.spec_token_ids), row))
                 rows.extend(range(row, row + k + 1))
             row += k + 1
         if not jobs:
             return None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
-        fut = self._mask_thread.submit(self._fill, jobs, len(rows))
+        fut = self._mask_thread.submit(self._fill, jobs, row, len(rows))
         return GrammarBitmask(self, rows, fut)
 
-    def _fill(self, jobs: list[tuple[GrammarMatcher, list[int]]], num_rows: int) -> Any:
+    def _fill(self, jobs: list[tuple[GrammarMatcher, list[int], int]], total_rows: int, num_rows: int) -> Any:
         t0 = time.perf_counter()
-        bitmask = self.backend.allocate_bitmask(num_rows)
-        r = 0
-        for m, drafts in jobs:
+        bitmask = self.backend.allocate_bitmask(total_rows)       # all bits set: unconstrained rows allow all
+        for m, drafts, r in jobs:
             m.fill_bitmask(bitmask, r)
             r += 1
             accepted = 0

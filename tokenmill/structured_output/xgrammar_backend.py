@@ -50,12 +50,19 @@ def choice_ebnf(choices: list[str]) -> str:
 
 
 class XgrammarMatcher(GrammarMatcher):
-    """:class:`GrammarMatcher` over an ``xgrammar.GrammarMatcher``."""
+    """:class:`GrammarMatcher` over an ``xgrammar.GrammarMatcher``.
 
-    __slots__ = ("m",)
+    Args:
+        matcher: the xgrammar matcher.
+        encode: ``str -> list[int]``, the model tokenizer's encoding of a forced string (cached by the
+            backend); None: xgrammar's own tokenisation of it.
+    """
 
-    def __init__(self, matcher: Any) -> None:
+    __slots__ = ("m", "encode")
+
+    def __init__(self, matcher: Any, encode: Any = None) -> None:
         self.m = matcher
+        self.encode = encode
 
     def accept_token(self, token_id: int) -> bool:
         return bool(self.m.accept_token(token_id))
@@ -73,9 +80,14 @@ class XgrammarMatcher(GrammarMatcher):
     def forced_tokens(self, max_tokens: int) -> list[int]:
         if max_tokens <= 0 or self.m.is_terminated():
             return []
-        # xgrammar tokenises the forced string greedily by longest vocabulary token and leaves out a last
-        # token that is a strict prefix of a longer one (the text after it could merge into it)
-        return list(self.m.find_jump_forward_tokens()[:max_tokens])
+        if self.encode is None:
+            # xgrammar tokenises the forced string greedily by longest vocabulary token and leaves out a last
+            # token that is a strict prefix of a longer one (the text after it could merge into it)
+            return list(self.m.find_jump_forward_tokens()[:max_tokens])
+        # the model's tokenizer splits the forced string as the model was trained to write it: on the
+        # key-heavy benchmark record 0.97 of these drafts match the canonical tokenisation, 0.87 of xgrammar's
+        text = self.m.find_jump_forward_string()
+        return list(self.encode(text)[:max_tokens]) if text else []
 
     def reset(self) -> None:
         self.m.reset()
@@ -107,6 +119,8 @@ class XgrammarBackend(StructuredOutputBackend):
                                                                  stop_token_ids=list(stop_token_ids) or None)
         threads = getattr(config, "max_compile_threads", 2)
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=True)
+        self.tokenizer = tokenizer
+        self._encoded: dict[str, list[int]] = {}       # forced string -> its tokens (keys repeat across requests)
 
     # -- compile ---------------------------------------------------------------------------------
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -167,13 +181,52 @@ class XgrammarBackend(StructuredOutputBackend):
 
     # -- matching --------------------------------------------------------------------------------
     def new_matcher(self, compiled: Any) -> XgrammarMatcher:
-        return XgrammarMatcher(self.xgr.GrammarMatcher(compiled))
+        return XgrammarMatcher(self.xgr.GrammarMatcher(compiled), self._encode if hasattr(self.tokenizer, "encode")
+                               else None)
+
+    MAX_ENCODED = 4096
+
+    def _encode(self, text: str) -> list[int]:
+        """The tokenizer's ids of a forced string, cached (bounded; called from the engine thread only)."""
+        ids = self._encoded.get(text)
+        if ids is None:
+            if len(self._encoded) >= self.MAX_ENCODED:
+                self._encoded.clear()
+            ids = self._encoded[text] = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return ids
 
     def allocate_bitmask(self, num_rows: int) -> Any:
         return self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
     def apply_bitmask(self, logits: Any, bitmask: Any, rows: list[int]) -> None:
         apply_bitmask_torch(logits, bitmask, rows)
+
+
+def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
+    """``logits[r, t] = -inf`` for each ``r`` in ``rows`` where bit ``t`` of ``bitmask[r]`` is clear; in place.
+
+    xgrammar's CPU kernel (``apply_token_bitmask_inplace``; measured at 2-core load 20: 64 rows x 49152
+    tokens in ~50 ms against ~130-150 ms for the unpack-and-fill in :func:`apply_bitmask_torch`).
+
+    Args:
+        logits: ``[N, V]`` float32 tensor.
+        bitmask: ``[N, ceil(V / 32)]`` int32 tensor, row ``r`` for logits row ``r`` (bit ``t % 32`` of
+            word ``t // 32``); narrower than the logits (a padded vocabulary): the extra ids are refused.
+        rows: the rows to mask.
+    """
+    import torch
+    import xgrammar as xgr
+
+    if not rows:
+        return
+    vocab = logits.shape[1]
+    covered = min(vocab, bitmask.shape[1] * 32)
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        apply_bitmask_torch(logits, bitmask.index_select(0, torch.tensor(rows)), rows)
+        return
+    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=list(rows))
+    if covered < vocab:
+        logits[rows, covered:] = float("-inf")
 
 
 def apply_bitmask_torch(logits: Any, bitmask: Any, rows: list[int]) -> None:

@@ -196,7 +196,8 @@ class ToolCallStreamer:
 
     Feed it every text delta; it returns the new ``content`` (may be empty) and the new
     ``delta.tool_calls`` entries: a call's first entry has ``index``, ``id``, ``type`` and
-    ``function.name`` (with ``arguments`` so far, usually ``""``), the next ones argument fragments.
+    ``function.name`` with ``arguments: ""`` (as OpenAI's), the next ones ``index`` and an argument
+    fragment (the first may follow the header in the same delta).
 
     Args:
         parser: the choice's parser (parsers keep no state, this class does: one per choice).
@@ -222,17 +223,20 @@ class ToolCallStreamer:
         res = self.parser.parse(self.text, final)
         self.last = res
         content = ""
+        if self.calls and not res.calls:
+            # the finished text no longer parses (max_tokens cut a call): what was streamed stays, the
+            # raw text is not sent again as content; finish_reason says "length"
+            return "", []
         if len(res.content) > self.content_sent:
             content = res.content[self.content_sent:]
             self.content_sent = len(res.content)
         entries: list[dict[str, Any]] = []
         for i, call in enumerate(res.calls[:self.max_calls]):
-            if i == len(self.calls):
+            if i == len(self.calls):      # OpenAI's header: id, type and name, with empty arguments
                 cid = self.parser.new_id()
-                self.calls.append([cid, call.name, call.arguments])
+                self.calls.append([cid, call.name, ""])
                 entries.append({"index": i, "id": cid, "type": "function",
-                                "function": {"name": call.name, "arguments": call.arguments}})
-                continue
+                                "function": {"name": call.name, "arguments": ""}})
             sent = self.calls[i][2]
             if len(call.arguments) > len(sent) and call.arguments.startswith(sent):
                 entries.append({"index": i, "function": {"arguments": call.arguments[len(sent):]}})
