@@ -143,6 +143,22 @@ def test_kv_index_match_and_removal():
     assert idx.block_size == 4 and idx.has_events(1)
 
 
+def test_kv_index_ignores_a_lower_tiers_events():
+    """The KV offloading tier publishes BlockStored/BlockRemoved with medium="DISK": a block leaving the
+    tier must not drop it from the pool's index, nor a block stored in the tier count as pool-resident."""
+    idx = KVIndex()
+    chain = block_hash_chain(list(range(16)), 4)
+    idx.apply(0, KVEventBatch(ts=0.0, events=[stored(chain[:3])]))
+    idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[chain[1]], medium="DISK")]))
+    assert idx.match(chain, [0]) == {0: 3}
+    disk = stored(chain[:4])
+    disk.medium = "DISK"
+    idx.apply(1, KVEventBatch(ts=0.0, events=[disk]))
+    assert idx.match(chain, [0, 1]) == {0: 3, 1: 0}
+    idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[chain[1]])]))
+    assert idx.match(chain, [0]) == {0: 1}
+
+
 def test_block_hash_chain_matches_the_engine_and_salt_changes_it():
     from tokenmill.core.prefix_cache import update_block_hashes
     from tokenmill.core.request import Request

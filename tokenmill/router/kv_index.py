@@ -119,6 +119,12 @@ class KVIndex:
         held = self._held.get(backend)
         if held is None:
             held = self._held[backend] = OrderedDict()
+        if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium is not None:
+            # a lower tier's event (medium "DISK": the KV offloading tier). The index scores the device
+            # pool only: a tier's BlockRemoved must not drop a hash the pool still holds, and a tier
+            # hit is not scored like a pool hit (it costs a load)
+            self.num_events[backend] = self.num_events.get(backend, 0) + 1
+            return
         if isinstance(ev, BlockStored):
             if self.block_size is None:
                 self.block_size = ev.block_size
