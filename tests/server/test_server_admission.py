@@ -52,9 +52,11 @@ def test_queue_full_gives_429_and_priority_orders_the_queue(server: ServerProc) 
     async def main() -> list[str]:
         ac = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
         order: list[str] = []
-        # A takes the only running slot, long enough (400 tokens) to still run when the third request comes.
-        # (the most urgent of the three: a higher-priority arrival would preempt it at this full house)
-        a = await ac.completions.create(model="smol", prompt="Count to fifty:", max_tokens=400, stream=True,
+        # A takes the only running slot, long enough (150 tokens) to still run when the third request comes
+        # (0.6 s later), short enough that the two queued behind it finish within the client's 120 s at a load
+        # average of 15-20 (400 tokens timed out there); the most urgent of the three: a higher-priority
+        # arrival would preempt it at this full house
+        a = await ac.completions.create(model="smol", prompt="Count to fifty:", max_tokens=150, stream=True,
                                         temperature=0, extra_body={"ignore_eos": True, "priority": -5})
         await a.__anext__()
 
