@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 import time
 
 import pytest
@@ -461,10 +462,15 @@ def test_abort_while_loading_leaks_nothing(tiny, tmp_path):
     try:
         _one_by_one(core, PROMPTS[:3], "a")
         assert core.kv_offload.flush()
+        # hold the load thread until the abort is in: a load that finished within the step (a quiet
+        # machine) would leave nothing to abort
+        gate, run_load = threading.Event(), core.kv_offload._run_load
+        core.kv_offload._run_load = lambda spec, cancel: (gate.wait(30), run_load(spec, cancel))
         core.add_request(EngineCoreRequest("x", list(PROMPTS[0]), _greedy()))
         core.step()                                       # schedules the tier load
         assert "x" in core.scheduler.waiting_for_remote
         core.abort_requests(["x"])
+        gate.set()
         deadline = time.monotonic() + 30
         while core.has_unfinished_requests() and time.monotonic() < deadline:
             core.step()
