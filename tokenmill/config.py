@@ -707,8 +707,8 @@ class StructuredOutputsConfig:
         num_forced_draft_tokens: the most grammar-forced tokens (where the grammar allows exactly one
             continuation) a constrained request verifies as draft tokens in one step (0: off).
         forced_draft_max_batch: forced drafts only in steps with at most this many running requests: on the
-            2-core CPU they gain alone (c=1: 1.45x the constrained arm) and lose in a batch of 16 (0.81x: the
-            verify rows of a batch are compute, not bandwidth; benchmarks/structured_output.py).
+            2-core CPU a lone request gets ~2.5 tokens per step (0.91x-1.45x the constrained arm's tok/s over
+            two runs) and a batch of 16 loses (0.81x: its verify rows are compute; benchmarks/structured_output.py).
         compile_timeout_s: seconds a grammar may take to compile before its request fails (HTTP 400).
         max_compile_threads: threads of the compile pool (off the engine loop).
     Raises:
