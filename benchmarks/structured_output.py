@@ -8,8 +8,8 @@ the EngineCore the server runs):
 * ``constrained``: every request carries the JSON schema (``structured_outputs.json``); forced drafts off
   (``num_forced_draft_tokens: 0``): the bitmask is filled on a worker thread while the forward runs and
   applied to the logits before sampling.
-* ``forced``: the same requests on an engine with forced drafts (``num_forced_draft_tokens: 7``, the
-  default): where the grammar allows exactly one continuation (keys, punctuation, the rest of an enum word), those tokens ride
+* ``forced``: the same requests on an engine with forced drafts (``num_forced_draft_tokens``, default 3
+  as the engine's): where the grammar allows exactly one continuation (keys, punctuation, the rest of an enum word), those tokens ride
   in the step as draft tokens and are verified in the same forward.
 * ``unconstrained``: the same prompts without the schema, each generating exactly as many tokens as its
   constrained run did (``ignore_eos``, ``max_tokens`` = that length), so the arms do the same work; it runs
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--max-keys", type=int, default=0,
                     help="keyheavy: keep only the first N of its 12 keys (a shorter record) [default: all]")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--forced", type=int, default=7, help="num_forced_draft_tokens of the forced arm [default: 7]")
+    ap.add_argument("--forced", type=int, default=3, help="num_forced_draft_tokens of the forced arm [default: 3]")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--seed", type=int, default=0)
