@@ -150,7 +150,7 @@ class ModelConfig:
     compile_sizes: str | None = _f(None, "Padded token counts captured for the compiled step when --enforce-eager is off, comma-separated (default: 1,2,4,...,512 up to --max-num-batched-tokens).")
     logprobs_mode: str = _f("raw_logprobs", "What logprobs report (vLLM's --logprobs-mode): raw_logprobs (log-softmax of the model's logits, before penalties, temperature and top-k/top-p/min-p), raw_logits, processed_logprobs (after them; truncated tokens are -inf, sent as -9999), processed_logits. Prompt logprobs are always raw log-probabilities.", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
     weight_cache: bool = _f(True, "Keep processed weights (converted to the model dtype, low-bit codes packed for our kernel) in an on-disk cache ($TOKENMILL_CACHE_DIR/weights or ~/.cache/tokenmill/weights, keyed by the checkpoint files' path/size/mtime, the recipe and the versions) and map them from there on the next start; CPU and no --quantization only. TOKENMILL_WEIGHT_CACHE=0 also turns it off.")
-    structured_outputs_config: str | None = _f(None, "Structured outputs (JSON schema, regex, choice, grammar constraints), vLLM's JSON keys: '{\"backend\": \"xgrammar\", \"disable_any_whitespace\": false, \"disable_additional_properties\": false}' plus tokenmill's \"num_forced_draft_tokens\" (grammar-forced tokens verified as free draft tokens per step, default 7: with the last token a request's verify step stays within the CPU low-bit kernel's 8-token steps; 0: off) and \"compile_timeout_s\" (a grammar compiling longer fails its request with HTTP 400, default 30). Backends: xgrammar (default), guidance (llguidance, when installed). See docs/guide/structured_outputs_engine.md.", metavar="JSON")
+    structured_outputs_config: str | None = _f(None, "Structured outputs (JSON schema, regex, choice, grammar constraints), vLLM's JSON keys: '{\"backend\": \"xgrammar\", \"disable_any_whitespace\": false, \"disable_additional_properties\": false}' plus tokenmill's \"num_forced_draft_tokens\" (grammar-forced tokens verified as free draft tokens per step, default 3, the better of 3 and 7 measured at c=1 on the 2-core CPU; 0: off) and \"compile_timeout_s\" (a grammar compiling longer fails its request with HTTP 400, default 30). Backends: xgrammar (default), guidance (llguidance, when installed). See docs/guide/structured_outputs_engine.md.", metavar="JSON")
     batch_invariant: bool = _f(True, "Batch-invariant inference (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference; on by default here): a request's token ids and logprobs are bit-identical whatever else is in the batch, the step size, chunking, prefix-cache hit or miss, preemption and the thread count, for a fixed model, dtype and CPU kernel variant. On the CPU a GGUF's linears run one kernel over its codes at every step size (the float32 low-bit kernel, a fixed summation order per output) and every attention row the decode kernel. --no-batch-invariant: steps over TOKENMILL_CPU_INT4_MAX_TOKENS tokens use the dense oneDNN GEMM (or the AVX2 integer path) and prefills the FlashAttention-style prefill kernel. See docs/guide/batch_invariance.md.")
     quantization: str | None = _f(None, "Weight quantisation applied at load time: int8 (weight-only, per channel), w8a8 (int8 weights and per-token int8 activations; needs VNNI on CPU), int4 (weight-only, groups of 32 inputs; TOKENMILL_INT4_GROUP_SIZE up to 128 sets larger ones); awq / gptq name a pre-quantised 4-bit checkpoint (detected from its quantization_config anyway). Default: none (a GGUF keeps its own low-bit codes for small steps).")
 
@@ -806,8 +806,8 @@ class StructuredOutputsConfig:
         num_forced_draft_tokens: the most grammar-forced tokens (where the grammar allows exactly one
             continuation) a constrained request verifies as draft tokens in one step (0: off).
         forced_draft_max_batch: forced drafts only in steps with at most this many running requests: on the
-            2-core CPU they gain alone (c=1: 1.45x the constrained arm) and lose in a batch of 16 (0.81x: the
-            verify rows of a batch are compute, not bandwidth; benchmarks/structured_output.py).
+            2-core CPU a lone request gets ~2.5 tokens per step (0.91x-1.45x the constrained arm's tok/s over
+            two runs) and a batch of 16 loses (0.81x: its verify rows are compute; benchmarks/structured_output.py).
         compile_timeout_s: seconds a grammar may take to compile before its request fails (HTTP 400).
         max_compile_threads: threads of the compile pool (off the engine loop).
     Raises:
@@ -817,7 +817,7 @@ class StructuredOutputsConfig:
     backend: str = "xgrammar"
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
-    num_forced_draft_tokens: int = 7   # + the last token: 8 rows, the CPU low-bit step limit
+    num_forced_draft_tokens: int = 3   # c=1 ablation: k=3 1.22x the constrained arm, k=7 0.93x (docs/benchmarks)
     forced_draft_max_batch: int = 4
     compile_timeout_s: float = 30.0
     max_compile_threads: int = 2
