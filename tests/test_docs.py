@@ -9,10 +9,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)#\s]+)(#[^)]*)?\)")
-# Guides the structured-outputs, LoRA, KV-offload and batch-invariance branches add; listed in the README's
-# features before they merge. Once they exist they are checked like every other link.
-PENDING_GUIDES = {"docs/guide/structured_outputs.md", "docs/guide/lora.md", "docs/guide/kv_offload.md",
-                  "docs/guide/batch_invariance.md"}
 
 
 def test_readme_is_short_and_names_the_two_commands():
@@ -32,6 +28,6 @@ def test_relative_links_resolve(doc):
         if target.startswith(("http://", "https://", "mailto:")):
             continue
         path = (doc.parent / target).resolve()
-        if not path.exists() and str(path.relative_to(ROOT)) not in PENDING_GUIDES:
+        if not path.exists():
             missing.append(target)
     assert not missing, f"{doc.relative_to(ROOT)} links to missing files: {missing}"

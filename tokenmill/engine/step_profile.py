@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill import envs
 from tokenmill.core.request import RequestStatus
 from tokenmill.sampling_params import SamplingParams
 
@@ -139,7 +140,7 @@ def profile_key(core: Any) -> dict[str, Any]:
 
 def cache_path(key: dict[str, Any]) -> str:
     """The cache file of ``key`` under ``$TOKENMILL_CACHE_DIR/slo_profiles`` (or ``~/.cache/tokenmill``)."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    root = envs.TOKENMILL_CACHE_DIR
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     return os.path.join(root, "slo_profiles", f"{digest}.json")
 

@@ -63,6 +63,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tokenmill import envs
 from tokenmill.core.kv_offload_stats import KVOffloadStats
 from tokenmill.core.kv_transfer_stats import KVTransferStats
 from tokenmill.core.request import Request
@@ -802,7 +803,7 @@ def _unlink(path: str) -> None:
 
 def default_offloading_dir() -> str:
     """``$TOKENMILL_CACHE_DIR/kv_offload`` or ``~/.cache/tokenmill/kv_offload`` (beside the weight cache)."""
-    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    root = envs.TOKENMILL_CACHE_DIR
     return os.path.join(root, "kv_offload")
 
 
