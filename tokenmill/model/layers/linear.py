@@ -23,6 +23,7 @@ packing happens after the checkpoint is loaded, in the model runner. Set
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -240,6 +241,17 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True, backgroun
     logger.info("packing %d linear layers for oneDNN (%s) in the background", count, p0.dtype)
     thread.start()
     return count
+
+
+def _join_packing_threads() -> None:
+    """At interpreter exit, let background packing finish first: a daemon thread still inside a oneDNN
+    reorder while Python finalizes aborts the process ("terminate called without an active exception",
+    exit status 134 after a short ``tokenmill generate``). Packing is seconds at most."""
+    for thread in list(_PACKING_THREADS.values()):
+        thread.join()
+
+
+atexit.register(_join_packing_threads)
 
 
 def wait_for_packing(model: nn.Module, timeout: float | None = None) -> bool:
