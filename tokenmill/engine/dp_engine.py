@@ -36,7 +36,7 @@ from typing import Any, AsyncIterator, Callable
 from tokenmill.config import EngineConfig
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
-from tokenmill.engine.core_proc import CoreInfo
+from tokenmill.engine.messages import CoreInfo, Wake
 from tokenmill.metrics.stats import IterationStats, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -147,7 +147,7 @@ class DPAsyncEngine:
         self.num_wakes += 1
         for e in self.engines:
             try:
-                e._send(("wake", self.num_wakes))
+                e._send(Wake(self.num_wakes))
             except Exception:  # noqa: BLE001 - a dead core fails its own requests; the others still wake
                 logger.debug("could not wake engine %s", e.data_parallel_rank)
 
