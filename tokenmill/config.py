@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill import envs
+from tokenmill.kernel_plan import CpuKernelSwitches
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -61,19 +61,6 @@ def bound_gemm_shape_caches(capacity: int = GEMM_SHAPE_CACHE_CAPACITY) -> None:
     """
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))
-
-
-INT4_ENV = "TOKENMILL_CPU_INT4_MAX_TOKENS"
-DEFAULT_INT4_MAX_TOKENS = envs.var(INT4_ENV).default
-
-
-def int4_max_tokens_from_env() -> int:
-    """``TOKENMILL_CPU_INT4_MAX_TOKENS``: the largest step (tokens) that uses 4-bit weights (default 8, 0 off).
-
-    Raises:
-        ValueError: the variable is not a non-negative integer.
-    """
-    return envs.get(INT4_ENV)
 
 
 @dataclass(frozen=True)
@@ -492,6 +479,9 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    # the TOKENMILL_CPU_* switches that change results or weights, read from the environment once, here
+    # (no flags: tokenmill/kernel_plan.py); the engine's kernel plan and the weight cache's key read them
+    cpu_kernels: CpuKernelSwitches = field(default_factory=CpuKernelSwitches.from_env)
 
     def __post_init__(self) -> None:
         """Checks that span sections, so the CLI refuses them in one line before any process starts.
@@ -525,12 +515,18 @@ class EngineConfig:
         """Build from flat keyword arguments (``max_num_seqs=8, block_size=16, ...``).
 
         ``speculative_config`` (a dict, JSON string or :class:`SpeculativeConfig`)
-        fills the ``speculative`` section.
+        fills the ``speculative`` section; ``cpu_kernels`` (a :class:`CpuKernelSwitches`) the kernel
+        switches (default: read from the environment now).
 
         Raises:
             TypeError: an argument names no field of any section.
         """
         spec = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        kernels = kwargs.pop("cpu_kernels", None)
+        if kernels is None:
+            kernels = CpuKernelSwitches.from_env()
+        elif isinstance(kernels, dict):
+            kernels = CpuKernelSwitches(**kernels)
         sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "server": {},
                                                "parallel": {}}
         owners = {f.name: s for s, c in (("model", ModelConfig), ("cache", CacheConfig),
@@ -544,7 +540,7 @@ class EngineConfig:
         return cls(model=ModelConfig(**sections["model"]), cache=CacheConfig(**sections["cache"]),
                    scheduler=SchedulerConfig(**sections["scheduler"]), server=ServerConfig(**sections["server"]),
                    parallel=ParallelConfig(**sections["parallel"]),
-                   speculative=spec)
+                   speculative=spec, cpu_kernels=kernels)
 
     def replace(self, **kwargs: Any) -> "EngineConfig":
         """Copy with flat keyword overrides (same names as :meth:`from_kwargs`)."""
@@ -552,6 +548,7 @@ class EngineConfig:
                 for s in ("model", "cache", "scheduler", "server", "parallel")
                 for f in dataclasses.fields(getattr(self, s))}
         flat["speculative_config"] = self.speculative
+        flat["cpu_kernels"] = self.cpu_kernels
         flat.update(kwargs)
         return EngineConfig.from_kwargs(**flat)
 

@@ -142,7 +142,7 @@ class DataParallelEPExecutor:
             fused_cpu.load()
             paged_attention_cpu.load()
         self.ctx = init_data_parallel_ep(dp_rank, dp, init_method, device)
-        dtype = resolve_dtype(config.model.dtype, device)
+        dtype = resolve_dtype(config.model.dtype, device, config.cpu_kernels.native_bf16)
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=True)
         self.runner = ModelRunner(model, larch, config, device, dtype, self.loaded.eos_token_ids)

@@ -144,7 +144,7 @@ class Worker:
         self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device,
                                     dp_size=dp_size, dp_rank=dp_rank)
         arch = with_redundant_experts(load_arch_config(config.model.model), par.eplb.num_redundant_experts)
-        dtype = resolve_dtype(config.model.dtype, device)
+        dtype = resolve_dtype(config.model.dtype, device, config.cpu_kernels.native_bf16)
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)

@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from tokenmill import envs
+from tokenmill import envs, kernel_plan
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,11 @@ _libs: dict[tuple[str, str], ctypes.CDLL | None] = {}
 #: Source directory of the kernels (shipped as package data).
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
-#: Instruction-set variants, best first.
-ISAS = ("avx512", "avx2", "scalar")
-
-# The CPU flags (as /proc/cpuinfo names them) each x86-64 micro-architecture level needs.
-_X86_V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
-_X86_V4 = _X86_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+#: Instruction-set variants, best first (and the CPU flags each needs): tokenmill/kernel_plan.py.
+ISAS = kernel_plan.ISAS
+_X86_V3, _X86_V4 = kernel_plan.X86_V3, kernel_plan.X86_V4
+# The variant an engine's kernel plan chose for this process (use_isa); None: TOKENMILL_CPU_ISA or the best.
+_isa_override: str | None = None
 _ISA_FLAGS = {"avx512": ["-march=x86-64-v4", "-mtune=generic"],
               "avx2": ["-march=x86-64-v3", "-mtune=generic"],
               "scalar": []}
@@ -71,14 +70,7 @@ def cache_dir() -> str:
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty when unreadable or not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return kernel_plan.read_cpu_flags()
 
 
 def isa_supported(isa: str) -> bool:
@@ -87,27 +79,45 @@ def isa_supported(isa: str) -> bool:
         return True
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    need = {"avx512": _X86_V4, "avx2": _X86_V3}[isa]
-    return all(f in _cpu_flags() for f in need)
+    return kernel_plan.isa_supported(isa, _cpu_flags())
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The variants this CPU runs, best first (``scalar`` always)."""
+    return tuple(isa for isa in ISAS if isa_supported(isa))
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_isa() -> str:
-    """The variant the kernels use in this process: the best the CPU supports, or ``TOKENMILL_CPU_ISA``.
+    """The variant the kernels use in this process: the one an engine's kernel plan chose (:func:`use_isa`),
+    else ``TOKENMILL_CPU_ISA`` (for kernels used outside an engine), else the best the CPU supports.
 
     Decided once per process (``cpu_isa.cache_clear()`` re-reads the environment).
 
     Raises:
         ValueError: ``TOKENMILL_CPU_ISA`` names an unknown variant or one this CPU cannot run.
     """
+    if _isa_override is not None:
+        return _isa_override
     forced = envs.TOKENMILL_CPU_ISA
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"TOKENMILL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
-        if not isa_supported(forced):
-            raise ValueError(f"TOKENMILL_CPU_ISA={forced}: this CPU lacks the instructions it needs")
-        return forced
-    return next(isa for isa in ISAS if isa_supported(isa))
+    if forced and forced not in ISAS:
+        raise ValueError(f"TOKENMILL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+    return kernel_plan.choose_isa(kernel_plan.CpuKernelSwitches(isa=forced),
+                                  kernel_plan.CpuFacts(supported_isas=supported_isas()))
+
+
+def use_isa(isa: str | None) -> None:
+    """Make ``isa`` this process's variant (the engine's kernel plan, from its config); None: back to the
+    environment's. Call before the first kernel library loads (the model runner does, at start-up).
+
+    Raises:
+        ValueError: an unknown variant or one this CPU cannot run.
+    """
+    global _isa_override
+    if isa is not None and (isa not in ISAS or not isa_supported(isa)):
+        raise ValueError(f"CPU kernel variant {isa!r}: expected one this CPU runs ({', '.join(supported_isas())})")
+    _isa_override = isa
+    cpu_isa.cache_clear()
 
 
 def _sources_digest(sources: Sequence[str]) -> str:
