@@ -42,6 +42,9 @@ from tokenmill.engine.messages import (AbortRequests, AddRequest, CheckInvariant
                                        LoadLoRA, LoRALoaded, Outputs, Ready, ReleaseKV, Shutdown, StopRequests,
                                        UnloadLoRA, Wake)
 from tokenmill.metrics.memory import maybe_start_tracemalloc, top_allocation_sites
+from tokenmill.engine.executor.dp_ep import make_dp_ep_executor
+from tokenmill.engine.step_profile import calibrate
+from tokenmill.engine.kv_events_publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
 
@@ -145,8 +148,6 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         if executor_factory is not None:
             executor = executor_factory(config)
         elif dp_ep_init_method is not None:
-            from tokenmill.engine.executor.dp_ep import make_dp_ep_executor
-
             executor = make_dp_ep_executor(config, data_parallel_rank or 0, dp_ep_init_method,
                                            dp_ep_worker_init_method, with_tokenizer="eos")
         else:   # the API process loads its own tokenizer; here it is only the EOS fallback
@@ -200,7 +201,6 @@ def _calibrate_for_slo(core: Any, config: Any, executor: Any) -> Any:
     mode = getattr(sched, "slo_calibration", "off") if sched is not None and sched.slo else "off"
     if mode == "off" or hasattr(executor, "step_sync") or getattr(core, "kv_connector", None) is not None:
         return None
-    from tokenmill.engine.step_profile import calibrate
 
     return calibrate(core, mode, getattr(executor, "vocab_size", None))
 
@@ -211,7 +211,6 @@ def _kv_event_hook(core: Any, config: Any, data_parallel_rank: int | None = None
     kv_cfg = cache.kv_events if cache is not None and hasattr(cache, "kv_events") else None
     if kv_cfg is None or not kv_cfg.active:
         return None
-    from tokenmill.engine.kv_events_publisher import ZmqEventPublisher
 
     pool = core.scheduler.kv_cache_manager.block_pool
     pool.enable_kv_events()

@@ -34,12 +34,12 @@ import os
 from typing import Any, AsyncIterator, Callable
 
 from tokenmill.config import EngineConfig
-from tokenmill.metrics.stats import EngineStats
+from tokenmill.metrics.stats import EngineStats, IterationStats, StatLogger
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
 from tokenmill.engine.messages import CoreInfo, Wake
-from tokenmill.metrics.stats import IterationStats, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,6 @@ class DPAsyncEngine:
         self.tokenizer = tokenizer
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.shares = cpu_shares(cpus, n)
-        from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
 
         self.expert_parallel = n > 1 and uses_dp_expert_parallel(config)
         init_method = worker_init_method = None

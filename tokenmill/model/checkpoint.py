@@ -12,6 +12,7 @@ import os
 
 from tokenmill.model.arch_config import ModelArchConfig
 from tokenmill.model.default_model import default_model_path
+from tokenmill.quantization.registry import get_method
 
 __all__ = ["resolve_checkpoint", "load_arch_config", "check_quantization"]
 
@@ -72,7 +73,6 @@ def check_quantization(method: str | None, device: str, model_path: str | None =
 
     from tokenmill.quantization.methods import check_method, int4_group_for
     from tokenmill.quantization.prequantized import check_quant_config, read_quant_config
-    from tokenmill.quantization.registry import get_method
 
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     check_method(method, dev)

@@ -28,6 +28,14 @@ from tokenmill.model.default_model import default_model_path  # noqa: F401 - re-
 from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
 from tokenmill.model.registry import get_model_class
 from tokenmill.tokenizer import load_tokenizer
+from tokenmill.model import weight_cache
+from tokenmill.model.layers.cpu_build import cpu_isa
+from tokenmill.quantization.methods import check_method, quantize_model
+from tokenmill.quantization.registry import get_method
+from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
+from tokenmill.model.hf_loader import iter_hf_weights, read_hf_config
+from tokenmill.quantization.prequantized import check_quant_config, load_prequantized, read_quant_config
+from tokenmill.quantization.gguf import gguf_lowbit_weights
 
 logger = logging.getLogger(__name__)
 
@@ -277,15 +285,11 @@ def _weight_cache_entry(enabled: bool, kind: str, path: str, dtype: torch.dtype,
                         cpu_kernels: CpuKernelSwitches | None = None) -> tuple[str, str] | None:
     """``(cache file, key)`` when the processed-weight cache applies (CPU, no load-time quantisation); the
     key holds ``cpu_kernels``' weight-changing switches (None: the environment's)."""
-    from tokenmill.model import weight_cache
-
     if not weight_cache.cache_enabled(enabled) or device.type != "cpu" or quantization is not None:
         return None
     recipe = {"kind": kind, "dtype": str(dtype), "device": str(device), "lowbit": bool(lowbit),
               "redundant_experts": int(num_redundant_experts)}
     if lowbit:
-        from tokenmill.model.layers.cpu_build import cpu_isa
-
         recipe["isa"] = cpu_isa()
     try:
         switches = (cpu_kernels if cpu_kernels is not None else CpuKernelSwitches.from_env()).weight_key()
@@ -298,8 +302,6 @@ def _weight_cache_entry(enabled: bool, kind: str, path: str, dtype: torch.dtype,
 def _load_cached(entry: tuple[str, str] | None, arch: ModelArchConfig, device: torch.device,
                  attn_backend: AttentionBackend | None) -> tuple[nn.Module, dict | None] | None:
     """The model (and low-bit weights) from the cache entry, or None (no entry, or a corrupt one: warned)."""
-    from tokenmill.model import weight_cache
-
     if entry is None or not os.path.exists(entry[0]):
         return None
     try:
@@ -316,8 +318,6 @@ def _load_cached(entry: tuple[str, str] | None, arch: ModelArchConfig, device: t
 
 
 def _save_cached(entry: tuple[str, str] | None, model: nn.Module, lowbit: dict | None) -> None:
-    from tokenmill.model import weight_cache
-
     if entry is None:
         return
     import time
@@ -375,8 +375,6 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
     import time
 
     t0 = time.perf_counter()
-    from tokenmill.quantization.methods import check_method, quantize_model
-    from tokenmill.quantization.registry import get_method
 
     lowbit_weights = None
     kind, path = _resolve_checkpoint(path)
@@ -387,8 +385,6 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         raise ValueError(f"--quantization {quantization} needs an {quantization} safetensors checkpoint, not a GGUF file")
     applied = quantization
     if kind == "gguf":
-        from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
-
         reader = open_gguf(path)
         arch = with_redundant_experts(read_arch_config(reader), num_redundant_experts)
         want_lowbit = lowbit and quantization is None
@@ -401,8 +397,6 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             model = _instantiate(arch, dt, device, attn_backend)
             model.load_weights(_with_progress(iter_gguf_weights(reader, arch), len(reader.tensors)))
             if want_lowbit:
-                from tokenmill.quantization.gguf import gguf_lowbit_weights
-
                 logger.info("preparing the GGUF's low-bit codes for the small-step kernel")
                 lowbit_weights = gguf_lowbit_weights(reader, arch, getattr(model, "_STACKED", {})) or None
             _save_cached(entry, model, lowbit_weights)
@@ -410,10 +404,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         name = os.path.splitext(os.path.basename(path))[0]
         del reader
     else:
-        from tokenmill.model.hf_loader import iter_hf_weights, read_hf_config
-
         arch = with_redundant_experts(read_hf_config(path), num_redundant_experts)
-        from tokenmill.quantization.prequantized import check_quant_config, load_prequantized, read_quant_config
 
         model = _instantiate(arch, dt, device, attn_backend)
         qcfg = read_quant_config(path)

@@ -47,6 +47,13 @@ from tokenmill.model.layers.kv_quant import KVScales, is_quantized, resolve_kv_c
 from tokenmill.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, plan_kv_cache  # noqa: F401 - re-export
 from tokenmill.model.process_tuning import configure_allocator, configure_threads, rss_bytes
 from tokenmill.model.sampler import Sampler
+from tokenmill.quantization.methods import Int8DynamicLinear, QuantizedLinear, format_bytes, weight_bytes_by_format
+from tokenmill.model.layers import cpu_build, fused_cpu, paged_attention_cpu
+from tokenmill.lora.manager import LoRAManager
+from tokenmill.spec_decode.worker import SpecDecodeWorker
+from tokenmill.model.step_graph import CpuStepGraph, unsupported_reason
+from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.model import llama
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +75,6 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
     packed = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
     plain = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
     weights = f"weights {name(dtype)} ({packed} oneDNN-prepacked linears, {plain} plain"
-    from tokenmill.quantization.methods import Int8DynamicLinear, QuantizedLinear
     quant: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
@@ -93,7 +99,6 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
     if device.type != "cpu":
         logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, kv)
         return
-    from tokenmill.model.layers import cpu_build, fused_cpu, paged_attention_cpu
     try:
         isa = cpu_build.cpu_isa()
     except ValueError as e:
@@ -252,7 +257,6 @@ class ModelRunner:
         if lowbit_limit and attach_lowbit_weights(model, lowbit_weights, lowbit_limit, plan.int8_act_max_tokens,
                                                   invariant=self.batch_invariant)[0]:
             self.lowbit_max_tokens = lowbit_limit
-        from tokenmill.quantization.methods import format_bytes, weight_bytes_by_format
 
         self.weight_bytes = weight_bytes_by_format(model)
         logger.info("weights: %s (total %.1f MiB)", format_bytes(self.weight_bytes),
@@ -264,8 +268,6 @@ class ModelRunner:
         log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
         self.lora_manager = None   # a tokenmill.lora.manager.LoRAManager with --enable-lora
         if config.model.enable_lora:
-            from tokenmill.lora.manager import LoRAManager
-
             m = config.model
             self.lora_manager = LoRAManager(model, arch, m.max_loras, m.max_lora_rank,
                                             m.max_cpu_loras or m.max_loras, dtype)
@@ -274,16 +276,12 @@ class ModelRunner:
         self.spec_decode = None
         # grammar-forced tokens (structured outputs) are verified as drafts even without a proposer
         if config.speculative is not None or config.model.structured_outputs.num_forced_draft_tokens:
-            from tokenmill.spec_decode.worker import SpecDecodeWorker
-
             self.spec_decode = SpecDecodeWorker(config.speculative, config, self)
         self._setup_step_graph()
 
     def _setup_step_graph(self) -> None:
         """Build the :class:`~tokenmill.model.step_graph.CpuStepGraph` for decode-only steps where the
         model, dtype, KV cache and device allow it (logged either way; ``TOKENMILL_CPU_STEP_GRAPH=0``: off)."""
-        from tokenmill.model.step_graph import CpuStepGraph, unsupported_reason
-
         reason = unsupported_reason(self.model, self.device, self.dtype, self.kv_cache_dtype, self.lowbit_max_tokens,
                                     spec_decode=self.config.speculative is not None,
                                     enabled=self.kernel_plan.step_graph)
@@ -331,8 +329,6 @@ class ModelRunner:
             FileNotFoundError, ValueError: from the loader (missing file,
                 unsupported architecture or dtype).
         """
-        from tokenmill.model.loader import load_model, resolve_dtype
-
         device = resolve_device(config.model.device)
         configure_threads(device)
         configure_allocator(device)
@@ -382,7 +378,6 @@ class ModelRunner:
                                "load a fresh model for the compiled step")
         if not buckets:
             return
-        from tokenmill.model import llama
 
         import torch._dynamo.config as dynamo_config
 

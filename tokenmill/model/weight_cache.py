@@ -48,6 +48,8 @@ import torch
 from torch import nn
 
 from tokenmill import envs
+import tokenmill
+from tokenmill.quantization.lowbit import LowBitWeight
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +88,6 @@ def checkpoint_files(kind: str, path: str) -> list[str]:
 
 
 def _versions() -> dict[str, str]:
-    import tokenmill
-
     return {"tokenmill": tokenmill.__version__, "torch": torch.__version__, "format": str(FORMAT_VERSION)}
 
 
@@ -229,8 +229,6 @@ def load(file: str, key: str) -> CachedWeights:
         FileNotFoundError: no entry.
         CorruptCacheError: the entry is unusable (wrong magic, header, version, key or length).
     """
-    from tokenmill.quantization.lowbit import LowBitWeight
-
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(len(MAGIC) + 8)

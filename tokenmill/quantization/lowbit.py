@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill import envs
+from tokenmill.model.layers.cpu_build import _cpu_flags, load_library
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +59,6 @@ _FUNCTIONS = {"tm_lowbit_gemm": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P,
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where unreadable)."""
-    from tokenmill.model.layers.cpu_build import _cpu_flags
-
     return _cpu_flags()
 
 
@@ -70,8 +69,6 @@ def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
         The library, or None (no compiler, a CPU that cannot run ``isa``,
         or ``TOKENMILL_CPU_LOWBIT_KERNEL=0``).
     """
-    from tokenmill.model.layers.cpu_build import load_library
-
     lib = load_library("lowbit_gemm", ["lowbit_gemm.c"], _FUNCTIONS, ENV_SWITCH, isa)
     if lib is not None:
         lib.tm_lowbit_isa.restype = ctypes.c_char_p

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.model.checkpoint import load_arch_config, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[
     Raises:
         FileNotFoundError, ValueError: from the loader.
     """
-    from tokenmill.model.checkpoint import load_arch_config, resolve_checkpoint
     from tokenmill.model.loader import resolve_tokenizer
 
     kind, full = resolve_checkpoint(path)

@@ -39,6 +39,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import load_frontend, resolve_max_model_len
+from tokenmill.engine.executor.mp import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -284,7 +285,6 @@ class DataParallelEPMultiprocExecutor:
                  with_tokenizer: bool | str = True) -> None:
         from tokenmill.distributed.expert_parallel import StepSync
         from tokenmill.distributed.parallel_state import destroy_distributed, init_data_parallel_ep
-        from tokenmill.engine.executor.mp import MultiprocExecutor
 
         t0 = time.perf_counter()
         check_dp_expert_parallel(config)

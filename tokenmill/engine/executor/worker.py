@@ -17,6 +17,8 @@ import torch
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.engine.executor.step_codec import StepDecoder
+from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +122,6 @@ class Worker:
         from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, \
             model_weight_bytes
         from tokenmill.distributed.parallel_state import init_distributed
-        from tokenmill.engine.executor.step_codec import StepDecoder
         from tokenmill.model.loader import load_arch_config, resolve_dtype, with_redundant_experts
         from tokenmill.model.runner import ModelRunner, configure_allocator
 
@@ -137,7 +138,6 @@ class Worker:
         if device.type == "cpu":
             # Build/load the C kernels now: a first use inside a step compiles them (tens of seconds on a busy
             # machine) while the other ranks wait in a collective, which then timed out (seen in the benchmark).
-            from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
             fused_cpu.load()
             paged_attention_cpu.load()
