@@ -158,7 +158,8 @@ def _config_or_exit(args: argparse.Namespace, command: str):
         if config.model.quantization is not None:   # (imports torch, which the API process otherwise never needs)
             from tokenmill.model.checkpoint import check_quantization
 
-            check_quantization(config.model.quantization, config.model.device, config.model.model, check_model=True)
+            check_quantization(config.model.quantization, config.model.device, config.model.model, check_model=True,
+                               int4_group=config.cpu_kernels.int4_group_size)
         return config
     except ValueError as e:
         print(f"tokenmill {command}: error: {e}", file=sys.stderr)

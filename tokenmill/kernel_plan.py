@@ -59,6 +59,10 @@ class CpuKernelSwitches:
     kv_bf16: bool = _env("TOKENMILL_CPU_KV_BF16")
     step_graph: bool = _env("TOKENMILL_CPU_STEP_GRAPH")
     step_graph_max_tokens: int | None = _env("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS")
+    attention_kernel: bool = _env("TOKENMILL_CPU_ATTENTION_KERNEL")
+    fused_ops: bool = _env("TOKENMILL_CPU_FUSED_OPS")
+    lowbit_bf16_dot: bool = _env("TOKENMILL_CPU_LOWBIT_BF16_DOT")
+    int4_group_size: int = _env("TOKENMILL_INT4_GROUP_SIZE")
 
     def __post_init__(self) -> None:
         if self.isa and self.isa not in ISAS:
@@ -71,6 +75,9 @@ class CpuKernelSwitches:
                              f"{self.int8_act_max_tokens!r}")
         if self.step_graph_max_tokens is not None and self.step_graph_max_tokens <= 0:
             raise ValueError(f"TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS must be > 0, got {self.step_graph_max_tokens}")
+        if not 32 <= self.int4_group_size <= 128 or self.int4_group_size % 4:
+            raise ValueError("TOKENMILL_INT4_GROUP_SIZE must be a multiple of 4 from 32 to 128, got "
+                             f"{self.int4_group_size}")
 
     @classmethod
     def from_env(cls) -> "CpuKernelSwitches":
@@ -80,6 +87,13 @@ class CpuKernelSwitches:
             ValueError: a variable holds an invalid value (the message names it).
         """
         return cls(**{f.name: envs.get(f.metadata["env"]) for f in dataclasses.fields(cls)})
+
+    def library_switches(self) -> dict[str, bool]:
+        """The switches that turn a C kernel library (or one of its paths) on or off, variable name -> on:
+        what :func:`tokenmill.model.layers.cpu_build.configure` applies to this process's libraries."""
+        return {"TOKENMILL_CPU_ATTENTION_KERNEL": self.attention_kernel, "TOKENMILL_CPU_FUSED_OPS": self.fused_ops,
+                "TOKENMILL_CPU_LOWBIT_KERNEL": self.lowbit_kernel,
+                "TOKENMILL_CPU_LOWBIT_BF16_DOT": self.lowbit_bf16_dot}
 
     def weight_key(self) -> dict[str, Any]:
         """The switches that change the processed weights (``in_weight_key`` in tokenmill/envs.py),

@@ -429,7 +429,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         template = None
         name = os.path.basename(os.path.normpath(path))
     if applied is not None and get_method(applied).at_load:
-        quantize_model(model, applied)
+        quantize_model(model, applied, None if cpu_kernels is None else cpu_kernels.int4_group_size)
     tokenizer, template, eos = resolve_tokenizer(path, arch, template, with_tokenizer)
     return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,
                        eos_token_ids=eos, bos_token_id=arch.bos_token_id, name=name, path=path,

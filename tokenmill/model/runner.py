@@ -41,7 +41,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
 from tokenmill.model.cpu_facts import engine_plan
-from tokenmill.model.layers.cpu_build import cpu_isa, use_isa
+from tokenmill.model.layers.cpu_build import configure as configure_kernels
 from tokenmill.model.layers.linear import PackedLinear, attach_lowbit_weights, pack_linear_weights
 from tokenmill.model.layers.kv_quant import KVScales, is_quantized, resolve_kv_cache_dtype
 from tokenmill.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, plan_kv_cache  # noqa: F401 - re-export
@@ -222,8 +222,8 @@ class ModelRunner:
             self.kernel_plan = engine_plan(config.replace(dtype=str(dtype).removeprefix("torch.")), device,
                                            checkpoint_lowbit=bool(lowbit_weights))
         plan = self.kernel_plan
-        if device.type == "cpu" and plan.isa != cpu_isa():
-            use_isa(plan.isa)           # this process's C kernels run the plan's variant
+        if device.type == "cpu":
+            configure_kernels(plan.isa, config.cpu_kernels)   # this process's C kernels follow the config
         lowbit_limit = plan.lowbit_max_tokens
         # auto: a float32 model on the CPU low-bit path keeps a bfloat16 cache (kv_quant.auto_kv_bf16)
         self.kv_cache_dtype = resolve_kv_cache_dtype(plan.kv_cache_dtype, dtype, device)
@@ -336,8 +336,8 @@ class ModelRunner:
         # the kernel plan if the checkpoint has low-bit codes (the runner resolves the final one): the dtype,
         # the ISA variant of this process's kernels and whether to collect the codes
         plan = engine_plan(config, device, checkpoint_lowbit=True)
-        if device.type == "cpu" and plan.isa != cpu_isa():
-            use_isa(plan.isa)           # the config's variant, where it differs from the environment's
+        if device.type == "cpu":
+            configure_kernels(plan.isa, config.cpu_kernels)   # where the config differs from the environment
         dtype = resolve_dtype(plan.dtype, device)
         want_lowbit = plan.lowbit_max_tokens > 0
         loaded = load_model(config.model.model, dtype=dtype, device=device, lowbit=want_lowbit,

@@ -35,8 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import envs
-from tokenmill.model.layers.cpu_build import _cpu_flags, load_library
+from tokenmill.model.layers.cpu_build import _cpu_flags, load_library, switch
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +74,7 @@ def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
         lib.tm_lowbit_isa.argtypes = []
         lib.tm_lowbit_set_bf16_dot.restype = ctypes.c_int
         lib.tm_lowbit_set_bf16_dot.argtypes = [ctypes.c_int]
-        set_bf16_dot(lib, envs.get(BF16_DOT_SWITCH))
+        set_bf16_dot(lib, switch(BF16_DOT_SWITCH))
     return lib
 
 
@@ -289,7 +288,7 @@ def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = 
 def _default_kernel() -> ctypes.CDLL | None:
     lib = load_kernel()
     if lib is not None:
-        dot = bool(lib.tm_lowbit_set_bf16_dot(int(envs.get(BF16_DOT_SWITCH))))
+        dot = bool(lib.tm_lowbit_set_bf16_dot(int(switch(BF16_DOT_SWITCH))))
         logger.info("low-bit GEMM kernel: %s path%s", lib.tm_lowbit_isa().decode(),
                     ", bfloat16 activations on AVX512-BF16 dot products" if dot else "")
     return lib

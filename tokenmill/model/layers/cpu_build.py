@@ -56,6 +56,8 @@ ISAS = kernel_plan.ISAS
 _X86_V3, _X86_V4 = kernel_plan.X86_V3, kernel_plan.X86_V4
 # The variant an engine's kernel plan chose for this process (use_isa); None: TOKENMILL_CPU_ISA or the best.
 _isa_override: str | None = None
+# Library switches an engine's config set for this process where they differ from the environment (configure).
+_switch_overrides: dict[str, bool] = {}
 _ISA_FLAGS = {"avx512": ["-march=x86-64-v4", "-mtune=generic"],
               "avx2": ["-march=x86-64-v3", "-mtune=generic"],
               "scalar": []}
@@ -120,6 +122,31 @@ def use_isa(isa: str | None) -> None:
     cpu_isa.cache_clear()
 
 
+def switch(name: str) -> bool:
+    """A library switch (``TOKENMILL_CPU_ATTENTION_KERNEL``, ``_FUSED_OPS``, ``_LOWBIT_KERNEL``,
+    ``_LOWBIT_BF16_DOT``) for this process: the engine config's (:func:`configure`), else the environment's."""
+    value = _switch_overrides.get(name)
+    return envs.get(name) if value is None else value
+
+
+def configure(isa: str | None, switches: "kernel_plan.CpuKernelSwitches") -> None:
+    """Make an engine config's kernel choices this process's: the plan's ISA variant (:func:`use_isa`) and the
+    library switches (:meth:`~tokenmill.kernel_plan.CpuKernelSwitches.library_switches`), each only where it
+    differs from what the environment gives (so a config built from this environment changes nothing).
+    Call before the first kernel library loads: the model runner does, at start-up.
+
+    Raises:
+        ValueError: an unknown ISA variant or one this CPU cannot run.
+    """
+    if isa is not None and isa != cpu_isa():
+        use_isa(isa)
+    for name, on in switches.library_switches().items():
+        if on == envs.get(name):
+            _switch_overrides.pop(name, None)
+        else:
+            _switch_overrides[name] = on
+
+
 def _sources_digest(sources: Sequence[str]) -> str:
     """Hash of the named sources and every header in :data:`CSRC_DIR`."""
     h = hashlib.sha256()
@@ -171,7 +198,8 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         sources: C files in :data:`CSRC_DIR` compiled into the library (headers
             there are found with ``-I``).
         functions: exported function name -> ctypes argument types (all return void).
-        env_switch: environment variable that disables the library when ``"0"``.
+        env_switch: the switch that disables the library when off (:func:`switch`: the engine config's,
+            else the environment variable's ``"0"``).
         isa: a variant of :data:`ISAS`; None: :func:`cpu_isa`.
 
     Returns:
@@ -187,7 +215,7 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         if key in _libs:
             return _libs[key]
         lib = None
-        if not envs.get(env_switch):
+        if not switch(env_switch):
             logger.info("CPU %s kernels disabled by %s=0", name, env_switch)
         elif not isa_supported(isa):
             logger.warning("CPU %s kernels: this CPU cannot run the %s variant", name, isa)
