@@ -504,9 +504,6 @@ class EngineConfig:
             raise ValueError("--kv-offloading-backend needs one rank per engine (tensor and pipeline parallel size 1): "
                              "the tier reads and writes the engine core's own KV pool")
         if self.model.enable_lora:
-            if self.parallel.world_size > 1 or self.server.data_parallel_size > 1:
-                raise ValueError("--enable-lora needs one rank and one engine core (tensor, pipeline and data "
-                                 "parallel size 1)")
             if not self.model.enforce_eager:
                 raise ValueError("--enable-lora needs the eager step (--enforce-eager)")
             if self.speculative is not None and self.speculative.method != "ngram":
