@@ -528,6 +528,7 @@ class Scheduler:
                         req.error = lora.error
                         req.finished_time = time.time()
                         self._finish(req, notify_connector=False)
+                        self._decline_remote_kv(req)     # P/D consumer: the producer frees its copy now
                         self._pending_outputs.append(self._make_output(req, []))
                     else:
                         skipped.append(req)
@@ -855,6 +856,16 @@ class Scheduler:
             req.status = RequestStatus.FINISHED_LENGTH
             return True
         return False
+
+    def _decline_remote_kv(self, req: Request) -> None:
+        """A decode server's request that ends before its KV load (its LoRA adapter failed to load): tell
+        each connector able to (``decline``: the P/D pull connector) so the producer frees the KV it keeps."""
+        if self.kv_connector is None:
+            return
+        for conn in getattr(self.kv_connector, "connectors", [self.kv_connector]):
+            decline = getattr(conn, "decline", None)
+            if decline is not None:
+                decline(req)
 
     def _finish(self, req: Request, notify_connector: bool = True) -> None:
         """Free blocks and forget a request whose status is already a finished one.
