@@ -99,11 +99,12 @@ def test_tp2_with_adapters_equals_tp1(lora_root, reference, tmp_path):
         core.unload_lora(10)
         core.step()
         assert 10 not in core.lora_manager.cpu
-        # the same id for another folder (the API never does this; it proves the workers dropped theirs)
+        # the same id for another folder (the API never does this; it proves the workers dropped theirs;
+        # another prompt: the id keys this hand-built request's prefix-cache blocks)
         again = LoRARequest("extra", 10, ads["r8"])
         assert _core_load(core, again) is None
-        got = llm.generate([PROMPTS[0]], params(), lora_request=again)[0].outputs[0].token_ids
-        assert got == ref_toks[_pairs(ads).index(("r8", 0))]
+        got = llm.generate([PROMPTS[1]], params(), lora_request=again)[0].outputs[0].token_ids
+        assert got == ref_toks[_pairs(ads).index(("r8", 1))]
         # a bad adapter fails only its request, named; the engine keeps serving
         bad = LoRARequest("bad", 11, str(tmp_path / "missing"))
         outs = llm.generate([PROMPTS[0], PROMPTS[2]], params(), lora_request=[bad, LoRARequest("r4", 1, ads["r4"])])
@@ -157,3 +158,21 @@ def test_shard_adapter_cuts_column_and_row_targets(lora_root):
                           "k_proj": (lay.kv_heads[0] * d, lay.kv_heads[1] * d),
                           "v_proj": (lay.kv_heads[0] * d, lay.kv_heads[1] * d)}.get(mod, lay.ffn)
                 assert torch.equal(w.b, g.b[lo:hi]) and torch.equal(w.a, g.a)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("ray") is None, reason="ray is not installed")
+def test_ray_tp2_with_a_runtime_adapter(lora_root, reference, monkeypatch):
+    """The Ray executor carries the adapter ops as actor calls: a runtime load reaches both actors."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)        # a local cluster owned by this test
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    base, ads = lora_root
+    ref_toks, _, _ = reference
+    llm = make_llm(base, tensor_parallel_size=2, distributed_executor_backend="ray")
+    try:
+        req = LoRARequest("r8", 2, ads["r8"])
+        assert _core_load(llm.engine_core, req) is None
+        outs = llm.generate(PROMPTS, params(), lora_request=req)
+        assert [o.outputs[0].token_ids for o in outs] == [ref_toks[_pairs(ads).index(("r8", i))]
+                                                          for i in range(len(PROMPTS))]
+    finally:
+        llm.shutdown()
