@@ -101,8 +101,8 @@ def test_config_refusals(lora_root):
     base, _ = lora_root
     with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
         LLM(base, lora_modules="a=/x")
-    with pytest.raises(ValueError, match="tensor, pipeline and data parallel size 1"):
-        LLM(base, enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs the eager step"):
+        LLM(base, enable_lora=True, enforce_eager=False)
     with pytest.raises(ValueError, match="ngram speculation only"):
         LLM(base, enable_lora=True, speculative_config={"method": "draft_model", "model": base,
                                                         "num_speculative_tokens": 2})

@@ -46,7 +46,7 @@ class LoRARequest:
         lora_path: folder with ``adapter_config.json`` and ``adapter_model.safetensors``.
         base_model_name: the base this adapter claims (vLLM's JSON form), for ``/v1/models``' ``parent``.
         content_hash: :func:`adapter_content_hash` of its folder when it was registered (the server sets
-            it), None when unknown (offline ``LoRARequest``\ s built by hand).
+            it), None when unknown (an offline ``LoRARequest`` built by hand).
     """
 
     lora_name: str
