@@ -504,6 +504,9 @@ class EngineConfig:
             raise ValueError("--kv-offloading-backend needs one rank per engine (tensor and pipeline parallel size 1): "
                              "the tier reads and writes the engine core's own KV pool")
         if self.model.enable_lora:
+            if self.server.data_parallel_size > 1 and self.parallel.enable_expert_parallel:
+                raise ValueError("--enable-lora with --data-parallel-size and --enable-expert-parallel is not "
+                                 "supported (the lockstep expert-parallel cores do not carry adapters)")
             if not self.model.enforce_eager:
                 raise ValueError("--enable-lora needs the eager step (--enforce-eager)")
             if self.speculative is not None and self.speculative.method != "ngram":
