@@ -1432,7 +1432,8 @@ def create_offloading_connector(engine_config: Any, executor: Any, data_parallel
                            capacity_bytes=int(cache.kv_offloading_size * 2**30),
                            data_parallel_rank=data_parallel_rank, host_capacity_bytes=host, **overrides)
     if kv_caches is not None:
-        ranks: Any = LocalTierRanks([TierStore(cfg, cache.block_size, kv_caches, identity, kv_scales_of(executor))])
+        ranks: Any = LocalTierRanks([TierStore(cfg, cache.block_size, kv_caches, identity,
+                                                  kv_scales_of(getattr(executor, "runner", executor)))])
     else:
         # the workers' model dtype: their shards load dense weights in the configured dtype
         identity["model_dtype"] = str(engine_config.model.dtype)
