@@ -219,7 +219,18 @@ class Worker:
                          eplb=self.runner.eplb_stats if self.is_output_rank else None,
                          ep_comm=self.ctx.ep.seconds - e0)
 
+    def kv_tier(self, msg: tuple) -> Any:
+        """One message of the engine core's KV offloading tier for this rank's store (this rank's shard of
+        every block: :func:`tokenmill.kv_transfer.offloading.worker_tier_call`)."""
+        from tokenmill.kv_transfer.offloading import worker_tier_call
+
+        self._kv_tier, reply = worker_tier_call(getattr(self, "_kv_tier", None), self.runner, self.layout, msg)
+        return reply
+
     def close(self) -> None:
         from tokenmill.distributed.parallel_state import destroy_distributed
 
+        store = getattr(self, "_kv_tier", None)
+        if store is not None:
+            store.shutdown()
         destroy_distributed()
