@@ -197,9 +197,10 @@ class CacheConfig:
 
     kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the model's dtype, except bfloat16 for a float32 model on the CPU low-bit path, unlike vLLM: half the bytes per decode step; TOKENMILL_CPU_KV_BF16=0 or --kv-cache-dtype float32 keeps float32), bfloat16, float32, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, int8 (1 byte per element; per-layer K and V scales, from the checkpoint, --calculate-kv-scales, or 1.0; int8 always calculates them unless the checkpoint has them).")
     calculate_kv_scales: bool = _f(False, "With an fp8/int8 KV cache: compute each layer's K/V scales from the first batch (fp8: amax/200 for K and amax/100 for V, as vLLM; int8: amax/100) instead of the checkpoint's or 1.0.")
-    kv_offloading_backend: str | None = _f(None, "A second KV cache tier (vLLM's flag): native keeps full prefix blocks that leave the pool in files under --kv-offloading-dir, LRU-bounded by --kv-offloading-size, and loads them instead of recomputing a prompt that misses the pool; needs prefix caching and one rank per engine (see docs/guide/kv_offload.md). Default: off.", choices=["native"])
+    kv_offloading_backend: str | None = _f(None, "A second KV cache tier (vLLM's flag): native keeps full prefix blocks that leave the pool in files under --kv-offloading-dir, LRU-bounded by --kv-offloading-size, and loads them instead of recomputing a prompt that misses the pool; needs prefix caching; with tensor/pipeline parallelism each rank keeps its own shard (see docs/guide/kv_offload.md). Default: off.", choices=["native"])
     kv_offloading_size: float | None = _f(None, "Size of the KV offloading tier in GiB (vLLM's flag; required with --kv-offloading-backend).")
     kv_offloading_dir: str | None = _f(None, "Directory of the KV offloading tier's files (default: $TOKENMILL_CACHE_DIR/kv_offload or ~/.cache/tokenmill/kv_offload); each configuration and data-parallel rank gets its own subdirectory.")
+    kv_offloading_host_size: float | None = _f(None, "Size in GiB of a host-memory tier (pinned on CUDA) in front of the KV offloading tier's files. Default: with the KV pool on a GPU, --kv-offloading-size capped at half the available host memory; on a CPU none (the pool is host memory already). 0 turns it off.")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
@@ -222,6 +223,8 @@ class CacheConfig:
             if not self.enable_prefix_caching:
                 raise ValueError("--kv-offloading-backend keys its blocks by prefix-cache hash: it needs "
                                  "--enable-prefix-caching")
+            if self.kv_offloading_host_size is not None and self.kv_offloading_host_size < 0:
+                raise ValueError(f"--kv-offloading-host-size must be >= 0 GiB, got {self.kv_offloading_host_size}")
 
     @property
     def kv_events(self):
@@ -500,13 +503,10 @@ class EngineConfig:
             ValueError: ``--kv-transfer-config`` with more than one rank per engine (tensor or pipeline
                 parallel) or with a quantised KV cache (``--kv-cache-dtype`` other than ``auto``).
         """
-        if self.cache.kv_offloading_backend is not None and self.parallel.world_size > 1:
-            raise ValueError("--kv-offloading-backend needs one rank per engine (tensor and pipeline parallel size 1): "
-                             "the tier reads and writes the engine core's own KV pool")
         if self.model.enable_lora:
-            if self.parallel.world_size > 1 or self.server.data_parallel_size > 1:
-                raise ValueError("--enable-lora needs one rank and one engine core (tensor, pipeline and data "
-                                 "parallel size 1)")
+            if self.server.data_parallel_size > 1 and self.parallel.enable_expert_parallel:
+                raise ValueError("--enable-lora with --data-parallel-size and --enable-expert-parallel is not "
+                                 "supported (the lockstep expert-parallel cores do not carry adapters)")
             if not self.model.enforce_eager:
                 raise ValueError("--enable-lora needs the eager step (--enforce-eager)")
             if self.speculative is not None and self.speculative.method != "ngram":

@@ -66,6 +66,17 @@ class _RankActor:
             logger.exception("step failed")
             return ("error", f"rank {self.worker.rank}: {type(e).__name__}: {e}", None)
 
+    def lora_control(self, op: tuple) -> None:
+        """An adapter load/remove (:meth:`Worker.lora_control <tokenmill.engine.executor.worker.Worker.lora_control>`)."""
+        self.worker.lora_control(op)
+
+    def kv_tier(self, msg: tuple) -> tuple:
+        try:
+            return ("ok", self.worker.kv_tier(msg), None)
+        except Exception as e:  # noqa: BLE001 - reported to the engine core
+            logger.exception("KV tier call failed")
+            return ("error", f"rank {self.worker.rank}: {type(e).__name__}: {e}", None)
+
     def pid(self) -> int:
         return os.getpid()
 
@@ -118,6 +129,25 @@ class RayExecutor:
             raise
         self.worker_infos = infos
         log_layout(infos, self.backend)
+        self.lora_manager = None    # --enable-lora: the core's proxy of the actors' adapters (tokenmill.lora.tp)
+        if config.model.enable_lora:
+            from tokenmill.lora.tp import WorkerLoRAProxy
+
+            m = config.model
+            self.lora_manager = WorkerLoRAProxy(arch, m.max_lora_rank, max(m.max_cpu_loras or m.max_loras,
+                                                                           m.max_loras), self.lora_control)
+
+    def lora_control(self, op: tuple) -> None:
+        """Send an adapter op to every actor (Ray runs one caller's calls to an actor in order, so it is
+        ordered with the steps); not awaited.
+
+        Raises:
+            WorkerDiedError: an actor is (or was already) gone.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        for a in self._actors:
+            a.lora_control.remote(op)
 
     def _get(self, refs: list, what: str) -> list:
         ray = self._ray
@@ -147,6 +177,22 @@ class RayExecutor:
         replies = self._get([a.execute.remote(payload) for a in self._actors], "running a step")
         output, self.last_step_stats = merge_step_replies(replies)
         return output
+
+    def kv_tier_call(self, msg: tuple) -> list[Any]:
+        """One KV offloading tier message to every rank (:func:`tokenmill.kv_transfer.offloading.worker_tier_call`);
+        the replies in rank order.
+
+        Raises:
+            WorkerDiedError: an actor is (or was already) gone.
+            RuntimeError: a rank raised.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        replies = self._get([a.kv_tier.remote(msg) for a in self._actors], "running a KV tier call")
+        errors = [m[1] for m in replies if m[0] == "error"]
+        if errors:
+            raise RuntimeError(f"KV tier call failed: {errors[0]}")
+        return [m[1] for m in replies]
 
     @property
     def eplb_stats(self):
