@@ -14,7 +14,9 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output import StructuredOutputError, validate_structured_outputs
 from tokenmill.structured_output.backend import constraint_key, disallow_additional_properties
 from tokenmill.structured_output.manager import StructuredOutputManager
-from tokenmill.structured_output.xgrammar_backend import XgrammarBackend, apply_bitmask_torch, apply_token_bitmask
+from tokenmill.structured_output.xgrammar_backend import (
+    XgrammarBackend, apply_bitmask_torch, apply_token_bitmask, row_runs, unpack_disallowed,
+)
 
 EOS = 2
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -124,11 +126,38 @@ def test_apply_bitmask_matches_brute_force(vocab):
             if t >= 96 or not (int(full[row, t // 32]) >> (t % 32)) & 1:
                 want[row, t] = float("-inf")
     got = logits.clone()
-    apply_token_bitmask(got, full, [3, 1])              # xgrammar's kernel, rows index the full bitmask
+    apply_token_bitmask(got, full, [3, 1])              # the numpy path, rows index the full bitmask
+    assert torch.equal(got, want)
+    got = logits.clone()
+    apply_token_bitmask(got, full, [3, 1], unpack_disallowed(full, [3, 1]))   # unpacked on the fill thread
     assert torch.equal(got, want)
     got = logits.clone()
     apply_bitmask_torch(got, full[[3, 1]], [3, 1])      # the torch path, compact bitmask rows
     assert torch.equal(got, want)
+    # a run of consecutive rows (one copyto) and a non-contiguous logits tensor (the torch fallback)
+    want_all = logits.clone()
+    apply_bitmask_torch(want_all, full[[1, 2, 3]], [1, 2, 3])
+    got = logits.clone()
+    apply_token_bitmask(got, full, [1, 2, 3])
+    assert torch.equal(got, want_all)
+    wide = torch.cat([logits, logits], dim=1)
+    view = wide[:, :vocab]
+    apply_token_bitmask(view, full, [1, 2, 3])
+    assert not view.is_contiguous() and torch.equal(view, want_all)
+    assert row_runs([0, 1, 2, 5, 7, 8]) == [(0, 3, 0), (5, 6, 3), (7, 9, 4)]
+
+
+def test_batched_fill_equals_one_by_one(backend, tokenizer):
+    """xgrammar's batched fill gives every row what the request's own fill gives."""
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    prefixes = ['{"name": "B', '{"name": "Bob", "age": ', "", '{"name": "Al', '{"name": "x", "age": 7']
+    matchers = [walk(backend, tokenizer, params, p) for p in prefixes]
+    one = backend.allocate_bitmask(7)
+    for m, r in zip(matchers, [0, 2, 3, 5, 6]):
+        m.fill_bitmask(one, r)
+    batched = backend.allocate_bitmask(7)
+    backend.fill_bitmasks(matchers, batched, [0, 2, 3, 5, 6])
+    assert torch.equal(one, batched) and torch.all(batched[1] == -1)
 
 
 class _Req:

@@ -132,6 +132,11 @@ class StructuredOutputBackend(abc.ABC):
     def allocate_bitmask(self, num_rows: int) -> Any:
         """A ``[num_rows, ceil(vocab_size / 32)]`` int32 tensor for :meth:`GrammarMatcher.fill_bitmask`."""
 
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[int]) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` for ``matchers[i]``, for every ``i`` (a backend may batch it)."""
+        for m, r in zip(matchers, rows):
+            m.fill_bitmask(bitmask, r)
+
     @abc.abstractmethod
     def apply_bitmask(self, logits: Any, bitmask: Any, rows: list[int]) -> None:
         """Set ``logits[rows[i], t]`` to ``-inf`` for every token ``t`` not allowed by ``bitmask[i]``, in place.

@@ -111,9 +111,12 @@ class GrammarBitmask:
 
     The bitmask has one row per logits row of the step (the runner's sampling rows: per sampling request in
     batch order, its last token, then one row per draft); rows of unconstrained requests allow everything.
+    With host logits the fill thread also unpacks the constrained rows into a bool array of refused tokens
+    (:func:`~tokenmill.structured_output.xgrammar_backend.unpack_disallowed`), so the critical path only
+    writes the ``-inf``s.
 
     Attributes:
-        rows: the constrained rows (the ones :meth:`apply` masks).
+        rows: the constrained rows (the ones :meth:`apply` masks), ascending.
     """
 
     def __init__(self, manager: "StructuredOutputManager", rows: list[int], future: Future) -> None:
@@ -121,25 +124,33 @@ class GrammarBitmask:
         self.rows = rows
         self._future = future
         self._bitmask: Any = None
+        self._disallowed: Any = None
+
+    def _wait(self) -> None:
+        if self._bitmask is None:
+            t0 = time.perf_counter()
+            self._bitmask, self._disallowed = self._future.result()
+            if self.manager is not None:
+                self.manager.stats.mask_wait_time += time.perf_counter() - t0
 
     def result(self) -> Any:
         """The ``[num_sampling_rows, ceil(V / 32)]`` int32 bitmask (waits for the fill; its wait is counted)."""
-        if self._bitmask is None:
-            t0 = time.perf_counter()
-            self._bitmask = self._future.result()
-            if self.manager is not None:
-                self.manager.stats.mask_wait_time += time.perf_counter() - t0
+        self._wait()
         return self._bitmask
 
     def apply(self, logits: Any) -> None:
         """Mask ``logits`` (``[num_sampling_rows, V]`` float, in place): disallowed tokens become ``-inf``."""
         from tokenmill.structured_output.xgrammar_backend import apply_token_bitmask
 
-        apply_token_bitmask(logits, self.result(), self.rows)
+        self._wait()
+        apply_token_bitmask(logits, self._bitmask, self.rows, self._disallowed)
 
     def __getstate__(self) -> dict:
-        # crossing to a worker process (tensor/pipeline parallel): the filled bitmask travels, not the thread
-        return {"rows": self.rows, "_bitmask": self.result(), "manager": None, "_future": None}
+        # crossing to a worker process (tensor/pipeline parallel): the filled packed bitmask travels (1/8 the
+        # bytes of the unpacked one), not the thread; the worker unpacks it when it applies it
+        self._wait()
+        return {"rows": self.rows, "_bitmask": self._bitmask, "_disallowed": None, "manager": None,
+                "_future": None}
 
 
 class StructuredOutputManager:
@@ -153,6 +164,7 @@ class StructuredOutputManager:
             the compile thread with the first constrained request, so start-up pays nothing).
         backend_factory: ``(tokenizer, vocab_size, eos_token_ids, config) -> StructuredOutputBackend``
             (default: the configured backend).
+        host_logits: the logits are CPU tensors (the fill thread then also unpacks the mask for the apply).
 
     Attributes:
         stats: :class:`StructuredOutputStats`.
@@ -161,7 +173,8 @@ class StructuredOutputManager:
     """
 
     def __init__(self, config: Any, vocab_size: int, eos_token_ids: list[int], tokenizer: Any,
-                 backend_factory: Callable[..., StructuredOutputBackend] | None = None) -> None:
+                 backend_factory: Callable[..., StructuredOutputBackend] | None = None,
+                 host_logits: bool = True) -> None:
         self.config = config
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = list(eos_token_ids)
@@ -178,6 +191,7 @@ class StructuredOutputManager:
         self.num_forced_draft_tokens = int(getattr(config, "num_forced_draft_tokens", 0))
         self.forced_draft_max_batch = int(getattr(config, "forced_draft_max_batch", 1 << 30))
         self.compile_timeout_s = float(getattr(config, "compile_timeout_s", 30.0))
+        self.host_logits = bool(host_logits)
 
     # -- backend and compiling -----------------------------------------------------------------
     @property
@@ -353,14 +367,25 @@ class StructuredOutputManager:
             return None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
-        fut = self._mask_thread.submit(self._fill, jobs, row, len(rows))
+        fut = self._mask_thread.submit(self._fill, jobs, row, rows)
         return GrammarBitmask(self, rows, fut)
 
-    def _fill(self, jobs: list[tuple[GrammarMatcher, list[int], int]], total_rows: int, num_rows: int) -> Any:
+    def _fill(self, jobs: list[tuple[GrammarMatcher, list[int], int]], total_rows: int,
+              rows: list[int]) -> tuple[Any, Any]:
+        """Fill the step's bitmask (worker thread): every request's first row in one batched backend call,
+        then the draft rows request by request (accept the draft, fill, and finally roll back); with host
+        logits, also unpack the constrained rows (the refused-token array :meth:`GrammarBitmask.apply` uses).
+
+        Returns:
+            ``(bitmask, disallowed or None)``.
+        """
         t0 = time.perf_counter()
-        bitmask = self.backend.allocate_bitmask(total_rows)       # all bits set: unconstrained rows allow all
+        backend = self.backend
+        bitmask = backend.allocate_bitmask(total_rows)       # all bits set: unconstrained rows allow all
+        backend.fill_bitmasks([m for m, _, _ in jobs], bitmask, [r for _, _, r in jobs])
         for m, drafts, r in jobs:
-            m.fill_bitmask(bitmask, r)
+            if not drafts:
+                continue
             r += 1
             accepted = 0
             for t in drafts:
@@ -369,15 +394,19 @@ class StructuredOutputManager:
                 accepted += 1
                 m.fill_bitmask(bitmask, r)
                 r += 1
-            if accepted < len(drafts):
-                for _ in range(len(drafts) - accepted):
-                    bitmask[r] = bitmask[r - 1]
-                    r += 1
+            for _ in range(len(drafts) - accepted):
+                bitmask[r] = bitmask[r - 1]
+                r += 1
             m.rollback(accepted)
+        disallowed = None
+        if self.host_logits:
+            from tokenmill.structured_output.xgrammar_backend import unpack_disallowed
+
+            disallowed = unpack_disallowed(bitmask, rows)
         self.stats.mask_steps += 1
-        self.stats.mask_rows += num_rows
+        self.stats.mask_rows += len(rows)
         self.stats.mask_fill_time += time.perf_counter() - t0
-        return bitmask
+        return bitmask, disallowed
 
     def shutdown(self) -> None:
         """Stop the worker threads (a compile in progress finishes in the background)."""
