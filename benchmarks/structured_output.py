@@ -202,6 +202,69 @@ def save(args: argparse.Namespace, load0: tuple, results: list[dict]) -> None:
                                            "results": results}, indent=1))
 
 
+def mask_bench(llm: LLM, schema: dict, compact: bool, sizes: list[int], reps: int = 20) -> list[dict]:
+    """The mask's parts in isolation, side by side: filling ``B`` matchers' rows one call each vs xgrammar's
+    batched call, and applying a ``[B, V]`` mask with xgrammar's CPU kernel vs tokenmill's numpy path
+    (unpack, on the fill thread in the engine, + write). Matchers sit at spread positions of one canonical
+    record of ``schema``. Median of ``reps`` timings, milliseconds."""
+    import torch
+    import xgrammar as xgr
+
+    from tokenmill.structured_output.xgrammar_backend import MaskPlan, apply_token_bitmask
+
+    so = llm.engine_core.structured_output
+    backend = so.backend
+    compiled = backend.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=compact))
+    sample = {}
+    for k, v in schema["properties"].items():
+        sample[k] = v["enum"][0] if "enum" in v else {"integer": 42, "boolean": True}.get(v.get("type"), "x")
+    text = json.dumps(sample, separators=(", ", ": ") if compact else None)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    rows_out = []
+
+    def med(f) -> float:
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(ts)
+
+    for b in sizes:
+        matchers = []
+        for i in range(b):
+            m = backend.new_matcher(compiled)
+            m.accept_tokens(ids[:(i * 7) % max(len(ids), 1)])
+            matchers.append(m)
+        bm = backend.allocate_bitmask(b)
+        rows = list(range(b))
+        one = med(lambda: [m.fill_bitmask(bm, r) for m, r in zip(matchers, rows)])
+        batched = med(lambda: backend.fill_bitmasks(matchers, bm, rows))
+        logits = torch.randn(b, backend.vocab_size)
+        work = logits.clone()
+
+        def xgr_apply():
+            work.copy_(logits)
+            xgr.apply_token_bitmask_inplace(work, bm, vocab_size=backend.vocab_size, indices=rows)
+
+        def np_apply(plan=None):
+            work.copy_(logits)
+            apply_token_bitmask(work, bm, rows, plan)
+
+        copy = med(lambda: work.copy_(logits))
+        plan = MaskPlan(bm, rows)
+        sparse = len(plan.sparse)
+        r = {"rows": b, "fill_one_by_one_ms": one, "fill_batched_ms": batched,
+             "apply_xgrammar_ms": med(xgr_apply) - copy, "apply_numpy_ms": med(np_apply) - copy,
+             "plan_ms": med(lambda: MaskPlan(bm, rows)),
+             "apply_numpy_after_plan_ms": med(lambda: np_apply(plan)) - copy, "sparse_rows": sparse}
+        rows_out.append(r)
+        print(f"| {b} | {one:.3f} | {batched:.3f} | {r['apply_xgrammar_ms']:.2f} | {r['apply_numpy_ms']:.2f} | "
+              f"{r['plan_ms']:.2f} | {r['apply_numpy_after_plan_ms']:.2f} | {sparse}/{b} |",
+              flush=True)
+    return rows_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint [default: packaged SmolLM2-135M-Instruct]")
@@ -217,6 +280,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--mask-bench", default=None, metavar="SIZES",
+                    help="only time the mask's parts at these batch sizes (e.g. 1,16,64): fill one by one vs "
+                         "batched, apply with xgrammar's kernel vs numpy")
     args = ap.parse_args()
 
     concs = [int(c) for c in args.concurrency.split(",")]
@@ -225,6 +291,20 @@ def main() -> None:
           f"{load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f} | dtype {args.dtype} | greedy | forced drafts k={args.forced} "
           f"| repeat {args.repeat}, arms interleaved", flush=True)
     common = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(concs))
+    if args.mask_bench:
+        llm = LLM(args.model, **common)
+        results = []
+        for w in args.workloads.split(","):
+            schema, compact, _ = WORKLOADS[w]
+            print(f"\n## mask parts, {w}, ms (median of 20; torch threads {__import__('torch').get_num_threads()})\n"
+                  "| rows | fill one by one | fill batched | apply xgrammar kernel | apply numpy (plan + write) "
+                  "| plan only (fill thread) | write only (critical path) | sparse rows |\n"
+                  "|---|---|---|---|---|---|---|---|", flush=True)
+            results += [r | {"workload": w} for r in mask_bench(llm, schema, compact,
+                                                                [int(x) for x in args.mask_bench.split(",")])]
+        save(args, load0, results)
+        llm.shutdown()
+        return
     plain = LLM(args.model, structured_outputs_config={"num_forced_draft_tokens": 0}, **common)
     forced = LLM(args.model, structured_outputs_config={"num_forced_draft_tokens": args.forced}, **common)
     results = []

@@ -15,7 +15,7 @@ from tokenmill.structured_output import StructuredOutputError, validate_structur
 from tokenmill.structured_output.backend import constraint_key, disallow_additional_properties
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.xgrammar_backend import (
-    XgrammarBackend, apply_bitmask_torch, apply_token_bitmask, row_runs, unpack_disallowed,
+    XgrammarBackend, apply_bitmask_torch, apply_token_bitmask, MaskPlan, row_runs,
 )
 
 EOS = 2
@@ -129,7 +129,7 @@ def test_apply_bitmask_matches_brute_force(vocab):
     apply_token_bitmask(got, full, [3, 1])              # the numpy path, rows index the full bitmask
     assert torch.equal(got, want)
     got = logits.clone()
-    apply_token_bitmask(got, full, [3, 1], unpack_disallowed(full, [3, 1]))   # unpacked on the fill thread
+    apply_token_bitmask(got, full, [3, 1], MaskPlan(full, [3, 1]))   # planned on the fill thread
     assert torch.equal(got, want)
     got = logits.clone()
     apply_bitmask_torch(got, full[[3, 1]], [3, 1])      # the torch path, compact bitmask rows

@@ -111,9 +111,9 @@ class GrammarBitmask:
 
     The bitmask has one row per logits row of the step (the runner's sampling rows: per sampling request in
     batch order, its last token, then one row per draft); rows of unconstrained requests allow everything.
-    With host logits the fill thread also unpacks the constrained rows into a bool array of refused tokens
-    (:func:`~tokenmill.structured_output.xgrammar_backend.unpack_disallowed`), so the critical path only
-    writes the ``-inf``s.
+    With host logits the fill thread also works out how to write the mask
+    (:class:`~tokenmill.structured_output.xgrammar_backend.MaskPlan`: the rows unpacked, the allowed ids of
+    the rows that allow few), so the critical path only writes the ``-inf``s.
 
     Attributes:
         rows: the constrained rows (the ones :meth:`apply` masks), ascending.
@@ -124,12 +124,12 @@ class GrammarBitmask:
         self.rows = rows
         self._future = future
         self._bitmask: Any = None
-        self._disallowed: Any = None
+        self._plan: Any = None
 
     def _wait(self) -> None:
         if self._bitmask is None:
             t0 = time.perf_counter()
-            self._bitmask, self._disallowed = self._future.result()
+            self._bitmask, self._plan = self._future.result()
             if self.manager is not None:
                 self.manager.stats.mask_wait_time += time.perf_counter() - t0
 
@@ -143,13 +143,13 @@ class GrammarBitmask:
         from tokenmill.structured_output.xgrammar_backend import apply_token_bitmask
 
         self._wait()
-        apply_token_bitmask(logits, self._bitmask, self.rows, self._disallowed)
+        apply_token_bitmask(logits, self._bitmask, self.rows, self._plan)
 
     def __getstate__(self) -> dict:
         # crossing to a worker process (tensor/pipeline parallel): the filled packed bitmask travels (1/8 the
         # bytes of the unpacked one), not the thread; the worker unpacks it when it applies it
         self._wait()
-        return {"rows": self.rows, "_bitmask": self._bitmask, "_disallowed": None, "manager": None,
+        return {"rows": self.rows, "_bitmask": self._bitmask, "_plan": None, "manager": None,
                 "_future": None}
 
 
@@ -374,10 +374,11 @@ class StructuredOutputManager:
               rows: list[int]) -> tuple[Any, Any]:
         """Fill the step's bitmask (worker thread): every request's first row in one batched backend call,
         then the draft rows request by request (accept the draft, fill, and finally roll back); with host
-        logits, also unpack the constrained rows (the refused-token array :meth:`GrammarBitmask.apply` uses).
+        logits, also make the :class:`~tokenmill.structured_output.xgrammar_backend.MaskPlan` that
+        :meth:`GrammarBitmask.apply` writes.
 
         Returns:
-            ``(bitmask, disallowed or None)``.
+            ``(bitmask, plan or None)``.
         """
         t0 = time.perf_counter()
         backend = self.backend
@@ -398,15 +399,15 @@ class StructuredOutputManager:
                 bitmask[r] = bitmask[r - 1]
                 r += 1
             m.rollback(accepted)
-        disallowed = None
+        plan = None
         if self.host_logits:
-            from tokenmill.structured_output.xgrammar_backend import unpack_disallowed
+            from tokenmill.structured_output.xgrammar_backend import MaskPlan
 
-            disallowed = unpack_disallowed(bitmask, rows)
+            plan = MaskPlan(bitmask, rows)
         self.stats.mask_steps += 1
         self.stats.mask_rows += len(rows)
         self.stats.mask_fill_time += time.perf_counter() - t0
-        return bitmask, disallowed
+        return bitmask, plan
 
     def shutdown(self) -> None:
         """Stop the worker threads (a compile in progress finishes in the background)."""

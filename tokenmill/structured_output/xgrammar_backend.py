@@ -231,9 +231,6 @@ def unpack_disallowed(bitmask: Any, rows: list[int] | None = None) -> Any:
     Returns:
         ``[len(rows), 32 W]`` ``numpy.bool_`` array (a C-contiguous copy). Little-endian hosts only (the byte
         order of the words decides which byte holds tokens ``0..7``); :func:`apply_token_bitmask` checks.
-
-    numpy's ``unpackbits`` runs at memory speed: 64 rows x 49152 tokens unpack in ~1.5 ms on one core of
-    the 2-core Xeon, the part of masking done on the fill thread (it overlaps the forward).
     """
     import numpy as np
 
@@ -245,7 +242,7 @@ def unpack_disallowed(bitmask: Any, rows: list[int] | None = None) -> Any:
 
 
 def row_runs(rows: list[int]) -> list[tuple[int, int, int]]:
-    """Ascending ``rows`` as maximal runs of consecutive rows: ``(first, end, index of first in rows)``."""
+    """``rows`` as maximal runs of consecutive rows: ``(first, end, index of first in rows)``."""
     runs: list[tuple[int, int, int]] = []
     for i, r in enumerate(rows):
         if runs and runs[-1][1] == r:
@@ -256,22 +253,52 @@ def row_runs(rows: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
-def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], disallowed: Any = None) -> None:
+class MaskPlan:
+    """How to write one step's mask into host logits, worked out off the critical path (the fill thread).
+
+    A row that allows few tokens (at most :attr:`SPARSE_FRACTION` of its width; a JSON key, punctuation, an
+    enum) is written as "save the allowed logits, fill the row with ``-inf``, put them back": a ``fill`` at
+    memory speed plus a gather/scatter of a handful of entries. The other rows (free text inside a string
+    allows almost everything) get ``numpy.copyto(where=refused)`` over runs of consecutive rows.
+
+    Attributes:
+        sparse: ``[(logits row, allowed token ids (int64, ascending))]``.
+        dense_rows: the other rows, ascending; ``dense``: their refused-token array (``[len, 32 W]`` bool).
+        width: ``32 W``, the tokens the bitmask covers.
+    """
+
+    SPARSE_FRACTION = 1 / 8
+
+    __slots__ = ("sparse", "dense_rows", "dense", "width")
+
+    def __init__(self, bitmask: Any, rows: list[int]) -> None:
+        import numpy as np
+
+        dis = unpack_disallowed(bitmask, rows)
+        self.width = dis.shape[1]
+        allowed = self.width - np.count_nonzero(dis, axis=1)
+        limit = int(self.width * self.SPARSE_FRACTION)
+        self.sparse = [(r, np.flatnonzero(~dis[i])) for i, r in enumerate(rows) if allowed[i] <= limit]
+        keep = [i for i in range(len(rows)) if allowed[i] > limit]
+        self.dense_rows = [rows[i] for i in keep]
+        self.dense = dis[keep] if len(keep) != len(rows) else dis
+
+
+def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], plan: MaskPlan | None = None) -> None:
     """``logits[r, t] = -inf`` for each ``r`` in ``rows`` where bit ``t`` of ``bitmask[r]`` is clear; in place.
 
-    On CPU float32 contiguous logits (little-endian host): the mask is unpacked with numpy
-    (:func:`unpack_disallowed`, or ``disallowed`` when the fill thread already did) and written with one
-    ``numpy.copyto(where=)`` per run of consecutive rows: on the quiet 2-core Xeon 64 rows x 49152 tokens
-    take ~3 ms unpack included, against ~14 ms for xgrammar's CPU kernel (``apply_token_bitmask_inplace``,
-    a per-bit loop; measured side by side by ``benchmarks/structured_output.py --mask-bench``).
-    Elsewhere (CUDA, other dtypes): a batched torch unpack-and-fill (:func:`apply_bitmask_torch`).
+    On CPU float32 contiguous logits (little-endian host): numpy, as the :class:`MaskPlan` says (made here,
+    or passed in when the fill thread made it). On the quiet 2-core Xeon, 64 key-heavy rows x 49152 tokens:
+    ~0.5 ms, against ~14 ms for xgrammar's CPU kernel (``apply_token_bitmask_inplace``, a per-bit loop)
+    (``benchmarks/structured_output.py --mask-bench``). Elsewhere (CUDA, other dtypes): a batched torch
+    unpack-and-fill (:func:`apply_bitmask_torch`).
 
     Args:
         logits: ``[N, V]`` float tensor.
         bitmask: ``[N, ceil(V' / 32)]`` int32 tensor, row ``r`` for logits row ``r`` (bit ``t % 32`` of
             word ``t // 32``); narrower than the logits (a padded vocabulary): the extra ids are refused.
-        rows: the rows to mask, ascending.
-        disallowed: optional :func:`unpack_disallowed` of ``bitmask`` at ``rows`` (``[len(rows), 32 W]``).
+        rows: the rows to mask.
+        plan: optional :class:`MaskPlan` of ``bitmask`` at ``rows``.
     """
     import sys
 
@@ -286,15 +313,22 @@ def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], disallowed: 
         idx = torch.tensor(rows, dtype=torch.int64, device=bitmask.device)
         apply_bitmask_torch(logits, bitmask.index_select(0, idx), rows)
         return
-    if disallowed is None:
-        disallowed = unpack_disallowed(bitmask, rows)
-    covered = min(vocab, disallowed.shape[1])
+    if plan is None:
+        plan = MaskPlan(bitmask, rows)
     ln = logits.numpy()
-    for a, b, j in row_runs(rows):
-        dst = ln[a:b, :covered]
-        np.copyto(dst, -np.inf, where=disallowed[j:j + b - a, :covered])
+    ninf = -np.inf
+    for r, ids in plan.sparse:
+        if len(ids) and ids[-1] >= vocab:       # a bitmask wider than the logits
+            ids = ids[ids < vocab]
+        row = ln[r]
+        kept = row[ids]
+        row.fill(ninf)
+        row[ids] = kept
+    covered = min(vocab, plan.width)
+    for a, b, j in row_runs(plan.dense_rows):
+        np.copyto(ln[a:b, :covered], ninf, where=plan.dense[j:j + b - a, :covered])
         if covered < vocab:         # logits wider than the bitmask: the extra ids are never allowed
-            ln[a:b, covered:] = -np.inf
+            ln[a:b, covered:] = ninf
 
 
 def apply_bitmask_torch(logits: Any, bitmask: Any, rows: list[int]) -> None:
