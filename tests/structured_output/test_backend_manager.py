@@ -263,3 +263,31 @@ def test_bitmask_crosses_to_a_worker_process_filled(tokenizer):
     assert torch.all(logits[0] == 0)            # the unconstrained request's row is untouched
     assert ok and all(any(c.startswith(tokenizer.decode([t])) for c in ("yes", "no")) for t in ok)
     mgr.shutdown()
+
+
+def test_forced_drafts_learn_the_models_split(tokenizer):
+    """Once the model wrote a forced string with its own split, the next request drafts that split."""
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    pieces = ["{", '"', "na", "me", '"', ":", ' "']         # '{"name": "' as the model might write it
+    split = [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
+    assert all(len(ids) == 1 for ids in split)
+    split = [ids[0] for ids in split]
+    canonical = tokenizer.encode('{"name": "', add_special_tokens=False)
+    assert split != canonical
+    for learn in (True, False):
+        mgr = StructuredOutputManager(StructuredOutputsConfig(learn_forced_splits=learn), 49152, [EOS], tokenizer)
+        a, b, c = (_Req(r, params) for r in "abc")
+        for r in (a, b, c):
+            mgr.add_request(r)
+            assert _ready(mgr, r) == "ready"
+        assert mgr.drafts(a, [], 16) == (canonical, True)      # nothing learned yet: the tokenizer's split
+        a.output_token_ids += split                            # the model wrote it its own way
+        assert not mgr.accept(a, split)
+        want = split if learn else canonical
+        assert mgr.drafts(b, [], 16) == (want, True)
+        assert mgr.drafts(c, [], 3) == (want[:3], True)        # capped at the draft length
+        c.output_token_ids += split[:2]                        # part-way through: the rest of the split
+        mgr.accept(c, split[:2])
+        rest = split[2:] if learn else tokenizer.encode('name": "', add_special_tokens=False)
+        assert mgr.drafts(c, [], 16) == (rest, True)
+        mgr.shutdown()

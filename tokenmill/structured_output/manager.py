@@ -96,7 +96,7 @@ class StructuredOutputStats:
 class _RequestState:
     """One constrained request: its compile future, then its matcher."""
 
-    __slots__ = ("req_id", "future", "key", "matcher", "num_accepted")
+    __slots__ = ("req_id", "future", "key", "matcher", "num_accepted", "trace")
 
     def __init__(self, req_id: str, future: Future, key: tuple) -> None:
         self.req_id = req_id
@@ -104,6 +104,18 @@ class _RequestState:
         self.key = key
         self.matcher: GrammarMatcher | None = None
         self.num_accepted = 0       # output tokens the matcher has accepted
+        self.trace: _Trace | None = None    # the forced string being written, and the model's tokens so far
+
+
+class _Trace:
+    """A forced string the request is writing: ``text`` (bytes), ``pos`` bytes of it written by ``tokens``."""
+
+    __slots__ = ("text", "pos", "tokens")
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+        self.pos = 0
+        self.tokens: list[int] = []
 
 
 class GrammarBitmask:
@@ -192,6 +204,10 @@ class StructuredOutputManager:
         self.forced_draft_max_batch = int(getattr(config, "forced_draft_max_batch", 1 << 30))
         self.compile_timeout_s = float(getattr(config, "compile_timeout_s", 30.0))
         self.host_logits = bool(host_logits)
+        # forced string -> the tokens the model last wrote it with (forced drafts learned from outputs)
+        self.learn_forced = bool(getattr(config, "learn_forced_splits", True))
+        self._learned: dict[bytes, list[int]] = {}
+        self._token_bytes: Any = None
 
     # -- backend and compiling -----------------------------------------------------------------
     @property
@@ -317,7 +333,29 @@ class StructuredOutputManager:
                 logger.error("structured outputs: request %s emitted token %d that its grammar refuses",
                              req.request_id, tokens[n])
                 st.num_accepted = len(req.output_token_ids)
+        if st.trace is not None:
+            self._follow(st, tokens)
         return st.matcher.is_terminated()
+
+    MAX_LEARNED = 4096
+
+    def _follow(self, st: _RequestState, tokens: list[int]) -> None:
+        """Advance the request's forced-string trace by the tokens it emitted; once the model's tokens leave
+        the string (it is complete, or a token runs past its end), remember how the model split it."""
+        tr, vocab = st.trace, self._token_bytes
+        for t in tokens:
+            b = vocab[t] if 0 <= t < len(vocab) else b""
+            if b and tr.text.startswith(b, tr.pos):
+                tr.tokens.append(t)
+                tr.pos += len(b)
+                if tr.pos < len(tr.text):
+                    continue
+            if tr.tokens:
+                if len(self._learned) >= self.MAX_LEARNED:
+                    self._learned.clear()
+                self._learned[tr.text] = tr.tokens
+            st.trace = None
+            return
 
     def drafts(self, req: Any, proposed: list[int], max_forced: int) -> tuple[list[int], bool]:
         """The drafts ``req`` verifies next step, and whether they are grammar-forced.
@@ -329,7 +367,7 @@ class StructuredOutputManager:
         if st is None or st.matcher is None or st.matcher.is_terminated():
             return [], False
         if max_forced > 0:
-            forced = st.matcher.forced_tokens(max_forced)
+            forced = self._forced(st, max_forced)
             if forced:
                 forced = forced[:st.matcher.validate_tokens(forced)]
                 if forced:
@@ -337,6 +375,40 @@ class StructuredOutputManager:
         if proposed:
             return proposed[:st.matcher.validate_tokens(proposed)], False
         return [], False
+
+    def _forced(self, st: _RequestState, k: int) -> list[int]:
+        """Up to ``k`` draft tokens for the string the grammar forces next.
+
+        Where the model has written this forced string before (this request or another: JSON keys repeat),
+        the drafts are the tokens it wrote it with, which under the mask are often not the tokenizer's own
+        split (``sub`` ``script`` ``ion`` for ``subscription``), the rest of that split when the request is
+        part-way through the string; otherwise the backend's tokens for it (the tokenizer's split). The
+        tokens are only drafts: the model verifies every one (the idea of drafting from earlier outputs is
+        SuffixDecoding's, Oliaro et al., arXiv 2411.04975; here the grammar says where the text is fixed).
+        """
+        m = st.matcher
+        if not self.learn_forced:
+            return m.forced_tokens(k)
+        if self._token_bytes is None:
+            self._token_bytes = self.backend.token_bytes() or ()
+            if not self._token_bytes:
+                self.learn_forced = False
+                return m.forced_tokens(k)
+        text = m.forced_string()
+        if not text:
+            st.trace = None
+            return []
+        tr = st.trace
+        if tr is None or tr.text[tr.pos:] != text:
+            tr = st.trace = _Trace(text)
+        learned = self._learned.get(tr.text)
+        n = len(tr.tokens)
+        if learned is not None and len(learned) > n and learned[:n] == tr.tokens:
+            return learned[n:n + k]
+        learned = self._learned.get(text) if n else None
+        if learned is not None:
+            return learned[:k]
+        return m.forced_tokens_for(text, k)
 
     def observe_forced(self, num_drafts: int, num_accepted: int) -> None:
         """Count a step's verified forced drafts (``num_drafts`` scheduled, ``num_accepted`` kept)."""

@@ -77,6 +77,11 @@ class XgrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return bool(self.m.is_terminated())
 
+    def forced_string(self) -> bytes:
+        if self.m.is_terminated():
+            return b""
+        return self.m.find_jump_forward_string().encode("utf-8", "surrogateescape")
+
     def forced_tokens(self, max_tokens: int) -> list[int]:
         if max_tokens <= 0 or self.m.is_terminated():
             return []
@@ -84,13 +89,18 @@ class XgrammarMatcher(GrammarMatcher):
             # xgrammar tokenises the forced string greedily by longest vocabulary token and leaves out a last
             # token that is a strict prefix of a longer one (the text after it could merge into it)
             return list(self.m.find_jump_forward_tokens()[:max_tokens])
+        return self.forced_tokens_for(self.forced_string(), max_tokens)
+
+    def forced_tokens_for(self, text: bytes, max_tokens: int) -> list[int]:
         # the model's tokenizer splits the forced string as the model was trained to write it: on the
         # key-heavy benchmark record 0.97 of these drafts match the canonical tokenisation, 0.87 of xgrammar's
-        text = self.m.find_jump_forward_string()
-        if not text:
+        if max_tokens <= 0 or not text:
             return []
-        ids = self.encode(text)
-        if text[-1].isspace() and len(ids) > 1:
+        if self.encode is None:
+            return list(self.m.find_jump_forward_tokens()[:max_tokens])
+        s = text.decode("utf-8", "surrogateescape")
+        ids = self.encode(s)
+        if s[-1].isspace() and len(ids) > 1:
             # byte-level BPE attaches a space to the word after it (' true', ' 1'): a trailing space token
             # is almost never what the model writes there (seen on the key-heavy benchmark record)
             ids = ids[:-1]
@@ -129,6 +139,7 @@ class XgrammarBackend(StructuredOutputBackend):
         self.tokenizer = tokenizer
         self._encoded: dict[str, list[int]] = {}       # forced string -> its tokens (keys repeat across requests)
         self._batch: Any = None                         # xgrammar's BatchGrammarMatcher, made on first use
+        self._token_bytes: list[bytes] | None = None
 
     # -- compile ---------------------------------------------------------------------------------
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -205,6 +216,14 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def allocate_bitmask(self, num_rows: int) -> Any:
         return self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+
+    def token_bytes(self) -> list[bytes]:
+        """xgrammar's decoded vocabulary (byte-level BPE undone; special tokens ``b""``), padded to the logits."""
+        if self._token_bytes is None:
+            special = set(self.tokenizer_info.special_token_ids)
+            vocab = [b"" if i in special else bytes(v) for i, v in enumerate(self.tokenizer_info.decoded_vocab)]
+            self._token_bytes = vocab + [b""] * max(0, self.vocab_size - len(vocab))
+        return self._token_bytes
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any, rows: list[int]) -> None:
         """One call into xgrammar for the whole batch (``BatchGrammarMatcher.batch_fill_next_token_bitmask``,
