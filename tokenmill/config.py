@@ -805,6 +805,8 @@ class StructuredOutputsConfig:
         forced_draft_max_batch: forced drafts only in steps with at most this many running requests: on the
             2-core CPU a lone request gets ~2.5 tokens per step (0.91x-1.45x the constrained arm's tok/s over
             two runs) and a batch of 16 loses (0.81x: its verify rows are compute; benchmarks/structured_output.py).
+        learn_forced_splits: forced drafts for a forced string the model already wrote (in any request)
+            are the tokens it wrote it with, not the tokenizer's split of it (false: always the tokenizer's).
         compile_timeout_s: seconds a grammar may take to compile before its request fails (HTTP 400).
         max_compile_threads: threads of the compile pool (off the engine loop).
     Raises:
@@ -816,6 +818,7 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     num_forced_draft_tokens: int = 3   # c=1 ablation: k=3 1.22x the constrained arm, k=7 0.93x (docs/benchmarks)
     forced_draft_max_batch: int = 4
+    learn_forced_splits: bool = True
     compile_timeout_s: float = 30.0
     max_compile_threads: int = 2
 
@@ -825,7 +828,7 @@ class StructuredOutputsConfig:
         if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"--structured-outputs-config: backend must be one of "
                              f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.backend!r}")
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "learn_forced_splits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"--structured-outputs-config: {name} must be true or false")
         k = self.num_forced_draft_tokens

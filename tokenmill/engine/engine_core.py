@@ -159,8 +159,14 @@ class EngineCore:
                 from tokenmill.tokenizer import load_tokenizer
 
                 return load_tokenizer(model.tokenizer or model.model or default_model_path())
+        device = str(self.config.model.device)
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         return StructuredOutputManager(self.config.model.structured_outputs, getattr(arch, "vocab_size", 0) or 0,
-                                       list(self.executor.eos_token_ids or []), tokenizer)
+                                       list(self.executor.eos_token_ids or []), tokenizer,
+                                       host_logits=device == "cpu")
 
     # -- requests ------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
