@@ -504,9 +504,9 @@ class EngineConfig:
                 parallel) or with a quantised KV cache (``--kv-cache-dtype`` other than ``auto``).
         """
         if self.model.enable_lora:
-            if self.parallel.world_size > 1 or self.server.data_parallel_size > 1:
-                raise ValueError("--enable-lora needs one rank and one engine core (tensor, pipeline and data "
-                                 "parallel size 1)")
+            if self.server.data_parallel_size > 1 and self.parallel.enable_expert_parallel:
+                raise ValueError("--enable-lora with --data-parallel-size and --enable-expert-parallel is not "
+                                 "supported (the lockstep expert-parallel cores do not carry adapters)")
             if not self.model.enforce_eager:
                 raise ValueError("--enable-lora needs the eager step (--enforce-eager)")
             if self.speculative is not None and self.speculative.method != "ngram":

@@ -469,7 +469,8 @@ class PrometheusStatLogger:
                                 ["running_lora_adapters", "max_lora", "waiting_lora_adapters"], registry=self.registry)
         self._lora_requests = Counter(PREFIX + "lora_requests", "Requests added per LoRA adapter.",
                                       ["model_name", "lora_name"], registry=self.registry)
-        self._lora_last: dict[str, int] = {}
+        self._lora_last: dict[tuple[int, str], int] = {}     # (engine core, adapter) -> its count seen
+        self._lora_snap: dict[int, dict] = {}                 # engine core -> its last LoRA snapshot
         self.slo_tpot_factor.set(1.0)
         self._cache_config = CACHE_CONFIG_INFO.build(self.registry, ("model_name", "engine"), token_buckets)
         self._engines: dict[int, _EngineSeries] = {}
@@ -554,7 +555,7 @@ class PrometheusStatLogger:
             if getattr(s, "structured_outputs", None) is not None:
                 e.record_structured(s.structured_outputs)
             if getattr(s, "lora", None) is not None:
-                self.record_lora(s.lora)
+                self.record_lora(s.lora, index)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)
@@ -577,14 +578,18 @@ class PrometheusStatLogger:
                 if f.max_tokens_param is not None:
                     e.req_max_tokens.observe(f.max_tokens_param)
 
-    def record_lora(self, lora: dict) -> None:
-        """``lora_requests_info`` and ``lora_requests`` from the core's LoRA snapshot (:attr:`EngineStats.lora`)."""
+    def record_lora(self, lora: dict, index: int = 0) -> None:
+        """``lora_requests_info`` and ``lora_requests`` from engine core ``index``'s LoRA snapshot
+        (:attr:`EngineStats.lora`); with ``--data-parallel-size`` the info series shows the adapters running
+        and waiting on any core and the counter sums the cores' counts."""
+        self._lora_snap[index] = lora
+        snaps = list(self._lora_snap.values())
         self._lora_info.clear()
-        self._lora_info.labels(",".join(lora["running"]), str(lora["max_lora"]),
-                               ",".join(lora["waiting"])).set(time.time())
+        self._lora_info.labels(",".join(sorted({n for x in snaps for n in x["running"]})), str(lora["max_lora"]),
+                               ",".join(sorted({n for x in snaps for n in x["waiting"]}))).set(time.time())
         for name, total in lora["requests_total"].items():
-            self._lora_last[name] = _inc(self._lora_requests.labels(self.model_name, name), total,
-                                         self._lora_last.get(name, 0))
+            self._lora_last[(index, name)] = _inc(self._lora_requests.labels(self.model_name, name), total,
+                                                  self._lora_last.get((index, name), 0))
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

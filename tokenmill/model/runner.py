@@ -179,6 +179,8 @@ class ModelRunner:
         dtype: the model's dtype (the KV cache's too, unless ``--kv-cache-dtype`` or the CPU
             low-bit path's bfloat16 default says otherwise; see ``kv_cache_dtype``).
         eos_token_ids: the model's end-of-sequence ids.
+        lora_shard: on a tensor/pipeline-parallel worker with ``--enable-lora``, ``(full arch, RankLayout)``:
+            adapters are validated against the full model and cut to the rank's shard (:mod:`tokenmill.lora.tp`).
 
     Attributes:
         kv_caches: per layer ``[2, num_kv_blocks + 1, block_size, num_kv_heads, head_dim]``;
@@ -197,7 +199,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, arch, config: EngineConfig, device: torch.device,
                  dtype: torch.dtype, eos_token_ids: list[int],
-                 lowbit_weights: dict | None = None) -> None:
+                 lowbit_weights: dict | None = None, lora_shard: tuple | None = None) -> None:
         self.model = model
         self.arch = arch
         self.config = config
@@ -256,8 +258,12 @@ class ModelRunner:
             from tokenmill.lora.manager import LoRAManager
 
             m = config.model
-            self.lora_manager = LoRAManager(model, arch, m.max_loras, m.max_lora_rank,
-                                            m.max_cpu_loras or m.max_loras, dtype)
+            # lora_shard: a tensor/pipeline-parallel worker's (full arch, RankLayout): adapters are validated
+            # against the full model and cut to the rank's shard; the engine core's proxy owns the CPU LRU
+            full_arch, layout = lora_shard or (arch, None)
+            cpu_loras = (m.max_cpu_loras or m.max_loras) if layout is None else 1 << 30
+            self.lora_manager = LoRAManager(model, full_arch, m.max_loras, m.max_lora_rank, cpu_loras, dtype,
+                                            layout=layout)
         self.step_graph = None   # a CpuStepGraph for decode-only steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None

@@ -31,8 +31,10 @@ model that is not on disk can be planned), with no torch and no weights read:
 * **LoRA adapters** (``--max-loras`` > 0): the engine's slot buffers hold ``max_loras`` adapters
   of rank ``--max-lora-rank`` (smaller ranks zero-padded) beside the weights:
   ``max_loras × rank × layers × Σ_targets (in + out) × dtype bytes`` over q/k/v/o/gate/up/down;
-  with ``--device-memory`` they come out of the KV budget like the weights. The CPU cache of up to
-  ``--max-cpu-loras`` loaded adapters (at most the same per adapter) is reported beside.
+  with ``--device-memory`` they come out of the KV budget like the weights. With ``-tp``/``-pp`` each
+  device holds its stage's layers and its rank's cut (``1/tp`` of B for q/k/v/gate/up, of A for
+  o/down), and the figures are the busiest device's. The CPU cache of up to ``--max-cpu-loras``
+  loaded adapters (at most the same per adapter, per worker) is reported beside.
 """
 
 from __future__ import annotations
@@ -529,12 +531,17 @@ class PlanOptions:
     max_cpu_loras: int | None = None
 
 
-def lora_bytes_per_adapter(shape: "ModelShape", rank: int, dtype_bytes: int) -> int:
-    """Bytes of one rank-``rank`` adapter on all seven targets of every layer (A ``[r, in]`` + B ``[out, r]``)."""
-    h, q = shape.hidden_size, shape.num_heads * shape.head_dim
-    kv, inter = shape.num_kv_heads * shape.head_dim, shape.intermediate_size
+def lora_bytes_per_adapter(shape: "ModelShape", rank: int, dtype_bytes: int, tp: int = 1,
+                           num_layers: int | None = None) -> int:
+    """Bytes of one rank-``rank`` adapter on all seven targets (A ``[r, in]`` + B ``[out, r]``) of
+    ``num_layers`` layers (default: all) on one tensor-parallel rank of ``tp``: column-parallel targets
+    keep ``1/tp`` of B's rows (K/V: whole heads, a replicated one when ``tp`` exceeds them), row-parallel
+    ones ``1/tp`` of A's columns (tokenmill.lora.tp)."""
+    h, q = shape.hidden_size, shape.num_heads * shape.head_dim // tp
+    kv = max(1, shape.num_kv_heads // tp) * shape.head_dim
+    inter = shape.intermediate_size // tp
     per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + inter) + (inter + h)
-    return shape.num_layers * rank * per_layer * dtype_bytes
+    return (shape.num_layers if num_layers is None else num_layers) * rank * per_layer * dtype_bytes
 
 
 def cpu_has_native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> bool:
@@ -784,10 +791,13 @@ def plan(shape: ModelShape, opts: PlanOptions) -> Plan:
     if opts.max_loras:
         if opts.max_loras < 0 or opts.max_lora_rank < 1:
             raise ValueError("--max-loras must be >= 0 and --max-lora-rank >= 1")
-        one = lora_bytes_per_adapter(shape, opts.max_lora_rank, DTYPE_BYTES[dtype])
+        # per device: each stage's layers, each rank's cut (one process: the whole adapter)
+        per_stage = [lora_bytes_per_adapter(shape, opts.max_lora_rank, DTYPE_BYTES[dtype], tp, len(stages[st]))
+                     for st in range(pp)]
+        one = max(per_stage)
         lora_slots = opts.max_loras * one
         lora_cpu = max(opts.max_cpu_loras or opts.max_loras, opts.max_loras) * one
-        per_stage_w = [w + (lora_slots if st == dev_stage else 0) for st, w in enumerate(per_stage_w)]
+        per_stage_w = [w + opts.max_loras * per_stage[st] for st, w in enumerate(per_stage_w)]
 
     # Per layer, per token, whole model and busiest device.
     elem_full = shape.kv_elements_per_token_per_layer(1)

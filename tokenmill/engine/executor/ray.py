@@ -66,6 +66,10 @@ class _RankActor:
             logger.exception("step failed")
             return ("error", f"rank {self.worker.rank}: {type(e).__name__}: {e}", None)
 
+    def lora_control(self, op: tuple) -> None:
+        """An adapter load/remove (:meth:`Worker.lora_control <tokenmill.engine.executor.worker.Worker.lora_control>`)."""
+        self.worker.lora_control(op)
+
     def kv_tier(self, msg: tuple) -> tuple:
         try:
             return ("ok", self.worker.kv_tier(msg), None)
@@ -125,6 +129,25 @@ class RayExecutor:
             raise
         self.worker_infos = infos
         log_layout(infos, self.backend)
+        self.lora_manager = None    # --enable-lora: the core's proxy of the actors' adapters (tokenmill.lora.tp)
+        if config.model.enable_lora:
+            from tokenmill.lora.tp import WorkerLoRAProxy
+
+            m = config.model
+            self.lora_manager = WorkerLoRAProxy(arch, m.max_lora_rank, max(m.max_cpu_loras or m.max_loras,
+                                                                           m.max_loras), self.lora_control)
+
+    def lora_control(self, op: tuple) -> None:
+        """Send an adapter op to every actor (Ray runs one caller's calls to an actor in order, so it is
+        ordered with the steps); not awaited.
+
+        Raises:
+            WorkerDiedError: an actor is (or was already) gone.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        for a in self._actors:
+            a.lora_control.remote(op)
 
     def _get(self, refs: list, what: str) -> list:
         ray = self._ray

@@ -148,7 +148,8 @@ class Worker:
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
-        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids)
+        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids,
+                                  lora_shard=(arch, self.layout) if config.model.enable_lora else None)
         if par.enable_eplb:
             from tokenmill.distributed.eplb import build_controller
 
@@ -182,6 +183,20 @@ class Worker:
         c0, e0, t0 = self.ctx.comm_seconds(), self.ctx.ep.seconds, time.perf_counter()
         out = self.runner.execute_model(so)
         return (out if self.is_output_rank else None), self._stats(t0, c0, e0)
+
+    def lora_control(self, op: tuple) -> None:
+        """An adapter load or remove from the engine core's :class:`~tokenmill.lora.tp.WorkerLoRAProxy`
+        (``("load", LoRARequest)`` starts a load on the runner's loader thread; ``("remove", id)``).
+        Never raises: a failed load is reported by the step that needs the adapter."""
+        from tokenmill.lora.tp import apply_worker_op
+
+        if self.runner.lora_manager is None:
+            logger.warning("LoRA op %s ignored: this worker has no adapters (--enable-lora)", op[0])
+            return
+        try:
+            apply_worker_op(self.runner.lora_manager, op)
+        except Exception:  # noqa: BLE001 - the step that needs the adapter fails instead
+            logger.exception("LoRA op %s failed", op[0])
 
     def execute_dummy(self):
         """A step with no tokens of this engine core's own, with experts shared over data-parallel cores:
