@@ -67,7 +67,11 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   the pool), ``kv_offload_evicted_blocks_total`` (LRU), ``kv_offload_discarded_blocks_total`` (corrupt or
   another configuration), ``kv_offload_dropped_saves_total``, ``kv_offload_write_errors_total``,
   ``kv_offload_failed_loads_total``, and gauges ``kv_offload_usage_bytes``, ``kv_offload_capacity_bytes``,
-  ``kv_offload_resident_blocks``, ``kv_offload_writes_paused`` (1 after a failed write, e.g. a full disk).
+  ``kv_offload_resident_blocks``, ``kv_offload_writes_paused`` (1 after a failed write, e.g. a full disk);
+  with a host-memory tier in front of the files (``--kv-offloading-host-size``, default on CUDA):
+  ``kv_offload_host_blocks_total{direction}`` (``store``: put into host memory, ``load``: loaded from it
+  instead of a file, ``evict``: dropped from it, LRU) and gauges ``kv_offload_host_usage_bytes``,
+  ``kv_offload_host_capacity_bytes``, ``kv_offload_host_resident_blocks``.
 
 Each exporter has its own :class:`prometheus_client.CollectorRegistry`, so
 several servers (or tests) in one process do not collide.
@@ -211,6 +215,11 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     _g("kvo_capacity", "kv_offload_capacity_bytes", "Size limit of the offloading tier in bytes."),
     _g("kvo_resident", "kv_offload_resident_blocks", "KV blocks held by the offloading tier."),
     _g("kvo_paused", "kv_offload_writes_paused", "1 while tier writes are paused after a failed write."),
+    _c("kvo_host_blocks", "kv_offload_host_blocks",
+       "KV blocks put into / loaded from / evicted from the offloading tier's host memory.", ("direction",)),
+    _g("kvo_host_usage", "kv_offload_host_usage_bytes", "Bytes of blocks in the offloading tier's host memory."),
+    _g("kvo_host_capacity", "kv_offload_host_capacity_bytes", "Size of the offloading tier's host memory in bytes."),
+    _g("kvo_host_resident", "kv_offload_host_resident_blocks", "KV blocks held in the offloading tier's host memory."),
     _c("so_requests", "structured_output_requests", "Constrained requests by constraint kind.", ("kind",)),
     _h("so_compile_time", "grammar_compile_time_seconds", "Histogram of grammar compile time in seconds.",
        [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
@@ -354,6 +363,16 @@ class _EngineSeries:
         f["kvo_capacity"].labels(*lv).set(st.capacity_bytes)
         f["kvo_resident"].labels(*lv).set(st.resident_blocks)
         f["kvo_paused"].labels(*lv).set(1 if st.writes_paused else 0)
+        if getattr(st, "host_capacity_bytes", 0):
+            for d, total in (("store", st.host_blocks_stored), ("load", st.host_blocks_loaded),
+                             ("evict", st.host_blocks_evicted)):
+                key = "host_" + d
+                if key not in self.kvo:
+                    self.kvo[key] = f["kvo_host_blocks"].labels(*lv, d)
+                self.last_kvo[key] = _inc(self.kvo[key], total, self.last_kvo.get(key, 0))
+            f["kvo_host_usage"].labels(*lv).set(st.host_resident_bytes)
+            f["kvo_host_capacity"].labels(*lv).set(st.host_capacity_bytes)
+            f["kvo_host_resident"].labels(*lv).set(st.host_resident_blocks)
     def record_structured(self, st) -> None:
         """Advance the structured-output series to the core's cumulative
         :class:`~tokenmill.structured_output.manager.StructuredOutputStats`."""
