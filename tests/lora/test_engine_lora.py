@@ -110,3 +110,19 @@ def test_config_refusals(lora_root):
     with pytest.raises(ValueError, match="ngram speculation only"):
         LLM(base, enable_lora=True, speculative_config={"method": "draft_model", "model": base,
                                                         "num_speculative_tokens": 2})
+
+
+def test_an_adapter_with_huge_activations_matches_peft(lora_root, tmp_path):
+    """B ~ N(0, 1): layer 0's MLP gates reach about ±190 and the residual stream 4e5 (transformers stays
+    finite). The fused SwiGLU kernel gave NaN for gates below -88.7 (expf overflow divided under
+    -ffast-math), so every logit was NaN and greedy picked token 0; now the tokens are peft's."""
+    from tests.lora.conftest import save_adapter
+
+    base, _ = lora_root
+    big = save_adapter(base, tmp_path / "big", r=8, alpha=16, std=1.0, seed=21)
+    want = [reference_greedy(peft_model(base, big), p, N) for p in PROMPTS]
+    llm = make_llm(base)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True, logprobs=1),
+                        lora_request=LoRARequest("big", 1, big))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert all(torch.isfinite(torch.tensor([lp.logprob for lp in o.outputs[0].logprobs])).all() for o in outs)

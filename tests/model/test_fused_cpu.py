@@ -114,6 +114,23 @@ def test_silu_mul_mlp(dtype, rows, torch_path):
         close(mlp(x), torch_path(lambda: mlp(x)))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_saturates_for_large_gates(dtype):
+    """Gates far below -88.7 (where expf(-g) overflows float32) give silu = -0, never NaN: under
+    -ffast-math the compiler may divide by 1 + inf with a reciprocal approximation whose Newton step
+    makes NaN (seen as NaN logits with a large LoRA adapter: gate rows near -190)."""
+    g = torch.Generator().manual_seed(0)
+    gate = torch.cat([torch.linspace(-400, 400, 801), torch.full((63,), -190.0)])
+    up = torch.randn(gate.numel(), generator=g)
+    gu = torch.cat([gate, up]).reshape(1, -1).to(dtype)
+    with torch.inference_mode():
+        got = fused_cpu.silu_mul(gu)
+        gate_, up_ = gu.split(gate.numel(), dim=-1)
+        want = F.silu(gate_) * up_
+    assert torch.isfinite(got).all()
+    close(got, want)
+
+
 def test_not_used_under_autograd_or_for_other_dtypes():
     w = torch.ones(8, requires_grad=True)
     x = torch.randn(2, 8)
