@@ -257,7 +257,7 @@ class ModelRunner:
 
             m = config.model
             self.lora_manager = LoRAManager(model, arch, m.max_loras, m.max_lora_rank,
-                                            m.max_cpu_loras or m.max_loras, dtype)
+                                            m.max_cpu_loras or m.max_loras, dtype, self.batch_invariant)
         self.step_graph = None   # a CpuStepGraph for decode-only steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None
