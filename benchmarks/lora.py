@@ -193,9 +193,11 @@ def main() -> None:
     ap.add_argument("--arms", nargs="+", default=None, help="only these arms (e.g. base lora-8)")
     ap.add_argument("--out", default=None, help="write OUT.json with every cell")
     ap.add_argument("--op-only", action="store_true", help="only the per-layer delta micro-benchmark")
+    ap.add_argument("--op-dtype", nargs="+", default=["float32", "bfloat16"], help="dtypes of the micro-benchmark")
     args = ap.parse_args()
     if args.op_only:
-        print(json.dumps({"machine": machine(), "load": loadavg(), "op": op_bench()}, indent=1))
+        ops = [r for d in args.op_dtype for r in op_bench(dtype=getattr(torch, d))]
+        print(json.dumps({"machine": machine(), "load": loadavg(), "op": ops}, indent=1))
         return
 
     from tokenmill import LLM
@@ -276,7 +278,7 @@ def main() -> None:
         memory[f"n{n}"] = {"merged_models_bytes": merged, "base_plus_adapters_bytes": ours}
         print(f"  N={n:2d}: {n} merged models {merged / 2**20:8.1f} MiB vs base + {n} adapters + {min(n, n_max)} "
               f"slots {ours / 2**20:7.1f} MiB ({merged / ours:.1f}x less)")
-    ops = op_bench() if args.op else []
+    ops = [r for d in args.op_dtype for r in op_bench(dtype=getattr(torch, d))] if args.op else []
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "args": vars(args),
               "cells": cells, "summary": summary, "memory": memory, "op": ops,
               "note": "offline engine, closed batch of c requests; shared 2-core machine, arms interleaved"}

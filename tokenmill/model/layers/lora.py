@@ -5,28 +5,35 @@ Each row ``i`` with adapter slot ``s(i)`` gets ``y_i += (x_i A_sᵀ) B_sᵀ`` on
 layer's ``x Wᵀ`` (LoRA, arXiv 2106.09685 §4.1; the scale is folded into ``B``). Computing that
 per request is one small GEMM pair per request per layer; Punica (Chen et al., arXiv
 2310.18547, §4) batches it instead: "shrink" ``x·A`` and "expand" ``·B`` over segments of rows
-that share an adapter (SGMV). Here, with torch ops on the CPU, two batched forms:
+that share an adapter (SGMV). The forms here:
 
-* ``stacked`` (decode-shaped steps): every slot's ``A`` sits side by side in one
-  ``[in, S·k·R]`` matrix (``k`` fused sub-projections — q/k/v or gate/up —, ``R`` =
-  ``--max-lora-rank``, smaller ranks zero-padded), so the shrink is ONE GEMM over all rows and
-  all slots; a ``[n, S, 1]`` 0/1 mask keeps each row's own slot; the expand is one GEMM per
-  sub-projection over the ``[S·R, out_j]`` stack of ``B``. A fixed 2 + k torch calls per layer
-  however many adapters the step mixes, at ``S×`` the delta FLOPs (small next to the base GEMM
-  at decode sizes, where the step is bound by reading weights).
-* ``segmented`` (prefill-shaped steps): Punica's SGMV shape — for each run of consecutive
-  rows with the same adapter, shrink and expand with that adapter's slice only (no FLOPs
-  wasted on other slots, 1 + k calls per run).
-* ``loop`` is the per-request baseline (one GEMM pair per request), kept for
-  ``benchmarks/lora.py``.
+* ``kernel`` (CPU, float32/bfloat16; the default wherever it builds): SGMV as one C call per layer
+  (``csrc/lora_delta.c``). :meth:`LoRABatch.fill` sorts the step's adapter rows by slot once per step
+  (the segment index in :attr:`LoRABatch.meta`); every layer reuses it. Per segment the kernel reads only
+  its adapter's real rank of A (all fused targets of the layer — q/k/v or gate/up — stacked along the
+  output dimension, one shrink for all) and of B, so a step reads each adapter it uses once and wastes
+  no FLOPs on other slots. Each row's delta is computed in a fixed order whatever its neighbours
+  (row-independent: batch invariance holds with adapters). Threads: torch's OpenMP pool.
+* ``stacked`` (torch ops, decode-shaped steps): every slot's ``A`` side by side in one
+  ``[in, S·k·R]`` matrix (``k`` fused sub-projections, ``R`` = ``--max-lora-rank``, smaller ranks
+  zero-padded), so the shrink is ONE GEMM over all rows and all slots; a ``[n, S, 1]`` 0/1 mask
+  keeps each row's own slot; the expand is one GEMM per sub-projection over the ``[S·R, out_j]``
+  stack of ``B``. 2 + k torch calls per layer, at ``S×`` the delta FLOPs.
+* ``segmented`` (torch ops, prefill-shaped steps): for each run of consecutive rows with the same
+  adapter, shrink and expand with that adapter's slice only (1 + k calls per run).
+* ``loop`` is the per-request baseline (one GEMM pair per request), kept for ``benchmarks/lora.py``.
 
-``auto`` (default) picks per layer call from a cost model (FLOPs at a nominal rate plus a fixed
-cost per torch call; :func:`pick_mode`). All three give the same result up to summation order.
+``auto`` (default) takes ``kernel`` where it can serve the tensors, else picks ``stacked`` or
+``segmented`` per layer call from a cost model (FLOPs at a nominal rate plus a fixed cost per torch
+call; :func:`pick_mode`); ``torch`` is ``auto`` without the kernel (an ablation). All forms give the
+same result up to summation order; only ``kernel`` is row-independent (the torch GEMMs' order may
+depend on the row count).
 
 Hooks stay additive: :class:`LoRALinear` wraps whatever the base layer is (``nn.Linear``,
 :class:`~tokenmill.model.layers.linear.PackedLinear` on the oneDNN or low-bit GGUF path) and
-calls it unchanged; the CPU step graph calls the base kernel and then
-:meth:`LoRALinear.add_delta_` on its persistent buffers.
+calls it unchanged; the CPU step graph calls the base kernel and then the prepared
+:meth:`LoRALinear.kernel_call` (or :meth:`LoRALinear.add_delta_` for the torch forms) on its
+persistent buffers; steps without adapter rows run the base calls alone.
 """
 
 from __future__ import annotations
@@ -45,8 +52,6 @@ from torch import nn
 #: ``benchmarks/lora.py``; decode-sized calls are overhead-bound, so the rate only decides large steps.
 CALL_COST_S = 1e-5
 GEMM_RATE = 1e11
-#: FLOP/s of the grouped C kernel (``csrc/lora_delta.c``), same calibration
-KERNEL_RATE = 5e10
 
 
 _P, _I, _N = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -83,8 +88,9 @@ class LoRABatch:
             (stable), one segment per slot used.
         mode: ``auto``, ``kernel``, ``stacked``, ``segmented``, ``loop``, or ``torch`` (``auto`` without the
             kernel: the batched torch forms only).
-        invariant: the engine promises batch invariance (``auto`` then always takes the row-independent
-            ``kernel`` form where it is available).
+        invariant: the engine promises batch invariance (informational: ``auto`` takes the row-independent
+            ``kernel`` form wherever it is available, invariance or not — it measured faster than the torch
+            forms at every size, ``benchmarks/lora.py --op``; the torch forms are not row-independent).
         dtype, device: of the layers (the mask's).
     """
 
@@ -152,19 +158,16 @@ class LoRABatch:
 
 
 def pick_mode(n: int, num_slots: int, num_runs: int, k: int, rank: int, in_features: int,
-              out_features: int, kernel: bool = False) -> str:
-    """``kernel``, ``stacked`` or ``segmented`` for one layer call, whichever the cost model says is cheapest.
+              out_features: int) -> str:
+    """``stacked`` or ``segmented`` for one layer call (the torch forms), whichever the cost model says is cheaper.
 
     stacked: ``2·n·S·R·(k·in + out)`` FLOPs in ``2 + k`` calls; segmented: ``2·n·R·(k·in + out)``
-    FLOPs in ``runs·(1 + k)`` calls (``out`` = all sub-projections' widths together); kernel (when
-    ``kernel``): the segmented FLOPs in one call at :data:`KERNEL_RATE`.
+    FLOPs in ``runs·(1 + k)`` calls (``out`` = all sub-projections' widths together).
     """
     work = 2.0 * n * rank * (k * in_features + out_features)
-    costs = {"stacked": (2 + k) * CALL_COST_S + num_slots * work / GEMM_RATE,
-             "segmented": num_runs * (1 + k) * CALL_COST_S + work / GEMM_RATE}
-    if kernel:
-        costs["kernel"] = CALL_COST_S + work / KERNEL_RATE
-    return min(costs, key=costs.get)
+    stacked = (2 + k) * CALL_COST_S + num_slots * work / GEMM_RATE
+    segmented = num_runs * (1 + k) * CALL_COST_S + work / GEMM_RATE
+    return "stacked" if stacked <= segmented else "segmented"
 
 
 class LoRALinear(nn.Module):
@@ -262,13 +265,11 @@ class LoRALinear(nn.Module):
             return
         mode = b.mode
         n = x.shape[0]
-        if mode in ("auto", "torch"):
-            kernel = mode == "auto" and self.kernel_usable(x, y)
-            if kernel and b.invariant:
-                mode = "kernel"
-            else:
-                mode = pick_mode(n, b.num_slots, len(b.runs), self.k, self.max_rank, self.in_features,
-                                 self.out_features, kernel)
+        if mode == "auto" and self.kernel_usable(x, y):
+            mode = "kernel"
+        elif mode in ("auto", "torch"):
+            mode = pick_mode(n, b.num_slots, len(b.runs), self.k, self.max_rank, self.in_features,
+                             self.out_features)
         if mode == "kernel":
             if not self.kernel_usable(x, y):
                 raise RuntimeError("LoRA delta mode 'kernel': the C kernel cannot serve these tensors "
