@@ -49,49 +49,104 @@ static inline float ld1(const void *p, int64_t i, int bf) {
     return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* dot(x[0..K), a[0..K)): x float32, a float32 or bfloat16. One fixed order for every call with the same K. */
-static float dot(const float *x, const void *a, int64_t K, int abf) {
-    int64_t k = 0;
-    float s = 0.f;
+/* out[i] = dot(x_i[0..K), a[0..K)) for nr <= 4 rows (x float32, a float32 or bfloat16; a read once for all nr
+ * rows). Each row's arithmetic is the same whatever nr: two 16-lane (AVX2: 8-lane) accumulator chains over
+ * k, added, then a fixed horizontal sum, then the scalar tail. */
+static inline __attribute__((always_inline)) void dotn_impl(const float *const *x, const int nr, const void *a,
+                                                             int64_t K, int abf, float *out) {
+    int64_t k0 = 0;
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
 #if defined(__AVX512F__)
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
+    __m512 c0[4], c1[4];
     const size_t esz = abf ? 2 : 4;
+    for (int i = 0; i < nr; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), ld16((const char *)a + k * esz, abf), c0);
-        c1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), ld16((const char *)a + (k + 16) * esz, abf), c1);
+        const __m512 a0 = ld16((const char *)a + k * esz, abf), a1 = ld16((const char *)a + (k + 16) * esz, abf);
+        for (int i = 0; i < nr; i++) {
+            c0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + k), a0, c0[i]);
+            c1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + k + 16), a1, c1[i]);
+        }
     }
-    for (; k + 16 <= K; k += 16)
-        c0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), ld16((const char *)a + k * esz, abf), c0);
-    s = _mm512_reduce_add_ps(_mm512_add_ps(c0, c1));
-#elif defined(__AVX2__)
-    __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
-    const size_t esz = abf ? 2 : 4;
     for (; k + 16 <= K; k += 16) {
-        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), ld8((const char *)a + k * esz, abf), c0);
-        c1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), ld8((const char *)a + (k + 8) * esz, abf), c1);
+        const __m512 a0 = ld16((const char *)a + k * esz, abf);
+        for (int i = 0; i < nr; i++) c0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + k), a0, c0[i]);
     }
-    for (; k + 8 <= K; k += 8)
-        c0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), ld8((const char *)a + k * esz, abf), c0);
-    __m256 c = _mm256_add_ps(c0, c1);
-    __m128 h = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
-    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-    h = _mm_add_ss(h, _mm_movehdup_ps(h));
-    s = _mm_cvtss_f32(h);
+    for (int i = 0; i < nr; i++) s[i] = _mm512_reduce_add_ps(_mm512_add_ps(c0[i], c1[i]));
+    k0 = k;
+#elif defined(__AVX2__)
+    __m256 c0[4], c1[4];
+    const size_t esz = abf ? 2 : 4;
+    for (int i = 0; i < nr; i++) c0[i] = c1[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        const __m256 a0 = ld8((const char *)a + k * esz, abf), a1 = ld8((const char *)a + (k + 8) * esz, abf);
+        for (int i = 0; i < nr; i++) {
+            c0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), a0, c0[i]);
+            c1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k + 8), a1, c1[i]);
+        }
+    }
+    for (; k + 8 <= K; k += 8) {
+        const __m256 a0 = ld8((const char *)a + k * esz, abf);
+        for (int i = 0; i < nr; i++) c0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), a0, c0[i]);
+    }
+    for (int i = 0; i < nr; i++) {
+        __m256 c = _mm256_add_ps(c0[i], c1[i]);
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_add_ss(h, _mm_movehdup_ps(h));
+        s[i] = _mm_cvtss_f32(h);
+    }
+    k0 = k;
 #else
-    float acc[16] = {0};
-    for (; k + 16 <= K; k += 16)
-        for (int l = 0; l < 16; l++) acc[l] += x[k + l] * ld1(a, k + l, abf);
-    for (int l = 0; l < 16; l++) s += acc[l];
+    for (int i = 0; i < nr; i++) {
+        float acc[16] = {0};
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16)
+            for (int l = 0; l < 16; l++) acc[l] += x[i][k + l] * ld1(a, k + l, abf);
+        for (int l = 0; l < 16; l++) s[i] += acc[l];
+        k0 = k;
+    }
 #endif
-    for (; k < K; k++) s += x[k] * ld1(a, k, abf);
-    return s;
+    for (int i = 0; i < nr; i++) {
+        float v = s[i];
+        for (int64_t k = k0; k < K; k++) v += x[i][k] * ld1(a, k, abf);
+        out[i] = v;
+    }
 }
 
-/* acc[0..n) = sum_{r < rank} z[r] * b[r * ldb + c], c < n <= CT, r in order. */
+/* dotn_impl with the row count a constant (the unrolled accumulators stay in registers). */
+static void dotn(const float *const *x, int nr, const void *a, int64_t K, int abf, float *out) {
+    switch (nr) {
+    case 4: dotn_impl(x, 4, a, K, abf, out); break;
+    case 3: dotn_impl(x, 3, a, K, abf, out); break;
+    case 2: dotn_impl(x, 2, a, K, abf, out); break;
+    default: dotn_impl(x, 1, a, K, abf, out); break;
+    }
+}
+
+/* acc[0..n) = sum_{r < rank} z[r] * b[r * ldb + c], c < n <= CT, r in order 0..rank-1 from 0 (one FMA chain per
+ * element; the 16-lane vectors of a tile are independent chains, so the loop over r is outside). */
 static void expand_tile(const float *z, int rank, const void *b, int64_t ldb, int bbf, int64_t n, float *acc) {
     int64_t c = 0;
 #if defined(__AVX512F__)
     const size_t esz = bbf ? 2 : 4;
+    if (n == CT) {
+        __m512 v0 = _mm512_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
+        for (int r = 0; r < rank; r++) {
+            const __m512 zr = _mm512_set1_ps(z[r]);
+            const char *br = (const char *)b + r * ldb * esz;
+            v0 = _mm512_fmadd_ps(zr, ld16(br, bbf), v0);
+            v1 = _mm512_fmadd_ps(zr, ld16(br + 16 * esz, bbf), v1);
+            v2 = _mm512_fmadd_ps(zr, ld16(br + 32 * esz, bbf), v2);
+            v3 = _mm512_fmadd_ps(zr, ld16(br + 48 * esz, bbf), v3);
+        }
+        _mm512_storeu_ps(acc, v0);
+        _mm512_storeu_ps(acc + 16, v1);
+        _mm512_storeu_ps(acc + 32, v2);
+        _mm512_storeu_ps(acc + 48, v3);
+        return;
+    }
     for (; c + 16 <= n; c += 16) {
         __m512 v = _mm512_setzero_ps();
         for (int r = 0; r < rank; r++)
@@ -100,6 +155,17 @@ static void expand_tile(const float *z, int rank, const void *b, int64_t ldb, in
     }
 #elif defined(__AVX2__)
     const size_t esz = bbf ? 2 : 4;
+    if (n == CT) {
+        __m256 v[8];
+        for (int q = 0; q < 8; q++) v[q] = _mm256_setzero_ps();
+        for (int r = 0; r < rank; r++) {
+            const __m256 zr = _mm256_set1_ps(z[r]);
+            const char *br = (const char *)b + r * ldb * esz;
+            for (int q = 0; q < 8; q++) v[q] = _mm256_fmadd_ps(zr, ld8(br + 8 * q * esz, bbf), v[q]);
+        }
+        for (int q = 0; q < 8; q++) _mm256_storeu_ps(acc + 8 * q, v[q]);
+        return;
+    }
     for (; c + 8 <= n; c += 8) {
         __m256 v = _mm256_setzero_ps();
         for (int r = 0; r < rank; r++)
@@ -180,9 +246,15 @@ static void lora_delta(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t
             const int s = seg_slot[w.g];
             for (int32_t r = w.r0; r < w.r1; r++) {
                 const char *av = (const char *)A + (((int64_t)s * k + w.j) * R + r) * K * (int64_t)esz;
-                for (int32_t i = w.i0; i < w.i1; i++) {
-                    const float *xr = bf ? xf + (int64_t)i * K : (const float *)x + (int64_t)rows[i] * ldx;
-                    z[(int64_t)i * kR + w.j * R + r] = dot(xr, av, K, wbf);
+                /* one row per call: measured faster than 4-row blocks here (the rank vector is in L1 anyway) */
+                for (int32_t i0 = w.i0; i0 < w.i1; i0 += 1) {
+                    const int nr = 1;
+                    const float *xr[4];
+                    float d[4];
+                    for (int q = 0; q < nr; q++)
+                        xr[q] = bf ? xf + (int64_t)(i0 + q) * K : (const float *)x + (int64_t)rows[i0 + q] * ldx;
+                    dotn(xr, nr, av, K, wbf, d);
+                    for (int q = 0; q < nr; q++) z[(int64_t)(i0 + q) * kR + w.j * R + r] = d[q];
                 }
             }
         }

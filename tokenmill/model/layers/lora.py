@@ -286,6 +286,7 @@ class LoRALinear(nn.Module):
         library built (``TOKENMILL_CPU_LORA_KERNEL`` not 0), not under ``torch.compile`` tracing."""
         dt = self.a_rows.dtype
         return (x.device.type == "cpu" and x.dtype == dt and y.dtype == dt and dt in _KERNEL_SUFFIX
+                and x.dim() == 2 and x.shape[1] == self.in_features and y.shape == (x.shape[0], self.out_features)
                 and x.stride(-1) == 1 and y.stride(-1) == 1 and not torch.compiler.is_compiling()
                 and load_kernel() is not None)
 
