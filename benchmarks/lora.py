@@ -7,8 +7,13 @@ tokens, ignore EOS, greedy; the same EngineCore loop the server runs):
 * ``lora-0``: the LoRA engine serving only base requests (the wrappers' overhead);
 * ``lora-N`` for N in 2, 8, 32: request ``i`` uses adapter ``i mod N`` (rank ``--rank``, all seven
   targets), ``--max-loras 32`` slots, delta in ``auto`` mode;
+* ``torch-8``: 8 adapters with the grouped delta as batched torch ops (``stacked`` / ``segmented``
+  picked by the cost model) instead of the C kernel — the ablation of the kernel;
 * ``loop-8``: 8 adapters with the per-request loop (one shrink + expand GEMM pair per request per
   layer) instead of the grouped delta — the ablation of the grouping.
+
+Every cell also records a profile of its steps (``StepProbe``): decode steps, their mean rows and
+adapters, the step graph's share, mean forward and prepare milliseconds, total prefill forward time.
 
 Arms are interleaved and repeated (``--repeat``); the machine is shared, so the figures are noisy
 (the load average is recorded before and after every cell). Prints output tok/s and mean TPOT per arm
@@ -69,11 +74,50 @@ def write_adapter(folder: Path, r: int, seed: int, layers: int = 30) -> str:
     return str(folder)
 
 
-def run_cell(llm, prompts, loras, output_len: int) -> dict:
+class StepProbe:
+    """Wraps the runner's ``execute_model``: per step its rows, whether it was decode-only and ran the CPU step
+    graph, and its forward / prepare seconds (the profile of a mixed step: does the graph stay on, do adapters
+    shrink the batch the scheduler forms, where the time goes)."""
+
+    def __init__(self, runner) -> None:
+        self.runner, self.steps = runner, []
+        self._orig = runner.execute_model
+        runner.execute_model = self._wrapped
+
+    def _wrapped(self, so):
+        out = self._orig(so)
+        if not so.is_empty:
+            rows = sum(len(r.token_ids) for r in so.scheduled)
+            decode = all(len(r.token_ids) == 1 for r in so.scheduled)
+            g = self.runner.step_graph
+            t = self.runner.last_timings
+            self.steps.append({"rows": rows, "reqs": len(so.scheduled), "decode": decode,
+                               "graph": bool(decode and g is not None and rows <= g.max_tokens),
+                               "forward": t.get("forward", 0.0), "prepare": t.get("prepare", 0.0),
+                               "adapters": len({r.lora_request.lora_int_id for r in so.scheduled
+                                                if r.lora_request is not None})})
+        return out
+
+    def take(self) -> dict:
+        st, self.steps = self.steps, []
+        dec = [x for x in st if x["decode"]]
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+        return {"steps": len(st), "decode_steps": len(dec),
+                "decode_rows_mean": mean([x["rows"] for x in dec]),
+                "decode_graph_share": mean([float(x["graph"]) for x in dec]),
+                "decode_forward_ms": 1e3 * mean([x["forward"] for x in dec]),
+                "decode_prepare_ms": 1e3 * mean([x["prepare"] for x in dec]),
+                "decode_adapters_mean": mean([x["adapters"] for x in dec]),
+                "prefill_forward_ms_total": 1e3 * sum(x["forward"] for x in st if not x["decode"])}
+
+
+def run_cell(llm, prompts, loras, output_len: int, probe: StepProbe | None = None) -> dict:
     from tokenmill import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     la0 = loadavg()
+    if probe is not None:
+        probe.take()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, lora_request=loras)
     dt = time.perf_counter() - t0
@@ -88,16 +132,18 @@ def run_cell(llm, prompts, loras, output_len: int) -> dict:
     if errors:
         raise RuntimeError(f"requests failed: {errors[:3]}")
     return {"output_tokens": n, "seconds": dt, "tok_s": n / dt, "tpot_ms": 1e3 * sum(tpots) / len(tpots),
-            "load_before": la0, "load_after": loadavg()}
+            "load_before": la0, "load_after": loadavg(), **(probe.take() if probe is not None else {})}
 
 
-def op_bench(reps: int = 200) -> list[dict]:
+def op_bench(reps: int = 200, dtype: torch.dtype | None = None) -> list[dict]:
     """One q/k/v-shaped LoRALinear (576 -> 960, 3 slices) with 8 adapters of rank 16: delta modes vs base GEMM."""
+    import numpy as np
     from torch import nn
 
-    from tokenmill.model.layers.lora import LoRABatch, LoRALinear
+    from tokenmill.model.layers.lora import LoRABatch, LoRALinear, load_kernel
 
-    dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
+    if dtype is None:
+        dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     base = nn.Linear(576, 960, bias=False).to(dtype)
     slices = [("q_proj", 0, 576), ("k_proj", 576, 192), ("v_proj", 768, 192)]
     lin = LoRALinear(base, slices, 576, 8, 16, dtype)
@@ -109,23 +155,25 @@ def op_bench(reps: int = 200) -> list[dict]:
         x = torch.randn(n, 576, dtype=dtype)
         per_req = [(i, i + 1, i % 8) for i in range(n)] if n <= 64 else \
             [(i * (n // 8), (i + 1) * (n // 8), i) for i in range(8)]   # prefill: 8 requests of n/8 rows
-        row_slot = torch.tensor([s for a, b, s in per_req for _ in range(b - a)])
-        mask = (row_slot[:, None] == torch.arange(8)[None]).to(dtype).unsqueeze(-1)
         out = {"rows": n, "dtype": str(dtype)}
+        modes = ("kernel", "stacked", "segmented", "loop") if load_kernel() is not None else \
+            ("stacked", "segmented", "loop")
         with torch.inference_mode():
             t0 = time.perf_counter()
             for _ in range(reps):
                 y = base(x)
             out["base_gemm_us"] = 1e6 * (time.perf_counter() - t0) / reps
-            for mode in ("stacked", "segmented", "loop"):
-                lin.batch = LoRABatch(active=True, num_slots=8, mask=mask, runs=per_req, req_runs=per_req, mode=mode)
+            for mode in modes:
+                lin.batch = LoRABatch(dtype=dtype, mode=mode)
+                lin.batch.fill(np.array([s for _, _, s in per_req]), np.array([b - a for a, b, _ in per_req]), n)
+                lin.add_delta_(x, y)
                 t0 = time.perf_counter()
                 for _ in range(reps):
                     lin.add_delta_(x, y)
                 out[f"{mode}_us"] = 1e6 * (time.perf_counter() - t0) / reps
         rows.append(out)
-        print(f"op  rows={n:4d} ({dtype}): base GEMM {out['base_gemm_us']:.0f} us; delta stacked "
-              f"{out['stacked_us']:.0f} us, segmented {out['segmented_us']:.0f} us, loop {out['loop_us']:.0f} us")
+        print(f"op  rows={n:4d} ({dtype}): base GEMM {out['base_gemm_us']:.0f} us; delta "
+              + ", ".join(f"{m} {out[f'{m}_us']:.0f} us" for m in modes))
     return rows
 
 
@@ -140,11 +188,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--op", action="store_true", help="also the per-layer delta micro-benchmark")
     ap.add_argument("--no-loop", action="store_true", help="skip the per-request loop ablation")
+    ap.add_argument("--no-torch", action="store_true", help="skip the batched-torch-ops ablation (no C kernel)")
+    ap.add_argument("--max-loras", type=int, default=None, help="adapter slots (default: the most adapters run)")
+    ap.add_argument("--arms", nargs="+", default=None, help="only these arms (e.g. base lora-8)")
     ap.add_argument("--out", default=None, help="write OUT.json with every cell")
     ap.add_argument("--op-only", action="store_true", help="only the per-layer delta micro-benchmark")
+    ap.add_argument("--op-dtype", nargs="+", default=["float32", "bfloat16"], help="dtypes of the micro-benchmark")
     args = ap.parse_args()
     if args.op_only:
-        print(json.dumps({"machine": machine(), "load": loadavg(), "op": op_bench()}, indent=1))
+        ops = [r for d in args.op_dtype for r in op_bench(dtype=getattr(torch, d))]
+        print(json.dumps({"machine": machine(), "load": loadavg(), "op": ops}, indent=1))
         return
 
     from tokenmill import LLM
@@ -157,7 +210,9 @@ def main() -> None:
     common = dict(dtype=args.dtype, max_model_len=1024, max_num_seqs=cmax, enable_prefix_caching=False,
                   max_num_batched_tokens=2048)
     base = LLM(**common)
-    lora = LLM(**common, enable_lora=True, max_loras=n_max, max_lora_rank=args.rank, max_cpu_loras=n_max)
+    lora = LLM(**common, enable_lora=True, max_loras=args.max_loras or n_max, max_lora_rank=args.rank,
+               max_cpu_loras=n_max)
+    probes = {id(base): StepProbe(base.engine_core.executor), id(lora): StepProbe(lora.engine_core.executor)}
     mgr = lora.engine_core.lora_manager
     for lr in loras:
         mgr.load_now(lr)
@@ -173,8 +228,12 @@ def main() -> None:
     lora.generate(prompts[cmax][:n_max], warm, lora_request=loras)
     arms = [("base", base, 0, "auto"), ("lora-0", lora, 0, "auto")]
     arms += [(f"lora-{n}", lora, n, "auto") for n in args.adapters]
+    if not args.no_torch and 8 <= n_max:
+        arms.append(("torch-8", lora, 8, "torch"))
     if not args.no_loop and 8 <= n_max:
         arms.append(("loop-8", lora, 8, "loop"))
+    if args.arms:
+        arms = [a for a in arms if a[0] in args.arms or a[0] == "base"]
     cells = []
     for rep in range(args.repeat):
         for c in args.concurrency:
@@ -184,9 +243,13 @@ def main() -> None:
                     mgr.mode = mode
                 reqs = [loras[i % n] if n else None for i in range(c)]
                 cell = {"arm": name, "concurrency": c, "adapters": n, "mode": mode, "repeat": rep,
-                        **run_cell(llm, prompts[c], reqs, args.output_len)}
+                        **run_cell(llm, prompts[c], reqs, args.output_len, probes[id(llm)])}
                 cells.append(cell)
-                print(f"rep {rep} c={c:3d} {name:8s}: {cell['tok_s']:7.1f} tok/s, TPOT {cell['tpot_ms']:6.1f} ms "
+                print(f"rep {rep} c={c:3d} {name:8s}: {cell['tok_s']:7.1f} tok/s, TPOT {cell['tpot_ms']:6.1f} ms; "
+                      f"decode steps {cell['decode_steps']} of {cell['decode_rows_mean']:.1f} rows "
+                      f"({cell['decode_adapters_mean']:.1f} adapters), forward {cell['decode_forward_ms']:.1f} ms, "
+                      f"prepare {cell['decode_prepare_ms']:.2f} ms, graph {cell['decode_graph_share']:.0%}; "
+                      f"prefill {cell['prefill_forward_ms_total']:.0f} ms "
                       f"(load {cell['load_before']:.1f}->{cell['load_after']:.1f})", flush=True)
     mgr.mode = "auto"
     summary = {}
@@ -197,10 +260,12 @@ def main() -> None:
             xs = [x for x in cells if x["arm"] == name and x["concurrency"] == c]
             t = sum(x["tok_s"] for x in xs) / len(xs)
             tp = sum(x["tpot_ms"] for x in xs) / len(xs)
-            summary[f"{name}@c{c}"] = {"tok_s": t, "tpot_ms": tp, "vs_base": t / b}
+            fw = sum(x["decode_forward_ms"] for x in xs) / len(xs)
+            summary[f"{name}@c{c}"] = {"tok_s": t, "tpot_ms": tp, "vs_base": t / b, "decode_forward_ms": fw}
     print("\nsummary (mean over repeats; ratio to the base engine at the same concurrency)")
     for k, v in summary.items():
-        print(f"  {k:14s} {v['tok_s']:7.1f} tok/s  TPOT {v['tpot_ms']:6.1f} ms  {v['vs_base']:.2f}x base")
+        print(f"  {k:14s} {v['tok_s']:7.1f} tok/s  TPOT {v['tpot_ms']:6.1f} ms  {v['vs_base']:.2f}x base  "
+              f"(decode step forward {v['decode_forward_ms']:.1f} ms)")
     wbytes = sum(base.engine_core.executor.weight_bytes.values())
     adapter_bytes = mgr.cpu_bytes / max(len(mgr.cpu), 1)
     memory = {"base_weight_bytes": wbytes, "adapter_bytes_each": adapter_bytes, "slot_buffer_bytes": mgr.slot_bytes,
@@ -213,7 +278,7 @@ def main() -> None:
         memory[f"n{n}"] = {"merged_models_bytes": merged, "base_plus_adapters_bytes": ours}
         print(f"  N={n:2d}: {n} merged models {merged / 2**20:8.1f} MiB vs base + {n} adapters + {min(n, n_max)} "
               f"slots {ours / 2**20:7.1f} MiB ({merged / ours:.1f}x less)")
-    ops = op_bench() if args.op else []
+    ops = [r for d in args.op_dtype for r in op_bench(dtype=getattr(torch, d))] if args.op else []
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "args": vars(args),
               "cells": cells, "summary": summary, "memory": memory, "op": ops,
               "note": "offline engine, closed batch of c requests; shared 2-core machine, arms interleaved"}

@@ -145,6 +145,8 @@ _DECLARED = [
            "C decode/prefill kernels.", _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_FUSED_OPS", "bool", True, "0: add+RMSNorm, RoPE and SiLU-and-multiply as torch ops "
            "instead of the fused C kernels.", _on_unless_zero, _CPU),
+    EnvVar("TOKENMILL_CPU_LORA_KERNEL", "bool", True, "0: the multi-LoRA delta as batched torch ops instead of "
+           "the grouped C kernel.", _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_LOWBIT_KERNEL", "bool", True, "0: no low-bit GEMM kernel (the GGUF's codes are not "
            "used; steps run dense weights).", _on_unless_zero, _CPU, in_weight_key=True),
     EnvVar("TOKENMILL_CPU_LOWBIT_BF16_DOT", "bool", True, "0: the low-bit kernel's AVX512-BF16 dot-product path "

@@ -118,7 +118,7 @@ def test_target_the_base_lacks(lora_root, base_model, tmp_path):
     mgr.load_now(LoRARequest("y", 2, ads["r16attn"]))   # attention-only adapters still fit
 
 
-@pytest.mark.parametrize("mode", ["stacked", "segmented", "loop", "auto"])
+@pytest.mark.parametrize("mode", ["kernel", "stacked", "segmented", "loop", "auto"])
 def test_mixed_batch_matches_peft(lora_root, mode):
     """Rows of three adapters (ranks 4 / 8 rsLoRA / 16 attention-only) and of the base in one flattened
     step equal transformers + peft run on each sequence alone (float32; summation order differs: 1e-4)."""

@@ -49,20 +49,22 @@ class LoRAManager:
             :class:`~tokenmill.distributed.layout.RankLayout`: ``arch`` is then the *full* model's
             architecture (adapters are validated against it) and each loaded adapter is cut to the
             rank's shard (:func:`tokenmill.lora.tp.shard_adapter`). None: one process.
+        invariant: the engine promises batch invariance (``--batch-invariant``; recorded on the
+            :class:`LoRABatch`, the C kernel is row-independent either way).
 
     Attributes:
         slot_bytes: bytes of all slot buffers (counted against the KV budget by the runner).
         batch: the :class:`LoRABatch` every wrapped layer reads.
-        mode: ``auto`` / ``stacked`` / ``segmented`` / ``loop`` (the delta's form, see
+        mode: ``auto`` / ``kernel`` / ``stacked`` / ``segmented`` / ``loop`` (the delta's form, see
             :mod:`tokenmill.model.layers.lora`; benchmarks set it).
     """
 
     def __init__(self, model: torch.nn.Module, arch, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype, layout=None) -> None:
+                 dtype: torch.dtype, layout=None, invariant: bool = False) -> None:
         self.arch, self.dtype, self.layout = arch, dtype, layout
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.batch, self.slot_bytes = inject_lora(model, max_loras, max_rank, dtype)
+        self.batch, self.slot_bytes = inject_lora(model, max_loras, max_rank, dtype, invariant)
         self.layers = lora_layers(model)
         self.by_module = {(i, name): mod for i, name, mod in self.layers}
         # which PEFT targets each layer can take (an MoE block has no gate/up/down here)
@@ -255,22 +257,7 @@ class LoRAManager:
             if r is not None and r.lora_int_id not in slot_of:
                 slot_of[r.lora_int_id] = self._slot_for(r, needed)
         slots = np.array([slot_of[r.lora_int_id] if r is not None else -1 for r in lora_requests], dtype=np.int64)
-        ends = np.cumsum(query_lens)
-        starts = ends - query_lens
-        b.req_runs = [(int(s0), int(e0), int(sl)) for s0, e0, sl in zip(starts, ends, slots) if sl >= 0 and e0 > s0]
-        runs: list[tuple[int, int, int]] = []
-        for s0, e0, sl in b.req_runs:
-            if runs and runs[-1][1] == s0 and runs[-1][2] == sl:
-                runs[-1] = (runs[-1][0], e0, sl)
-            else:
-                runs.append((s0, e0, sl))
-        b.runs = runs
-        b.num_slots = int(slots.max()) + 1
-        row_slot = np.full(num_rows, -1, dtype=np.int64)
-        row_slot[:int(ends[-1])] = np.repeat(slots, query_lens)
-        mask = (row_slot[:, None] == np.arange(b.num_slots)[None, :])
-        b.mask = torch.from_numpy(mask).to(self.dtype).unsqueeze(-1)
-        b.active = True
+        b.fill(slots, query_lens, num_rows)
 
     def clear_batch(self) -> None:
         """No adapter rows (after a step; the layers add nothing until the next :meth:`set_batch`)."""

@@ -276,7 +276,7 @@ class ModelRunner:
             full_arch, layout = lora_shard or (arch, None)
             cpu_loras = (m.max_cpu_loras or m.max_loras) if layout is None else 1 << 30
             self.lora_manager = LoRAManager(model, full_arch, m.max_loras, m.max_lora_rank, cpu_loras, dtype,
-                                            layout=layout)
+                                            layout=layout, invariant=self.batch_invariant)
         self.step_graph = None   # a CpuStepGraph for decode-only steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None

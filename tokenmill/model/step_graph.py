@@ -189,6 +189,10 @@ class CpuStepGraph:
         # float32 copies of the biases, as lowbit_linear makes them per call
         self._biases: list[torch.Tensor] = []
         self._calls: dict[tuple, list] = {}
+        # a LoRA layer of the model (its shared LoRABatch says whether the step has adapter rows)
+        lin = model.model.layers[0].self_attn.qkv_proj
+        self._lora_mod = lin if _lora_base(lin) is not lin else None
+        self._lora_on, self._threads = False, 1
         self.capacity = 0
         self._ensure_capacity(min(self.max_tokens, max(lowbit_tokens, 1)))   # grows with the steps seen
         logger.info("CPU step graph: decode steps of <= %d tokens run as ~%d prepared kernel calls per step (%s; "
@@ -221,12 +225,22 @@ class CpuStepGraph:
         base = _lora_base(lin)
         if base is not lin:
             fn, args = self._gemm_args(base, x, y, m)
-            xv, yv, add = x[:m], y[:m], lin.add_delta_
+            if not self._lora_on:       # a step without adapter rows: the base call alone
+                return fn, args
+            xv, yv = x[:m], y[:m]
+            if lin.batch.mode in ("auto", "kernel") and lin.kernel_usable(xv, yv):
+                dfn, dargs = lin.kernel_call(xv, yv, self._threads)     # the grouped C kernel, prepared
 
-            def with_lora() -> None:
+                def with_lora() -> None:
+                    fn(*args)
+                    dfn(*dargs)
+                return (with_lora, ())
+            add = lin.add_delta_
+
+            def with_lora_torch() -> None:
                 fn(*args)
                 add(xv, yv)
-            return (with_lora, ())
+            return (with_lora_torch, ())
         path = lin.lowbit_path(m)
         if path == "dense":
             # oneDNN's packed GEMM, as the eager layer runs it, then into the persistent buffer
@@ -319,8 +333,14 @@ class CpuStepGraph:
         threads = torch.get_num_threads()
         key = (m, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
                threads)
+        lora = self._lora_mod
+        if lora is not None:    # adapter rows or not, the delta's form, the address of the step's segment index
+            b = lora.batch
+            self._lora_on = b.active
+            key += (b.active, b.mode, b.meta.data_ptr()) if b.active else (False,)
         calls = self._calls.get(key)
         if calls is None:
+            self._threads = threads
             self._ensure_capacity(m)
             if len(self._calls) >= 4 * self.max_tokens + 64:
                 self._calls.clear()
