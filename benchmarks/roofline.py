@@ -21,7 +21,8 @@
    included) and prints ``actual / bound``; for the prefill also the reached
    share of the measured GEMM rate.
 4. With ``--breakdown``, times the parts of each step (weight GEMMs with
-   the LM head, attention, sampling, input preparation, the rest) and sets
+   the LM head, attention, element-wise kernels, embedding, sampling, input
+   preparation, the rest; a step-graph step per prepared call) and sets
    the GEMMs and the attention against their own bounds and against the
    whole step's bound: where the step loses against the roofline.
 5. Runs a real :class:`EngineCore` with 64 requests to report the share of a
@@ -161,22 +162,33 @@ def time_step(runner, so, reps: int) -> float:
     return statistics.median(ts)
 
 
+#: The parts :func:`step_breakdown` reports, in print order.
+PARTS = ("linear", "attention", "elementwise", "embedding", "sampling", "prepare", "other")
+
+
 def step_breakdown(runner, so, reps: int) -> dict[str, float]:
     """Median seconds per part of ``runner.execute_model(so)``.
 
-    Parts: ``linear`` (every ``nn.Linear``/``PackedLinear`` GEMM, the LM head
-    included), ``attention`` (the backend's ``forward``: KV write + paged
-    attention), ``sampling`` (the sampler, after the LM head), ``prepare``
-    (input preparation) and ``other`` (norms, RoPE, activations, embedding,
-    Python between them). Linears are timed with forward hooks and the
-    backend by wrapping its ``forward``; that adds a few microseconds per
-    call, so ``step`` is the median of separate uninstrumented runs.
+    Parts (:data:`PARTS`): ``linear`` (every weight GEMM, the LM head included), ``attention`` (K/V write +
+    paged attention), ``elementwise`` (add+RMSNorm, RoPE, SiLU-and-multiply), ``embedding`` (the token
+    lookup and the RoPE tables), ``sampling`` (the sampler, after the LM head), ``prepare`` (input
+    preparation) and ``other``: the step's time minus all of them (Python between the calls, the runner's
+    bookkeeping).
+
+    Where the runner's :class:`~tokenmill.model.step_graph.CpuStepGraph` serves the step (decode-only steps;
+    it calls the kernels directly, so module hooks never see them), every prepared call is timed by the
+    graph itself (``CpuStepGraph.profile``) and booked by :meth:`~tokenmill.model.step_graph.CpuStepGraph.call_kind`;
+    the LM head (outside the graph) by a forward hook. In an eager step linears are timed with forward hooks
+    and the attention backend by wrapping its ``forward``; ``elementwise`` and ``embedding`` are then part of
+    ``other`` (reported as 0). Timers add ~0.1-1 us per call, so ``step`` is the median of separate
+    uninstrumented runs and ``parts`` the instrumented step the parts came from.
     """
     from torch import nn
 
     from tokenmill.model.layers.linear import PackedLinear
 
     model = runner.model
+    graph = getattr(runner, "step_graph", None)
     head = getattr(model, "_logits_head", None) or getattr(model, "lm_head", None)
     acc = {"linear": 0.0, "head": 0.0, "attention": 0.0}
     starts: dict[int, float] = {}
@@ -209,16 +221,27 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
         runner.execute_model(so)
         for _ in range(reps):
             acc.update(linear=0.0, head=0.0, attention=0.0)
+            prof: dict[str, float] = {}
+            if graph is not None:
+                graph.profile = prof
             t0 = time.perf_counter()
             runner.execute_model(so)
             total = time.perf_counter() - t0
+            if graph is not None:
+                graph.profile = None
             t = runner.last_timings
-            rows.append({"linear": acc["linear"], "attention": acc["attention"],
-                         "sampling": max(0.0, t["sample"] - acc["head"]), "prepare": t["prepare"],
-                         "other": max(0.0, total - acc["linear"] - acc["attention"] - t["prepare"]
-                                      - (t["sample"] - acc["head"]))})
+            row = {"linear": acc["linear"] + prof.get("linear", 0.0),
+                   "attention": acc["attention"] + prof.get("attention", 0.0),
+                   "elementwise": prof.get("elementwise", 0.0), "embedding": prof.get("embedding", 0.0),
+                   "sampling": max(0.0, t["sample"] - acc["head"]), "prepare": t["prepare"]}
+            row["other"] = max(0.0, total - sum(row.values()))
+            row["parts"] = total
+            row["graph"] = float(bool(prof))
+            rows.append(row)
     finally:
         del backend.forward
+        if graph is not None:
+            graph.profile = None
         for hd in handles:
             hd.remove()
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -340,14 +363,17 @@ def main() -> None:
                                     int4_linear=sum(ql) <= runner.lowbit_max_tokens)
             step_bound = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
                              sum(f for _, f in parts.values()) / (gemm * 1e9))
-            for part in ("linear", "attention", "sampling", "prepare", "other"):
+            print(f"{name:<22}{'(' + ('step graph' if br['graph'] else 'eager') + ')':<11}")
+            for part in PARTS:
                 t = br[part]
-                line = f"{name if part == 'linear' else '':<22}{part:<11}{t * 1e3:>8.2f}{t / br['step']:>7.0%}"
+                line = f"{'':<22}{part:<11}{t * 1e3:>8.2f}{t / br['parts']:>7.0%}"
                 if part in parts:
                     nbytes, flops = parts[part]
                     pb = max(nbytes / (bw * 1e9), flops / (gemm * 1e9))
                     line += f"{pb * 1e3:>10.2f}{t / pb:>8.2f}x{t / step_bound:>13.2f}x"
                 print(line)
+            print(f"{'':<22}{'(timed)':<11}{br['parts'] * 1e3:>8.2f}{'':>7}  the instrumented step the "
+                  f"shares are of")
             print(f"{'':<22}{'step':<11}{br['step'] * 1e3:>8.2f}{'':>7}{step_bound * 1e3:>10.2f}"
                   f"{br['step'] / step_bound:>8.2f}x")
 
