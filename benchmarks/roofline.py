@@ -88,7 +88,7 @@ def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
 
 # --------------------------------------------------------------------------- model cost
 def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
-                    int4_linear: bool = False) -> dict[str, tuple[float, float]]:
+                    int4_linear: bool = False, head_bytes: float | None = None) -> dict[str, tuple[float, float]]:
     """``{"linear": (bytes, flops), "attention": (bytes, flops)}`` of one step.
 
     ``linear`` is every GEMM with a weight (q/k/v/o, gate/up/down and the LM
@@ -104,6 +104,8 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
         int4_linear: the block linears read 4-bit weights (0.5 byte per
             weight + a bfloat16 scale and zero per 32: 0.625 bytes), as the
             runner's small-step int4 path does; the LM head keeps ``dtype_bytes``.
+        head_bytes: bytes per LM-head (embedding) weight when it reads low-bit codes (Q8_0: 1.0625);
+            None: ``dtype_bytes``.
     """
     h, i, L = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
     nh, kvh, d, v = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.vocab_size
@@ -112,7 +114,8 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
     tokens = sum(query_lens)
     kv_tok = 2 * L * kvh * d * dtype_bytes
     weight_bytes = (linear * (0.625 if int4_linear else dtype_bytes)
-                    + (emb + (0 if arch.tie_word_embeddings else emb)) * dtype_bytes)
+                    + emb * (dtype_bytes if head_bytes is None else head_bytes)
+                    + (0 if arch.tie_word_embeddings else emb * dtype_bytes))
     kv_bytes = sum(c + q for c, q in zip(contexts, query_lens)) * kv_tok + tokens * kv_tok
     # attention: each query token t (0-based in its chunk) sees c + t + 1 keys; QK^T and PV are 2 flops each
     attn_keys = sum(q * c + q * (q + 1) // 2 for c, q in zip(contexts, query_lens))
@@ -121,10 +124,30 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
 
 
 def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
-              int4_linear: bool = False) -> tuple[float, float]:
+              int4_linear: bool = False, head_bytes: float | None = None) -> tuple[float, float]:
     """``(bytes, flops)`` of one step: the sum of :func:`step_cost_parts`."""
-    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows, int4_linear).values()
+    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows, int4_linear, head_bytes).values()
     return sum(b for b, _ in parts), sum(f for _, f in parts)
+
+
+#: GGUF bytes per weight of the formats the packaged model's LM head (tied embedding) may read as codes.
+_HEAD_BYTES = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
+
+
+def weights_read(runner, tokens: int) -> tuple[bool, float | None, str]:
+    """What a ``tokens``-token step's linears read: ``(block linears on 4-bit codes, LM-head bytes per weight
+    or None for the dtype's, the kernel path)``, from the layers' own :meth:`PackedLinear.lowbit_path` (in
+    batch-invariant mode the codes at every size; otherwise up to the low-bit limit)."""
+    from tokenmill.model.layers.linear import PackedLinear
+
+    model = runner.model
+    block = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear) and m.lowbit is not None]
+    path = block[0].lowbit_path(tokens) if block else "dense"
+    head = getattr(model, "_logits_head", None)
+    hb = None
+    if isinstance(head, PackedLinear) and head.lowbit is not None and head.lowbit_path(1) != "dense":
+        hb = _HEAD_BYTES.get(head.lowbit.fmt, head.lowbit.bits / 8 + 4 / 32)
+    return path != "dense", hb, path
 
 
 # --------------------------------------------------------------------------- tokenmill's step
@@ -289,6 +312,8 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the parts of each eager step (weight GEMMs, attention, sampling, rest) "
                          "against each part's own bound")
+    ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                    help="the per-step-size kernels (default: the batch-invariant mode, as the engine's default)")
     args = ap.parse_args()
 
     from tokenmill.config import EngineConfig
@@ -312,12 +337,13 @@ def main() -> None:
     need_blocks = max(max(batches) * (-(-(args.context + 1) // 16)), -(-args.prefill // 16)) + 8
     cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_kv_blocks=need_blocks,
                                    max_model_len=max(max_ctx, 1024), enforce_eager=True,
-                                   max_num_seqs=max(batches), enable_prefix_caching=False)
+                                   max_num_seqs=max(batches), enable_prefix_caching=False,
+                                   batch_invariant=args.batch_invariant)
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(cfg)
-    print(f"runner ready in {time.perf_counter() - t0:.1f} s"
-          + (f"; block linears read int4 weights in steps of <= {runner.lowbit_max_tokens} tokens (bound uses "
-             f"their bytes)" if runner.lowbit_max_tokens else ""))
+    print(f"runner ready in {time.perf_counter() - t0:.1f} s; batch-invariant {runner.batch_invariant}"
+          + (f"; block linears read int4 codes ({'at every step size' if runner.batch_invariant else f'in steps of <= {runner.lowbit_max_tokens} tokens'};"
+             f" the bound uses their bytes)" if runner.lowbit_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
 
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
@@ -337,16 +363,24 @@ def main() -> None:
         eager = [min(a, time_step(runner, so, args.reps)) for a, so in zip(eager, steps)]
         runner.compile_buckets = saved
 
-    print(f"\n{'step':<22}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
-          f"{'eager ms':>10}{'ratio':>9}{'GFLOP/s':>9}" + (f"{'compiled':>10}{'ratio':>9}" if compiled else ""))
+    print(f"\nbound = max(bytes / bandwidth, FLOPs / the {args.dtype} GEMM rate); 'i8 bound' (steps whose linears run "
+          f"the integer path): their FLOPs at the int8 GEMM rate instead, the stricter roof of that arithmetic")
+    print(f"{'step':<22}{'path':>5}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
+          f"{'eager ms':>10}{'ratio':>9}{'GFLOP/s':>9}{'i8 bound':>9}{'ratio':>8}"
+          + (f"{'compiled':>10}{'ratio':>9}" if compiled else ""))
     for k, (name, ql, ctx) in enumerate(cases):
-        nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql),
-                                  int4_linear=sum(ql) <= runner.lowbit_max_tokens)
+        low, hb, path = weights_read(runner, sum(ql))
+        parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
+        nbytes, flops = sum(b for b, _ in parts.values()), sum(f for _, f in parts.values())
         t_mem, t_cmp = nbytes / (bw * 1e9), flops / (gemm * 1e9)
         bound = max(t_mem, t_cmp)
         actual = eager[k]
-        line = (f"{name:<22}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
-                f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>8.2f}x{flops / actual / 1e9:>9.0f}")
+        i8 = f"{'-':>9}{'':>8}"
+        if path == "i8" and rates["int8"] > 0:
+            b8 = max(t_mem, parts["linear"][1] / (rates["int8"] * 1e9) + parts["attention"][1] / (gemm * 1e9))
+            i8 = f"{b8 * 1e3:>9.2f}{actual / b8:>7.2f}x"
+        line = (f"{name:<22}{path:>5}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
+                f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>8.2f}x{flops / actual / 1e9:>9.0f}{i8}")
         if compiled:
             line += f"{compiled[k] * 1e3:>10.2f}{compiled[k] / bound:>8.2f}x"
         print(line)
@@ -359,8 +393,8 @@ def main() -> None:
               f"{'/ step bound':>14}")
         for k, (name, ql, ctx) in enumerate(cases):
             br = step_breakdown(runner, steps[k], args.reps)
-            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql),
-                                    int4_linear=sum(ql) <= runner.lowbit_max_tokens)
+            low, hb, _ = weights_read(runner, sum(ql))
+            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
             step_bound = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
                              sum(f for _, f in parts.values()) / (gemm * 1e9))
             print(f"{name:<22}{'(' + ('step graph' if br['graph'] else 'eager') + ')':<11}")

@@ -319,10 +319,11 @@ def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, kernel
             kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                           "prompt_lookup_max": 2})
         llm = engine(**kw)
-        arrivals = [rng.randrange(0, 12) for _ in prompts]
+        # staggered arrivals; the small pool's trial admits them within 3 steps so that they must preempt
+        arrivals = [rng.randrange(0, 3 if small else 12) for _ in prompts]
         threads = rng.choice([1, 2])
         got = _serve(llm, prompts, params, arrivals, threads)
-        ctx = (variant_env, dtype, kw, arrivals, threads)
+        ctx = (variant_env, dtype, kernel, kw, arrivals, threads)
         if small:
             assert llm.engine_core.scheduler.num_preemptions_total > 0, ctx
         for i, (a, b) in enumerate(zip(alone, got)):

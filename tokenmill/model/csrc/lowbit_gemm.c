@@ -701,9 +701,11 @@ AIVNNI void tile_i8_b32_vnni(int bits, const uint8_t *codes, const float *sc, co
     const uint8_t *c = codes;
     const float *scp = sc, *mnp = mn;
     for (int64_t s = 0; s < nsb; s++) {
-        /* two integer chains per row (VPDPBUSD's latency is 5 cycles: one chain of 8 per block stalled a
-         * pass of few rows); their sum is exact, so the bits do not depend on the split */
+        /* two integer chains per row in passes of < 6 rows (VPDPBUSD's latency is 5 cycles: one chain of 8
+         * per block stalled a pass of few rows), one in larger passes (enough chains; two spilled registers);
+         * the integer sums are exact, so the bits do not depend on the split */
         __m512i a[MR_I8], b[MR_I8];
+#define B_(r) (*(MR < 6 ? &b[r] : &a[r]))
         for (int r = 0; r < MR; r++) a[r] = b[r] = _mm512_setzero_si512();
         const int8_t *xb = xq + s * 32;
         if (bits == 4) {
@@ -714,7 +716,7 @@ AIVNNI void tile_i8_b32_vnni(int bits, const uint8_t *codes, const float *sc, co
                 for (int r = 0; r < MR; r++) {
                     const int8_t *xr = xb + r * K + kb * 8;
                     a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(*(const int32_t *)xr));
-                    b[r] = _mm512_dpbusd_epi32(b[r], hi, _mm512_set1_epi32(*(const int32_t *)(xr + 4)));
+                    B_(r) = _mm512_dpbusd_epi32(B_(r), hi, _mm512_set1_epi32(*(const int32_t *)(xr + 4)));
                 }
             }
             c += 4 * NT_I8 * 4;
@@ -729,12 +731,14 @@ AIVNNI void tile_i8_b32_vnni(int bits, const uint8_t *codes, const float *sc, co
                     const __m512i x0 = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + kb * 4));
                     const __m512i x1 = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + kb * 4 + 4));
                     a[r] = _mm512_dpbusd_epi32(a[r], aw0, _mm512_mask_sub_epi8(x0, n0, _mm512_setzero_si512(), x0));
-                    b[r] = _mm512_dpbusd_epi32(b[r], aw1, _mm512_mask_sub_epi8(x1, n1, _mm512_setzero_si512(), x1));
+                    B_(r) = _mm512_dpbusd_epi32(B_(r), aw1, _mm512_mask_sub_epi8(x1, n1, _mm512_setzero_si512(), x1));
                 }
             }
             c += 8 * NT_I8 * 4;
         }
-        for (int r = 0; r < MR; r++) a[r] = _mm512_add_epi32(a[r], b[r]);
+        if (MR < 6)
+            for (int r = 0; r < MR; r++) a[r] = _mm512_add_epi32(a[r], b[r]);
+#undef B_
         const __m512 wsc = _mm512_loadu_ps(scp);
         scp += NT;
         for (int r = 0; r < MR; r++)
