@@ -111,7 +111,7 @@ class PackedLinear(nn.Module):
             return self.packed_weight
 
     def attach_lowbit(self, weight: LowBitWeight, max_rows: int, i8_max_rows: int = 0,
-                      invariant: bool = False) -> int:
+                      invariant: bool = False, invariant_kernel: str | None = None) -> int:
         """Also keep the weight as low-bit codes, used for inputs of at most ``max_rows`` rows.
 
         Small-batch decode steps are memory-bound: they read every weight
@@ -130,7 +130,7 @@ class PackedLinear(nn.Module):
                 :func:`tokenmill.quantization.lowbit.lowbit_linear`); 0: they run the dense oneDNN GEMM.
             invariant: batch-invariant mode (``--batch-invariant``, the default): every 2-D input, whatever
                 its number of rows, runs ONE kernel over the codes, chosen per layer at load time, never per
-                step (:func:`invariant_kernel`): by default the integer path (each row's activations
+                step (:func:`invariant_kernel_from_env`): by default the integer path (each row's activations
                 quantised to int8 per 32-column block on their own, exact integer sums with the codes, a
                 fixed float epilogue per block: invariant by construction, VNNI/AVX-512BW/AVX2 multiply-adds,
                 llama.cpp's Q8 activation scheme), or with ``TOKENMILL_CPU_INVARIANT_KERNEL=float32`` (or a
@@ -138,6 +138,8 @@ class PackedLinear(nn.Module):
                 output element is also fixed. In both the rows of a pass and the threads only split the
                 work (:file:`csrc/lowbit_gemm.c`), so a row's result depends only on that row, never on the
                 step's size. ``i8_max_rows`` is ignored.
+            invariant_kernel: ``int8`` or ``float32`` (the engine config's ``cpu_kernels.invariant_kernel``);
+                None: :func:`invariant_kernel_from_env` (the environment's).
 
         Returns:
             bytes held by the low-bit copy.
@@ -151,7 +153,8 @@ class PackedLinear(nn.Module):
         self.lowbit, self.lowbit_max_rows = weight, max_rows
         self.lowbit_invariant = invariant
         if invariant:       # one path at every size: the integer low-bit kernel where it serves the weight
-            use_i8 = invariant_kernel() == "int8" and weight.prepare_i8()
+            kernel = invariant_kernel if invariant_kernel is not None else invariant_kernel_from_env()
+            use_i8 = kernel == "int8" and weight.prepare_i8()
             self.lowbit_i8_min_rows, self.lowbit_i8_max_rows = 1, (1 << 62) if use_i8 else 0
             return weight.nbytes
         self.lowbit_i8_min_rows = max_rows + 1
@@ -299,7 +302,7 @@ def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype, switches: 
 INVARIANT_KERNEL_ENV = "TOKENMILL_CPU_INVARIANT_KERNEL"
 
 
-def invariant_kernel() -> str:
+def invariant_kernel_from_env() -> str:
     """The low-bit kernel every step size runs in batch-invariant mode: ``int8`` (default) or ``float32``.
 
     ``int8``: the integer path (activations quantised to int8 per row and 32-column block, exact integer
@@ -341,7 +344,8 @@ def int8_act_max_tokens(lowbit_limit: int, switches: CpuKernelSwitches | None = 
 
 
 def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int,
-                          i8_max_rows: int | None = None, invariant: bool = False) -> tuple[int, dict[str, int]]:
+                          i8_max_rows: int | None = None, invariant: bool = False,
+                          invariant_kernel: str | None = None) -> tuple[int, dict[str, int]]:
     """Give every :class:`PackedLinear` of ``model`` named in ``weights`` its low-bit copy.
 
     ``model.embed_tokens`` codes serve a tied logits head (``_logits_head``).
@@ -368,7 +372,8 @@ def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], ma
     for name, mod in model.named_modules():
         if name in weights and isinstance(mod, PackedLinear):
             w = weights[name]
-            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows, i8_max_rows, invariant)
+            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows, i8_max_rows, invariant,
+                                                                           invariant_kernel)
             count += 1
             i8_count += bool(mod.lowbit_i8_max_rows)
     if count:
@@ -377,7 +382,8 @@ def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], ma
     if invariant and count:
         logger.info("batch-invariant linears: %d layers on the low-bit codes at every step size (%d on the integer "
                     "low-bit kernel, the others on the float32 one; %s=%s; --no-batch-invariant: steps over %d "
-                    "tokens on the %s)", count, i8_count, INVARIANT_KERNEL_ENV, invariant_kernel(), max_rows,
+                    "tokens on the %s)", count, i8_count, INVARIANT_KERNEL_ENV,
+                    invariant_kernel if invariant_kernel is not None else invariant_kernel_from_env(), max_rows,
                     "integer low-bit path" if i8_max_rows else "dense oneDNN GEMM")
     elif i8_count:
         logger.info("integer low-bit path (int8 activations per 32 columns x the codes) for %d linear layers, "
