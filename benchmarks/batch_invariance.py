@@ -12,6 +12,8 @@ drifts over both alike, and the median of each arm is reported with the ratio in
   the 2048-token budget (the prompts take two steps, the second beside the first ones' decodes).
 
 Also checks, per workload, that the invariant arm's outputs do not change between repetitions.
+``--float32-arm`` adds the invariant mode on the float32 low-bit kernel (``TOKENMILL_CPU_INVARIANT_KERNEL=
+float32``; the default invariant kernel is the integer one), interleaved with the other two.
 
     python benchmarks/batch_invariance.py [--dtype bfloat16] [--reps 3] [--json out.json]
 
@@ -30,7 +32,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill import LLM, SamplingParams, envs  # noqa: E402
 
 
 def cpu_flags() -> list[str]:
@@ -85,22 +87,31 @@ def main() -> int:
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32])
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--json", default="")
+    ap.add_argument("--float32-arm", action="store_true",
+                    help="a third arm: the invariant mode on the float32 low-bit kernel "
+                         "(TOKENMILL_CPU_INVARIANT_KERNEL=float32)")
     args = ap.parse_args()
     common = dict(dtype=args.dtype, enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048,
                   kv_cache_memory="512MiB")
     load0 = loadavg()
     arms = {"invariant": LLM(batch_invariant=True, **common), "plain": LLM(batch_invariant=False, **common)}
+    if args.float32_arm:     # the invariant mode on the float32 low-bit kernel (the ablation of the int8 default)
+        envs.set("TOKENMILL_CPU_INVARIANT_KERNEL", "float32")
+        try:
+            arms["invariant-f32"] = LLM(batch_invariant=True, **common)
+        finally:
+            envs.unset("TOKENMILL_CPU_INVARIANT_KERNEL")
     vocab = arms["plain"].engine_core.executor.arch.vocab_size
     results: dict[str, dict[str, list[float]]] = {}
     stable: dict[str, bool] = {}
     for name, (prompts, params, count) in workloads(args, vocab).items():
-        run_once(arms["invariant"], prompts[:1], params[:1], count)   # warm-up (first-use packing, buffers)
-        run_once(arms["plain"], prompts[:1], params[:1], count)
-        rates: dict[str, list[float]] = {"invariant": [], "plain": []}
+        for arm in arms.values():       # warm-up (first-use packing, buffers)
+            run_once(arm, prompts[:1], params[:1], count)
+        rates: dict[str, list[float]] = {arm: [] for arm in arms}
         seen = None
         stable[name] = True
         for rep in range(args.reps):
-            order = ["invariant", "plain"] if rep % 2 == 0 else ["plain", "invariant"]
+            order = list(arms) if rep % 2 == 0 else list(arms)[::-1]
             for arm in order:
                 rate, ids = run_once(arms[arm], prompts, params, count)
                 rates[arm].append(rate)
@@ -109,10 +120,11 @@ def main() -> int:
                     seen = ids
         results[name] = rates
         inv, pl = statistics.median(rates["invariant"]), statistics.median(rates["plain"])
-        print(f"{name:>12}: invariant {inv:8.1f} {count} tok/s  plain {pl:8.1f}  ratio {inv / pl:5.3f}  "
-              f"(runs: {', '.join(f'{x:.1f}' for x in rates['invariant'])} | "
-              f"{', '.join(f'{x:.1f}' for x in rates['plain'])}; invariant outputs stable: {stable[name]})",
-              flush=True)
+        f32 = (f"  invariant-f32 {statistics.median(rates['invariant-f32']):8.1f} (ratio "
+               f"{statistics.median(rates['invariant-f32']) / pl:5.3f})") if "invariant-f32" in rates else ""
+        print(f"{name:>12}: invariant {inv:8.1f} {count} tok/s  plain {pl:8.1f}  ratio {inv / pl:5.3f}{f32}  "
+              f"(runs: {' | '.join(', '.join(f'{x:.1f}' for x in r) for r in rates.values())}; "
+              f"invariant outputs stable: {stable[name]})", flush=True)
     load1 = loadavg()
     print(f"machine: {' '.join(cpu_flags())}; {os.cpu_count()} CPUs; load average {load0} -> {load1}; "
           f"dtype {args.dtype}; reps {args.reps} interleaved")
@@ -121,7 +133,9 @@ def main() -> int:
             json.dump({"flags": cpu_flags(), "load_before": load0, "load_after": load1, "dtype": args.dtype,
                        "reps": args.reps, "results": results, "stable": stable,
                        "ratios": {k: statistics.median(v["invariant"]) / statistics.median(v["plain"])
-                                  for k, v in results.items()}}, f, indent=1)
+                                  for k, v in results.items()},
+                       "ratios_f32": {k: statistics.median(v["invariant-f32"]) / statistics.median(v["plain"])
+                                      for k, v in results.items() if "invariant-f32" in v}}, f, indent=1)
     return 0
 
 

@@ -51,7 +51,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from tokenmill import envs  # noqa: E402
 from tokenmill.model.layers.cpu_build import ISAS, isa_supported  # noqa: E402
-from tokenmill.quantization.lowbit import LowBitWeight, load_kernel, lowbit_linear, set_bf16_dot  # noqa: E402
+from tokenmill.quantization.lowbit import LowBitWeight, load_kernel, lowbit_linear, set_bf16_dot, set_vnni  # noqa: E402
 
 SHAPES = [(576, 960, 30), (576, 576, 30), (576, 3072, 30), (1536, 576, 30), (576, 49152, 1)]  # (K, N, count)
 
@@ -169,13 +169,15 @@ def per_shape(args) -> None:
     if args.baseline_csrc:
         for i in isas:
             libs[f"{i} baseline"] = load_baseline(args.baseline_csrc, i)
+    vnni_libs = [k for k, lib in libs.items() if lib is not None and "baseline" not in k and set_vnni(lib, True)]
     print(f"threads {args.threads}, integer path GMAC/s per shape (medians of {args.reps}, arms interleaved); "
           f"load average {os.getloadavg()[0]:.1f}")
     names = ["Q4_1 576->960 (qkv)", "Q4_1 576->576 (o)", "Q4_1 576->3072 (gate/up)", "Q4_1 1536->576 (down)",
              "Q8_0 576->49152 (head)"]
     for m in (int(r) for r in args.rows.split(",")):
         print(f"\nM={m} rows")
-        hdr = [f"ours {k}" for k in libs] + ["torch _int_mm", "fp32 oneDNN"]
+        hdr = ([f"ours {k}" for k in libs] + [f"ours {k} no-VNNI" for k in vnni_libs]
+               + ["ours f32 path", "torch _int_mm", "fp32 oneDNN"])
         print(f"{'shape':<26}" + "".join(f"{h:>22}" for h in hdr))
         tot = {h: 0.0 for h in hdr}
         for (k, n, count), name in zip(SHAPES, names):
@@ -195,6 +197,13 @@ def per_shape(args) -> None:
                     w = LowBitWeight(lb.out_features, lb.in_features, lb.bits, lb.group, lb.codes, lb.scale,
                                      lb.min, lb.fmt, lb.codes_i8)
                     fns[f"ours {key}"] = (lambda w=w, lib=lib: lowbit_linear(x, w, lib=lib, int8_act=True))
+                    if key in vnni_libs:       # the same library with its AVX512-VNNI switch off, then on again
+                        def no_vnni(w=w, lib=lib):
+                            set_vnni(lib, False)
+                            lowbit_linear(x, w, lib=lib, int8_act=True)
+                            set_vnni(lib, True)
+                        fns[f"ours {key} no-VNNI"] = no_vnni
+            fns["ours f32 path"] = lambda: lowbit_linear(x, lb, lib=libs[isas[0]])
             a8 = torch.randint(-127, 128, (max(m, 17), k), dtype=torch.int8)
             b8 = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
             fns["torch _int_mm"] = lambda: torch._int_mm(a8, b8)

@@ -21,7 +21,8 @@
    included) and prints ``actual / bound``; for the prefill also the reached
    share of the measured GEMM rate.
 4. With ``--breakdown``, times the parts of each step (weight GEMMs with
-   the LM head, attention, sampling, input preparation, the rest) and sets
+   the LM head, attention, element-wise kernels, embedding, sampling, input
+   preparation, the rest; a step-graph step per prepared call) and sets
    the GEMMs and the attention against their own bounds and against the
    whole step's bound: where the step loses against the roofline.
 5. Runs a real :class:`EngineCore` with 64 requests to report the share of a
@@ -87,7 +88,7 @@ def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
 
 # --------------------------------------------------------------------------- model cost
 def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
-                    int4_linear: bool = False) -> dict[str, tuple[float, float]]:
+                    int4_linear: bool = False, head_bytes: float | None = None) -> dict[str, tuple[float, float]]:
     """``{"linear": (bytes, flops), "attention": (bytes, flops)}`` of one step.
 
     ``linear`` is every GEMM with a weight (q/k/v/o, gate/up/down and the LM
@@ -103,6 +104,8 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
         int4_linear: the block linears read 4-bit weights (0.5 byte per
             weight + a bfloat16 scale and zero per 32: 0.625 bytes), as the
             runner's small-step int4 path does; the LM head keeps ``dtype_bytes``.
+        head_bytes: bytes per LM-head (embedding) weight when it reads low-bit codes (Q8_0: 1.0625);
+            None: ``dtype_bytes``.
     """
     h, i, L = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
     nh, kvh, d, v = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.vocab_size
@@ -111,7 +114,8 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
     tokens = sum(query_lens)
     kv_tok = 2 * L * kvh * d * dtype_bytes
     weight_bytes = (linear * (0.625 if int4_linear else dtype_bytes)
-                    + (emb + (0 if arch.tie_word_embeddings else emb)) * dtype_bytes)
+                    + emb * (dtype_bytes if head_bytes is None else head_bytes)
+                    + (0 if arch.tie_word_embeddings else emb * dtype_bytes))
     kv_bytes = sum(c + q for c, q in zip(contexts, query_lens)) * kv_tok + tokens * kv_tok
     # attention: each query token t (0-based in its chunk) sees c + t + 1 keys; QK^T and PV are 2 flops each
     attn_keys = sum(q * c + q * (q + 1) // 2 for c, q in zip(contexts, query_lens))
@@ -120,10 +124,30 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
 
 
 def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
-              int4_linear: bool = False) -> tuple[float, float]:
+              int4_linear: bool = False, head_bytes: float | None = None) -> tuple[float, float]:
     """``(bytes, flops)`` of one step: the sum of :func:`step_cost_parts`."""
-    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows, int4_linear).values()
+    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows, int4_linear, head_bytes).values()
     return sum(b for b, _ in parts), sum(f for _, f in parts)
+
+
+#: GGUF bytes per weight of the formats the packaged model's LM head (tied embedding) may read as codes.
+_HEAD_BYTES = {"Q8_0": 34 / 32, "Q4_0": 18 / 32, "Q4_1": 20 / 32}
+
+
+def weights_read(runner, tokens: int) -> tuple[bool, float | None, str]:
+    """What a ``tokens``-token step's linears read: ``(block linears on 4-bit codes, LM-head bytes per weight
+    or None for the dtype's, the kernel path)``, from the layers' own :meth:`PackedLinear.lowbit_path` (in
+    batch-invariant mode the codes at every size; otherwise up to the low-bit limit)."""
+    from tokenmill.model.layers.linear import PackedLinear
+
+    model = runner.model
+    block = [m for m in model.model.layers.modules() if isinstance(m, PackedLinear) and m.lowbit is not None]
+    path = block[0].lowbit_path(tokens) if block else "dense"
+    head = getattr(model, "_logits_head", None)
+    hb = None
+    if isinstance(head, PackedLinear) and head.lowbit is not None and head.lowbit_path(1) != "dense":
+        hb = _HEAD_BYTES.get(head.lowbit.fmt, head.lowbit.bits / 8 + 4 / 32)
+    return path != "dense", hb, path
 
 
 # --------------------------------------------------------------------------- tokenmill's step
@@ -161,22 +185,33 @@ def time_step(runner, so, reps: int) -> float:
     return statistics.median(ts)
 
 
+#: The parts :func:`step_breakdown` reports, in print order.
+PARTS = ("linear", "attention", "elementwise", "embedding", "sampling", "prepare", "other")
+
+
 def step_breakdown(runner, so, reps: int) -> dict[str, float]:
     """Median seconds per part of ``runner.execute_model(so)``.
 
-    Parts: ``linear`` (every ``nn.Linear``/``PackedLinear`` GEMM, the LM head
-    included), ``attention`` (the backend's ``forward``: KV write + paged
-    attention), ``sampling`` (the sampler, after the LM head), ``prepare``
-    (input preparation) and ``other`` (norms, RoPE, activations, embedding,
-    Python between them). Linears are timed with forward hooks and the
-    backend by wrapping its ``forward``; that adds a few microseconds per
-    call, so ``step`` is the median of separate uninstrumented runs.
+    Parts (:data:`PARTS`): ``linear`` (every weight GEMM, the LM head included), ``attention`` (K/V write +
+    paged attention), ``elementwise`` (add+RMSNorm, RoPE, SiLU-and-multiply), ``embedding`` (the token
+    lookup and the RoPE tables), ``sampling`` (the sampler, after the LM head), ``prepare`` (input
+    preparation) and ``other``: the step's time minus all of them (Python between the calls, the runner's
+    bookkeeping).
+
+    Where the runner's :class:`~tokenmill.model.step_graph.CpuStepGraph` serves the step (decode-only steps;
+    it calls the kernels directly, so module hooks never see them), every prepared call is timed by the
+    graph itself (``CpuStepGraph.profile``) and booked by :meth:`~tokenmill.model.step_graph.CpuStepGraph.call_kind`;
+    the LM head (outside the graph) by a forward hook. In an eager step linears are timed with forward hooks
+    and the attention backend by wrapping its ``forward``; ``elementwise`` and ``embedding`` are then part of
+    ``other`` (reported as 0). Timers add ~0.1-1 us per call, so ``step`` is the median of separate
+    uninstrumented runs and ``parts`` the instrumented step the parts came from.
     """
     from torch import nn
 
     from tokenmill.model.layers.linear import PackedLinear
 
     model = runner.model
+    graph = getattr(runner, "step_graph", None)
     head = getattr(model, "_logits_head", None) or getattr(model, "lm_head", None)
     acc = {"linear": 0.0, "head": 0.0, "attention": 0.0}
     starts: dict[int, float] = {}
@@ -209,16 +244,27 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
         runner.execute_model(so)
         for _ in range(reps):
             acc.update(linear=0.0, head=0.0, attention=0.0)
+            prof: dict[str, float] = {}
+            if graph is not None:
+                graph.profile = prof
             t0 = time.perf_counter()
             runner.execute_model(so)
             total = time.perf_counter() - t0
+            if graph is not None:
+                graph.profile = None
             t = runner.last_timings
-            rows.append({"linear": acc["linear"], "attention": acc["attention"],
-                         "sampling": max(0.0, t["sample"] - acc["head"]), "prepare": t["prepare"],
-                         "other": max(0.0, total - acc["linear"] - acc["attention"] - t["prepare"]
-                                      - (t["sample"] - acc["head"]))})
+            row = {"linear": acc["linear"] + prof.get("linear", 0.0),
+                   "attention": acc["attention"] + prof.get("attention", 0.0),
+                   "elementwise": prof.get("elementwise", 0.0), "embedding": prof.get("embedding", 0.0),
+                   "sampling": max(0.0, t["sample"] - acc["head"]), "prepare": t["prepare"]}
+            row["other"] = max(0.0, total - sum(row.values()))
+            row["parts"] = total
+            row["graph"] = float(bool(prof))
+            rows.append(row)
     finally:
         del backend.forward
+        if graph is not None:
+            graph.profile = None
         for hd in handles:
             hd.remove()
     out = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
@@ -266,6 +312,8 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the parts of each eager step (weight GEMMs, attention, sampling, rest) "
                          "against each part's own bound")
+    ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
+                    help="the per-step-size kernels (default: the batch-invariant mode, as the engine's default)")
     args = ap.parse_args()
 
     from tokenmill.config import EngineConfig
@@ -289,12 +337,13 @@ def main() -> None:
     need_blocks = max(max(batches) * (-(-(args.context + 1) // 16)), -(-args.prefill // 16)) + 8
     cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_kv_blocks=need_blocks,
                                    max_model_len=max(max_ctx, 1024), enforce_eager=True,
-                                   max_num_seqs=max(batches), enable_prefix_caching=False)
+                                   max_num_seqs=max(batches), enable_prefix_caching=False,
+                                   batch_invariant=args.batch_invariant)
     t0 = time.perf_counter()
     runner = ModelRunner.from_config(cfg)
-    print(f"runner ready in {time.perf_counter() - t0:.1f} s"
-          + (f"; block linears read int4 weights in steps of <= {runner.lowbit_max_tokens} tokens (bound uses "
-             f"their bytes)" if runner.lowbit_max_tokens else ""))
+    print(f"runner ready in {time.perf_counter() - t0:.1f} s; batch-invariant {runner.batch_invariant}"
+          + (f"; block linears read int4 codes ({'at every step size' if runner.batch_invariant else f'in steps of <= {runner.lowbit_max_tokens} tokens'};"
+             f" the bound uses their bytes)" if runner.lowbit_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
 
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
@@ -314,16 +363,24 @@ def main() -> None:
         eager = [min(a, time_step(runner, so, args.reps)) for a, so in zip(eager, steps)]
         runner.compile_buckets = saved
 
-    print(f"\n{'step':<22}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
-          f"{'eager ms':>10}{'ratio':>9}{'GFLOP/s':>9}" + (f"{'compiled':>10}{'ratio':>9}" if compiled else ""))
+    print(f"\nbound = max(bytes / bandwidth, FLOPs / the {args.dtype} GEMM rate); 'i8 bound' (steps whose linears run "
+          f"the integer path): their FLOPs at the int8 GEMM rate instead, the stricter roof of that arithmetic")
+    print(f"{'step':<22}{'path':>5}{'MB read':>9}{'GFLOP':>8}{'mem ms':>8}{'cmp ms':>8}{'bound ms':>9}"
+          f"{'eager ms':>10}{'ratio':>9}{'GFLOP/s':>9}{'i8 bound':>9}{'ratio':>8}"
+          + (f"{'compiled':>10}{'ratio':>9}" if compiled else ""))
     for k, (name, ql, ctx) in enumerate(cases):
-        nbytes, flops = step_cost(arch, eb, ql, ctx, sample_rows=len(ql),
-                                  int4_linear=sum(ql) <= runner.lowbit_max_tokens)
+        low, hb, path = weights_read(runner, sum(ql))
+        parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
+        nbytes, flops = sum(b for b, _ in parts.values()), sum(f for _, f in parts.values())
         t_mem, t_cmp = nbytes / (bw * 1e9), flops / (gemm * 1e9)
         bound = max(t_mem, t_cmp)
         actual = eager[k]
-        line = (f"{name:<22}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
-                f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>8.2f}x{flops / actual / 1e9:>9.0f}")
+        i8 = f"{'-':>9}{'':>8}"
+        if path == "i8" and rates["int8"] > 0:
+            b8 = max(t_mem, parts["linear"][1] / (rates["int8"] * 1e9) + parts["attention"][1] / (gemm * 1e9))
+            i8 = f"{b8 * 1e3:>9.2f}{actual / b8:>7.2f}x"
+        line = (f"{name:<22}{path:>5}{nbytes / 1e6:>9.1f}{flops / 1e9:>8.2f}{t_mem * 1e3:>8.2f}{t_cmp * 1e3:>8.2f}"
+                f"{bound * 1e3:>9.2f}{actual * 1e3:>10.2f}{actual / bound:>8.2f}x{flops / actual / 1e9:>9.0f}{i8}")
         if compiled:
             line += f"{compiled[k] * 1e3:>10.2f}{compiled[k] / bound:>8.2f}x"
         print(line)
@@ -336,18 +393,21 @@ def main() -> None:
               f"{'/ step bound':>14}")
         for k, (name, ql, ctx) in enumerate(cases):
             br = step_breakdown(runner, steps[k], args.reps)
-            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql),
-                                    int4_linear=sum(ql) <= runner.lowbit_max_tokens)
+            low, hb, _ = weights_read(runner, sum(ql))
+            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
             step_bound = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
                              sum(f for _, f in parts.values()) / (gemm * 1e9))
-            for part in ("linear", "attention", "sampling", "prepare", "other"):
+            print(f"{name:<22}{'(' + ('step graph' if br['graph'] else 'eager') + ')':<11}")
+            for part in PARTS:
                 t = br[part]
-                line = f"{name if part == 'linear' else '':<22}{part:<11}{t * 1e3:>8.2f}{t / br['step']:>7.0%}"
+                line = f"{'':<22}{part:<11}{t * 1e3:>8.2f}{t / br['parts']:>7.0%}"
                 if part in parts:
                     nbytes, flops = parts[part]
                     pb = max(nbytes / (bw * 1e9), flops / (gemm * 1e9))
                     line += f"{pb * 1e3:>10.2f}{t / pb:>8.2f}x{t / step_bound:>13.2f}x"
                 print(line)
+            print(f"{'':<22}{'(timed)':<11}{br['parts'] * 1e3:>8.2f}{'':>7}  the instrumented step the "
+                  f"shares are of")
             print(f"{'':<22}{'step':<11}{br['step'] * 1e3:>8.2f}{'':>7}{step_bound * 1e3:>10.2f}"
                   f"{br['step'] / step_bound:>8.2f}x")
 

@@ -108,6 +108,13 @@ def _int8_act(raw: str) -> str | int:
     return value
 
 
+def _invariant_kernel(raw: str) -> str:
+    value = raw.strip().lower()
+    if value not in ("int8", "float32"):
+        raise ValueError(f"TOKENMILL_CPU_INVARIANT_KERNEL must be int8 or float32, got {raw!r}")
+    return value
+
+
 def _int4_group(raw: str) -> int:
     raw = raw.strip()
     if not raw:
@@ -151,6 +158,8 @@ _DECLARED = [
            "used; steps run dense weights).", _on_unless_zero, _CPU, in_weight_key=True),
     EnvVar("TOKENMILL_CPU_LOWBIT_BF16_DOT", "bool", True, "0: the low-bit kernel's AVX512-BF16 dot-product path "
            "stays off.", _on_unless_zero, _CPU),
+    EnvVar("TOKENMILL_CPU_LOWBIT_VNNI", "bool", True, "0: the integer low-bit path keeps AVX-512BW multiply-adds "
+           "even where the CPU has AVX512-VNNI (same bits, slower; an ablation).", _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_PACKED_LINEAR", "bool", True, "0: plain torch linears instead of oneDNN-prepacked "
            "weights.", _on_unless_zero, _CPU, in_weight_key=True),
     EnvVar("TOKENMILL_CPU_PACK_BACKGROUND", "bool", True, "0: prepack the oneDNN weights before serving instead "
@@ -158,6 +167,10 @@ _DECLARED = [
     EnvVar("TOKENMILL_CPU_INT4_MAX_TOKENS", "int >= 0", 8, "Largest step (tokens) whose linears run the GGUF's "
            "low-bit codes; 0 turns that path off.", _non_negative_int("TOKENMILL_CPU_INT4_MAX_TOKENS"), _CPU,
            in_weight_key=True),
+    EnvVar("TOKENMILL_CPU_INVARIANT_KERNEL", "int8 | float32", "int8", "The low-bit kernel every step size "
+           "runs under --batch-invariant: int8 (int8 activations per 32 columns x the codes; fastest) or float32 "
+           "(the float32 low-bit path; closer to the dequantised weights, slower for batches and prefill).",
+           _invariant_kernel, _CPU),
     EnvVar("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS", "auto | int >= 0", "auto", "Largest step (tokens) on the integer "
            "path (int8 activations x the codes); auto: on for the AVX2 variant, off for AVX-512.", _int8_act, _CPU),
     EnvVar("TOKENMILL_CPU_KV_BF16", "bool", True, "0: --kv-cache-dtype auto keeps float32 for a float32 model on "

@@ -62,6 +62,7 @@ class CpuKernelSwitches:
     attention_kernel: bool = _env("TOKENMILL_CPU_ATTENTION_KERNEL")
     fused_ops: bool = _env("TOKENMILL_CPU_FUSED_OPS")
     lowbit_bf16_dot: bool = _env("TOKENMILL_CPU_LOWBIT_BF16_DOT")
+    invariant_kernel: str = _env("TOKENMILL_CPU_INVARIANT_KERNEL")
     int4_group_size: int = _env("TOKENMILL_INT4_GROUP_SIZE")
 
     def __post_init__(self) -> None:
@@ -73,6 +74,8 @@ class CpuKernelSwitches:
                                                        and self.int8_act_max_tokens >= 0):
             raise ValueError("TOKENMILL_CPU_INT8_ACT_MAX_TOKENS must be 'auto' or >= 0, got "
                              f"{self.int8_act_max_tokens!r}")
+        if self.invariant_kernel not in ("int8", "float32"):
+            raise ValueError(f"TOKENMILL_CPU_INVARIANT_KERNEL must be int8 or float32, got {self.invariant_kernel!r}")
         if self.step_graph_max_tokens is not None and self.step_graph_max_tokens <= 0:
             raise ValueError(f"TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS must be > 0, got {self.step_graph_max_tokens}")
         if not 32 <= self.int4_group_size <= 128 or self.int4_group_size % 4:

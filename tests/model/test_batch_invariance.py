@@ -5,7 +5,9 @@ Three levels, each for every kernel variant (``avx512``, ``avx2``, ``scalar``: b
 a variant this CPU cannot run is skipped with its reason) and both activation dtypes:
 
 1. the low-bit GEMM: row ``i`` of an ``M``-row call equals the same row computed alone, for many ``M``
-   and 1 or 2 threads (float32 activations; bfloat16 activations on the FMA and the AVX512-BF16 dot paths);
+   and 1 or 2 threads, on the integer path the invariant mode runs by default (AVX-512BW, AVX512-VNNI,
+   AVX2, scalar multiply-adds) and the float32 path (FMA; bfloat16 activations also on the AVX512-BF16 dot
+   products), float32 and bfloat16 activations;
 2. the attention backend with ``batch_invariant=True``: a request's output rows are equal whether its
    tokens run as one prefill, in chunks after a cached prefix, one decode step at a time, or beside other
    requests, for model-dtype and int8 KV caches;
@@ -52,37 +54,51 @@ ROW_COUNTS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 70)
 
 
 @pytest.mark.parametrize("isa", cpu_build.ISAS)
-@pytest.mark.parametrize("act", ["float32", "bfloat16", "bfloat16-dot"])
+@pytest.mark.parametrize("act", ["float32", "bfloat16", "bfloat16-dot", "int8", "int8-bfloat16", "int8-vnni",
+                                 "int8-vnni-bfloat16"])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_lowbit_gemm_rows_do_not_depend_on_the_step(isa, act, bits):
+    """Both low-bit kernels: the float32 path (FMA, or AVX512-BF16 dot products) and the integer path the
+    invariant mode runs by default (``int8*``: int8 activations; AVX-512BW/AVX2/scalar multiply-adds, or
+    AVX512-VNNI for ``-vnni``), float32 or bfloat16 activations. The integer path is also run on a weight
+    of 33 tiles, where every thread quantises the rows itself (fewer tiles: quantised once, shared)."""
     _isa_or_skip(isa)
     lib = lowbit.load_kernel(isa)
     if lib is None:
         pytest.skip(f"the {isa} low-bit kernel did not build (no C compiler?)")
-    dot = act == "bfloat16-dot"
+    dot, int8, vnni = act == "bfloat16-dot", act.startswith("int8"), "vnni" in act
     if dot and not lowbit.set_bf16_dot(lib, True):
         pytest.skip(f"no AVX512-BF16 dot-product path in the {isa} variant on this CPU")
+    if vnni and not lowbit.set_vnni(lib, True):
+        pytest.skip(f"no AVX512-VNNI integer path in the {isa} variant on this CPU")
     if not dot:
         lowbit.set_bf16_dot(lib, False)
+    if int8 and not vnni:
+        lowbit.set_vnni(lib, False)
     try:
-        w = _weight(80, 192, bits, seed=bits)
-        dtype = torch.float32 if act == "float32" else torch.bfloat16
+        dtype = torch.bfloat16 if act.endswith("bfloat16") else torch.float32
         x = torch.randn(max(ROW_COUNTS), 192, generator=torch.Generator().manual_seed(1)).to(dtype)
-        alone = torch.cat([lowbit_linear(x[i:i + 1], w, lib=lib) for i in range(x.shape[0])])
-        threads = torch.get_num_threads()
-        try:
-            for t in sorted({1, max(threads, 2)}):
-                torch.set_num_threads(t)
-                for m in ROW_COUNTS:
-                    y = lowbit_linear(x[:m], w, lib=lib)
-                    assert torch.equal(y, alone[:m]), (isa, act, bits, m, t)
-                    # a step whose rows start elsewhere in the batch (the request's place in it)
-                    y = lowbit_linear(x[max(0, m - 5):m + 3], w, lib=lib)
-                    assert torch.equal(y, alone[max(0, m - 5):m + 3]), (isa, act, bits, m, t)
-        finally:
-            torch.set_num_threads(threads)
+        for n in ((80, 528) if int8 else (80,)):
+            w = _weight(n, 192, bits, seed=bits)
+            if int8:
+                assert w.prepare_i8(lib)
+            run = lambda rows: lowbit_linear(rows, w, lib=lib, int8_act=int8)  # noqa: E731
+            alone = torch.cat([run(x[i:i + 1]) for i in range(x.shape[0])])
+            threads = torch.get_num_threads()
+            try:
+                for t in sorted({1, max(threads, 2)}):
+                    torch.set_num_threads(t)
+                    for m in ROW_COUNTS:
+                        y = run(x[:m])
+                        assert torch.equal(y, alone[:m]), (isa, act, bits, n, m, t)
+                        # a step whose rows start elsewhere in the batch (the request's place in it)
+                        y = run(x[max(0, m - 5):m + 3])
+                        assert torch.equal(y, alone[max(0, m - 5):m + 3]), (isa, act, bits, n, m, t)
+            finally:
+                torch.set_num_threads(threads)
     finally:
         lowbit.set_bf16_dot(lib, True)
+        lowbit.set_vnni(lib, True)
 
 
 def _attention_rows(backend, q, k, v, pool, scales, reqs) -> dict[int, torch.Tensor]:
@@ -259,9 +275,14 @@ def variant_env(monkeypatch, request):
 
 @pytest.mark.parametrize("variant_env", cpu_build.ISAS, indirect=True)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, tmp_path):
+@pytest.mark.parametrize("kernel", ["int8", "float32"])
+def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, kernel, tmp_path, monkeypatch):
+    """``kernel``: the invariant mode's low-bit kernel (``TOKENMILL_CPU_INVARIANT_KERNEL``; int8 is the
+    default)."""
     from tokenmill import LLM
-    from tokenmill.model.layers.linear import lowbit_max_tokens
+    from tokenmill.model.layers.linear import PackedLinear, lowbit_max_tokens
+
+    monkeypatch.setenv("TOKENMILL_CPU_INVARIANT_KERNEL", kernel)
 
     if not lowbit_max_tokens("cpu", getattr(torch, dtype)):
         pytest.skip(f"no low-bit path for {dtype} on this machine (oneDNN bfloat16 or the C kernel missing)")
@@ -274,6 +295,8 @@ def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, tmp_pa
         return LLM(**{**base, "num_kv_blocks": 64, **kw})
 
     alone_llm = engine(max_num_seqs=1)
+    lin = [m for m in alone_llm.engine_core.executor.model.modules() if isinstance(m, PackedLinear) and m.lowbit]
+    assert lin and all(m.lowbit_path(n) == ("i8" if kernel == "int8" else "f32") for m in lin for n in (1, 9, 600))
     alone = [_serve(alone_llm, [p], [sp], [0], 2)[0] for p, sp in zip(prompts, params)]
     # raw logprobs (the default --logprobs-mode) do not depend on the sampling parameters: the first
     # position of the greedy request, asked again with temperature, top-p and top-k
@@ -284,7 +307,7 @@ def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, tmp_pa
     first = _serve(alone_llm, [prompts[0], prompts[0]], [greedy3, sampled], [0, 0], 2)
     assert first[0][1][0][1:] == first[1][1][0][1:] == (alone[0][1][0][1], alone[0][1][0][2][:3])
     del alone_llm
-    rng = random.Random(f"{variant_env}-{dtype}")
+    rng = random.Random(f"{variant_env}-{dtype}-{kernel}")
     differs = False
     for trial in range(3):
         kw = dict(max_num_batched_tokens=rng.choice([8, 16, 37, 64, 512]), max_num_seqs=rng.choice([2, 3, 6]),
@@ -296,10 +319,11 @@ def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, tmp_pa
             kw.update(speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                           "prompt_lookup_max": 2})
         llm = engine(**kw)
-        arrivals = [rng.randrange(0, 12) for _ in prompts]
+        # staggered arrivals; the small pool's trial admits them within 3 steps so that they must preempt
+        arrivals = [rng.randrange(0, 3 if small else 12) for _ in prompts]
         threads = rng.choice([1, 2])
         got = _serve(llm, prompts, params, arrivals, threads)
-        ctx = (variant_env, dtype, kw, arrivals, threads)
+        ctx = (variant_env, dtype, kernel, kw, arrivals, threads)
         if small:
             assert llm.engine_core.scheduler.num_preemptions_total > 0, ctx
         for i, (a, b) in enumerate(zip(alone, got)):

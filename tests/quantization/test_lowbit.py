@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.model.layers.cpu_build import ISAS, isa_supported
-from tokenmill.quantization.lowbit import LowBitWeight, cpu_flags, load_kernel, lowbit_linear, set_bf16_dot
+from tokenmill.quantization.lowbit import LowBitWeight, cpu_flags, load_kernel, lowbit_linear, set_bf16_dot, set_vnni
 
 # Tolerances (relative to the output's largest magnitude): float32 activations differ from the dequantised
 # reference only in summation order; bfloat16 outputs add one bfloat16 rounding (2^-8 relative).
@@ -22,6 +22,24 @@ def _lib(isa: str):
         pytest.skip("no C compiler: the low-bit kernel cannot be built here")
     assert lib.tm_lowbit_isa().decode() == isa          # the variant really has that ISA's path compiled in
     return lib
+
+
+#: The integer path's variants: every ISA build, the avx512 one with its AVX-512BW multiply-adds and with
+#: AVX512-VNNI (VPDPBUSD, chosen at run time where the CPU has it).
+I8_VARIANTS = ("avx512-vnni", "avx512", "avx2", "scalar")
+
+
+@pytest.fixture
+def i8_lib(request):
+    """The kernel library of an :data:`I8_VARIANTS` entry, its VNNI switch set (restored afterwards)."""
+    variant = request.param
+    lib = _lib(variant.removesuffix("-vnni"))
+    vnni = variant.endswith("-vnni")
+    if set_vnni(lib, vnni) != vnni:
+        set_vnni(lib, True)
+        pytest.skip(f"no AVX512-VNNI on this CPU ({variant} needs it)")
+    yield lib
+    set_vnni(lib, True)
 
 
 def _weight(bits: int, n: int, k: int, group: int, with_min: bool, seed: int = 0) -> LowBitWeight:
@@ -172,13 +190,13 @@ def _no_ties(x: torch.Tensor, sb: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
 @pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 32, False), (4, 128, True), (4, 16, False),
                                                  (8, 32, False), (8, 32, True), (8, 16, True), (8, 64, True)])
-def test_int8_activation_path_matches_its_reference(isa, bits, group, with_min):
-    """Every ISA variant's integer path (AVX2 VPMADDUBSW, AVX-512BW, scalar C) against the same quantisation
-    in float64, and within the stated tolerance of the dequantised float32 GEMM."""
-    lib = _lib(isa)
+def test_int8_activation_path_matches_its_reference(i8_lib, bits, group, with_min):
+    """Every variant's integer path (AVX2 VPMADDUBSW, AVX-512BW, AVX512-VNNI, scalar C) against the same
+    quantisation in float64, and within the stated tolerance of the dequantised float32 GEMM."""
+    lib, isa = i8_lib, i8_lib.tm_lowbit_isa().decode()
     n, k = 40, 256                                   # two full tiles and a partial one
     w = _weight(bits, n, k, group, with_min, seed=7)
     assert w.prepare_i8(lib) and w.codes_i8 is not None and w.codes_i8.shape == w.codes.shape
@@ -205,13 +223,13 @@ def test_int8_activation_path_matches_its_reference(isa, bits, group, with_min):
         assert (got_b.double() - ref_b).abs().max().item() <= TOL_BF16_OUT * scale
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (8, 32, False), (4, 128, True)])
-def test_int8_activation_path_thread_private_quantisation(isa, threads, bits, group, with_min):
+def test_int8_activation_path_thread_private_quantisation(i8_lib, threads, bits, group, with_min):
     """Weights of at least 16 tiles per thread quantise the activations in every thread (17 tiles: with one
     thread that path, with two the shared one); both against the float64 reference, rows in two chunks."""
-    lib = _lib(isa)
+    lib, isa = i8_lib, i8_lib.tm_lowbit_isa().decode()
     n, k = 264, 128                                  # 16 full tiles and a partial one
     w = _weight(bits, n, k, group, with_min, seed=11)
     assert w.prepare_i8(lib)
@@ -228,6 +246,32 @@ def test_int8_activation_path_thread_private_quantisation(isa, threads, bits, gr
             assert torch.equal(got, again)
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("bits,with_min", [(4, True), (4, False), (8, False), (8, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vnni_integer_path_is_bit_identical_to_avx512bw(bits, with_min, dtype):
+    """VPDPBUSD and VPMADDUBSW + VPMADDWD give the same exact integer sums and share the float epilogue, so
+    the VNNI switch changes no bit (8-bit codes of -128 and extreme activations included)."""
+    lib = _lib("avx512")
+    if not set_vnni(lib, True):
+        pytest.skip("no AVX512-VNNI on this CPU: the VNNI path cannot run here")
+    try:
+        w = _weight(bits, 72, 576, 32, with_min, seed=3)
+        if bits == 8:                                    # the extreme codes
+            q = w.unpacked_codes()
+            q[0, :8] = -128
+            q[1, :8] = 127
+            w = LowBitWeight.from_codes(q, w._rows(w.scale), None if w.min is None else w._rows(w.min), 8)
+        assert w.prepare_i8(lib)
+        x = (torch.randn(37, 576) * torch.logspace(-3, 3, 576)).to(dtype)   # blocks of very different scales
+        x[3, 64:96] = 0
+        vnni = lowbit_linear(x, w, lib=lib, int8_act=True)
+        set_vnni(lib, False)
+        bw = lowbit_linear(x, w, lib=lib, int8_act=True)
+        assert torch.equal(vnni, bw)
+    finally:
+        set_vnni(lib, True)
 
 
 def test_int8_activation_path_needs_blocks_that_fit():

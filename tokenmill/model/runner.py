@@ -257,7 +257,8 @@ class ModelRunner:
         if hasattr(backend, "batch_invariant"):
             backend.batch_invariant = self.batch_invariant
         if lowbit_limit and attach_lowbit_weights(model, lowbit_weights, lowbit_limit, plan.int8_act_max_tokens,
-                                                  invariant=self.batch_invariant)[0]:
+                                                  invariant=self.batch_invariant,
+                                                  invariant_kernel=config.cpu_kernels.invariant_kernel)[0]:
             self.lowbit_max_tokens = lowbit_limit
 
         self.weight_bytes = weight_bytes_by_format(model)

@@ -50,6 +50,7 @@ returns live in a buffer the next call overwrites.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -193,6 +194,9 @@ class CpuStepGraph:
         lin = model.model.layers[0].self_attn.qkv_proj
         self._lora_mod = lin if _lora_base(lin) is not lin else None
         self._lora_on, self._threads = False, 1
+        #: None, or a dict that :meth:`run` adds each part's seconds to (:meth:`call_kind` names the parts,
+        #: plus ``embedding``): ``benchmarks/roofline.py --breakdown`` reads it. Off in serving.
+        self.profile: dict[str, float] | None = None
         self.capacity = 0
         self._ensure_capacity(min(self.max_tokens, max(lowbit_tokens, 1)))   # grows with the steps seen
         logger.info("CPU step graph: decode steps of <= %d tokens run as ~%d prepared kernel calls per step (%s; "
@@ -307,6 +311,27 @@ class CpuStepGraph:
         calls.append((self._norm, (p(mlp), p(res), p(res), p(fn.weight), p(self.final), m, h, float(fn.eps), nt)))
         return calls
 
+    def call_kind(self, fn) -> str:
+        """The part of a step a prepared call belongs to: ``linear`` (weight GEMMs: low-bit kernels, oneDNN,
+        a LoRA layer's base call and delta), ``attention`` (K/V write, the query copy, paged decode
+        attention) or ``elementwise`` (add+RMSNorm, RoPE, SiLU-and-multiply)."""
+        if fn in (self._gemm, self._gemm_i8) or getattr(fn, "__name__", "") in ("dense", "with_lora"):
+            return "linear"
+        if fn in (self._kv_write, self._decode) or getattr(fn, "__name__", "") == "copy_":
+            return "attention"
+        if fn in (self._norm, self._rope, self._silu):
+            return "elementwise"
+        raise ValueError(f"unknown step-graph call {fn!r}")
+
+    def _run_profiled(self, calls: list) -> None:
+        """The calls of :meth:`run`, each timed into :attr:`profile` under :meth:`call_kind`."""
+        prof, clock = self.profile, time.perf_counter
+        kinds = [self.call_kind(fn) for fn, _ in calls]
+        for (fn, args), kind in zip(calls, kinds):
+            t0 = clock()
+            fn(*args)
+            prof[kind] = prof.get(kind, 0.0) + clock() - t0
+
     # -- running ------------------------------------------------------------
     def accepts(self, num_tokens: int, max_query_len: int, padded_tokens: int) -> bool:
         """True for a decode-only step (every request one token) of at most ``max_tokens`` tokens, unpadded."""
@@ -346,10 +371,15 @@ class CpuStepGraph:
                 self._calls.clear()
                 self._biases.clear()
             calls = self._calls[key] = self._build(m, slot_mapping, block_tables, seq_lens, threads)
+        t0 = time.perf_counter() if self.profile is not None else 0.0
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=self.res[:m])
         cos, sin = self.model.rotary_emb.cos_sin(positions, self.dtype)
         self.cos[:m].copy_(cos.view(m, -1))
         self.sin[:m].copy_(sin.view(m, -1))
-        for fn, args in calls:
-            fn(*args)
+        if self.profile is None:
+            for fn, args in calls:
+                fn(*args)
+        else:
+            self.profile["embedding"] = self.profile.get("embedding", 0.0) + time.perf_counter() - t0
+            self._run_profiled(calls)
         return self.final[:m]

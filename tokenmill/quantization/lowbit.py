@@ -44,6 +44,8 @@ TILE = 16  # output rows per packed tile (the C kernel's NT)
 ENV_SWITCH = "TOKENMILL_CPU_LOWBIT_KERNEL"
 #: ``0`` keeps bfloat16 activations on the float32 FMA path even where AVX512-BF16 dot products exist.
 BF16_DOT_SWITCH = "TOKENMILL_CPU_LOWBIT_BF16_DOT"
+#: ``0`` keeps the integer path on AVX-512BW multiply-adds even where AVX512-VNNI exists (same bits).
+VNNI_SWITCH = "TOKENMILL_CPU_LOWBIT_VNNI"
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -75,7 +77,24 @@ def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
         lib.tm_lowbit_set_bf16_dot.restype = ctypes.c_int
         lib.tm_lowbit_set_bf16_dot.argtypes = [ctypes.c_int]
         set_bf16_dot(lib, switch(BF16_DOT_SWITCH))
+        lib.tm_lowbit_set_vnni.restype = ctypes.c_int
+        lib.tm_lowbit_set_vnni.argtypes = [ctypes.c_int]
+        set_vnni(lib, switch(VNNI_SWITCH))
     return lib
+
+
+def set_vnni(lib: ctypes.CDLL, on: bool) -> bool:
+    """Switch the integer path's AVX512-VNNI dot products (``VPDPBUSD``) on or off in ``lib``.
+
+    One ``VPDPBUSD`` does the four byte multiply-adds per 32-bit lane that the AVX-512BW path builds from
+    ``VPMADDUBSW`` + ``VPMADDWD`` + ``VPADDD``; the integer sums are exact on both, so results are
+    bit-identical and only the speed changes (blocks of 32 columns, i.e. GGUF's Q4_0/Q4_1/Q4_K/Q8_0).
+    ``TOKENMILL_CPU_LOWBIT_VNNI=0`` keeps it off.
+
+    Returns:
+        whether it is on now (never on the avx2/scalar variants or a CPU without AVX512-VNNI).
+    """
+    return bool(lib.tm_lowbit_set_vnni(int(on)))
 
 
 def set_bf16_dot(lib: ctypes.CDLL, on: bool) -> bool:
@@ -289,8 +308,10 @@ def _default_kernel() -> ctypes.CDLL | None:
     lib = load_kernel()
     if lib is not None:
         dot = bool(lib.tm_lowbit_set_bf16_dot(int(switch(BF16_DOT_SWITCH))))
-        logger.info("low-bit GEMM kernel: %s path%s", lib.tm_lowbit_isa().decode(),
-                    ", bfloat16 activations on AVX512-BF16 dot products" if dot else "")
+        vnni = set_vnni(lib, switch(VNNI_SWITCH))
+        logger.info("low-bit GEMM kernel: %s path%s%s", lib.tm_lowbit_isa().decode(),
+                    ", bfloat16 activations on AVX512-BF16 dot products" if dot else "",
+                    ", integer path on AVX512-VNNI" if vnni else "")
     return lib
 
 

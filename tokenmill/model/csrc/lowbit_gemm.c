@@ -682,6 +682,110 @@ AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn
 }
 #endif
 
+
+#if defined(__AVX512F__)
+/* AVX512-VNNI (Ice Lake, Cascade Lake, Zen 4 and later; checked at run time): VPDPBUSD multiplies four
+ * unsigned x signed byte pairs per 32-bit lane and adds them to the lane in one instruction, where the
+ * AVX-512BW path above needs VPMADDUBSW + VPMADDWD (+ VPADDD). Same operands (4-bit codes or |8-bit codes|
+ * unsigned, the int8 activations signed), same integer sums (the BW path cannot saturate: see above), same
+ * float epilogue in the same order, so the results are bit-identical to tile_i8_b32's: the switch changes
+ * speed, never bits (tests/quantization/test_lowbit.py checks it). The common G == SB == 32 case only. */
+#define AIVNNI static inline __attribute__((always_inline, target("avx512vnni")))
+#define TVNNI __attribute__((target("avx512vnni")))
+AIVNNI void tile_i8_b32_vnni(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
+                             const float *dx, const float *xs, int64_t K, int MR, float *out) {
+    const int64_t nsb = K / 32;
+    const __m512i m0f = _mm512_set1_epi8(0x0F);
+    __m512 acc[MR_I8];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    const uint8_t *c = codes;
+    const float *scp = sc, *mnp = mn;
+    for (int64_t s = 0; s < nsb; s++) {
+        /* two integer chains per row in passes of < 6 rows (VPDPBUSD's latency is 5 cycles: one chain of 8
+         * per block stalled a pass of few rows), one in larger passes (enough chains; two spilled registers);
+         * the integer sums are exact, so the bits do not depend on the split */
+        __m512i a[MR_I8], b[MR_I8];
+#define B_(r) (*(MR < 6 ? &b[r] : &a[r]))
+        for (int r = 0; r < MR; r++) a[r] = b[r] = _mm512_setzero_si512();
+        const int8_t *xb = xq + s * 32;
+        if (bits == 4) {
+#pragma GCC unroll 1
+            for (int kb = 0; kb < 4; kb++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(c + kb * NT_I8 * 4));
+                const __m512i lo = _mm512_and_si512(v, m0f), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m0f);
+                for (int r = 0; r < MR; r++) {
+                    const int8_t *xr = xb + r * K + kb * 8;
+                    a[r] = _mm512_dpbusd_epi32(a[r], lo, _mm512_set1_epi32(*(const int32_t *)xr));
+                    B_(r) = _mm512_dpbusd_epi32(B_(r), hi, _mm512_set1_epi32(*(const int32_t *)(xr + 4)));
+                }
+            }
+            c += 4 * NT_I8 * 4;
+        } else {
+#pragma GCC unroll 1
+            for (int kb = 0; kb < 8; kb += 2) {
+                const __m512i w0 = _mm512_loadu_si512((const void *)(c + kb * NT_I8 * 4));
+                const __m512i w1 = _mm512_loadu_si512((const void *)(c + (kb + 1) * NT_I8 * 4));
+                const __m512i aw0 = _mm512_abs_epi8(w0), aw1 = _mm512_abs_epi8(w1);
+                const __mmask64 n0 = _mm512_movepi8_mask(w0), n1 = _mm512_movepi8_mask(w1);
+                for (int r = 0; r < MR; r++) {
+                    const __m512i x0 = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + kb * 4));
+                    const __m512i x1 = _mm512_set1_epi32(*(const int32_t *)(xb + r * K + kb * 4 + 4));
+                    a[r] = _mm512_dpbusd_epi32(a[r], aw0, _mm512_mask_sub_epi8(x0, n0, _mm512_setzero_si512(), x0));
+                    B_(r) = _mm512_dpbusd_epi32(B_(r), aw1, _mm512_mask_sub_epi8(x1, n1, _mm512_setzero_si512(), x1));
+                }
+            }
+            c += 8 * NT_I8 * 4;
+        }
+        if (MR < 6)
+            for (int r = 0; r < MR; r++) a[r] = _mm512_add_epi32(a[r], b[r]);
+#undef B_
+        const __m512 wsc = _mm512_loadu_ps(scp);
+        scp += NT;
+        for (int r = 0; r < MR; r++)
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[r]), _mm512_mul_ps(wsc, _mm512_set1_ps(dx[r * nsb + s])),
+                                     acc[r]);
+        if (mnp) {
+            const __m512 m = _mm512_loadu_ps(mnp);
+            mnp += NT;
+            for (int r = 0; r < MR; r++) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nsb + s]), acc[r]);
+        }
+    }
+    for (int r = 0; r < MR; r++) _mm512_storeu_ps(out + r * NT, acc[r]);
+}
+
+TVNNI static void tile_rows_i8_vnni(int bits, const uint8_t *codes, const float *sc, const float *mn,
+                                    const int8_t *xq, const float *dx, const float *xs, int64_t K, int mr, float *out) {
+    switch (mr) {
+        case 1: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 1, out); break;
+        case 2: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 2, out); break;
+        case 3: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 3, out); break;
+        case 4: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 4, out); break;
+        case 5: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 5, out); break;
+        case 6: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 6, out); break;
+        case 7: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 7, out); break;
+        case 8: tile_i8_b32_vnni(bits, codes, sc, mn, xq, dx, xs, K, 8, out); break;
+        default: break;
+    }
+}
+#define HAVE_VNNI 1
+static int vnni_on = -1;           /* -1: not decided yet (on where the CPU has AVX512-VNNI) */
+#else
+#define HAVE_VNNI 0
+static int vnni_on = 0;
+#endif
+
+/* Switch the AVX512-VNNI integer dot products on (1) or off (0) for this process; returns whether they are
+ * on now (never on a variant without them or a CPU without AVX512-VNNI). Bits are the same either way. */
+int tm_lowbit_set_vnni(int on) {
+#if HAVE_VNNI
+    __builtin_cpu_init();
+    vnni_on = on && __builtin_cpu_supports("avx512vnni");
+#else
+    (void)on;
+#endif
+    return vnni_on;
+}
+
 static void tile_rows_i8(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
                          const float *dx, const float *xs, int64_t K, int64_t G, int64_t SB, int mr, float *out) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -695,6 +799,14 @@ static void tile_rows_i8(int bits, const uint8_t *codes, const float *sc, const 
         else if (SB == 16) tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, 16, R, out); \
         else tile_i8(bits, codes, sc, mn, xq, dx, xs, K, G, SB, R, out); \
         break;
+#if HAVE_VNNI
+    /* passes of few rows keep the BW path: VPDPBUSD's 5-cycle latency on 2 chains per row made 1-row passes
+     * (decode) ~30% slower there (benchmarks/lowbit_gemm.py --per-shape, Ice Lake-SP); same bits either way */
+    if (vnni_on && mr >= 4 && SB == 32 && G == 32) {
+        tile_rows_i8_vnni(bits, codes, sc, mn, xq, dx, xs, K, mr, out);
+        return;
+    }
+#endif
     switch (mr) {
         CASE(1) CASE(2) CASE(3) CASE(4)
 #if MR_I8 > 4
@@ -782,6 +894,7 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
     const int64_t ng = K / group, nsb = K / SB, ntiles = (N + NT - 1) / NT;
     const int64_t tile_bytes = bits == 4 ? K / 2 * NT : K * NT;
     const size_t esz = x_bf16 ? 2 : 4;
+    if (vnni_on < 0) tm_lowbit_set_vnni(1);
     /* Rows in chunks of MC (their int8 rows stay in each core's L2 while the threads split the tiles):
      * without them a 2048-row prefill chunk streamed all its rows from L3 once per tile (-28% at 2048 rows). */
     const int64_t MC = 64;

@@ -32,7 +32,7 @@ import time
 import torch
 from torch import nn
 
-from tokenmill import kernel_plan
+from tokenmill import envs, kernel_plan
 from tokenmill.kernel_plan import CpuFacts, CpuKernelSwitches
 from tokenmill.model.layers.cpu_build import cpu_isa
 from tokenmill.quantization.lowbit import LowBitWeight, kernel_available, lowbit_linear
@@ -111,7 +111,7 @@ class PackedLinear(nn.Module):
             return self.packed_weight
 
     def attach_lowbit(self, weight: LowBitWeight, max_rows: int, i8_max_rows: int = 0,
-                      invariant: bool = False) -> int:
+                      invariant: bool = False, invariant_kernel: str | None = None) -> int:
         """Also keep the weight as low-bit codes, used for inputs of at most ``max_rows`` rows.
 
         Small-batch decode steps are memory-bound: they read every weight
@@ -129,13 +129,17 @@ class PackedLinear(nn.Module):
                 path (activations quantised to int8 per 32 columns; see
                 :func:`tokenmill.quantization.lowbit.lowbit_linear`); 0: they run the dense oneDNN GEMM.
             invariant: batch-invariant mode (``--batch-invariant``, the default): every 2-D input, whatever
-                its number of rows, runs ONE kernel over the codes, the float32 low-bit path (bfloat16
-                activations: its AVX512-BF16 dot-product variant where the CPU has it, chosen per process,
-                not per step), whose summation order per output element is fixed: the rows of a pass and
-                the threads only split the work (:file:`csrc/lowbit_gemm.c`). A row's result then depends
-                only on that row, never on the step's size. Not the integer path: its int8 activations
-                move the real model's argmax at ~7% of prefill positions (``test_integer_lowbit_path_logits_on_smollm2``),
-                an accuracy the small steps never had. ``i8_max_rows`` is ignored; no integer copy of the codes is made.
+                its number of rows, runs ONE kernel over the codes, chosen per layer at load time, never per
+                step (:func:`invariant_kernel_from_env`): by default the integer path (each row's activations
+                quantised to int8 per 32-column block on their own, exact integer sums with the codes, a
+                fixed float epilogue per block: invariant by construction, VNNI/AVX-512BW/AVX2 multiply-adds,
+                llama.cpp's Q8 activation scheme), or with ``TOKENMILL_CPU_INVARIANT_KERNEL=float32`` (or a
+                weight the integer path cannot serve) the float32 low-bit path, whose summation order per
+                output element is also fixed. In both the rows of a pass and the threads only split the
+                work (:file:`csrc/lowbit_gemm.c`), so a row's result depends only on that row, never on the
+                step's size. ``i8_max_rows`` is ignored.
+            invariant_kernel: ``int8`` or ``float32`` (the engine config's ``cpu_kernels.invariant_kernel``);
+                None: :func:`invariant_kernel_from_env` (the environment's).
 
         Returns:
             bytes held by the low-bit copy.
@@ -148,8 +152,10 @@ class PackedLinear(nn.Module):
                              f"[{self.out_features}, {self.in_features}] layer")
         self.lowbit, self.lowbit_max_rows = weight, max_rows
         self.lowbit_invariant = invariant
-        if invariant:       # one path at every size: the float32 low-bit kernel
-            self.lowbit_i8_min_rows, self.lowbit_i8_max_rows = 1, 0
+        if invariant:       # one path at every size: the integer low-bit kernel where it serves the weight
+            kernel = invariant_kernel if invariant_kernel is not None else invariant_kernel_from_env()
+            use_i8 = kernel == "int8" and weight.prepare_i8()
+            self.lowbit_i8_min_rows, self.lowbit_i8_max_rows = 1, (1 << 62) if use_i8 else 0
             return weight.nbytes
         self.lowbit_i8_min_rows = max_rows + 1
         self.lowbit_i8_max_rows = i8_max_rows if i8_max_rows > max_rows and weight.prepare_i8() else 0
@@ -179,7 +185,8 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         extra = f", {self.lowbit.fmt} codes for rows<={self.lowbit_max_rows}" if self.lowbit_max_rows else ""
         if self.lowbit_invariant:
-            extra = f", batch-invariant: {self.lowbit.fmt} codes (float32 low-bit kernel) for every step size"
+            kernel = "integer" if self.lowbit_i8_max_rows else "float32"
+            extra = f", batch-invariant: {self.lowbit.fmt} codes ({kernel} low-bit kernel) for every step size"
         elif self.lowbit_i8_max_rows:
             extra += f", int8 activations x {self.lowbit.fmt} codes for rows<={self.lowbit_i8_max_rows}"
         state = "oneDNN" if self.packed_weight is not None else "oneDNN (pending)"
@@ -292,6 +299,23 @@ def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype, switches: 
     return kernel_plan.lowbit_limit("cpu", str(dtype).removeprefix("torch."), sw, facts)
 
 
+INVARIANT_KERNEL_ENV = "TOKENMILL_CPU_INVARIANT_KERNEL"
+
+
+def invariant_kernel_from_env() -> str:
+    """The low-bit kernel every step size runs in batch-invariant mode: ``int8`` (default) or ``float32``.
+
+    ``int8``: the integer path (activations quantised to int8 per row and 32-column block, exact integer
+    dot products with the codes; llama.cpp's scheme for its Q8 activations). Fastest at every step size
+    (VNNI/AVX-512BW/AVX2 byte multiply-adds reach 2-4x the float32 FMA rate) and invariant by construction;
+    its error against the dequantised float32 GEMM is the activations' rounding (the real model's logits
+    within 0.2 of their range, ``tests/model/test_gguf.py::test_integer_lowbit_path_logits_on_smollm2``).
+    ``float32``: the float32 low-bit path (within 1e-4 of the dequantised reference, slower from ~16 rows).
+    Set by ``TOKENMILL_CPU_INVARIANT_KERNEL``.
+    """
+    return envs.get(INVARIANT_KERNEL_ENV)
+
+
 INT8_ACT_ENV = "TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"
 #: Per kernel ISA variant, what ``TOKENMILL_CPU_INT8_ACT_MAX_TOKENS=auto`` means (tokenmill/kernel_plan.py).
 INT8_ACT_AUTO = kernel_plan.INT8_ACT_AUTO
@@ -320,7 +344,8 @@ def int8_act_max_tokens(lowbit_limit: int, switches: CpuKernelSwitches | None = 
 
 
 def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int,
-                          i8_max_rows: int | None = None, invariant: bool = False) -> tuple[int, dict[str, int]]:
+                          i8_max_rows: int | None = None, invariant: bool = False,
+                          invariant_kernel: str | None = None) -> tuple[int, dict[str, int]]:
     """Give every :class:`PackedLinear` of ``model`` named in ``weights`` its low-bit copy.
 
     ``model.embed_tokens`` codes serve a tied logits head (``_logits_head``).
@@ -347,15 +372,18 @@ def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], ma
     for name, mod in model.named_modules():
         if name in weights and isinstance(mod, PackedLinear):
             w = weights[name]
-            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows, i8_max_rows, invariant)
+            by_fmt[w.fmt] = by_fmt.get(w.fmt, 0) + mod.attach_lowbit(w, max_rows, i8_max_rows, invariant,
+                                                                           invariant_kernel)
             count += 1
             i8_count += bool(mod.lowbit_i8_max_rows)
     if count:
         logger.info("low-bit weights for %d linear layers (steps of <= %d tokens): %s", count, max_rows,
                     ", ".join(f"{f} {b / 2**20:.1f} MiB" for f, b in sorted(by_fmt.items())))
     if invariant and count:
-        logger.info("batch-invariant linears: %d layers on the low-bit codes at every step size (float32 low-bit "
-                    "kernel; --no-batch-invariant: steps over %d tokens on the %s)", count, max_rows,
+        logger.info("batch-invariant linears: %d layers on the low-bit codes at every step size (%d on the integer "
+                    "low-bit kernel, the others on the float32 one; %s=%s; --no-batch-invariant: steps over %d "
+                    "tokens on the %s)", count, i8_count, INVARIANT_KERNEL_ENV,
+                    invariant_kernel if invariant_kernel is not None else invariant_kernel_from_env(), max_rows,
                     "integer low-bit path" if i8_max_rows else "dense oneDNN GEMM")
     elif i8_count:
         logger.info("integer low-bit path (int8 activations per 32 columns x the codes) for %d linear layers, "
