@@ -324,8 +324,9 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float) -> float:
-        """Start and wait until ``/health`` answers 200; returns the start-up time, s."""
+    def start(self, timeout_s: float, poll_s: float = 1.0) -> float:
+        """Start and wait until ``/health`` answers 200 (polled every ``poll_s`` s); returns the start-up
+        time, s (to within ``poll_s``)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "w")
         self._log.write("$ " + " ".join(self.cmd) + "\n")
@@ -344,7 +345,7 @@ class Server:
                         return time.perf_counter() - t0
             except (urllib.error.URLError, OSError, ValueError):
                 pass
-            time.sleep(1.0)
+            time.sleep(poll_s)
         self.stop()
         raise RuntimeError(f"{self.name} did not answer /health within {timeout_s:g} s; see {self.log_path}")
 

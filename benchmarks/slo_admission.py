@@ -38,7 +38,9 @@ meeting the TTFT limit, and the server's start-up time (process start to ``/heal
 * ``tuned``: the issue's burst, 40 simultaneous requests of ~450 prompt tokens (±10%), 8 output
   tokens: the shape the start-up profile's sizes were chosen on;
 * ``heldout``: a shape nothing was tuned on: 64 requests in two waves 1 s apart, prompts bimodal
-  (70% ~120 tokens, 30% ~1,100 tokens, ±30%), 24 output tokens.
+  (70% ~120 tokens, 30% ~1,100 tokens, ±30%), 24 output tokens;
+* ``ramp``: another: 48 requests in 6 waves 0.5 s apart, prompts half ~250, half ~600 tokens (±30%),
+  16 output tokens.
 
 Servers: ``cal`` (``--slo-calibration cache`` with an empty cache: profiles at start-up, the
 default of a first start), ``cal_cached`` (the profile kept by the previous ``cal`` start: no
@@ -207,6 +209,10 @@ def prediction_error(metrics_text: str) -> str:
 BURST_SHAPES = {
     "tuned": {"waves": [(40, 0.0)], "mix": [(1.0, 450, 0.10)], "output_len": 8},
     "heldout": {"waves": [(32, 0.0), (32, 1.0)], "mix": [(0.7, 120, 0.30), (0.3, 1100, 0.30)], "output_len": 24},
+    # a ramp nothing was tuned on (added after the profile and the sharing check were settled): 6 waves of
+    # 8 requests 0.5 s apart, prompts half ~250, half ~600 tokens (±30%), 16 output tokens
+    "ramp": {"waves": [(8, 0.5 * i) for i in range(6)], "mix": [(0.5, 250, 0.30), (0.5, 600, 0.30)],
+             "output_len": 16},
     # the burst with prompts a loaded 2-core machine can prefill within the target alone
     # (~100 tokens: ~0.8 s at 120 tokens/s), so that the target is attainable at all
     "short": {"waves": [(40, 0.0)], "mix": [(1.0, 100, 0.10)], "output_len": 8},
@@ -280,7 +286,7 @@ def cold_cell(arm: str, shape_name: str, seed: int, args, out_dir: Path, cache_d
     cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--slo", *args.slo, *extra]
     server = Server(f"tokenmill-{arm}", cmd, env, port,
                     out_dir / f"server-{arm}-{shape_name}-{seed}.log")
-    startup = server.start(args.startup_timeout)
+    startup = server.start(args.startup_timeout, poll_s=0.02)   # start-up to within 20 ms
     set_autogroup_nice(server.proc.pid, args.autogroup_nice)
     try:
         with urllib.request.urlopen(server.base_url + "/v1/models", timeout=10) as r:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill import envs
+from tokenmill.kernel_plan import CpuKernelSwitches
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -61,19 +61,6 @@ def bound_gemm_shape_caches(capacity: int = GEMM_SHAPE_CACHE_CAPACITY) -> None:
     """
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))
-
-
-INT4_ENV = "TOKENMILL_CPU_INT4_MAX_TOKENS"
-DEFAULT_INT4_MAX_TOKENS = envs.var(INT4_ENV).default
-
-
-def int4_max_tokens_from_env() -> int:
-    """``TOKENMILL_CPU_INT4_MAX_TOKENS``: the largest step (tokens) that uses 4-bit weights (default 8, 0 off).
-
-    Raises:
-        ValueError: the variable is not a non-negative integer.
-    """
-    return envs.get(INT4_ENV)
 
 
 @dataclass(frozen=True)
@@ -197,9 +184,10 @@ class CacheConfig:
 
     kv_cache_dtype: str = _f("auto", "KV cache element type: auto (the model's dtype, except bfloat16 for a float32 model on the CPU low-bit path, unlike vLLM: half the bytes per decode step; TOKENMILL_CPU_KV_BF16=0 or --kv-cache-dtype float32 keeps float32), bfloat16, float32, fp8 (= fp8_e4m3), fp8_e4m3, fp8_e5m2, int8 (1 byte per element; per-layer K and V scales, from the checkpoint, --calculate-kv-scales, or 1.0; int8 always calculates them unless the checkpoint has them).")
     calculate_kv_scales: bool = _f(False, "With an fp8/int8 KV cache: compute each layer's K/V scales from the first batch (fp8: amax/200 for K and amax/100 for V, as vLLM; int8: amax/100) instead of the checkpoint's or 1.0.")
-    kv_offloading_backend: str | None = _f(None, "A second KV cache tier (vLLM's flag): native keeps full prefix blocks that leave the pool in files under --kv-offloading-dir, LRU-bounded by --kv-offloading-size, and loads them instead of recomputing a prompt that misses the pool; needs prefix caching and one rank per engine (see docs/guide/kv_offload.md). Default: off.", choices=["native"])
+    kv_offloading_backend: str | None = _f(None, "A second KV cache tier (vLLM's flag): native keeps full prefix blocks that leave the pool in files under --kv-offloading-dir, LRU-bounded by --kv-offloading-size, and loads them instead of recomputing a prompt that misses the pool; needs prefix caching; with tensor/pipeline parallelism each rank keeps its own shard (see docs/guide/kv_offload.md). Default: off.", choices=["native"])
     kv_offloading_size: float | None = _f(None, "Size of the KV offloading tier in GiB (vLLM's flag; required with --kv-offloading-backend).")
     kv_offloading_dir: str | None = _f(None, "Directory of the KV offloading tier's files (default: $TOKENMILL_CACHE_DIR/kv_offload or ~/.cache/tokenmill/kv_offload); each configuration and data-parallel rank gets its own subdirectory.")
+    kv_offloading_host_size: float | None = _f(None, "Size in GiB of a host-memory tier (pinned on CUDA) in front of the KV offloading tier's files. Default: with the KV pool on a GPU, --kv-offloading-size capped at half the available host memory; on a CPU none (the pool is host memory already). 0 turns it off.")
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype not in ("auto", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2", "int8"):
@@ -222,6 +210,8 @@ class CacheConfig:
             if not self.enable_prefix_caching:
                 raise ValueError("--kv-offloading-backend keys its blocks by prefix-cache hash: it needs "
                                  "--enable-prefix-caching")
+            if self.kv_offloading_host_size is not None and self.kv_offloading_host_size < 0:
+                raise ValueError(f"--kv-offloading-host-size must be >= 0 GiB, got {self.kv_offloading_host_size}")
 
     @property
     def kv_events(self):
@@ -492,6 +482,9 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    # the TOKENMILL_CPU_* switches that change results or weights, read from the environment once, here
+    # (no flags: tokenmill/kernel_plan.py); the engine's kernel plan and the weight cache's key read them
+    cpu_kernels: CpuKernelSwitches = field(default_factory=CpuKernelSwitches.from_env)
 
     def __post_init__(self) -> None:
         """Checks that span sections, so the CLI refuses them in one line before any process starts.
@@ -500,13 +493,10 @@ class EngineConfig:
             ValueError: ``--kv-transfer-config`` with more than one rank per engine (tensor or pipeline
                 parallel) or with a quantised KV cache (``--kv-cache-dtype`` other than ``auto``).
         """
-        if self.cache.kv_offloading_backend is not None and self.parallel.world_size > 1:
-            raise ValueError("--kv-offloading-backend needs one rank per engine (tensor and pipeline parallel size 1): "
-                             "the tier reads and writes the engine core's own KV pool")
         if self.model.enable_lora:
-            if self.parallel.world_size > 1 or self.server.data_parallel_size > 1:
-                raise ValueError("--enable-lora needs one rank and one engine core (tensor, pipeline and data "
-                                 "parallel size 1)")
+            if self.server.data_parallel_size > 1 and self.parallel.enable_expert_parallel:
+                raise ValueError("--enable-lora with --data-parallel-size and --enable-expert-parallel is not "
+                                 "supported (the lockstep expert-parallel cores do not carry adapters)")
             if not self.model.enforce_eager:
                 raise ValueError("--enable-lora needs the eager step (--enforce-eager)")
             if self.speculative is not None and self.speculative.method != "ngram":
@@ -525,12 +515,18 @@ class EngineConfig:
         """Build from flat keyword arguments (``max_num_seqs=8, block_size=16, ...``).
 
         ``speculative_config`` (a dict, JSON string or :class:`SpeculativeConfig`)
-        fills the ``speculative`` section.
+        fills the ``speculative`` section; ``cpu_kernels`` (a :class:`CpuKernelSwitches`) the kernel
+        switches (default: read from the environment now).
 
         Raises:
             TypeError: an argument names no field of any section.
         """
         spec = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        kernels = kwargs.pop("cpu_kernels", None)
+        if kernels is None:
+            kernels = CpuKernelSwitches.from_env()
+        elif isinstance(kernels, dict):
+            kernels = CpuKernelSwitches(**kernels)
         sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "server": {},
                                                "parallel": {}}
         owners = {f.name: s for s, c in (("model", ModelConfig), ("cache", CacheConfig),
@@ -544,7 +540,7 @@ class EngineConfig:
         return cls(model=ModelConfig(**sections["model"]), cache=CacheConfig(**sections["cache"]),
                    scheduler=SchedulerConfig(**sections["scheduler"]), server=ServerConfig(**sections["server"]),
                    parallel=ParallelConfig(**sections["parallel"]),
-                   speculative=spec)
+                   speculative=spec, cpu_kernels=kernels)
 
     def replace(self, **kwargs: Any) -> "EngineConfig":
         """Copy with flat keyword overrides (same names as :meth:`from_kwargs`)."""
@@ -552,6 +548,7 @@ class EngineConfig:
                 for s in ("model", "cache", "scheduler", "server", "parallel")
                 for f in dataclasses.fields(getattr(self, s))}
         flat["speculative_config"] = self.speculative
+        flat["cpu_kernels"] = self.cpu_kernels
         flat.update(kwargs)
         return EngineConfig.from_kwargs(**flat)
 

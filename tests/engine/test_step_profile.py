@@ -64,10 +64,11 @@ def _core(clock, **kw) -> EngineCore:
 def test_profile_measures_decode_batches_and_the_prefill_rate_and_leaves_no_trace(clock):
     core = _core(clock)
     prof = step_profile.run_profile(core)
-    assert [b for b, _ in prof.decode_points] == [1.0, 2.0, 8.0, 32.0]   # 2: the probe's request joined
+    assert [b for b, _ in prof.decode_points] == [1.0, 8.0, 32.0]
     for b, t in prof.decode_points:
         assert t == pytest.approx(FIXED + PER_DECODE * b, rel=1e-9)
-    # the probe prefills beside one decode: (step - decode_step_time(1)) / tokens is the marginal rate
+    # the joins prefill beside the running decodes: (step - decode_step_time(running)) / tokens is the
+    # marginal rate
     assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
     inv = core.check_invariants()
     assert inv["problems"] == [] and inv["num_requests"] == 0 and inv["num_free_blocks"] == inv["num_kv_blocks"]
@@ -85,7 +86,7 @@ def test_profile_measures_decode_batches_and_the_prefill_rate_and_leaves_no_trac
 def test_profile_respects_small_max_num_seqs_and_budget(clock):
     core = _core(clock, max_num_seqs=4, max_num_batched_tokens=64)
     prof = step_profile.run_profile(core)
-    assert [b for b, _ in prof.decode_points] == [1.0, 2.0, 4.0]
+    assert [b for b, _ in prof.decode_points] == [1.0, 4.0]
     assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
     assert core.check_invariants()["num_free_blocks"] == 256
 
@@ -93,7 +94,7 @@ def test_profile_respects_small_max_num_seqs_and_budget(clock):
 def test_over_its_time_budget_the_profile_skips_the_larger_batches(clock):
     core = _core(clock)
     prof = step_profile.run_profile(core, budget_s=0.0)
-    assert [b for b, _ in prof.decode_points] == [1.0, 2.0]     # the warm-up, batch 1 and the probe only
+    assert [b for b, _ in prof.decode_points] == [1.0, 8.0]     # the warm-up, batch 1 and the first join only
     assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
     inv = core.check_invariants()
     assert inv["problems"] == [] and inv["num_requests"] == 0 and inv["num_free_blocks"] == inv["num_kv_blocks"]
@@ -118,6 +119,12 @@ def test_calibrate_seeds_the_model_caches_by_key_and_warms_up_on_a_hit(clock, tm
     # another key (seats) profiles again; "profile" always profiles; "off" does nothing
     assert step_profile.calibrate(_core(clock, max_num_seqs=16), "cache").source == "profiled"
     assert len(list((tmp_path / "slo_profiles").glob("*.json"))) == 2
+    # batch invariance changes the kernels, hence the key
+    plain = _core(clock, batch_invariant=False)
+    assert step_profile.profile_key(plain)["batch_invariant"] is False
+    assert step_profile.profile_key(core)["batch_invariant"] is True
+    assert step_profile.calibrate(plain, "cache").source == "profiled"
+    assert len(list((tmp_path / "slo_profiles").glob("*.json"))) == 3
     assert step_profile.calibrate(_core(clock), "profile").source == "profiled"
     off = _core(clock)
     assert step_profile.calibrate(off, "off") is None and not off.step_time_model.snapshot().ready

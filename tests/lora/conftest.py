@@ -108,3 +108,28 @@ def lora_root(tmp_path_factory):
                                 targets=["q_proj", "k_proj", "v_proj", "o_proj"]),
     }
     return base, adapters
+
+
+def save_random_adapter(folder, arch, r: int = 8, alpha: float = 16, targets=ALL_TARGETS, seed: int = 3,
+                        std_b: float = 0.02) -> str:
+    """A PEFT-format adapter for any base (``arch``: its ModelArchConfig) written directly with safetensors
+    (no transformers model of the base is built): A ~ N(0, 1/in), B ~ N(0, std_b^2)."""
+    from safetensors.torch import save_file
+
+    from tokenmill.lora.adapter import block_of, module_shapes
+
+    os.makedirs(folder, exist_ok=True)
+    shapes = module_shapes(arch)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(arch.num_hidden_layers):
+        for t in targets:
+            fin, fout = shapes[t]
+            key = f"base_model.model.model.layers.{i}.{block_of(t)}.{t}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, fin, generator=g) / fin ** 0.5
+            tensors[f"{key}.lora_B.weight"] = std_b * torch.randn(fout, r, generator=g)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": list(targets),
+                   "bias": "none", "base_model_name_or_path": arch.architecture}, f)
+    return str(folder)

@@ -101,8 +101,12 @@ def test_config_refusals(lora_root):
     base, _ = lora_root
     with pytest.raises(ValueError, match="--lora-modules needs --enable-lora"):
         LLM(base, lora_modules="a=/x")
-    with pytest.raises(ValueError, match="tensor, pipeline and data parallel size 1"):
-        LLM(base, enable_lora=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="needs the eager step"):
+        LLM(base, enable_lora=True, enforce_eager=False)
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(ValueError, match="lockstep expert-parallel cores"):
+        EngineConfig.from_kwargs(model=base, enable_lora=True, data_parallel_size=2, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="ngram speculation only"):
         LLM(base, enable_lora=True, speculative_config={"method": "draft_model", "model": base,
                                                         "num_speculative_tokens": 2})

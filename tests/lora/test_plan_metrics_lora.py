@@ -36,3 +36,19 @@ def test_lora_prometheus_series():
     assert 'running_lora_adapters="a,b"' not in text        # only the latest state
     assert 'tokenmill:lora_requests_total{lora_name="a",model_name="base"} 5.0' in text
     assert 'tokenmill:lora_requests_total{lora_name="c",model_name="base"} 1.0' in text
+
+
+def test_plan_cuts_adapter_slots_per_rank_and_stage():
+    """-tp 2: each rank holds A whole and half of B for column targets, half of A and B whole for row ones;
+    -pp 2: a stage holds its layers' share."""
+    from tokenmill.playbook.plan import lora_bytes_per_adapter, shape_from_hf_config
+
+    s = shape_from_hf_config(LLAMA3_8B, "cfg")
+    full = lora_bytes_per_adapter(s, 16, 2)
+    h, q, kv, i = 4096, 4096, 1024, 14336
+    per_rank_layer = (h + q // 2) + 2 * (h + kv // 2) + (q // 2 + h) + 2 * (h + i // 2) + (i // 2 + h)
+    assert lora_bytes_per_adapter(s, 16, 2, tp=2) == 32 * 16 * per_rank_layer * 2 < full
+    assert lora_bytes_per_adapter(s, 16, 2, num_layers=16) * 2 == full
+    tp2 = _plan(LLAMA3_8B, dtype="bfloat16", device_memory=80 * GiB, gpu_memory_utilization=0.9,
+                max_loras=4, max_lora_rank=16, tensor_parallel_size=2)
+    assert tp2.lora_slot_bytes == 4 * lora_bytes_per_adapter(s, 16, 2, tp=2)

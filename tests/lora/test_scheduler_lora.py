@@ -16,9 +16,10 @@ from tokenmill.lora.request import LoRARequest
 ADAPTERS = {i: LoRARequest(f"a{i}", i, f"/adapters/a{i}") for i in range(1, 5)}
 
 
-def lora_req(rid, lid, prompt=5, **kw):
+def lora_req(rid, lid, prompt=5, batch=False, **kw):
     r = make_req(rid, prompt, **kw)
     r.lora_request = ADAPTERS[lid] if lid else None
+    r.batch = batch
     return r
 
 
@@ -149,3 +150,31 @@ def test_salt_only_hashes_unchanged():
 
     r = make_req("s", list(range(BS)), salt="x")
     assert update_block_hashes(r, BS) == [hash_block_tokens(None, list(range(BS)), ("x",))]
+
+
+def test_an_interactive_request_takes_a_slot_held_by_the_batch_lane():
+    """--max-loras 1: a batch-lane request of adapter 1 runs; an interactive request of adapter 2 takes the
+    slot at once (the batch request is preempted and resumes after); an interactive holder is never
+    preempted for it."""
+    s = make(max_loras=1)
+    s.add_request(lora_req("batch1", 1, max_tokens=6, batch=True))
+    gen = run(s, 20)
+    so, _ = next(gen)
+    assert [sr.req_id for sr in so.scheduled] == ["batch1"]
+    s.add_request(lora_req("inter2", 2, max_tokens=2))
+    so, _ = next(gen)
+    assert [sr.req_id for sr in so.scheduled] == ["inter2"]
+    assert s.requests["batch1"].num_preemptions == 1
+    for so, outs in gen:
+        if not s.has_unfinished_requests():
+            break
+    assert outs["inter2"].finish_reason == "length" and outs["batch1"].finish_reason == "length"
+    assert s.check_invariants() == []
+    # an interactive holder keeps its slot: the other adapter's interactive request waits
+    s = make(max_loras=1)
+    s.add_request(lora_req("i1", 1, max_tokens=6))
+    gen = run(s, 2)
+    next(gen)
+    s.add_request(lora_req("i2", 2, max_tokens=2))
+    so, _ = next(gen)
+    assert [sr.req_id for sr in so.scheduled] == ["i1"] and s.requests["i1"].num_preemptions == 0

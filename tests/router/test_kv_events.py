@@ -67,7 +67,8 @@ def test_wire_format_is_vllm_shaped_msgpack():
         BlockStored(block_hashes=[b"\x01" * 32], parent_block_hash=None, token_ids=[1, 2], block_size=2),
         BlockRemoved(block_hashes=[b"\x02" * 32]), AllBlocksCleared()])
     raw = msgspec.msgpack.decode(encode_batch(batch))
-    assert raw == [1.5, [["BlockStored", [b"\x01" * 32], None, [1, 2], 2, None, None],
+    # vLLM's BlockStored fields: ..., lora_id, medium, lora_name
+    assert raw == [1.5, [["BlockStored", [b"\x01" * 32], None, [1, 2], 2, None, None, None],
                          ["BlockRemoved", [b"\x02" * 32], None], ["AllBlocksCleared"]], None]
     assert decode_batch(encode_batch(batch)) == batch
 

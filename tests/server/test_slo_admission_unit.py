@@ -325,3 +325,29 @@ def test_slow_start_admits_only_into_batches_near_the_measured_range():
     # without a TPOT target there is no slow start (a TTFT prediction rests on the measured prefill rate)
     ttft_only = SLOAdmission(SLO(ttft=5.0), calibrate=False)
     assert ttft_only.check(far, None, 10, 0, 0.0, 0.0)[1] is None
+
+
+def test_a_prompt_that_would_push_an_admitted_request_past_its_limit_is_refused():
+    """Under fcfs a newcomer's prompt joins the step in which earlier prompts end and delays their first
+    token by its own prefill: an infeasible-alone prompt (held to 1.5 x its idle TTFT) must not drag a
+    short one admitted just before it past the SLO; a small one may, and moves its prediction."""
+    adm = SLOAdmission(SLO(ttft=0.5))
+    now = 10.0
+    st = stats(max_num_batched_tokens=5000)
+    pa, ref = adm.check(st, None, 1000, 0, arrival=now, now=now)
+    assert ref is None
+    a = adm.track("a", pa, 0, now, 1000, now=now)
+    first = a.predicted_ttft
+    # 4000 tokens: idle TTFT 0.41 s, held to 0.615 s and predicted within it, but A would wait for it
+    pb, ref = adm.check(st, InflightWork({0: (1, 1000)}), 4000, 0, arrival=now, now=now)
+    assert pb.ttft <= 1.5 * pb.ttft_idle and pb.ttft_idle * 1.5 > 0.5
+    assert ref is not None and ref.reason == "slo" and "share a step" in ref.message and ref.retry_after >= 1
+    # a small prompt delays A by its own prefill only: admitted, and A's prediction moves by that much
+    pc, ref = adm.check(st, InflightWork({0: (1, 1000)}), 500, 0, arrival=now, now=now)
+    assert ref is None
+    adm.track("c", pc, 0, now, 500, now=now)
+    assert a.predicted_ttft == pytest.approx(first + pc.ttft_idle)
+    # once A has its first token nothing admitted waits: the long prompt is judged on its own
+    adm.record(None, IterationStats(first_tokens=[("a", 0.2), ("c", 0.25)]))
+    _, ref = adm.check(st, None, 4000, 0, arrival=now + 1, now=now + 1)
+    assert ref is None

@@ -148,7 +148,8 @@ class KVCacheManager:
         self.block_pool.kv_events.append(BlockStored(
             block_hashes=list(hashes[first:end]), parent_block_hash=hashes[first - 1] if first > 0 else None,
             token_ids=list(request.all_token_ids[first * bs:end * bs]), block_size=bs,
-            lora_id=request.lora_int_id or None))
+            lora_id=request.lora_int_id or None,
+            lora_name=request.lora_request.lora_name if request.lora_request is not None else None))
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached hash and zero the stats; returns the number of hashes dropped.

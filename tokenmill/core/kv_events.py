@@ -20,7 +20,7 @@ router written for vLLM's events can read ours):
   tagged array whose first element is its type name:
 
   - ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-    lora_id, medium]`` (the last two nil here): full blocks just
+    lora_id, medium, lora_name]`` (trailing nil fields omitted): full blocks just
     registered in the prefix cache, in chain order. ``block_hashes`` are
     32-byte SHA-256 digests (:func:`tokenmill.core.prefix_cache.hash_block_tokens`),
     ``parent_block_hash`` is the hash of the block before the first one (nil
@@ -54,9 +54,11 @@ class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
             when ``block_hashes[0]`` is the first block of a sequence.
         token_ids: ``[num_blocks * block_size]`` token ids of these blocks.
         block_size: tokens per block.
-        lora_id: the LoRA adapter's ``lora_int_id`` (None: the base model), as vLLM's field; the
-            adapter id is also part of the hashes (block 0's extra keys).
+        lora_id: the LoRA adapter's ``lora_int_id`` (None: the base model), as vLLM's field (the id is
+            this server's own: another server may number the same adapter differently).
         medium: storage tier (None means the device pool).
+        lora_name: the adapter's served name (None: the base model), as vLLM's later field; the adapter's
+            key (name and content hash) is part of the hashes (block 0's extra keys).
     """
 
     block_hashes: list[bytes]
@@ -65,6 +67,7 @@ class BlockStored(msgspec.Struct, array_like=True, omit_defaults=True, gc=False,
     block_size: int
     lora_id: Union[int, None] = None
     medium: Union[str, None] = None
+    lora_name: Union[str, None] = None
 
 
 class BlockRemoved(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):

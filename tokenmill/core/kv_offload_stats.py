@@ -14,7 +14,7 @@ class KVOffloadStats:
     from the tier count as hits.
 
     Attributes:
-        medium: the tier's name in KV events (``"DISK"``).
+        medium: the files' name in KV events (``"DISK"``; the host-memory tier's is ``"CPU"``).
         queries: prompt tokens of requests looked up in the tier (first admission only), in tokens.
         hits: of those, tokens whose K/V was loaded from the tier, in tokens.
         num_loads: completed loads (one per request).
@@ -34,6 +34,15 @@ class KVOffloadStats:
         writes_paused: writes are paused now (after a write error; retried later).
         resident_blocks, resident_bytes: what the tier holds now.
         capacity_bytes: ``--kv-offloading-size`` in bytes.
+        host_blocks_stored, host_blocks_evicted: blocks put into / dropped from the host-memory tier
+            (``--kv-offloading-host-size``; the files keep them).
+        host_blocks_loaded: of ``blocks_loaded``, those read from host memory instead of a file.
+        host_resident_blocks, host_resident_bytes, host_capacity_bytes: what the host-memory tier holds
+            now, and its size (0 without one).
+
+    With tensor/pipeline parallelism every rank keeps its shard of each block: request, token and load
+    counts are the scheduler's; per-rank block counts (stored, evicted, discarded, dropped, write errors,
+    host) are the largest rank's; bytes and seconds are summed over the ranks.
     """
 
     medium: str = "DISK"
@@ -57,6 +66,12 @@ class KVOffloadStats:
     resident_blocks: int = 0
     resident_bytes: int = 0
     capacity_bytes: int = 0
+    host_blocks_stored: int = 0
+    host_blocks_evicted: int = 0
+    host_blocks_loaded: int = 0
+    host_resident_blocks: int = 0
+    host_resident_bytes: int = 0
+    host_capacity_bytes: int = 0
     recent_load_times: list[float] = field(default_factory=list)
 
     def copy(self) -> "KVOffloadStats":

@@ -10,7 +10,7 @@ block's identity depend on the whole prefix, as in PagedAttention's
 2312.07104 §3). The extra keys of the *first* block carry the request's
 ``cache_salt``; since every later hash contains its parent's, a salt changes
 every hash of the chain, so requests with different salts never share blocks. A LoRA adapter's
-``lora_int_id`` joins the same extra keys: requests of different adapters never share blocks either.
+key (``LoRARequest.prefix_cache_key``: its name and content hash, else its id) joins the same extra keys: requests of different adapters never share blocks either.
 
 Verification of a hit: the cache index is keyed by the full 32-byte SHA-256
 digest of a canonical, length-prefixed byte encoding (no Python ``hash()``,
@@ -82,8 +82,9 @@ def block_extra_keys(request: Request, block_index: int) -> tuple[object, ...]:
         return ()
     keys: tuple[object, ...] = () if request.cache_salt is None else (request.cache_salt,)
     lora = getattr(request, "lora_request", None)
-    if lora is not None:
-        keys += (int(lora.lora_int_id),)
+    if lora is not None:     # its name and content when known (a router can compute it), else its id
+        key = getattr(lora, "prefix_cache_key", None)
+        keys += (key if key is not None else int(lora.lora_int_id),)
     return keys
 
 

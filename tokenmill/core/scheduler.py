@@ -520,6 +520,12 @@ class Scheduler:
             req = self.waiting.peek()
             if lora is not None and req.lora_request is not None:
                 verdict = lora.admissible(req)
+                if verdict is False and lora.no_slot and not req.batch:
+                    # an interactive request takes an adapter slot held only by the batch lane
+                    refund = self._preempt_batch_adapter(out, lora)
+                    if refund is not None:
+                        budget += refund
+                        continue
                 if verdict is not True:
                     self.waiting.pop()
                     if verdict is None:     # its adapter failed to load: fail it (400), never block the queue
@@ -528,6 +534,7 @@ class Scheduler:
                         req.error = lora.error
                         req.finished_time = time.time()
                         self._finish(req, notify_connector=False)
+                        self._decline_remote_kv(req)     # P/D consumer: the producer frees its copy now
                         self._pending_outputs.append(self._make_output(req, []))
                     else:
                         skipped.append(req)
@@ -696,6 +703,22 @@ class Scheduler:
                                              *self._sort_key_arrival(r)))
         return self._preempt(victim, out, self._step_scheduled)
 
+    def _preempt_batch_adapter(self, out: SchedulerOutput, lora: "_LoRAAdmission") -> int | None:
+        """Free an adapter slot for an interactive request: preempt every running request of the adapter
+        whose running requests are all batch-lane (the one whose latest arrived last); the budget they
+        free, None when every slot holder runs interactive work (the request waits and ages)."""
+        holders: dict[int, list[Request]] = {}
+        for r in self.running:
+            if r.lora_request is not None:
+                holders.setdefault(r.lora_int_id, []).append(r)
+        cands = [lid for lid, rs in holders.items() if all(r.batch for r in rs)]
+        if not cands:
+            return None
+        lid = max(cands, key=lambda k: max(self._sort_key_arrival(r) for r in holders[k]))
+        refund = sum(self._preempt(r, out, self._step_scheduled) for r in holders[lid])
+        lora.active.discard(lid)
+        return refund
+
     def _capped(self, n: int) -> int:
         """``n`` new tokens limited to ``long_prefill_token_threshold`` (when set, with chunked prefill)."""
         return self.long_prefill_cap if 0 < self.long_prefill_cap < n else n
@@ -857,6 +880,16 @@ class Scheduler:
             return True
         return False
 
+    def _decline_remote_kv(self, req: Request) -> None:
+        """A decode server's request that ends before its KV load (its LoRA adapter failed to load): tell
+        each connector able to (``decline``: the P/D pull connector) so the producer frees the KV it keeps."""
+        if self.kv_connector is None:
+            return
+        for conn in getattr(self.kv_connector, "connectors", [self.kv_connector]):
+            decline = getattr(conn, "decline", None)
+            if decline is not None:
+                decline(req)
+
     def _finish(self, req: Request, notify_connector: bool = True) -> None:
         """Free blocks and forget a request whose status is already a finished one.
 
@@ -956,7 +989,9 @@ class _LoRAAdmission:
     background and the request waits meanwhile); a failed load fails the request (400). A request
     that finds no slot waits; after :data:`LORA_AGING_S` it is *aged*: for the rest of the pass no
     request of an adapter that holds a slot is admitted, so those adapters' requests finish, a
-    slot frees and the aged request (first in the queue) takes it.
+    slot frees and the aged request (first in the queue) takes it. An interactive request that finds
+    no slot takes one held only by batch-lane requests at once (they are preempted, as the batch lane
+    yields seats and blocks: :meth:`Scheduler._preempt_batch_adapter`).
     """
 
     def __init__(self, sched: "Scheduler") -> None:
@@ -965,14 +1000,17 @@ class _LoRAAdmission:
         self.drain = False
         self.now = time.time()
         self.error = ""
+        self.no_slot = False    # the last admissible() found no free slot for the request's adapter
 
     def admissible(self, req: Request) -> bool | None:
         """True: admit it (if seats, budget and blocks allow); False: it waits; None: its adapter
         failed to load (:attr:`error` says why)."""
         lid = req.lora_int_id
         s = self.sched
+        self.no_slot = False
         if lid not in self.active:
             if len(self.active) >= s.max_loras:
+                self.no_slot = True
                 if req.lora_wait_since is None:
                     req.lora_wait_since = self.now
                 if self.now - req.lora_wait_since >= LORA_AGING_S:

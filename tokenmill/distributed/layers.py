@@ -36,6 +36,10 @@ class RowParallelLinear(nn.Module):
         comm: the tensor-parallel group.
     """
 
+    #: where a LoRA delta goes (:mod:`tokenmill.lora.tp`): on the inner linear, so the rank's partial delta
+    #: joins its partial product before the all-reduce
+    lora_inner = "linear"
+
     def __init__(self, linear: nn.Linear, comm: Communicator) -> None:
         super().__init__()
         self.bias = None

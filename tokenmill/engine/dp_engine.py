@@ -34,12 +34,12 @@ import os
 from typing import Any, AsyncIterator, Callable
 
 from tokenmill.config import EngineConfig
-from tokenmill.metrics.stats import EngineStats
+from tokenmill.metrics.stats import EngineStats, IterationStats, StatLogger
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
-from tokenmill.engine.core_proc import CoreInfo
-from tokenmill.metrics.stats import IterationStats, StatLogger
+from tokenmill.engine.messages import CoreInfo, Wake
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,6 @@ class DPAsyncEngine:
         self.tokenizer = tokenizer
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.shares = cpu_shares(cpus, n)
-        from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
 
         self.expert_parallel = n > 1 and uses_dp_expert_parallel(config)
         init_method = worker_init_method = None
@@ -147,7 +146,7 @@ class DPAsyncEngine:
         self.num_wakes += 1
         for e in self.engines:
             try:
-                e._send(("wake", self.num_wakes))
+                e._send(Wake(self.num_wakes))
             except Exception:  # noqa: BLE001 - a dead core fails its own requests; the others still wake
                 logger.debug("could not wake engine %s", e.data_parallel_rank)
 
@@ -250,7 +249,7 @@ class DPAsyncEngine:
             prefix_cache_queries=sum(s.prefix_cache_queries for s in ss),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in ss), num_steps=sum(s.num_steps for s in ss),
             last_step_time=max(s.last_step_time for s in ss), last_schedule_time=max(s.last_schedule_time for s in ss),
-            num_kv_blocks=blocks, block_size=ss[0].block_size)
+            num_kv_blocks=blocks, block_size=ss[0].block_size, lora=_merge_lora([s.lora for s in ss]))
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -320,8 +319,10 @@ class DPAsyncEngine:
     # -- requests ------------------------------------------------------------------
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                        params: SamplingParams, priority: int = 0, cache_salt: str | None = None,
-                       arrival_time: float | None = None, batch: bool = False) -> AsyncIterator[RequestOutput]:
-        """Run the request on the least loaded core (see :meth:`AsyncEngine.generate`; ``batch``: the batch lane).
+                       arrival_time: float | None = None, batch: bool = False,
+                       lora_request: Any = None) -> AsyncIterator[RequestOutput]:
+        """Run the request on the least loaded core (see :meth:`AsyncEngine.generate`; ``batch``: the batch lane;
+        ``lora_request``: its LoRA adapter, which every core serves).
 
         Raises:
             EngineDeadError: a core is gone.
@@ -333,7 +334,8 @@ class DPAsyncEngine:
         self.num_routed[i] += 1
         try:
             async for out in self.engines[i].generate(request_id, prompt, prompt_token_ids, params, priority,
-                                                      cache_salt, arrival_time, batch=batch):
+                                                      cache_salt, arrival_time, batch=batch,
+                                                      lora_request=lora_request):
                 yield out
         finally:
             self._owner.pop(request_id, None)
@@ -347,6 +349,36 @@ class DPAsyncEngine:
     async def abort(self, request_id: str) -> None:
         self.abort_nowait(request_id)
 
+    async def load_lora(self, lora_request: Any, timeout: float = 300.0) -> str | None:
+        """Load an adapter on every core (each has its own runner and adapter cache; see
+        :meth:`AsyncEngine.load_lora`). None when all loaded it; else the first error, and the cores that
+        did load it drop it again (the adapter is served everywhere or nowhere).
+
+        Raises:
+            EngineDeadError: a core is gone.
+            TimeoutError: a core did not answer within ``timeout`` seconds.
+        """
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        errors = await asyncio.gather(*(e.load_lora(lora_request, timeout) for e in self.engines))
+        first = next((err for err in errors if err is not None), None)
+        if first is not None:
+            for e, err in zip(self.engines, errors):
+                if err is None:
+                    e.unload_lora(lora_request.lora_int_id)
+        return first
+
+    def unload_lora(self, lora_int_id: int) -> None:
+        """:meth:`AsyncEngine.unload_lora` on every core (fire and forget).
+
+        Raises:
+            EngineDeadError: a core is gone.
+        """
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine is not running")
+        for e in self.engines:
+            e.unload_lora(lora_int_id)
+
     def release_kv(self, request_id: str, engine_id: str | None = None) -> None:
         """:meth:`AsyncEngine.release_kv` on every core (the one whose connector has ``engine_id`` and
         keeps ``request_id`` frees it; the request finished, so no owner is tracked any more)."""
@@ -354,6 +386,21 @@ class DPAsyncEngine:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         for e in self.engines:
             e.release_kv(request_id, engine_id)
+
+
+def _merge_lora(parts: list[dict | None]) -> dict | None:
+    """The cores' LoRA snapshots (:attr:`EngineStats.lora`) as one: adapters running or waiting on any core,
+    requests per adapter summed; None without LoRA."""
+    parts = [p for p in parts if p]
+    if not parts:
+        return None
+    totals: dict[str, int] = {}
+    for p in parts:
+        for name, n in p["requests_total"].items():
+            totals[name] = totals.get(name, 0) + n
+    return {"running": sorted({n for p in parts for n in p["running"]}),
+            "waiting": sorted({n for p in parts for n in p["waiting"]}),
+            "max_lora": parts[0]["max_lora"], "requests_total": totals}
 
 
 def _free_port(host: str = "127.0.0.1") -> int:

@@ -22,6 +22,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler
+from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.executor import Executor, create_executor
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     batch: bool = False
-    lora_request: Any = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCore:

@@ -9,20 +9,26 @@ requests take — and seeds the model with it, as vLLM profiles memory with a du
 serves (``determine_available_memory``):
 
 1. a warm-up step: one :data:`WARMUP_TOKENS`-token prompt prefills (it pays the one-time costs
-   of the first forward on the path prompts take: kernel set-up, weight packing, allocator);
-2. one decode step of it, not timed (the first decode pays its own path's one-time costs: 295 ms
-   against 38 ms for the next on the loaded machine), then :data:`DECODE_STEPS` decode steps of it
-   alone (batch 1);
-3. :data:`PREFILL_REPEATS` prefill probe(s): a second :data:`PREFILL_TOKENS`-token prompt joins and
-   prefills in one step beside the decode, as prompts do under load; the prefill rate is
-   ``(step − decode_step_time(1)) / tokens`` (the split the online model makes), the median. The
-   rate is linear in the tokens of a step on the CPU paths measured (5.0 ms/token at 256 tokens and
-   5.1 at 512 on the shared 2-core AVX-512 machine), so a short probe stands for the 2,048-token
-   steps of a burst;
-4. while less than :data:`PROFILE_BUDGET_S` has passed: short requests join until the batch is the
-   next size of :data:`DECODE_BATCHES` (at most ``--max-num-seqs``), then :data:`DECODE_STEPS`
-   decode steps at that size (each size's point is the median of its pure decode steps). On a
-   loaded machine the larger sizes are skipped and extrapolated, so start-up does not wait for them.
+   of the first forward on the path prompts take: kernel set-up, weight packing, allocator), then
+   one decode step of it (the first decode pays its own path's one-time costs: 295 ms against 38 ms
+   for the next on a loaded machine); neither is timed. The model's background oneDNN packing runs
+   beside them; the profile waits for it before timing anything (steps timed beside it measured a
+   prefill rate of 320 tokens/s against ~500 afterwards, quiet 2-core AVX-512 machine);
+2. :data:`DECODE_STEPS` decode steps of the warm-up request alone (batch 1);
+3. for each next size of :data:`DECODE_BATCHES` (at most ``--max-num-seqs`` and what the pool
+   holds), while less than :data:`PROFILE_BUDGET_S` has passed: the requests that make up the
+   batch join in one step, their prompts :data:`PREFILL_TOKENS` tokens together, beside the running
+   decodes, as prompts join under load. That step is a prefill sample, split as the online model
+   splits a mixed step: ``(step − decode_step_time(running)) / prompt tokens``; the rate is the
+   median of the samples. Then :data:`DECODE_STEPS` decode steps at the new size (its point is the
+   median). The joins thus serve both terms, and no step is spent on a probe alone. On a loaded
+   machine the larger sizes are skipped and extrapolated, so start-up does not wait for them.
+
+The prefill samples are short prompts, so the rate holds little attention over long contexts: on the
+batch-invariant default every prompt row runs the decode attention kernel over its own context, and a
+512-token chunk after 1,536 cached tokens costs ~1.8x the first 512-token chunk (quiet 2-core AVX-512).
+The online model re-learns the rate from real prompt steps (EWMA) and the admission's learnt TTFT
+margin covers the rest.
 
 Prompts are random token ids (nothing to share with later traffic); every block returns to the pool
 and the prefix cache is reset afterwards, and the engine's counters (steps, prefix-cache queries,
@@ -33,7 +39,7 @@ takes over from the first real step.
 
 ``--slo-calibration cache`` (the default) keeps the profile under ``$TOKENMILL_CACHE_DIR/slo_profiles``
 (or ``~/.cache/tokenmill/slo_profiles``), keyed by the model file (path, size, mtime), dtype, KV
-cache dtype, CPU kernel variant, threads, token budget, seats and the profile's version: a second
+cache dtype, CPU kernel variant, threads, batch invariance, token budget, seats and the profile's version: a second
 start with the same key skips the profile. ``profile`` always profiles (and refreshes the entry);
 ``off`` skips it (the first burst is admitted blind, at most ``BLIND_MAX_REQUESTS`` of it). A start
 that takes the profile from the cache still runs one warm-up step (:func:`warm_up`): the first
@@ -61,17 +67,23 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 1
-# Decode batch sizes profiled (capped at --max-num-seqs), ascending.
+PROFILE_VERSION = 2
+# Decode batch sizes profiled (capped at --max-num-seqs and the pool), ascending. On the batch-invariant
+# default every row runs the same kernels, so a step's time is close to linear in its rows past a few
+# (fixed cost + per-row cost): 1, 8 and 32 pin the fixed cost, the bend and the slope, which
+# StepTimingSnapshot.decode_step_time interpolates and extrapolates; the per-step-size paths
+# (--no-batch-invariant) switch kernels above 8 rows, which the same three points bracket.
 DECODE_BATCHES = (1, 8, 32)
 # Decode steps timed per batch size (their median is the point).
 DECODE_STEPS = 2
-# Prompt tokens of each decode-phase request.
-SHORT_PROMPT = 4
-# Prompt tokens of the prefill probe (capped at the token budget and the context).
-PREFILL_TOKENS = 128
-PREFILL_REPEATS = 1
-# Seconds after which the profile adds no larger decode batch (the warm-up, batch 1 and the prefill probe
+# Prompt tokens of the requests that join to grow the batch, together, per join (capped at the token
+# budget and the context): each join is a prefill sample beside the running decodes. 64 tokens make the
+# prefill part ~3-6x the decode part of the step on the paths measured (so the split's error from the
+# decode part's noise is a fraction of that), at ~2 ms a token on a quiet 2-core AVX-512 machine.
+PREFILL_TOKENS = 64
+# A join step with fewer prompt tokens than this is no prefill sample (tiny batches, tiny budgets).
+MIN_PROBE_TOKENS = 8
+# Seconds after which the profile adds no larger decode batch (the warm-up, batch 1 and the first join
 # always run): on a loaded machine each step is many times slower, and start-up must not wait for it.
 PROFILE_BUDGET_S = 1.0
 # Prompt tokens of the warm-up request: past TOKENMILL_CPU_INT4_MAX_TOKENS (8), so the first forward
@@ -101,7 +113,8 @@ class StepProfile:
 
 
 def profile_key(core: Any) -> dict[str, Any]:
-    """The cache key of ``core``'s step times: model file, dtypes, kernel variant, threads, budget, seats."""
+    """The cache key of ``core``'s step times: model file, dtypes, kernel variant, threads, batch
+    invariance (its kernels differ from the per-step-size paths'), budget, seats."""
     cfg = core.config
     path = getattr(cfg.model, "model", None)
     if not path:
@@ -134,6 +147,7 @@ def profile_key(core: Any) -> dict[str, Any]:
             "model": os.path.abspath(path) if path else "", "size": size,
             "mtime": mtime, "dtype": dtype, "kv_cache_dtype": kv_dtype, "cpu_isa": isa, "threads": threads,
             "quantization": str(getattr(cfg.model, "quantization", None)),
+            "batch_invariant": bool(getattr(cfg.model, "batch_invariant", False)),
             "max_num_batched_tokens": sched.max_num_batched_tokens, "max_num_seqs": sched.max_num_seqs,
             "block_size": cfg.cache.block_size}
 
@@ -180,6 +194,36 @@ def store(profile: StepProfile) -> None:
         logger.warning("could not cache the step-time profile at %s: %s", path, e)
 
 
+def _wait_for_background_packing(core: Any) -> float:
+    """Join the model's background oneDNN packing thread, if any (seconds waited).
+
+    The packing runs beside the first steps after start-up; steps timed while it holds a core are slower
+    than every later step (measured: a prefill rate of 320 tokens/s in the profile against ~500 tokens/s
+    afterwards on a quiet 2-core machine), so the profile times nothing before it is done. The warm-up
+    (whose one-time costs are not timed) runs first and overlaps it.
+    """
+    if "torch" not in sys.modules:
+        return 0.0
+    runner = getattr(core.executor, "runner", core.executor)
+    model = getattr(runner, "model", None)
+    if model is None:
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        from tokenmill.model.layers.linear import wait_for_packing
+
+        wait_for_packing(model, timeout=60.0)
+    except Exception:  # noqa: BLE001 - an executor without that model: nothing to wait for
+        return 0.0
+    return time.perf_counter() - t0
+
+
+def _split_prompts(total: int, count: int) -> list[int]:
+    """``count`` prompt lengths (each >= 1) summing to ``total`` (at least ``count``)."""
+    total = max(total, count)
+    return [total // count + (1 if i < total % count else 0) for i in range(count)]
+
+
 def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
                 budget_s: float | None = None) -> StepProfile:
     """Profile ``core``'s decode and prefill steps with dummy requests (see the module docstring).
@@ -189,7 +233,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
         vocab_size: prompt ids are drawn below it (default: 1000, always valid).
         seed: of the random prompts.
         budget_s: seconds after which no further decode batch size is profiled (default
-            :data:`PROFILE_BUDGET_S`); the warm-up, batch 1 and the prefill probe always run.
+            :data:`PROFILE_BUDGET_S`); the warm-up, batch 1 and the first join always run.
 
     Returns:
         the :class:`StepProfile` (``key`` unset).
@@ -209,11 +253,10 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
     block = sched.block_size
     pool = sched.kv_cache_manager.num_blocks
     budget = sched.max_num_batched_tokens
-    p = max(16, min(PREFILL_TOKENS, budget - 1, core.max_model_len - 64, (pool // 4) * block))
-    max_tokens = 3 + (1 + DECODE_STEPS) * (len(DECODE_BATCHES) + 1)
-    long_blocks = 2 * -(-(p + max_tokens) // block)                  # the warm-up and probe requests
-    short_blocks = -(-(SHORT_PROMPT + max_tokens) // block)
-    cap = max(1, min(sched.max_num_seqs, 2 + max(0, pool - long_blocks) // short_blocks))
+    max_tokens = 2 + (1 + DECODE_STEPS) * (len(DECODE_BATCHES) + 1)
+    # the decode batches, capped by the seats and by the pool (each request holds its blocks to the end)
+    per_req_blocks = -(-(max(WARMUP_TOKENS, PREFILL_TOKENS) + max_tokens) // block)
+    cap = max(1, min(sched.max_num_seqs, pool // max(1, per_req_blocks)))
     batches = sorted({max(1, min(b, cap)) for b in DECODE_BATCHES})
     ids: list[str] = []
     decode: dict[int, list[float]] = {}
@@ -221,7 +264,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
 
     def add(n_prompt: int) -> None:
         rid = f"{_ID_PREFIX}-{len(ids)}"
-        prompt = [rng.randrange(1, hi) for _ in range(n_prompt)]
+        prompt = [rng.randrange(1, hi) for _ in range(max(1, n_prompt))]
         core.add_request(EngineCoreRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                                        ignore_eos=True)))
         ids.append(rid)
@@ -239,38 +282,37 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
             decode.setdefault(nd, []).append(dt)
         return nd, npf, dt
 
-    def decode_steps() -> None:
-        for _ in range(DECODE_STEPS):
-            step()
-
     try:
-        add(WARMUP_TOKENS)
+        add(max(1, min(WARMUP_TOKENS, budget, core.max_model_len - max_tokens)))
         step()                      # the warm-up: the first forward's one-time costs ...
-        decode.clear()
         step()                      # ... and the first decode's (its kernel path differs from a prompt's)
+        waited = _wait_for_background_packing(core)   # overlapped by the warm-up; nothing timed before it ends
         decode.clear()
-        decode_steps()              # batch 1
+        for _ in range(DECODE_STEPS):   # batch 1
+            step()
         if not decode:
             raise RuntimeError("the step-time profile measured no decode step")
-        d1 = min(decode[min(decode)])
-        for _ in range(PREFILL_REPEATS):   # the prefill probe rides with one decode, as prompts do under load
-            add(p)
-            nd, npf, dt = step()
-            if npf > 0:
-                rates.append(max(dt - d1, 0.1 * dt) / npf)
-            step()                  # then both decode (a point at batch 2)
         for b in batches:
             running = len(sched.running)
             if b <= running:
                 continue
-            if time.perf_counter() - t_start > budget_s:
+            if rates and time.perf_counter() - t_start > budget_s:
                 logger.info("step-time profile: %.1f s spent, batches above %d are extrapolated",
                             time.perf_counter() - t_start, running)
                 break
-            for _ in range(b - running):
-                add(SHORT_PROMPT)
-            step()                  # their prefill (mixed: not a sample)
-            decode_steps()
+            # the requests that grow the batch join in one step beside the running decodes, their prompts
+            # PREFILL_TOKENS together (within the budget): that step is the prefill sample, split as the
+            # online model splits a mixed step: (step - decode_step_time(running)) / prompt tokens
+            joining = b - running
+            total = max(joining, min(PREFILL_TOKENS, budget - running, core.max_model_len - max_tokens))
+            for n in _split_prompts(total, joining):
+                add(n)
+            d_running = statistics.median(decode[max(k for k in decode if k <= running)])
+            nd, npf, dt = step()
+            if npf >= MIN_PROBE_TOKENS:
+                rates.append(max(dt - d_running, 0.1 * dt) / npf)
+            for _ in range(DECODE_STEPS):
+                step()
     finally:
         core._last_step = None      # the gap after the profile is no step
         _forget_profile(core, ids)
@@ -280,6 +322,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
     mono: list[tuple[float, float]] = []
     for n, t in points:
         mono.append((n, max(t, mono[-1][1]) if mono else t))
+    logger.debug("step-time profile: waited %.2f s for the background packing", waited)
     return StepProfile(mono, statistics.median(rates), time.perf_counter() - t_start)
 
 

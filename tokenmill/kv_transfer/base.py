@@ -274,6 +274,12 @@ class PullConnector(KVConnectorBase):
             self._decline(request)       # the local prefix cache has it all
         return (n, True) if n > 0 else (0, False)
 
+    def decline(self, request: Request) -> None:
+        """The consumer ends ``request`` before any load (e.g. its LoRA adapter failed to load): the
+        producer frees its KV now (a no-op for a request that is not a consumer's remote prefill)."""
+        if self.config.is_consumer and wants_remote_prefill(request.sampling_params.kv_transfer_params):
+            self._decline(request)
+
     def _decline(self, request: Request) -> None:
         """The consumer will not pull ``request``'s KV: ask the producer to free it now, in the background
         and once per request (:func:`tokenmill.kv_transfer.notify.release_remote`)."""

@@ -45,6 +45,10 @@ class LoRAManager:
         max_rank: ``--max-lora-rank``.
         max_cpu_loras: adapters kept in CPU memory (``>= max_loras``).
         dtype: the model dtype.
+        layout: on a tensor/pipeline-parallel worker, its
+            :class:`~tokenmill.distributed.layout.RankLayout`: ``arch`` is then the *full* model's
+            architecture (adapters are validated against it) and each loaded adapter is cut to the
+            rank's shard (:func:`tokenmill.lora.tp.shard_adapter`). None: one process.
 
     Attributes:
         slot_bytes: bytes of all slot buffers (counted against the KV budget by the runner).
@@ -54,8 +58,8 @@ class LoRAManager:
     """
 
     def __init__(self, model: torch.nn.Module, arch, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype) -> None:
-        self.arch, self.dtype = arch, dtype
+                 dtype: torch.dtype, layout=None) -> None:
+        self.arch, self.dtype, self.layout = arch, dtype, layout
         self.max_loras, self.max_rank = max_loras, max_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.batch, self.slot_bytes = inject_lora(model, max_loras, max_rank, dtype)
@@ -79,6 +83,10 @@ class LoRAManager:
     # -- loading ----------------------------------------------------------------
     def _load(self, req: LoRARequest) -> LoRAAdapter:
         adapter = load_adapter(req.lora_path, self.arch, self.max_rank, self.dtype)
+        if self.layout is not None:
+            from tokenmill.lora.tp import shard_adapter
+
+            adapter = shard_adapter(adapter, self.layout)
         lacking = sorted({mod for _, mod in adapter.modules} - self.supported)
         if lacking:
             raise LoRAAdapterError(f"{req.lora_path}: targets {lacking} do not exist in this base model "
@@ -182,6 +190,7 @@ class LoRAManager:
         """Forget adapter ``lid`` (after an unload with no request of it left): CPU cache and slot."""
         self.cpu.pop(lid, None)
         self._errors.pop(lid, None)
+        self._loading.pop(lid, None)     # a load still running is not collected into the cache
         for s, held in enumerate(self.slots):
             if held == lid:
                 self.slots[s] = None
@@ -197,6 +206,10 @@ class LoRAManager:
             self._slot_lru[s] = None
             return s
         adapter = self.cpu.get(lid)
+        if adapter is None and lid in self._loading:   # a worker told to load it: wait for that load
+            self._loading[lid].exception()
+            self.poll()
+            adapter = self.cpu.get(lid)
         if adapter is None:     # not resident (e.g. evicted between scheduling and now): load here
             logger.warning("LoRA: adapter %s (%d) loaded on the step's path", req.lora_name, lid)
             adapter = self.load_now(req)

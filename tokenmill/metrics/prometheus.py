@@ -67,7 +67,11 @@ alerts written for vLLM work after replacing the ``vllm:`` prefix:
   the pool), ``kv_offload_evicted_blocks_total`` (LRU), ``kv_offload_discarded_blocks_total`` (corrupt or
   another configuration), ``kv_offload_dropped_saves_total``, ``kv_offload_write_errors_total``,
   ``kv_offload_failed_loads_total``, and gauges ``kv_offload_usage_bytes``, ``kv_offload_capacity_bytes``,
-  ``kv_offload_resident_blocks``, ``kv_offload_writes_paused`` (1 after a failed write, e.g. a full disk).
+  ``kv_offload_resident_blocks``, ``kv_offload_writes_paused`` (1 after a failed write, e.g. a full disk);
+  with a host-memory tier in front of the files (``--kv-offloading-host-size``, default on CUDA):
+  ``kv_offload_host_blocks_total{direction}`` (``store``: put into host memory, ``load``: loaded from it
+  instead of a file, ``evict``: dropped from it, LRU) and gauges ``kv_offload_host_usage_bytes``,
+  ``kv_offload_host_capacity_bytes``, ``kv_offload_host_resident_blocks``.
 
 Each exporter has its own :class:`prometheus_client.CollectorRegistry`, so
 several servers (or tests) in one process do not collide.
@@ -211,6 +215,11 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     _g("kvo_capacity", "kv_offload_capacity_bytes", "Size limit of the offloading tier in bytes."),
     _g("kvo_resident", "kv_offload_resident_blocks", "KV blocks held by the offloading tier."),
     _g("kvo_paused", "kv_offload_writes_paused", "1 while tier writes are paused after a failed write."),
+    _c("kvo_host_blocks", "kv_offload_host_blocks",
+       "KV blocks put into / loaded from / evicted from the offloading tier's host memory.", ("direction",)),
+    _g("kvo_host_usage", "kv_offload_host_usage_bytes", "Bytes of blocks in the offloading tier's host memory."),
+    _g("kvo_host_capacity", "kv_offload_host_capacity_bytes", "Size of the offloading tier's host memory in bytes."),
+    _g("kvo_host_resident", "kv_offload_host_resident_blocks", "KV blocks held in the offloading tier's host memory."),
     _c("so_requests", "structured_output_requests", "Constrained requests by constraint kind.", ("kind",)),
     _h("so_compile_time", "grammar_compile_time_seconds", "Histogram of grammar compile time in seconds.",
        [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]),
@@ -354,6 +363,16 @@ class _EngineSeries:
         f["kvo_capacity"].labels(*lv).set(st.capacity_bytes)
         f["kvo_resident"].labels(*lv).set(st.resident_blocks)
         f["kvo_paused"].labels(*lv).set(1 if st.writes_paused else 0)
+        if getattr(st, "host_capacity_bytes", 0):
+            for d, total in (("store", st.host_blocks_stored), ("load", st.host_blocks_loaded),
+                             ("evict", st.host_blocks_evicted)):
+                key = "host_" + d
+                if key not in self.kvo:
+                    self.kvo[key] = f["kvo_host_blocks"].labels(*lv, d)
+                self.last_kvo[key] = _inc(self.kvo[key], total, self.last_kvo.get(key, 0))
+            f["kvo_host_usage"].labels(*lv).set(st.host_resident_bytes)
+            f["kvo_host_capacity"].labels(*lv).set(st.host_capacity_bytes)
+            f["kvo_host_resident"].labels(*lv).set(st.host_resident_blocks)
     def record_structured(self, st) -> None:
         """Advance the structured-output series to the core's cumulative
         :class:`~tokenmill.structured_output.manager.StructuredOutputStats`."""
@@ -450,7 +469,8 @@ class PrometheusStatLogger:
                                 ["running_lora_adapters", "max_lora", "waiting_lora_adapters"], registry=self.registry)
         self._lora_requests = Counter(PREFIX + "lora_requests", "Requests added per LoRA adapter.",
                                       ["model_name", "lora_name"], registry=self.registry)
-        self._lora_last: dict[str, int] = {}
+        self._lora_last: dict[tuple[int, str], int] = {}     # (engine core, adapter) -> its count seen
+        self._lora_snap: dict[int, dict] = {}                 # engine core -> its last LoRA snapshot
         self.slo_tpot_factor.set(1.0)
         self._cache_config = CACHE_CONFIG_INFO.build(self.registry, ("model_name", "engine"), token_buckets)
         self._engines: dict[int, _EngineSeries] = {}
@@ -535,7 +555,7 @@ class PrometheusStatLogger:
             if getattr(s, "structured_outputs", None) is not None:
                 e.record_structured(s.structured_outputs)
             if getattr(s, "lora", None) is not None:
-                self.record_lora(s.lora)
+                self.record_lora(s.lora, index)
             if s.num_steps > e.last_steps:
                 e.last_steps = s.num_steps
                 e.sched_time.observe(s.last_schedule_time)
@@ -558,14 +578,18 @@ class PrometheusStatLogger:
                 if f.max_tokens_param is not None:
                     e.req_max_tokens.observe(f.max_tokens_param)
 
-    def record_lora(self, lora: dict) -> None:
-        """``lora_requests_info`` and ``lora_requests`` from the core's LoRA snapshot (:attr:`EngineStats.lora`)."""
+    def record_lora(self, lora: dict, index: int = 0) -> None:
+        """``lora_requests_info`` and ``lora_requests`` from engine core ``index``'s LoRA snapshot
+        (:attr:`EngineStats.lora`); with ``--data-parallel-size`` the info series shows the adapters running
+        and waiting on any core and the counter sums the cores' counts."""
+        self._lora_snap[index] = lora
+        snaps = list(self._lora_snap.values())
         self._lora_info.clear()
-        self._lora_info.labels(",".join(lora["running"]), str(lora["max_lora"]),
-                               ",".join(lora["waiting"])).set(time.time())
+        self._lora_info.labels(",".join(sorted({n for x in snaps for n in x["running"]})), str(lora["max_lora"]),
+                               ",".join(sorted({n for x in snaps for n in x["waiting"]}))).set(time.time())
         for name, total in lora["requests_total"].items():
-            self._lora_last[name] = _inc(self._lora_requests.labels(self.model_name, name), total,
-                                         self._lora_last.get(name, 0))
+            self._lora_last[(index, name)] = _inc(self._lora_requests.labels(self.model_name, name), total,
+                                                  self._lora_last.get((index, name), 0))
 
     def render(self) -> bytes:
         """The exposition text (Prometheus text format 0.0.4)."""

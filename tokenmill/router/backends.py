@@ -115,6 +115,9 @@ class Backend:
         index: position in the router's list (stable id).
         healthy: in the rotation.
         models: model ids from its last ``/v1/models``.
+        model_cards: per model id, the card fields the router uses: ``parent`` and ``root`` (a LoRA
+            adapter's base and folder, vLLM's shape) and ``prefix_cache_key`` (what the adapter's
+            block hashes carry on this backend, tokenmill's field; kv_aware hashes with it).
         in_flight: requests the router has open to it.
         active_blocks: KV blocks of its in-flight requests' prompts (router's estimate, blocks).
         prefill_blocks: blocks still to prefill for its in-flight requests that have not
@@ -133,6 +136,7 @@ class Backend:
     index: int
     healthy: bool = False
     models: list[str] = field(default_factory=list)
+    model_cards: dict[str, dict] = field(default_factory=dict)
     in_flight: int = 0
     active_blocks: int = 0
     prefill_blocks: int = 0
@@ -263,7 +267,10 @@ class HealthChecker:
             m = await self.client.get(f"{b.url}/v1/models", timeout=self.timeout, headers=headers)
             if m.status_code != 200:
                 raise RuntimeError(f"/v1/models answered {m.status_code}")
-            models = [str(d["id"]) for d in m.json().get("data", []) if isinstance(d, dict) and "id" in d]
+            cards = [d for d in m.json().get("data", []) if isinstance(d, dict) and "id" in d]
+            models = [str(d["id"]) for d in cards]
+            b.model_cards = {str(d["id"]): {k: d.get(k) for k in ("parent", "root", "prefix_cache_key")}
+                             for d in cards}
             pool_blocks = b.pool_blocks
             if self.scrape_metrics or (self.read_pool_size and pool_blocks is None):
                 r = await self.client.get(f"{b.url}/metrics", timeout=self.timeout)

@@ -7,7 +7,8 @@ chat renders the messages with the model's chat template
 (``add_generation_prompt`` default true, ``continue_final_message``) and then
 ``encode(text, add_special_tokens=body.add_special_tokens (default false))``.
 The hashes are :func:`tokenmill.core.prefix_cache.hash_block_tokens` chained
-over full blocks, with the request's ``cache_salt`` on the first block.
+over full blocks, with the request's ``cache_salt`` on the first block, then a LoRA adapter's key
+(the ``prefix_cache_key`` of its ``/v1/models`` card).
 """
 
 from __future__ import annotations
@@ -49,12 +50,16 @@ def _content_text(content: Any) -> str:
     return str(content)
 
 
-def block_hash_chain(token_ids: list[int], block_size: int, cache_salt: str | None = None) -> list[BlockHash]:
-    """Hashes of the full blocks of ``token_ids`` (``[len(token_ids) // block_size]``), as the engine computes them."""
+def block_hash_chain(token_ids: list[int], block_size: int, cache_salt: str | None = None,
+                     lora_key: str | int | None = None) -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids`` (``[len(token_ids) // block_size]``), as the engine computes them
+    (:func:`tokenmill.core.prefix_cache.block_extra_keys`: block 0 carries the salt, then a LoRA adapter's
+    ``prefix_cache_key``)."""
     out: list[BlockHash] = []
     parent = None
+    first = (() if cache_salt is None else (cache_salt,)) + (() if lora_key is None else (lora_key,))
     for i in range(len(token_ids) // block_size):
-        extra = (cache_salt,) if (i == 0 and cache_salt is not None) else ()
+        extra = first if i == 0 else ()
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size], extra)
         out.append(parent)
     return out

@@ -296,8 +296,23 @@ class Router:
                 salt = body.get("cache_salt")
                 rin.num_prompt_tokens = len(ids)
                 rin.block_hashes = block_hash_chain(ids, policy.block_size,  # type: ignore[attr-defined]
-                                                    salt if isinstance(salt, str) else None)
+                                                    salt if isinstance(salt, str) else None,
+                                                    self.prefix_cache_key(body.get("model")))
         return rin
+
+    def prefix_cache_key(self, model: Any) -> str | int | None:
+        """The extra key a LoRA adapter's block hashes carry (its ``/v1/models`` card's
+        ``prefix_cache_key``, from the healthy backends serving it; None for a base model). Backends that
+        serve the same adapter under the same name agree on it; if one differs, its blocks simply never
+        match (the engine computes its own hashes, so routing, never correctness, is affected)."""
+        if not isinstance(model, str):
+            return None
+        for b in self.backends:
+            if b.healthy:
+                key = (b.model_cards.get(model) or {}).get("prefix_cache_key")
+                if key is not None:
+                    return key
+        return None
 
     @property
     def dead_backend_timeout(self) -> float:
@@ -563,6 +578,8 @@ class Router:
         """Union of the healthy backends' ``/v1/models`` (re-read from one backend per model)."""
         cards: dict[str, dict[str, Any]] = {}
         for m in self.all_models():
+            # a LoRA adapter keeps its parent (the base) and root (vLLM's shape), from a backend serving it
+            seen = next((b.model_cards[m] for b in self.backends if b.healthy and m in b.model_cards), {})
             cards[m] = {"id": m, "object": "model", "created": int(time.time()), "owned_by": "tokenmill",
-                        "root": m, "parent": None, "permission": []}
+                        "root": seen.get("root") or m, "parent": seen.get("parent"), "permission": []}
         return {"object": "list", "data": list(cards.values())}

@@ -391,9 +391,45 @@ class SLOAdmission:
         if setter is not None and self.calibrate:
             setter(self.ttft_margin.margin(), factor)
         verdict = judge(self.slo, self.calibrated(pred), elapsed, q, t, factor)
-        if verdict.admit:
-            return pred, None
-        return pred, Refusal(verdict.message, verdict.retry_after, "slo")
+        if not verdict.admit:
+            return pred, Refusal(verdict.message, verdict.retry_after, "slo")
+        hurt = self._would_delay(pred, priority, now) if pred is not None else None
+        if hurt is not None:
+            p, late = hurt
+            wait = max(0.0, p.arrival + p.predicted_ttft - now)
+            return pred, Refusal(
+                f"server is busy: this request's prefill would share a step with admitted requests still "
+                f"waiting for their first token and push one to {late * 1000:.0f} ms, past its time-to-first-"
+                f"token limit of {p.limit * 1000:.0f} ms (--slo); retry later",
+                int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(wait)))), "slo")
+        return pred, None
+
+    def _sharing(self, pred: "Prediction", priority: int, now: float) -> list[PendingRequest]:
+        """Admitted requests still waiting for their first token whose last prefill step a new request
+        (``pred``, ``priority``) would join: served before it (fcfs: all; priority: same or higher
+        priority) and predicted to get their first token after its prefill starts."""
+        start = now + max(0.0, pred.ttft - pred.ttft_idle)
+        return [p for p in self.pending.values()
+                if (self.policy != "priority" or p.priority <= priority) and p.arrival + p.predicted_ttft > start]
+
+    def _would_delay(self, pred: "Prediction", priority: int, now: float
+                     ) -> tuple[PendingRequest, float] | None:
+        """The first admitted request a new one would push past its TTFT limit, with its new TTFT, or None.
+
+        A step runs every scheduled prompt chunk together, so a prompt that joins the step in which an
+        earlier request's prefill ends delays that request's first token by its own prefill (at most
+        ``pred.ttft_idle``); the new request's own prediction does not show it when it is judged against a
+        larger limit than theirs (one infeasible alone, held to 1.5 x its idle TTFT) or arrived later (their
+        limits run from their own arrival). Sarathi-Serve's chunked batches (Agrawal et al., arXiv 2403.02310,
+        §4) put several prompts in one step; this is the cost of joining one.
+        """
+        if self.slo.ttft is None:
+            return None
+        for p in self._sharing(pred, priority, now):
+            late = p.predicted_ttft + pred.ttft_idle
+            if late > p.limit:
+                return p, late
+        return None
 
     def calibrated(self, pred: "Prediction | None") -> "Prediction | None":
         """``pred`` with the learnt safety margins applied (TTFT + margin, TPOT × factor)."""
@@ -405,9 +441,12 @@ class SLOAdmission:
         return replace(pred, ttft=max(0.0, pred.ttft + m), tpot=pred.tpot * f)
 
     def track(self, request_id: str, pred: "Prediction | None", priority: int, arrival: float,
-              prompt_tokens: int, now: float | None = None) -> PendingRequest | None:
+              prompt_tokens: int, now: float | None = None, delay_others: bool = True) -> PendingRequest | None:
         """Remember an admitted request until its first token (for the error metric and displacement;
-        one admitted without a prediction counts against the cold-start batch, see :meth:`check`)."""
+        one admitted without a prediction counts against the cold-start batch, see :meth:`check`).
+
+        ``delay_others``: move the predictions of the admitted requests whose last prefill step it joins
+        (see :meth:`_would_delay`); False for the second and later choices of one request."""
         if pred is None:
             self._blind[request_id] = time.time() if now is None else now
             return None
@@ -417,6 +456,11 @@ class SLOAdmission:
         own = pred.ttft_idle
         p = PendingRequest(request_id, priority, arrival, prompt_tokens, elapsed + pred.ttft,
                            now + max(0.0, pred.ttft - own), limit)
+        # the earlier requests whose last prefill step it joins get their first token that much later
+        # (once per request: its choices, tracked one after another, do not delay each other)
+        if delay_others:
+            for q in self._sharing(pred, priority, now):
+                q.predicted_ttft += own
         self.pending[request_id] = p
         self._predicted_tpot[request_id] = pred.tpot
         if len(self.pending) > 64 and len(self.pending) % 64 == 0:

@@ -236,9 +236,11 @@ def build_app(state: ServerState) -> FastAPI:
         data = [{"id": state.model_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
                  "root": state.model_path, "parent": None, "max_model_len": state.max_model_len, "permission": []}]
         for lr in state.lora or ():    # vLLM's shape: each adapter is a model whose parent is the base
+            # (+ prefix_cache_key: what its block hashes carry, so a kv_aware router computes the same hashes)
             data.append({"id": lr.lora_name, "object": "model", "created": state.created, "owned_by": "tokenmill",
                          "root": lr.lora_path, "parent": lr.base_model_name or state.model_name,
-                         "max_model_len": state.max_model_len, "permission": []})
+                         "max_model_len": state.max_model_len, "permission": [],
+                         "prefix_cache_key": lr.prefix_cache_key})
         return {"object": "list", "data": data}
 
     def runtime_lora() -> Any:
@@ -253,8 +255,11 @@ def build_app(state: ServerState) -> FastAPI:
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Any:
         """Load and validate a PEFT adapter folder, then serve it as model ``lora_name`` (400 when invalid)."""
         reg = runtime_lora()
+        from tokenmill.lora.request import adapter_content_hash
+
+        digest = await asyncio.to_thread(adapter_content_hash, body.lora_path)   # reads the files: off the loop
         try:
-            req = reg.new_request(body.lora_name, body.lora_path)
+            req = reg.new_request(body.lora_name, body.lora_path, content_hash=digest)
         except ValueError as e:
             raise APIError(str(e), param="lora_name") from None
         error = await state.engine.load_lora(req)

@@ -253,8 +253,9 @@ class OpenAIServing:
             return
         share = ticket.prompt_tokens // max(1, len(request_ids))
         slo.note_admitted(ticket.prompt_tokens, ticket.num_seqs)
-        for rid in request_ids:
-            pending = slo.track(rid, ticket.prediction, ticket.priority, ticket.arrival, share)
+        for i, rid in enumerate(request_ids):
+            pending = slo.track(rid, ticket.prediction, ticket.priority, ticket.arrival, share,
+                                delay_others=i == 0)
             if pending is None:
                 continue
             for victim, refusal in slo.displaced_by(pending, ticket.prediction):

@@ -107,6 +107,28 @@ class MultiprocExecutor:
         except BaseException:
             self.shutdown()
             raise
+        self.lora_manager = None    # --enable-lora: the core's proxy of the workers' adapters
+        if config.model.enable_lora:
+            from tokenmill.lora.tp import WorkerLoRAProxy
+
+            m = config.model
+            self.lora_manager = WorkerLoRAProxy(arch, m.max_lora_rank, max(m.max_cpu_loras or m.max_loras,
+                                                                           m.max_loras), self.lora_control)
+
+    def lora_control(self, op: tuple) -> None:
+        """Send an adapter op (:mod:`tokenmill.lora.tp`) to every worker, ordered with the steps; no reply.
+
+        Raises:
+            WorkerDiedError: a worker is (or was already) gone.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        payload = pickle.dumps(("lora", op), protocol=5)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError as e:
+            self._die(f"sending to a worker failed: {e}")
 
     # -- start-up ----------------------------------------------------------------
     def _start(self) -> None:
@@ -197,6 +219,28 @@ class MultiprocExecutor:
         if errors:
             raise RuntimeError(f"worker dummy step failed: {errors[0]}")
         self.last_step_stats = [m[2] for m in replies]
+
+    def kv_tier_call(self, msg: tuple) -> list[Any]:
+        """One KV offloading tier message to every worker (:func:`tokenmill.kv_transfer.offloading.worker_tier_call`,
+        between steps); the replies in rank order.
+
+        Raises:
+            WorkerDiedError: a worker is (or was already) gone.
+            RuntimeError: a worker raised.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        payload = pickle.dumps(("kv_tier", msg), protocol=5)
+        try:
+            for conn in self._conns:
+                conn.send_bytes(payload)
+        except OSError as e:
+            self._die(f"sending to a worker failed: {e}")
+        replies = self._collect(timeout=None, what="running a KV tier call")
+        errors = [m[1] for m in replies if m[0] == "error"]
+        if errors:
+            raise RuntimeError(f"KV tier call failed: {errors[0]}")
+        return [m[1] for m in replies]
 
     @property
     def eplb_stats(self):
@@ -307,7 +351,13 @@ def worker_main(address: str, rank: int, log_level: int = logging.INFO) -> int:
             msg = pickle.loads(conn.recv_bytes())
             if msg[0] == "shutdown":
                 return 0
+            if msg[0] == "lora":        # an adapter load/remove (tokenmill.lora.tp): no reply
+                worker.lora_control(msg[1])
+                continue
             try:
+                if msg[0] == "kv_tier":
+                    conn.send(("ok", worker.kv_tier(msg[1]), None))
+                    continue
                 out, stats = worker.execute_dummy() if msg[0] == "dummy" else worker.execute(msg[1])
                 conn.send(("ok", out, stats))
             except Exception as e:  # noqa: BLE001 - one failed step is reported, the worker goes on

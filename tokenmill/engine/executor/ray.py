@@ -30,6 +30,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, eplb_stats_of, load_frontend,
                                             log_layout, merge_step_replies, plan_kv_blocks, resolve_max_model_len)
 from tokenmill.engine.executor.step_codec import StepEncoder
+from tokenmill.engine.executor.mp import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,6 @@ class _RankActor:
     def rendezvous_address(self) -> str:
         """``tcp://<this node's IP>:<free port>`` for ``torch.distributed`` (called on rank 0's actor)."""
         import ray
-
-        from tokenmill.engine.executor.mp import free_port
 
         ip = ray.util.get_node_ip_address()
         return f"tcp://{ip}:{free_port('0.0.0.0')}"
@@ -64,6 +63,17 @@ class _RankActor:
             return ("ok", out, stats)
         except Exception as e:  # noqa: BLE001 - one failed step is reported, the actor goes on
             logger.exception("step failed")
+            return ("error", f"rank {self.worker.rank}: {type(e).__name__}: {e}", None)
+
+    def lora_control(self, op: tuple) -> None:
+        """An adapter load/remove (:meth:`Worker.lora_control <tokenmill.engine.executor.worker.Worker.lora_control>`)."""
+        self.worker.lora_control(op)
+
+    def kv_tier(self, msg: tuple) -> tuple:
+        try:
+            return ("ok", self.worker.kv_tier(msg), None)
+        except Exception as e:  # noqa: BLE001 - reported to the engine core
+            logger.exception("KV tier call failed")
             return ("error", f"rank {self.worker.rank}: {type(e).__name__}: {e}", None)
 
     def pid(self) -> int:
@@ -118,6 +128,25 @@ class RayExecutor:
             raise
         self.worker_infos = infos
         log_layout(infos, self.backend)
+        self.lora_manager = None    # --enable-lora: the core's proxy of the actors' adapters (tokenmill.lora.tp)
+        if config.model.enable_lora:
+            from tokenmill.lora.tp import WorkerLoRAProxy
+
+            m = config.model
+            self.lora_manager = WorkerLoRAProxy(arch, m.max_lora_rank, max(m.max_cpu_loras or m.max_loras,
+                                                                           m.max_loras), self.lora_control)
+
+    def lora_control(self, op: tuple) -> None:
+        """Send an adapter op to every actor (Ray runs one caller's calls to an actor in order, so it is
+        ordered with the steps); not awaited.
+
+        Raises:
+            WorkerDiedError: an actor is (or was already) gone.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        for a in self._actors:
+            a.lora_control.remote(op)
 
     def _get(self, refs: list, what: str) -> list:
         ray = self._ray
@@ -147,6 +176,22 @@ class RayExecutor:
         replies = self._get([a.execute.remote(payload) for a in self._actors], "running a step")
         output, self.last_step_stats = merge_step_replies(replies)
         return output
+
+    def kv_tier_call(self, msg: tuple) -> list[Any]:
+        """One KV offloading tier message to every rank (:func:`tokenmill.kv_transfer.offloading.worker_tier_call`);
+        the replies in rank order.
+
+        Raises:
+            WorkerDiedError: an actor is (or was already) gone.
+            RuntimeError: a rank raised.
+        """
+        if self._dead:
+            raise WorkerDiedError(self._dead)
+        replies = self._get([a.kv_tier.remote(msg) for a in self._actors], "running a KV tier call")
+        errors = [m[1] for m in replies if m[0] == "error"]
+        if errors:
+            raise RuntimeError(f"KV tier call failed: {errors[0]}")
+        return [m[1] for m in replies]
 
     @property
     def eplb_stats(self):

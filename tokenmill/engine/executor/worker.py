@@ -17,6 +17,8 @@ import torch
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.engine.executor.step_codec import StepDecoder
+from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +122,6 @@ class Worker:
         from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, \
             model_weight_bytes
         from tokenmill.distributed.parallel_state import init_distributed
-        from tokenmill.engine.executor.step_codec import StepDecoder
         from tokenmill.model.loader import load_arch_config, resolve_dtype, with_redundant_experts
         from tokenmill.model.runner import ModelRunner, configure_allocator
 
@@ -137,18 +138,18 @@ class Worker:
         if device.type == "cpu":
             # Build/load the C kernels now: a first use inside a step compiles them (tens of seconds on a busy
             # machine) while the other ranks wait in a collective, which then timed out (seen in the benchmark).
-            from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
             fused_cpu.load()
             paged_attention_cpu.load()
         self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device,
                                     dp_size=dp_size, dp_rank=dp_rank)
         arch = with_redundant_experts(load_arch_config(config.model.model), par.eplb.num_redundant_experts)
-        dtype = resolve_dtype(config.model.dtype, device)
+        dtype = resolve_dtype(config.model.dtype, device, config.cpu_kernels.native_bf16)
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
-        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids)
+        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids,
+                                  lora_shard=(arch, self.layout) if config.model.enable_lora else None)
         if par.enable_eplb:
             from tokenmill.distributed.eplb import build_controller
 
@@ -183,6 +184,20 @@ class Worker:
         out = self.runner.execute_model(so)
         return (out if self.is_output_rank else None), self._stats(t0, c0, e0)
 
+    def lora_control(self, op: tuple) -> None:
+        """An adapter load or remove from the engine core's :class:`~tokenmill.lora.tp.WorkerLoRAProxy`
+        (``("load", LoRARequest)`` starts a load on the runner's loader thread; ``("remove", id)``).
+        Never raises: a failed load is reported by the step that needs the adapter."""
+        from tokenmill.lora.tp import apply_worker_op
+
+        if self.runner.lora_manager is None:
+            logger.warning("LoRA op %s ignored: this worker has no adapters (--enable-lora)", op[0])
+            return
+        try:
+            apply_worker_op(self.runner.lora_manager, op)
+        except Exception:  # noqa: BLE001 - the step that needs the adapter fails instead
+            logger.exception("LoRA op %s failed", op[0])
+
     def execute_dummy(self):
         """A step with no tokens of this engine core's own, with experts shared over data-parallel cores:
         every MoE layer's exchange (:func:`~tokenmill.distributed.expert_parallel.dummy_forward`, serving the
@@ -204,7 +219,18 @@ class Worker:
                          eplb=self.runner.eplb_stats if self.is_output_rank else None,
                          ep_comm=self.ctx.ep.seconds - e0)
 
+    def kv_tier(self, msg: tuple) -> Any:
+        """One message of the engine core's KV offloading tier for this rank's store (this rank's shard of
+        every block: :func:`tokenmill.kv_transfer.offloading.worker_tier_call`)."""
+        from tokenmill.kv_transfer.offloading import worker_tier_call
+
+        self._kv_tier, reply = worker_tier_call(getattr(self, "_kv_tier", None), self.runner, self.layout, msg)
+        return reply
+
     def close(self) -> None:
         from tokenmill.distributed.parallel_state import destroy_distributed
 
+        store = getattr(self, "_kv_tier", None)
+        if store is not None:
+            store.shutdown()
         destroy_distributed()

@@ -198,13 +198,24 @@ class LoRALinear(nn.Module):
                 f"max_loras={self.max_loras}, max_rank={self.max_rank}")
 
 
+def _lora_site(parent, name: str):
+    """``(owner, attribute, module)`` where the adapter of ``parent.name`` goes: a wrapper naming an inner
+    linear in ``lora_inner`` is descended (a row-parallel layer: the delta is a partial sum that must join
+    the base's before its all-reduce; :mod:`tokenmill.lora.tp`)."""
+    mod = getattr(parent, name, None)
+    while mod is not None and getattr(mod, "lora_inner", None):
+        parent, name = mod, mod.lora_inner
+        mod = getattr(parent, name, None)
+    return parent, name, mod
+
+
 def lora_layers(model: nn.Module) -> list[tuple[int, str, LoRALinear]]:
     """``(layer index, fused name, LoRALinear)`` of every wrapped layer of a Llama-family ``model``."""
     out = []
     for i, layer in enumerate(model.model.layers):
         for block, name in (("self_attn", "qkv_proj"), ("self_attn", "o_proj"), ("mlp", "gate_up_proj"),
                             ("mlp", "down_proj")):
-            mod = getattr(getattr(layer, block, None), name, None)
+            mod = _lora_site(getattr(layer, block, None), name)[2]
             if isinstance(mod, LoRALinear):
                 out.append((i, name, mod))
     return out
@@ -237,13 +248,12 @@ def inject_lora(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dt
     total = 0
     for layer in layers:
         for name, (block, slices, fan_in) in plan.items():
-            parent = getattr(layer, block, None)
-            base = getattr(parent, name, None)
+            parent, attr, base = _lora_site(getattr(layer, block, None), name)
             if base is None or isinstance(base, LoRALinear):
                 continue
             wrapped = LoRALinear(base, slices, fan_in, max_loras, max_rank, dtype)
             wrapped.batch = batch
-            setattr(parent, name, wrapped)
+            setattr(parent, attr, wrapped)
             total += wrapped.nbytes
     return batch, total
 
