@@ -200,3 +200,141 @@ def disallow_additional_properties(schema: Any) -> Any:
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
+
+
+_EBNF_TOKEN = None
+
+
+def unproductive_rules(grammar_text: str) -> list[str] | None:
+    """Rules reachable from ``root`` that can never finish (derive no finite string), in grammar order.
+
+    A rule is *productive* when one of its alternatives is made only of terminals, repetitions that may be
+    empty (``*``, ``?``, ``{0,n}``) and productive rules; the productive set is the least fixed point of that
+    rule (the textbook emptiness test for context-free grammars, Hopcroft & Ullman, "Introduction to
+    Automata Theory, Languages, and Computation", 1979, §4.4, "useless symbols"). ``root ::= root`` or
+    ``root ::= "a" root`` has none: a constrained request could only run until ``max_tokens``.
+
+    Args:
+        grammar_text: a grammar in xgrammar's normalised EBNF (``str(xgrammar.Grammar)``: one rule per line,
+            ``name ::= expr`` with strings, character classes, rule names, groups, ``|``, ``* + ?``, ``{m,n}``
+            and lookaheads ``(= ...)``).
+
+    Returns:
+        the unproductive reachable rules (``"root"`` first when the whole grammar matches nothing); ``[]``
+        when every reachable rule can finish; None when the text uses syntax this parser does not know (the
+        caller then skips the check).
+    """
+    import re
+
+    global _EBNF_TOKEN
+    if _EBNF_TOKEN is None:
+        _EBNF_TOKEN = re.compile(r'''\s*(?:("(?:[^"\\]|\\.)*")|(\[(?:[^\]\\]|\\.)*\])|(\(=)|([A-Za-z_][\w.-]*)'''
+                                 r'''|(\{\s*\d+\s*(?:,\s*-?\d*\s*)?\})|([()|*+?]))''', re.S)
+    rules: dict[str, Any] = {}
+    order: list[str] = []
+    for line in grammar_text.splitlines():
+        if not line.strip():
+            continue
+        name, sep, body = line.partition("::=")
+        name = name.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_][\w.-]*", name):
+            return None
+        toks, pos = [], 0
+        while pos < len(body):
+            if not body[pos:].strip():
+                break
+            m = _EBNF_TOKEN.match(body, pos)
+            if m is None:
+                return None
+            toks.append(next((i, g) for i, g in enumerate(m.groups()) if g is not None))
+            pos = m.end()
+        try:
+            node, i = _parse_alt(toks, 0)
+        except (IndexError, ValueError):
+            return None
+        if i != len(toks):
+            return None
+        rules[name] = node
+        order.append(name)
+    if "root" not in rules:
+        return None
+    productive: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for name in order:
+            if name not in productive and _productive(rules[name], productive):
+                productive.add(name)
+                changed = True
+    reach, stack = {"root"}, ["root"]
+    while stack:
+        for ref in _refs(rules.get(stack.pop(), ("lit",))):
+            if ref not in reach:
+                if ref not in rules:
+                    return None
+                reach.add(ref)
+                stack.append(ref)
+    bad = [n for n in order if n in reach and n not in productive]
+    return sorted(bad, key=lambda n: n != "root")
+
+
+def _parse_alt(toks: list, i: int) -> tuple:
+    alts = []
+    while True:
+        seq, i = _parse_seq(toks, i)
+        alts.append(seq)
+        if i < len(toks) and toks[i] == (5, "|"):
+            i += 1
+            continue
+        return ("alt", alts), i
+
+
+def _parse_seq(toks: list, i: int) -> tuple:
+    items = []
+    while i < len(toks) and toks[i] not in ((5, "|"), (5, ")")):
+        kind, text = toks[i]
+        if kind in (0, 1):
+            atom = ("lit",)
+            i += 1
+        elif kind == 3:
+            atom = ("ref", text)
+            i += 1
+        elif kind in (2, 5) and text in ("(", "(="):
+            inner, i = _parse_alt(toks, i + 1)
+            if toks[i] != (5, ")"):
+                raise ValueError("unbalanced")
+            i += 1
+            atom = ("look",) if text == "(=" else inner
+        else:
+            raise ValueError(f"unexpected {text!r}")
+        while i < len(toks) and (toks[i][0] == 4 or toks[i][1] in ("*", "+", "?")):
+            q = toks[i][1]
+            low = 0 if q in ("*", "?") else 1 if q == "+" else int(q.strip("{} ").split(",")[0])
+            atom = ("rep", atom, low)
+            i += 1
+        items.append(atom)
+    return ("seq", items), i
+
+
+def _productive(node: tuple, productive: set[str]) -> bool:
+    kind = node[0]
+    if kind in ("lit", "look"):
+        return True
+    if kind == "ref":
+        return node[1] in productive
+    if kind == "seq":
+        return all(_productive(n, productive) for n in node[1])
+    if kind == "alt":
+        return any(_productive(n, productive) for n in node[1])
+    return node[2] == 0 or _productive(node[1], productive)      # rep
+
+
+def _refs(node: tuple) -> list[str]:
+    kind = node[0]
+    if kind == "ref":
+        return [node[1]]
+    if kind in ("seq", "alt"):
+        return [r for n in node[1] for r in _refs(n)]
+    if kind == "rep":
+        return _refs(node[1])
+    return []

@@ -16,7 +16,7 @@ from typing import Any
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.structured_output.backend import (
     GrammarMatcher, StructuredOutputBackend, StructuredOutputError, disallow_additional_properties,
-    resolve_json_options,
+    resolve_json_options, unproductive_rules,
 )
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,13 @@ class XgrammarBackend(StructuredOutputBackend):
         raise StructuredOutputError(f"structured_outputs: unknown constraint kind {kind!r}")
 
     def _compile_grammar(self, text: str) -> Any:
-        """EBNF/GBNF first (xgrammar's syntax); a grammar that fails as EBNF but parses as Lark is taken as Lark."""
+        """EBNF/GBNF first (xgrammar's syntax); a grammar that fails as EBNF but parses as Lark is taken as Lark.
+
+        Raises:
+            StructuredOutputError: also when a rule reachable from ``root`` can never finish
+                (:func:`check_grammar_finishes`).
+        """
+        check_grammar_finishes(_parse_grammar(self.xgr, text))
         try:
             return self.compiler.compile_grammar(text)
         except RuntimeError as ebnf_error:
@@ -372,6 +378,43 @@ def apply_bitmask_torch(logits: Any, bitmask: Any, rows: list[int]) -> None:
     logits.index_copy_(0, idx, sub)
 
 
+def _parse_grammar(xgr: Any, text: str) -> Any:
+    """``xgrammar.Grammar`` of a request's grammar: EBNF, else Lark (raises xgrammar's error for EBNF)."""
+    try:
+        return xgr.Grammar.from_ebnf(text)
+    except RuntimeError:
+        if "::=" in text:
+            raise
+        try:
+            return xgr.Grammar.from_lark(text)
+        except RuntimeError:
+            pass
+        raise
+
+
+def check_grammar_finishes(grammar: Any) -> None:
+    """Refuse a grammar with a rule reachable from ``root`` that can never finish (400).
+
+    xgrammar compiles ``root ::= root`` or ``root ::= "a" root`` without complaint; a request under it
+    could never complete (no string matches) and would run to ``max_tokens``, or, where the mask allows no
+    token at all, have nothing to sample. :func:`~tokenmill.structured_output.backend.unproductive_rules`
+    finds such rules in xgrammar's normalised form of the grammar; syntax it does not know skips the check.
+
+    Raises:
+        StructuredOutputError: field ``grammar``, naming the rules.
+    """
+    bad = unproductive_rules(str(grammar))
+    if not bad:
+        return
+    if bad[0] == "root":
+        raise StructuredOutputError("structured_outputs.grammar: the grammar matches no string: rule 'root' can "
+                                    "never finish (every alternative needs itself or another rule that "
+                                    f"cannot finish: {', '.join(bad)})", "grammar")
+    raise StructuredOutputError(f"structured_outputs.grammar: rule {bad[0]!r} can never finish (every "
+                                f"alternative needs itself or another rule that cannot finish: "
+                                f"{', '.join(bad)}); a request entering it could only run to max_tokens", "grammar")
+
+
 def validate_with_xgrammar(params: StructuredOutputsParams, config: Any = None) -> None:
     """Parse ``params``' constraint with xgrammar without a tokenizer (syntax and schema errors only).
 
@@ -393,12 +436,7 @@ def validate_with_xgrammar(params: StructuredOutputsParams, config: Any = None) 
         elif kind == "choice":
             xgr.Grammar.from_ebnf(choice_ebnf(params.choice))
         elif kind == "grammar":
-            try:
-                xgr.Grammar.from_ebnf(params.grammar)
-            except RuntimeError:
-                if "::=" in params.grammar:
-                    raise
-                xgr.Grammar.from_lark(params.grammar)
+            check_grammar_finishes(_parse_grammar(xgr, params.grammar))
         elif kind == "structural_tag":
             spec = json.loads(params.structural_tag)
             if not (isinstance(spec, dict) and "structures" in spec):
