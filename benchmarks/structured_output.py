@@ -8,9 +8,12 @@ the EngineCore the server runs):
 * ``constrained``: every request carries the JSON schema (``structured_outputs.json``); forced drafts off
   (``num_forced_draft_tokens: 0``): the bitmask is filled on a worker thread while the forward runs and
   applied to the logits before sampling.
-* ``forced``: the same requests on an engine with forced drafts (``num_forced_draft_tokens``, default 3
-  as the engine's): where the grammar allows exactly one continuation (keys, punctuation, the rest of an enum word), those tokens ride
-  in the step as draft tokens and are verified in the same forward.
+* ``forced k=K learned|tokenizer``: the same requests on an engine with forced drafts
+  (``num_forced_draft_tokens`` K, ``--forced``): where the grammar allows exactly one continuation (keys,
+  punctuation, the rest of an enum word), those tokens ride in the step as draft tokens and are verified in
+  the same forward; ``learned`` drafts a forced string the model already wrote with the tokens it wrote it
+  with (``learn_forced_splits``, the default; the table starts empty in every run, so only the measured
+  requests teach each other), ``tokenizer`` always with the tokenizer's split (``--learn``).
 * ``unconstrained``: the same prompts without the schema, each generating exactly as many tokens as its
   constrained run did (``ignore_eos``, ``max_tokens`` = that length), so the arms do the same work; it runs
   on the ``constrained`` arm's engine.
@@ -202,6 +205,69 @@ def save(args: argparse.Namespace, load0: tuple, results: list[dict]) -> None:
                                            "results": results}, indent=1))
 
 
+def mask_bench(llm: LLM, schema: dict, compact: bool, sizes: list[int], reps: int = 20) -> list[dict]:
+    """The mask's parts in isolation, side by side: filling ``B`` matchers' rows one call each vs xgrammar's
+    batched call, and applying a ``[B, V]`` mask with xgrammar's CPU kernel vs tokenmill's numpy path
+    (unpack, on the fill thread in the engine, + write). Matchers sit at spread positions of one canonical
+    record of ``schema``. Median of ``reps`` timings, milliseconds."""
+    import torch
+    import xgrammar as xgr
+
+    from tokenmill.structured_output.xgrammar_backend import MaskPlan, apply_token_bitmask
+
+    so = llm.engine_core.structured_output
+    backend = so.backend
+    compiled = backend.compile(StructuredOutputsParams(json=schema, disable_any_whitespace=compact))
+    sample = {}
+    for k, v in schema["properties"].items():
+        sample[k] = v["enum"][0] if "enum" in v else {"integer": 42, "boolean": True}.get(v.get("type"), "x")
+    text = json.dumps(sample, separators=(", ", ": ") if compact else None)
+    ids = llm.get_tokenizer().encode(text, add_special_tokens=False)
+    rows_out = []
+
+    def med(f) -> float:
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return 1e3 * statistics.median(ts)
+
+    for b in sizes:
+        matchers = []
+        for i in range(b):
+            m = backend.new_matcher(compiled)
+            m.accept_tokens(ids[:(i * 7) % max(len(ids), 1)])
+            matchers.append(m)
+        bm = backend.allocate_bitmask(b)
+        rows = list(range(b))
+        one = med(lambda: [m.fill_bitmask(bm, r) for m, r in zip(matchers, rows)])
+        batched = med(lambda: backend.fill_bitmasks(matchers, bm, rows))
+        logits = torch.randn(b, backend.vocab_size)
+        work = logits.clone()
+
+        def xgr_apply():
+            work.copy_(logits)
+            xgr.apply_token_bitmask_inplace(work, bm, vocab_size=backend.vocab_size, indices=rows)
+
+        def np_apply(plan=None):
+            work.copy_(logits)
+            apply_token_bitmask(work, bm, rows, plan)
+
+        copy = med(lambda: work.copy_(logits))
+        plan = MaskPlan(bm, rows)
+        sparse = len(plan.sparse)
+        r = {"rows": b, "fill_one_by_one_ms": one, "fill_batched_ms": batched,
+             "apply_xgrammar_ms": med(xgr_apply) - copy, "apply_numpy_ms": med(np_apply) - copy,
+             "plan_ms": med(lambda: MaskPlan(bm, rows)),
+             "apply_numpy_after_plan_ms": med(lambda: np_apply(plan)) - copy, "sparse_rows": sparse}
+        rows_out.append(r)
+        print(f"| {b} | {one:.3f} | {batched:.3f} | {r['apply_xgrammar_ms']:.2f} | {r['apply_numpy_ms']:.2f} | "
+              f"{r['plan_ms']:.2f} | {r['apply_numpy_after_plan_ms']:.2f} | {sparse}/{b} |",
+              flush=True)
+    return rows_out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="checkpoint [default: packaged SmolLM2-135M-Instruct]")
@@ -212,21 +278,48 @@ def main() -> None:
     ap.add_argument("--max-keys", type=int, default=0,
                     help="keyheavy: keep only the first N of its 12 keys (a shorter record) [default: all]")
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--forced", type=int, default=3, help="num_forced_draft_tokens of the forced arm [default: 3]")
+    ap.add_argument("--forced", default="3", help="num_forced_draft_tokens of the forced arms, comma-separated "
+                                                  "(one engine each) [default: 3, the engine's]")
+    ap.add_argument("--learn", default="on", choices=["on", "off", "both"],
+                    help="forced arms with learned splits (learn_forced_splits), the tokenizer's, or both [on]")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--mask-bench", default=None, metavar="SIZES",
+                    help="only time the mask's parts at these batch sizes (e.g. 1,16,64): fill one by one vs "
+                         "batched, apply with xgrammar's kernel vs numpy")
     args = ap.parse_args()
 
     concs = [int(c) for c in args.concurrency.split(",")]
     load0 = os.getloadavg()
     print(f"# structured_output benchmark {time.strftime('%Y-%m-%d %H:%M')} | {machine()} | load average "
           f"{load0[0]:.1f} {load0[1]:.1f} {load0[2]:.1f} | dtype {args.dtype} | greedy | forced drafts k={args.forced} "
+          f"learn={args.learn} "
           f"| repeat {args.repeat}, arms interleaved", flush=True)
     common = dict(dtype=args.dtype, kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(concs))
+    if args.mask_bench:
+        llm = LLM(args.model, **common)
+        results = []
+        for w in args.workloads.split(","):
+            schema, compact, _ = WORKLOADS[w]
+            print(f"\n## mask parts, {w}, ms (median of 20; torch threads {__import__('torch').get_num_threads()})\n"
+                  "| rows | fill one by one | fill batched | apply xgrammar kernel | apply numpy (plan + write) "
+                  "| plan only (fill thread) | write only (critical path) | sparse rows |\n"
+                  "|---|---|---|---|---|---|---|---|", flush=True)
+            results += [r | {"workload": w} for r in mask_bench(llm, schema, compact,
+                                                                [int(x) for x in args.mask_bench.split(",")])]
+        save(args, load0, results)
+        llm.shutdown()
+        return
     plain = LLM(args.model, structured_outputs_config={"num_forced_draft_tokens": 0}, **common)
-    forced = LLM(args.model, structured_outputs_config={"num_forced_draft_tokens": args.forced}, **common)
+    learns = {"on": [True], "off": [False], "both": [True, False]}[args.learn]
+    forced_llms = {}                    # arm name -> engine
+    for k in (int(x) for x in args.forced.split(",")):
+        for learn in learns:
+            name = f"forced k={k}" + (" learned" if learn else " tokenizer")
+            forced_llms[name] = LLM(args.model, structured_outputs_config={
+                "num_forced_draft_tokens": k, "learn_forced_splits": learn}, **common)
     results = []
     for w in args.workloads.split(","):
         schema, compact, template = WORKLOADS[w]
@@ -236,37 +329,39 @@ def main() -> None:
         so = StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
         cparams = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
         print(f"\n## {w} ({'compact' if compact else 'default whitespace'} JSON)\n"
-              "| c | arm | output tok/s | TPOT p50 ms | vs unconstrained | tokens/step | mask fill ms/step (thread) "
-              "| mask wait+apply ms/step | forced acc. | valid JSON |")
-        print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "| c | arm | output tok/s | TPOT p50 ms | vs unconstrained | tokens/step | ms/step | mask fill ms/step "
+              "(thread) | mask wait+apply ms/step | forced acc. | valid JSON |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         for c in concs:
             n = args.num_prompts or max(2, c)
             ps = prompts_for(plain, template, n, args.seed + c)
-            for llm in (plain, forced):     # warm-up off the clock: kernels, the grammar backend, the compile cache
+            for llm in (plain, *forced_llms.values()):     # warm-up off the clock: kernels, backend, compile cache
                 llm.generate(ps[:2], [cparams, SamplingParams(temperature=0, max_tokens=8)])
             # the unconstrained arm generates as many tokens per request as the constrained one (greedy: every
             # constrained run gives the same), measured once here off the clock
             lengths = run_closed_loop(plain, ps, [cparams] * n, c)["lengths"]
             uparams = [SamplingParams(temperature=0, max_tokens=max(1, k), ignore_eos=True) for k in lengths]
-            reps: dict[str, list[dict]] = {"constrained": [], "forced": [], "unconstrained": []}
+            reps: dict[str, list[dict]] = {"constrained": [], **{a: [] for a in forced_llms}, "unconstrained": []}
             for rep in range(args.repeat):
-                order = ["constrained", "forced", "unconstrained"]
-                for arm in order[rep % 3:] + order[:rep % 3]:
-                    llm = forced if arm == "forced" else plain
+                order = list(reps)
+                for arm in order[rep % len(order):] + order[:rep % len(order)]:
+                    llm = forced_llms.get(arm, plain)
                     llm.engine_core.scheduler.reset_prefix_cache()
+                    # learned splits start empty in every run: only the measured requests teach each other
+                    llm.engine_core.structured_output._learned.clear()
                     r = run_closed_loop(llm, ps, uparams if arm == "unconstrained" else [cparams] * n, c)
                     r["valid"] = valid_count(r["texts"], r["finish"], schema) if arm != "unconstrained" else None
                     r["load"] = os.getloadavg()[0]
                     reps[arm].append(r)
             med = {arm: sorted(rs, key=lambda r: r["tok_s"])[len(rs) // 2] for arm, rs in reps.items()}
             base = statistics.median(r["tok_s"] for r in reps["unconstrained"])
-            for arm in ("unconstrained", "constrained", "forced"):
+            for arm in ("unconstrained", "constrained", *forced_llms):
                 r = med[arm]
                 acc = "-" if r["forced_acceptance"] is None else f"{r['forced_acceptance']:.2f}"
                 valid = "-" if r["valid"] is None else f"{r['valid']}/{n}"
                 ratio = statistics.median(x["tok_s"] for x in reps[arm]) / base
                 print(f"| {c} | {arm} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} | {ratio:.2f}x | "
-                      f"{r['output_tokens'] / max(r['steps'], 1):.2f} | "
+                      f"{r['output_tokens'] / max(r['steps'], 1):.2f} | {1e3 * r['wall_s'] / max(r['steps'], 1):.1f} | "
                       f"{r['mask_fill_ms_per_step']:.2f} | {r['mask_wait_apply_ms_per_step']:.2f} | {acc} | {valid} |",
                       flush=True)
             for arm, rs in reps.items():
@@ -279,7 +374,8 @@ def main() -> None:
     print(f"\n# load average at the end {load1[0]:.1f} {load1[1]:.1f} {load1[2]:.1f}")
     save(args, load0, results)
     plain.shutdown()
-    forced.shutdown()
+    for llm in forced_llms.values():
+        llm.shutdown()
 
 
 if __name__ == "__main__":

@@ -114,7 +114,13 @@ def test_undeclared_names_are_refused():
         envs.TOKENMILL_NO_SUCH_SWITCH  # noqa: B018
 
 
-def test_weight_cache_key_reads_the_weight_switches(monkeypatch, tmp_path):
+def test_weight_cache_key_reads_the_config_switches(monkeypatch, tmp_path):
+    """The weight switches reach the cache key through the config: the environment is read once, when the
+    config is built (EngineConfig.cpu_kernels), and each one changes the key."""
+    import dataclasses
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.kernel_plan import CpuKernelSwitches
     from tokenmill.model import weight_cache
 
     gguf = tmp_path / "m.gguf"
@@ -122,9 +128,20 @@ def test_weight_cache_key_reads_the_weight_switches(monkeypatch, tmp_path):
     for v in envs.VARS.values():
         if v.in_weight_key:
             monkeypatch.delenv(v.name, raising=False)
-    _, base = weight_cache.cache_key("gguf", str(gguf), {})
-    for name in ("TOKENMILL_CPU_ISA", "TOKENMILL_CPU_BF16", "TOKENMILL_CPU_LOWBIT_KERNEL",
-                 "TOKENMILL_CPU_PACKED_LINEAR", "TOKENMILL_CPU_INT4_MAX_TOKENS"):
-        monkeypatch.setenv(name, "0")
-        assert weight_cache.cache_key("gguf", str(gguf), {})[1] != base, name
-        monkeypatch.delenv(name)
+    switches = EngineConfig().cpu_kernels
+    assert switches == CpuKernelSwitches()
+    _, base = weight_cache.cache_key("gguf", str(gguf), {}, switches.weight_key())
+    weighty = {f.metadata["env"]: f.name for f in dataclasses.fields(CpuKernelSwitches)
+               if envs.var(f.metadata["env"]).in_weight_key}
+    assert set(weighty) == {v.name for v in envs.VARS.values() if v.in_weight_key} == {
+        "TOKENMILL_CPU_ISA", "TOKENMILL_CPU_BF16", "TOKENMILL_CPU_LOWBIT_KERNEL", "TOKENMILL_CPU_PACKED_LINEAR",
+        "TOKENMILL_CPU_INT4_MAX_TOKENS"}
+    for name, value in [("TOKENMILL_CPU_ISA", "scalar"), ("TOKENMILL_CPU_BF16", "0"),
+                        ("TOKENMILL_CPU_LOWBIT_KERNEL", "0"), ("TOKENMILL_CPU_PACKED_LINEAR", "0"),
+                        ("TOKENMILL_CPU_INT4_MAX_TOKENS", "0")]:
+        monkeypatch.setenv(name, value)
+        config = EngineConfig()
+        monkeypatch.delenv(name)        # read once, when the config was built: it keeps the value
+        assert getattr(config.cpu_kernels, weighty[name]) == envs.var(name).parse(value)
+        assert weight_cache.cache_key("gguf", str(gguf), {}, config.cpu_kernels.weight_key())[1] != base, name
+        assert config.replace(max_num_seqs=3).cpu_kernels == config.cpu_kernels   # replace() carries them

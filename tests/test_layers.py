@@ -18,7 +18,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PKG = ROOT / "tokenmill"
 
 # The shared data vocabulary every layer may use (each imports no other tokenmill module but these).
-DATA = {"tokenmill.config", "tokenmill.sampling_params", "tokenmill.outputs", "tokenmill.envs"}
+DATA = {"tokenmill.config", "tokenmill.sampling_params", "tokenmill.outputs", "tokenmill.envs", "tokenmill.kernel_plan"}
 UPPER = ("tokenmill.server", "tokenmill.router", "tokenmill.bench", "tokenmill.playbook", "tokenmill.entrypoints",
          "tokenmill.cli", "tokenmill.flags_doc")
 
@@ -26,6 +26,7 @@ UPPER = ("tokenmill.server", "tokenmill.router", "tokenmill.bench", "tokenmill.p
 RULES: dict[str, tuple[tuple[str, ...] | None, tuple[str, ...]]] = {
     "tokenmill.core": (("tokenmill.core",) + tuple(DATA), ()),
     "tokenmill.envs": ((), ()),              # the switch registry: imports no tokenmill module
+    "tokenmill.kernel_plan": (("tokenmill.envs",), ()),   # torch-free kernel-choice rules (engine and planner)
     "tokenmill.config": (tuple(DATA), ()),
     "tokenmill.sampling_params": (tuple(DATA), ()),
     "tokenmill.outputs": (tuple(DATA), ()),

@@ -66,6 +66,7 @@ def _flat(config) -> dict:
         for f in dataclasses.fields(obj):
             flat[f.name] = getattr(obj, f.name)
     flat["speculative_config"] = config.speculative
+    flat["cpu_kernels"] = config.cpu_kernels
     return flat
 
 
@@ -150,16 +151,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def _config_or_exit(args: argparse.Namespace, command: str):
     """The engine config from the flags (and environment switches), or None after printing why not."""
-    from tokenmill.config import int4_max_tokens_from_env
     from tokenmill.server.cli_args import config_from_args
 
     try:
-        int4_max_tokens_from_env()
         config = config_from_args(args)
         if config.model.quantization is not None:   # (imports torch, which the API process otherwise never needs)
             from tokenmill.model.checkpoint import check_quantization
 
-            check_quantization(config.model.quantization, config.model.device, config.model.model, check_model=True)
+            check_quantization(config.model.quantization, config.model.device, config.model.model, check_model=True,
+                               int4_group=config.cpu_kernels.int4_group_size)
         return config
     except ValueError as e:
         print(f"tokenmill {command}: error: {e}", file=sys.stderr)

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenmill import envs
+from tokenmill.kernel_plan import CpuKernelSwitches
 
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 _SIZE_UNITS = {
@@ -61,19 +61,6 @@ def bound_gemm_shape_caches(capacity: int = GEMM_SHAPE_CACHE_CAPACITY) -> None:
     """
     for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(capacity))
-
-
-INT4_ENV = "TOKENMILL_CPU_INT4_MAX_TOKENS"
-DEFAULT_INT4_MAX_TOKENS = envs.var(INT4_ENV).default
-
-
-def int4_max_tokens_from_env() -> int:
-    """``TOKENMILL_CPU_INT4_MAX_TOKENS``: the largest step (tokens) that uses 4-bit weights (default 8, 0 off).
-
-    Raises:
-        ValueError: the variable is not a non-negative integer.
-    """
-    return envs.get(INT4_ENV)
 
 
 @dataclass(frozen=True)
@@ -495,6 +482,9 @@ class EngineConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig | None = None
+    # the TOKENMILL_CPU_* switches that change results or weights, read from the environment once, here
+    # (no flags: tokenmill/kernel_plan.py); the engine's kernel plan and the weight cache's key read them
+    cpu_kernels: CpuKernelSwitches = field(default_factory=CpuKernelSwitches.from_env)
 
     def __post_init__(self) -> None:
         """Checks that span sections, so the CLI refuses them in one line before any process starts.
@@ -525,12 +515,18 @@ class EngineConfig:
         """Build from flat keyword arguments (``max_num_seqs=8, block_size=16, ...``).
 
         ``speculative_config`` (a dict, JSON string or :class:`SpeculativeConfig`)
-        fills the ``speculative`` section.
+        fills the ``speculative`` section; ``cpu_kernels`` (a :class:`CpuKernelSwitches`) the kernel
+        switches (default: read from the environment now).
 
         Raises:
             TypeError: an argument names no field of any section.
         """
         spec = SpeculativeConfig.parse(kwargs.pop("speculative_config", None))
+        kernels = kwargs.pop("cpu_kernels", None)
+        if kernels is None:
+            kernels = CpuKernelSwitches.from_env()
+        elif isinstance(kernels, dict):
+            kernels = CpuKernelSwitches(**kernels)
         sections: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}, "server": {},
                                                "parallel": {}}
         owners = {f.name: s for s, c in (("model", ModelConfig), ("cache", CacheConfig),
@@ -544,7 +540,7 @@ class EngineConfig:
         return cls(model=ModelConfig(**sections["model"]), cache=CacheConfig(**sections["cache"]),
                    scheduler=SchedulerConfig(**sections["scheduler"]), server=ServerConfig(**sections["server"]),
                    parallel=ParallelConfig(**sections["parallel"]),
-                   speculative=spec)
+                   speculative=spec, cpu_kernels=kernels)
 
     def replace(self, **kwargs: Any) -> "EngineConfig":
         """Copy with flat keyword overrides (same names as :meth:`from_kwargs`)."""
@@ -552,6 +548,7 @@ class EngineConfig:
                 for s in ("model", "cache", "scheduler", "server", "parallel")
                 for f in dataclasses.fields(getattr(self, s))}
         flat["speculative_config"] = self.speculative
+        flat["cpu_kernels"] = self.cpu_kernels
         flat.update(kwargs)
         return EngineConfig.from_kwargs(**flat)
 
@@ -808,6 +805,8 @@ class StructuredOutputsConfig:
         forced_draft_max_batch: forced drafts only in steps with at most this many running requests: on the
             2-core CPU a lone request gets ~2.5 tokens per step (0.91x-1.45x the constrained arm's tok/s over
             two runs) and a batch of 16 loses (0.81x: its verify rows are compute; benchmarks/structured_output.py).
+        learn_forced_splits: forced drafts for a forced string the model already wrote (in any request)
+            are the tokens it wrote it with, not the tokenizer's split of it (false: always the tokenizer's).
         compile_timeout_s: seconds a grammar may take to compile before its request fails (HTTP 400).
         max_compile_threads: threads of the compile pool (off the engine loop).
     Raises:
@@ -819,6 +818,7 @@ class StructuredOutputsConfig:
     disable_additional_properties: bool = False
     num_forced_draft_tokens: int = 3   # c=1 ablation: k=3 1.22x the constrained arm, k=7 0.93x (docs/benchmarks)
     forced_draft_max_batch: int = 4
+    learn_forced_splits: bool = True
     compile_timeout_s: float = 30.0
     max_compile_threads: int = 2
 
@@ -828,7 +828,7 @@ class StructuredOutputsConfig:
         if self.backend not in STRUCTURED_OUTPUT_BACKENDS:
             raise ValueError(f"--structured-outputs-config: backend must be one of "
                              f"{', '.join(STRUCTURED_OUTPUT_BACKENDS)}, got {self.backend!r}")
-        for name in ("disable_any_whitespace", "disable_additional_properties"):
+        for name in ("disable_any_whitespace", "disable_additional_properties", "learn_forced_splits"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"--structured-outputs-config: {name} must be true or false")
         k = self.num_forced_draft_tokens

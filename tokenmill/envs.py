@@ -33,7 +33,8 @@ class EnvVar:
         doc: one line: what it does, accepted values.
         parse: the exported string -> the value; raises ``ValueError`` with the variable's name on bad input.
         group: heading in ``docs/flags.md``.
-        in_weight_key: the processed weights depend on it, so the weight cache's key includes it.
+        in_weight_key: the processed weights depend on it, so the weight cache's key includes it (the value
+            the engine config holds: tokenmill/kernel_plan.py, ``CpuKernelSwitches.weight_key``).
         parse_unset: the value when unset is ``parse("")`` (a default computed at read time, such as a
             path under the user's home), :attr:`default` being only its description.
     """
@@ -235,7 +236,7 @@ def get(name: str) -> Any:
 
 
 def raw(name: str) -> str | None:
-    """The exported string of ``name``, or None when unset (what the weight cache's key records)."""
+    """The exported string of ``name``, or None when unset."""
     return os.environ.get(var(name).name)
 
 
@@ -257,11 +258,6 @@ def setdefault(name: str, value: Any) -> str:
 def unset(name: str) -> str | None:
     """Remove ``name`` from this process's environment; returns the string it had, or None."""
     return os.environ.pop(var(name).name, None)
-
-
-def weight_key_switches() -> dict[str, str | None]:
-    """The switches that change the processed weights, name -> exported string (None when unset)."""
-    return {v.name: os.environ.get(v.name) for v in _DECLARED if v.in_weight_key}
 
 
 def __getattr__(name: str) -> Any:

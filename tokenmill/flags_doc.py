@@ -23,8 +23,9 @@ import typing
 from pathlib import Path
 from typing import Any, Iterator
 
-from tokenmill import config as config_mod
-from tokenmill import envs
+from tokenmill import config as config_mod, envs
+from tokenmill.server.cli_args import SECTIONS
+from tokenmill.cli import build_parser
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "flags.md"
 REGENERATE = ".venv/bin/python -m tokenmill.flags_doc --write"
@@ -101,8 +102,6 @@ def _attribute_docs(cls: type) -> dict[str, str]:
 
 def _json_configs() -> list[type]:
     """The dataclasses of :mod:`tokenmill.config` that are not flag sections: the JSON-valued configs."""
-    from tokenmill.server.cli_args import SECTIONS
-
     skip = {cls for _, cls in SECTIONS} | {config_mod.EngineConfig}
     out = []
     for _, obj in inspect.getmembers(config_mod, inspect.isclass):
@@ -143,8 +142,6 @@ def _env_rows(group: str) -> list[str]:
 
 def render() -> str:
     """The text of ``docs/flags.md``."""
-    from tokenmill.cli import build_parser
-
     saved = {k: os.environ.pop(k) for k in _MASKED_ENV if k in os.environ}
     try:
         parser = build_parser()

@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("gguf")
 
 from tokenmill.config import EngineConfig  # noqa: E402
+from tokenmill.kernel_plan import CpuKernelSwitches  # noqa: E402
 from tokenmill.model import gguf_loader, weight_cache  # noqa: E402
 from tokenmill.model.layers.attention import AttentionMetadata  # noqa: E402
 from tokenmill.model.layers.linear import PackedLinear, wait_for_packing  # noqa: E402
@@ -122,10 +123,10 @@ def test_key_follows_the_file_and_recipe_and_old_entries_go(cache_dir, gguf_path
     assert len(_entries(cache_dir)) == 1 and _entries(cache_dir) != first   # the checkpoint's old entry is gone
     recipe = {"kind": "gguf", "dtype": "torch.bfloat16", "device": "cpu", "lowbit": False, "redundant_experts": 0}
     entries = lambda: [os.path.join(cache_dir, e) for e in _entries(cache_dir)]  # noqa: E731
-    assert weight_cache.cache_key("gguf", gguf_path, recipe)[0] in entries()
+    assert weight_cache.cache_key("gguf", gguf_path, recipe, CpuKernelSwitches.from_env().weight_key())[0] in entries()
     st = os.stat(gguf_path)
     os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))      # the file changed: a new key
-    assert weight_cache.cache_key("gguf", gguf_path, recipe)[0] not in entries()
+    assert weight_cache.cache_key("gguf", gguf_path, recipe, CpuKernelSwitches.from_env().weight_key())[0] not in entries()
 
 
 def test_entries_of_deleted_checkpoints_are_pruned_on_the_next_write(cache_dir, gguf_path, tmp_path):
@@ -143,7 +144,7 @@ def test_entries_of_deleted_checkpoints_are_pruned_on_the_next_write(cache_dir, 
 
 def test_concurrent_writers_leave_one_complete_entry(cache_dir, gguf_path):
     loaded = load_model(gguf_path, dtype="float32", with_tokenizer=False, weight_cache=False)
-    file, key = weight_cache.cache_key("gguf", gguf_path, {"test": 1})
+    file, key = weight_cache.cache_key("gguf", gguf_path, {"test": 1}, {})
     errors = []
 
     def write():

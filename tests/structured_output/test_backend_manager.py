@@ -14,7 +14,9 @@ from tokenmill.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenmill.structured_output import StructuredOutputError, validate_structured_outputs
 from tokenmill.structured_output.backend import constraint_key, disallow_additional_properties
 from tokenmill.structured_output.manager import StructuredOutputManager
-from tokenmill.structured_output.xgrammar_backend import XgrammarBackend, apply_bitmask_torch, apply_token_bitmask
+from tokenmill.structured_output.xgrammar_backend import (
+    XgrammarBackend, apply_bitmask_torch, apply_token_bitmask, MaskPlan, row_runs,
+)
 
 EOS = 2
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -124,11 +126,38 @@ def test_apply_bitmask_matches_brute_force(vocab):
             if t >= 96 or not (int(full[row, t // 32]) >> (t % 32)) & 1:
                 want[row, t] = float("-inf")
     got = logits.clone()
-    apply_token_bitmask(got, full, [3, 1])              # xgrammar's kernel, rows index the full bitmask
+    apply_token_bitmask(got, full, [3, 1])              # the numpy path, rows index the full bitmask
+    assert torch.equal(got, want)
+    got = logits.clone()
+    apply_token_bitmask(got, full, [3, 1], MaskPlan(full, [3, 1]))   # planned on the fill thread
     assert torch.equal(got, want)
     got = logits.clone()
     apply_bitmask_torch(got, full[[3, 1]], [3, 1])      # the torch path, compact bitmask rows
     assert torch.equal(got, want)
+    # a run of consecutive rows (one copyto) and a non-contiguous logits tensor (the torch fallback)
+    want_all = logits.clone()
+    apply_bitmask_torch(want_all, full[[1, 2, 3]], [1, 2, 3])
+    got = logits.clone()
+    apply_token_bitmask(got, full, [1, 2, 3])
+    assert torch.equal(got, want_all)
+    wide = torch.cat([logits, logits], dim=1)
+    view = wide[:, :vocab]
+    apply_token_bitmask(view, full, [1, 2, 3])
+    assert not view.is_contiguous() and torch.equal(view, want_all)
+    assert row_runs([0, 1, 2, 5, 7, 8]) == [(0, 3, 0), (5, 6, 3), (7, 9, 4)]
+
+
+def test_batched_fill_equals_one_by_one(backend, tokenizer):
+    """xgrammar's batched fill gives every row what the request's own fill gives."""
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    prefixes = ['{"name": "B', '{"name": "Bob", "age": ', "", '{"name": "Al', '{"name": "x", "age": 7']
+    matchers = [walk(backend, tokenizer, params, p) for p in prefixes]
+    one = backend.allocate_bitmask(7)
+    for m, r in zip(matchers, [0, 2, 3, 5, 6]):
+        m.fill_bitmask(one, r)
+    batched = backend.allocate_bitmask(7)
+    backend.fill_bitmasks(matchers, batched, [0, 2, 3, 5, 6])
+    assert torch.equal(one, batched) and torch.all(batched[1] == -1)
 
 
 class _Req:
@@ -234,3 +263,31 @@ def test_bitmask_crosses_to_a_worker_process_filled(tokenizer):
     assert torch.all(logits[0] == 0)            # the unconstrained request's row is untouched
     assert ok and all(any(c.startswith(tokenizer.decode([t])) for c in ("yes", "no")) for t in ok)
     mgr.shutdown()
+
+
+def test_forced_drafts_learn_the_models_split(tokenizer):
+    """Once the model wrote a forced string with its own split, the next request drafts that split."""
+    params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    pieces = ["{", '"', "na", "me", '"', ":", ' "']         # '{"name": "' as the model might write it
+    split = [tokenizer.encode(p, add_special_tokens=False) for p in pieces]
+    assert all(len(ids) == 1 for ids in split)
+    split = [ids[0] for ids in split]
+    canonical = tokenizer.encode('{"name": "', add_special_tokens=False)
+    assert split != canonical
+    for learn in (True, False):
+        mgr = StructuredOutputManager(StructuredOutputsConfig(learn_forced_splits=learn), 49152, [EOS], tokenizer)
+        a, b, c = (_Req(r, params) for r in "abc")
+        for r in (a, b, c):
+            mgr.add_request(r)
+            assert _ready(mgr, r) == "ready"
+        assert mgr.drafts(a, [], 16) == (canonical, True)      # nothing learned yet: the tokenizer's split
+        a.output_token_ids += split                            # the model wrote it its own way
+        assert not mgr.accept(a, split)
+        want = split if learn else canonical
+        assert mgr.drafts(b, [], 16) == (want, True)
+        assert mgr.drafts(c, [], 3) == (want[:3], True)        # capped at the draft length
+        c.output_token_ids += split[:2]                        # part-way through: the rest of the split
+        mgr.accept(c, split[:2])
+        rest = split[2:] if learn else tokenizer.encode('name": "', add_special_tokens=False)
+        assert mgr.drafts(c, [], 16) == (rest, True)
+        mgr.shutdown()

@@ -201,12 +201,15 @@ def test_forced_drafts_only_in_small_batches():
         s.add_request(req(rid))
         mgr.states[rid] = "ready"
     toks = grammar_tokens(mgr)
-    run(s, s.schedule(), toks)                     # both prefill and sample 10; forced drafts proposed
-    assert s.requests["a"].spec_forced and s.requests["a"].spec_token_ids
-    so = s.schedule()                              # two running > 1: drafts dropped for this step
+    run(s, s.schedule(), toks)                     # both prefill and sample 10
+    # two running > 1: no forced drafts are looked for (the grammar is not searched for them)
+    assert not s.requests["a"].spec_token_ids and not s.requests["b"].spec_token_ids
+    so = s.schedule()
     assert all(not sr.spec_token_ids for sr in so.scheduled) and len(so.scheduled) == 2
     run(s, so, toks)
     s.finish_requests("b", RequestStatus.FINISHED_ABORTED)
-    so = s.schedule()                              # alone again: its forced drafts ride along
+    run(s, s.schedule(), toks)                     # alone: its next drafts are the forced tokens
+    assert s.requests["a"].spec_forced
+    so = s.schedule()                              # and they ride along
     (sr,) = so.scheduled
-    assert sr.spec_token_ids == [12, 13]
+    assert sr.spec_token_ids == [13]               # (the fake grammar: 10, 11, 12, 13, EOS; 12 emitted)

@@ -28,6 +28,9 @@ from tokenmill.bench.client import VLLM_BACKEND_NAMES, EndpointConfig, normalize
 from tokenmill.bench.datasets import DATASETS, SampleRequest, build_dataset
 from tokenmill.bench.metrics import PERCENTILE_METRICS, parse_goodput
 from tokenmill.bench.report import format_table, json_safe, result_json, save_json
+from tokenmill.bench.tokenizer import get_tokenizer, resolve_tokenizer_path
+from tokenmill.bench.plots import plot_serve, plot_goodput
+from tokenmill.bench.goodput_search import probe_from_metrics, search_goodput
 
 logger = logging.getLogger("tokenmill.bench")
 
@@ -220,7 +223,6 @@ def _base_url(args: argparse.Namespace) -> str:
 def _prepare(args: argparse.Namespace) -> tuple[EndpointConfig, list[SampleRequest], Any, dict[str, Any]]:
     """Resolve target, tokenizer and workload; returns (endpoint, samples, tokenizer, metadata)."""
     from tokenmill.bench.loadgen import fetch_models
-    from tokenmill.bench.tokenizer import get_tokenizer, resolve_tokenizer_path
 
     base_url = _base_url(args)
     endpoint = normalize_endpoint(args.backend or args.endpoint)
@@ -309,7 +311,6 @@ def run_serve(args: argparse.Namespace) -> int:
         save_json(path, result_json(res.metrics, res.records, res.t0, meta))
         print(f"Saved results to {path}")
     if args.plot:
-        from tokenmill.bench.plots import plot_serve
         title = f"{meta['model_id']} · {args.dataset} · rate {args.request_rate:g} req/s"
         plot_serve(res.records, res.t0, args.plot, slos, title)
         print(f"Saved plot to {args.plot}")
@@ -318,7 +319,6 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def run_goodput(args: argparse.Namespace) -> int:
     """``tokenmill bench goodput``: the DistServe goodput search. Returns 0, or 2 on bad input."""
-    from tokenmill.bench.goodput_search import probe_from_metrics, search_goodput
     from tokenmill.bench.loadgen import LoadConfig, run_benchmark
 
     _setup_logging()
@@ -366,7 +366,6 @@ def run_goodput(args: argparse.Namespace) -> int:
         save_json(path, doc)
         print(f"Saved goodput curve to {path}")
     if args.plot:
-        from tokenmill.bench.plots import plot_goodput
         plot_goodput(curve, args.plot, target=args.attainment, answer_rate=result.goodput, slos_ms=slos,
                      title=f"{meta['model_id']} · {args.dataset} · goodput {result.goodput:.3g} req/s")
         print(f"Saved plot to {args.plot}")

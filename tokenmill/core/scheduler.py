@@ -852,8 +852,9 @@ class Scheduler:
                 self._finish(req)
                 finished_any = True
             elif constrained:
-                req.spec_token_ids, req.spec_forced = self.structured_output.drafts(req, list(drafts.get(sr.req_id, ())),
-                                                                              self._forced_k)
+                req.spec_token_ids, req.spec_forced = self.structured_output.drafts(
+                    req, list(drafts.get(sr.req_id, ())),
+                    self._forced_k if len(self.running) <= self._forced_max_batch else 0)
             else:
                 req.spec_token_ids = list(drafts.get(sr.req_id, ()))
             outputs.append(self._make_output(req, emitted, list(lps[:len(emitted)])))

@@ -25,6 +25,8 @@ from tokenmill.distributed.layers import (NoLMHead, ParallelLMHead, PipelineStag
 from tokenmill.distributed.layout import RankLayout, local_arch, rank_layout, shard_weights
 from tokenmill.distributed.parallel_state import ParallelContext
 from tokenmill.model.arch_config import ModelArchConfig
+from tokenmill.distributed.expert_parallel import ExpertParallel
+from tokenmill.model.checkpoint import resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,6 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
     model = model.to_empty(device=ctx.device).to(dtype)
     model.load_weights(shard_weights(weights, lay, tied=tied, keep_embedding=keep_embedding))
     # communication wrappers (after loading: the checkpoint names match the dense modules)
-    from tokenmill.distributed.expert_parallel import ExpertParallel
     from tokenmill.model.layers.moe import FusedMoE
 
     for layer in inner.layers:
@@ -113,8 +114,6 @@ def build_shard(arch: ModelArchConfig, ctx: ParallelContext, dtype: torch.dtype,
 
 def checkpoint_weights(path: str | None, arch: ModelArchConfig) -> Iterable[tuple[str, torch.Tensor]]:
     """The full checkpoint's ``(hf_name, tensor)`` pairs (GGUF dequantized; HF safetensors as stored)."""
-    from tokenmill.model.checkpoint import resolve_checkpoint
-
     kind, path = resolve_checkpoint(path)
     if kind == "gguf":
         from tokenmill.model.gguf_loader import iter_gguf_weights, open_gguf

@@ -30,7 +30,11 @@ import zmq.asyncio
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine_core import EngineCoreRequest
 from tokenmill.metrics.stats import EngineStats
-from tokenmill.engine.core_proc import CoreInfo, dumps, loads, run_engine_core
+from tokenmill.engine import messages
+from tokenmill.engine.core_proc import run_engine_core
+from tokenmill.engine.messages import (AbortRequests, AddRequest, CheckInvariants, CoreInfo, Error, Invariants,
+                                       LoadLoRA, LoRALoaded, Outputs, Ready, ReleaseKV, Shutdown, StopRequests,
+                                       UnloadLoRA)
 from tokenmill.engine.output_processor import OutputProcessor, child_params
 from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
 from tokenmill.outputs import RequestOutput
@@ -172,13 +176,13 @@ class AsyncEngine:
         deadline = time.monotonic() + self.start_timeout
         while True:
             if self._out_sock.poll(100):
-                kind, payload = loads(self._out_sock.recv())
-                if kind == "ready":
-                    self.info = payload
+                msg = messages.decode_output(self._out_sock.recv())
+                if isinstance(msg, Ready):
+                    self.info = msg.info
                     break
-                if kind == "error":
+                if isinstance(msg, Error):
                     self._kill_proc()
-                    raise RuntimeError(payload)
+                    raise RuntimeError(msg.message)
             elif not self._proc.is_alive():
                 raise RuntimeError(f"engine core process exited during start-up (exit code {self._proc.exitcode})")
             elif time.monotonic() > deadline:
@@ -216,7 +220,7 @@ class AsyncEngine:
         self._mark_dead("server is shutting down")
         if self._in_sock is not None and self._proc is not None and self._proc.is_alive():
             try:
-                self._in_sock.send(dumps(("shutdown", None)), flags=zmq.NOBLOCK)
+                self._in_sock.send(messages.encode(Shutdown()), flags=zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
             self._proc.join(timeout)
@@ -377,9 +381,9 @@ class AsyncEngine:
         finished = False
         try:
             for i, cid in enumerate(child_ids):
-                self._send(("add", EngineCoreRequest(cid, list(prompt_token_ids), child_params(params, i),
-                                                     arrival_time, priority, cache_salt, batch,
-                                                     lora_request)))
+                self._send(AddRequest(EngineCoreRequest(cid, list(prompt_token_ids), child_params(params, i),
+                                                        arrival_time, priority, cache_salt, batch,
+                                                        lora_request)))
                 self._num_adds_sent += 1
                 self._inflight.append((self._num_adds_sent, len(prompt_token_ids), priority, batch))
                 if self.on_add is not None:
@@ -413,7 +417,7 @@ class AsyncEngine:
         self.processor.remove_request(request_id)
         if not self.errored:
             try:
-                self._send(("abort", ids))
+                self._send(AbortRequests(list(ids)))
             except zmq.ZMQError:  # pragma: no cover - socket closed during shutdown
                 pass
         tr = self._tracks.pop(request_id, None)
@@ -449,7 +453,7 @@ class AsyncEngine:
         token = self._invariant_token
         fut = asyncio.get_running_loop().create_future()
         self._invariant_waiters[token] = fut
-        self._send(("check_invariants", token))
+        self._send(CheckInvariants(token))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
@@ -466,14 +470,14 @@ class AsyncEngine:
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "engine is not running")
         self._invariant_token += 1
-        token = ("lora", self._invariant_token)
+        token = self._invariant_token
         fut = asyncio.get_running_loop().create_future()
-        self._invariant_waiters[token] = fut
-        self._send(("load_lora", (token, lora_request)))
+        self._invariant_waiters[("lora", token)] = fut
+        self._send(LoadLoRA(token, lora_request))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:
-            self._invariant_waiters.pop(token, None)
+            self._invariant_waiters.pop(("lora", token), None)
 
     def unload_lora(self, lora_int_id: int) -> None:
         """Tell the core to drop an adapter once its queued and running requests finished (fire and forget).
@@ -483,7 +487,7 @@ class AsyncEngine:
         """
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "engine is not running")
-        self._send(("unload_lora", lora_int_id))
+        self._send(UnloadLoRA(lora_int_id))
 
     def release_kv(self, request_id: str, engine_id: str | None = None) -> None:
         """Tell the core to free the KV it keeps for a consumer of ``request_id`` (the core's request id
@@ -494,35 +498,33 @@ class AsyncEngine:
         """
         if not self.is_healthy:
             raise EngineDeadError(self.dead_reason or "engine is not running")
-        self._send(("release_kv", [(engine_id, request_id)]))
+        self._send(ReleaseKV([(engine_id, request_id)]))
 
     async def abort(self, request_id: str) -> None:
         """Abort a request and all its child ids in the core."""
         self.abort_nowait(request_id)
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, msg: messages.CoreInput) -> None:
         if self._in_sock is None or self._closed:
             raise EngineDeadError("engine is not running")
-        self._in_sock.send(dumps(msg), flags=zmq.NOBLOCK)
+        self._in_sock.send(messages.encode(msg), flags=zmq.NOBLOCK)
 
     # -- the output task -----------------------------------------------------
     async def _output_loop(self) -> None:
         assert self._aout_sock is not None
         try:
             while True:
-                data = await self._aout_sock.recv()
-                kind, *payload = loads(data)
-                if kind == "outputs":
-                    outputs, stats, num_adds_seen = payload
-                    self._handle_outputs(outputs, stats, num_adds_seen)
-                elif kind in ("invariants", "lora_loaded"):
-                    token, report = payload
-                    fut = self._invariant_waiters.pop(token, None)
+                msg = messages.decode_output(await self._aout_sock.recv())
+                if isinstance(msg, Outputs):
+                    self._handle_outputs(msg.outputs, msg.stats, msg.num_adds)
+                elif isinstance(msg, (Invariants, LoRALoaded)):
+                    key = msg.token if isinstance(msg, Invariants) else ("lora", msg.token)
+                    fut = self._invariant_waiters.pop(key, None)
                     if fut is not None and not fut.done():
-                        fut.set_result(report)
-                elif kind == "error":
-                    logger.error("%s", payload[0])
-                    self._mark_dead(str(payload[0]))
+                        fut.set_result(msg.report if isinstance(msg, Invariants) else msg.error)
+                elif isinstance(msg, Error):
+                    logger.error("%s", msg.message)
+                    self._mark_dead(msg.message)
                     return
         except asyncio.CancelledError:
             raise
@@ -539,7 +541,7 @@ class AsyncEngine:
         if outputs:
             deltas, stop_ids = self.processor.process_outputs(outputs)
             if stop_ids:
-                self._send(("stop", stop_ids))
+                self._send(StopRequests(list(stop_ids)))
             now = it.timestamp
             for d in deltas:
                 tr = self._tracks.get(d.request_id)

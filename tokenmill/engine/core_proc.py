@@ -7,24 +7,14 @@ context, so that JSON and SSE work never stalls a decode step (docs/architecture
 "Request path").
 
 Transport: two ZMQ PUSH/PULL pairs over ``ipc://`` sockets in a private temp
-directory, both bound by the API process:
-
-* input (API → core): ``("add", EngineCoreRequest)``, ``("abort", [ids])``,
-  ``("stop", [ids])``, ``("check_invariants", token)``, ``("load_lora", (token, LoRARequest))`` (answered
-  with ``("lora_loaded", token, error or None)`` once the adapter loaded off the step loop),
-  ``("unload_lora", lora_int_id)``, ``("release_kv", [(engine_id, request_id)])``
-  (free KV kept for a consumer that will not come), ``("shutdown", None)``; with experts shared across
-  data-parallel cores also ``("wake", n)``: the API process's n-th request was added (to this core or
-  another), see :func:`_lockstep_core_loop`.
-* output (core → API): ``("ready", CoreInfo)`` once after the model loaded,
-  then ``("outputs", [EngineCoreOutput], EngineStats, num_adds_received)``
-  after every step (and after inputs that change the state while idle), and
-  ``("error", message)`` right before the core exits because of an exception;
-  ``("invariants", token, report)`` answers a ``check_invariants``.
-
-Messages are pickled (protocol 5): every payload is a plain dataclass of
-Python ints, floats and strings, both ends run the same code, and the socket
-never leaves the machine (the directory is created 0700).
+directory (created 0700), both bound by the API process. Every message is a typed
+msgspec struct of :mod:`tokenmill.engine.messages` (the list of kinds is there), as
+MessagePack: the core decodes :data:`~tokenmill.engine.messages.CoreInput` (``AddRequest``,
+``AbortRequests``, ``StopRequests``, ``ReleaseKV``, ``CheckInvariants``, ``LoadLoRA``,
+``UnloadLoRA``, ``Wake``, ``Shutdown``) and sends :data:`~tokenmill.engine.messages.CoreOutput`
+(``Ready`` once after the model loaded, ``Outputs`` after every step and after inputs that
+change the state while idle, ``Invariants``, ``LoRALoaded``, and ``Error`` right before the
+core exits because of an exception).
 
 The core loop blocks on the input socket while it has nothing to do;
 otherwise it drains inputs without blocking, runs one step and sends the
@@ -37,68 +27,36 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
+from tokenmill.engine import messages
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.executor import create_executor
+from tokenmill.engine.messages import (AbortRequests, AddRequest, CheckInvariants, CoreInfo, Error, Invariants,
+                                       LoadLoRA, LoRALoaded, Outputs, Ready, ReleaseKV, Shutdown, StopRequests,
+                                       UnloadLoRA, Wake)
 from tokenmill.metrics.memory import maybe_start_tracemalloc, top_allocation_sites
+from tokenmill.engine.executor.dp_ep import make_dp_ep_executor
+from tokenmill.engine.step_profile import calibrate
+from tokenmill.engine.kv_events_publisher import ZmqEventPublisher
 
 logger = logging.getLogger(__name__)
 
-_PICKLE_PROTOCOL = 5
 # How long the idle core blocks on its input before checking that its parent lives (ms).
 _PARENT_CHECK_MS = 1000
 # While busy, stats are sent at least this often even when a step produced no output (s).
 _STATS_INTERVAL_S = 0.25
 
 
-@dataclass
-class CoreInfo:
-    """What the core reports once it is ready (the start-up handshake).
-
-    Attributes:
-        max_model_len: context limit in tokens (prompt + output) the core resolved.
-        num_kv_blocks: KV cache pool size in blocks.
-        block_size: tokens per KV block.
-        eos_token_ids: the model's end-of-sequence ids.
-        pid: the core process id.
-        num_threads: torch intra-op threads of the core (0 if torch is not loaded).
-        load_time: seconds spent building the engine core (model load included).
-        parallel: the executor's one-line layout (``describe()``; e.g. the experts a core holds
-            when data-parallel cores share them), empty when it has none.
-        stats: the idle core's first stats (queue state, and the step-time model seeded by the
-            ``--slo`` start-up profile), so admission has a basis before any step ran; None: none.
-        profile_time: seconds the start-up step-time profile took (0: none, or from the cache).
-    """
-
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    eos_token_ids: list[int] = field(default_factory=list)
-    pid: int = 0
-    num_threads: int = 0
-    load_time: float = 0.0
-    parallel: str = ""
-    stats: Any = None
-    profile_time: float = 0.0
-
-
-def dumps(obj: Any) -> bytes:
-    """Serialize one transport message."""
-    return pickle.dumps(obj, protocol=_PICKLE_PROTOCOL)
-
-
-def loads(data: bytes) -> Any:
-    """Deserialize one transport message."""
-    return pickle.loads(data)
+def dumps(msg: Any) -> bytes:
+    """Encode one transport message (:func:`tokenmill.engine.messages.encode`)."""
+    return messages.encode(msg)
 
 
 def torch_num_threads() -> int:
@@ -107,31 +65,31 @@ def torch_num_threads() -> int:
     return torch.get_num_threads() if torch is not None else 0
 
 
-def _handle_request_message(core: EngineCore, out_sock: Any, kind: str, payload: Any) -> None:
+def _handle_request_message(core: EngineCore, out_sock: Any, msg: Any) -> None:
     """The messages both core loops (plain and expert-parallel lockstep) handle alike.
 
-    ``abort``/``stop``/``release_kv`` act on request ids; ``check_invariants`` is answered at once, in
-    order (tests and soak runs), with the top Python allocation sites when ``TOKENMILL_TRACEMALLOC`` is on.
-    ``add``, ``wake`` and ``shutdown`` differ between the loops and are theirs to handle.
+    ``AbortRequests``/``StopRequests``/``ReleaseKV`` act on request ids; ``CheckInvariants`` is answered at
+    once, in order (tests and soak runs), with the top Python allocation sites when ``TOKENMILL_TRACEMALLOC``
+    is on. ``AddRequest``, ``Wake`` and ``Shutdown`` differ between the loops and are theirs to handle.
     """
-    if kind == "abort":
-        core.abort_requests(payload)
-    elif kind == "stop":
-        core.stop_requests(payload)
-    elif kind == "release_kv":
-        core.release_kv(payload)
-    elif kind == "load_lora":      # (token, LoRARequest): answered with ("lora_loaded", token, error | None)
-        core.load_lora(*payload)
-    elif kind == "unload_lora":    # lora_int_id
-        core.unload_lora(payload)
-    elif kind == "check_invariants":
+    if isinstance(msg, AbortRequests):
+        core.abort_requests(msg.request_ids)
+    elif isinstance(msg, StopRequests):
+        core.stop_requests(msg.request_ids)
+    elif isinstance(msg, ReleaseKV):
+        core.release_kv([tuple(h) for h in msg.holds])
+    elif isinstance(msg, LoadLoRA):        # answered with LoRALoaded(token, error | None) once it loaded
+        core.load_lora(msg.token, msg.lora_request)
+    elif isinstance(msg, UnloadLoRA):
+        core.unload_lora(msg.lora_int_id)
+    elif isinstance(msg, CheckInvariants):
         report = core.check_invariants()
         sites = top_allocation_sites()
         if sites:
             report["core_allocation_sites"] = sites
-        out_sock.send(dumps(("invariants", payload, report)))
+        out_sock.send(dumps(Invariants(msg.token, report)))
     else:  # pragma: no cover - protocol error
-        logger.error("unknown message kind %r", kind)
+        logger.error("unexpected message %r", type(msg).__name__)
 
 
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
@@ -190,8 +148,6 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         if executor_factory is not None:
             executor = executor_factory(config)
         elif dp_ep_init_method is not None:
-            from tokenmill.engine.executor.dp_ep import make_dp_ep_executor
-
             executor = make_dp_ep_executor(config, data_parallel_rank or 0, dp_ep_init_method,
                                            dp_ep_worker_init_method, with_tokenizer="eos")
         else:   # the API process loads its own tokenizer; here it is only the EOS fallback
@@ -210,7 +166,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
                     "max_model_len %d", info.load_time, info.pid, num_threads, info.num_kv_blocks,
                     info.block_size, info.max_model_len)
         on_step = _kv_event_hook(core, config, data_parallel_rank)
-        out_sock.send(dumps(("ready", info)))
+        out_sock.send(dumps(Ready(info)))
         if hasattr(executor, "step_sync"):
             _lockstep_core_loop(core, in_sock, out_sock, parent_pid, on_step)
         else:
@@ -222,7 +178,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         msg = f"engine core failed: {type(e).__name__}: {e}"
         logger.error("%s\n%s", msg, traceback.format_exc())
         try:
-            out_sock.send(dumps(("error", msg)), flags=zmq.NOBLOCK)
+            out_sock.send(dumps(Error(msg)), flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass
     finally:
@@ -245,7 +201,6 @@ def _calibrate_for_slo(core: Any, config: Any, executor: Any) -> Any:
     mode = getattr(sched, "slo_calibration", "off") if sched is not None and sched.slo else "off"
     if mode == "off" or hasattr(executor, "step_sync") or getattr(core, "kv_connector", None) is not None:
         return None
-    from tokenmill.engine.step_profile import calibrate
 
     return calibrate(core, mode, getattr(executor, "vocab_size", None))
 
@@ -256,7 +211,6 @@ def _kv_event_hook(core: Any, config: Any, data_parallel_rank: int | None = None
     kv_cfg = cache.kv_events if cache is not None and hasattr(cache, "kv_events") else None
     if kv_cfg is None or not kv_cfg.active:
         return None
-    from tokenmill.engine.kv_events_publisher import ZmqEventPublisher
 
     pool = core.scheduler.kv_cache_manager.block_pool
     pool.enable_kv_events()
@@ -308,20 +262,20 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
         handled = 0
         while True:
             try:
-                kind, payload = loads(in_sock.recv(zmq.NOBLOCK))
+                msg = messages.decode_input(in_sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
             handled += 1
-            if kind == "add":
+            if isinstance(msg, AddRequest):
                 num_adds += 1
-                core.add_request(payload)
-            elif kind == "shutdown":
+                core.add_request(msg.request)
+            elif isinstance(msg, Shutdown):
                 logger.info("engine core shutting down")
                 return
             else:
-                _handle_request_message(core, out_sock, kind, payload)
+                _handle_request_message(core, out_sock, msg)
         for token, error in (core.take_lora_results() if hasattr(core, "take_lora_results") else ()):
-            out_sock.send(dumps(("lora_loaded", token, error)))
+            out_sock.send(dumps(LoRALoaded(token, error)))
         outputs: list = []
         steps_before = core.num_steps if handled == 0 else -1   # (not get_stats(): a full snapshot a step)
         went_idle = False
@@ -336,7 +290,7 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
         if outputs or handled or went_idle or now - last_send > _STATS_INTERVAL_S:
             # Stats ride along with every batch, and at least every _STATS_INTERVAL_S
             # while busy (e.g. during a long chunked prefill that samples nothing).
-            out_sock.send(dumps(("outputs", outputs, core.get_stats(), num_adds)))
+            out_sock.send(dumps(Outputs(outputs, core.get_stats(), num_adds)))
             last_send = now
         elif steps_before >= 0 and core.num_steps == steps_before:
             # Nothing could be scheduled and nothing arrived: wait briefly for input
@@ -355,7 +309,7 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
     seen differ: a request is still on its way), each runs one step: its own batch
     (:meth:`EngineCore.step`), or, with nothing it could schedule, ``executor.execute_dummy()``. When
     no core has work the wave ends and each core blocks on its input again. The API process sends
-    every core a numbered ``("wake", n)`` after each request it adds, so every core joins the next
+    every core a numbered ``Wake(n)`` after each request it adds, so every core joins the next
     wave. A core leaving (shutdown, parent gone) says so in the sync and every core leaves with it
     (the group cannot run without it; a server shutdown stops them all anyway). A dead or stuck peer makes the sync or a step raise (connection
     closed, or the group's timeout): the exception ends this core too (its requests fail).
@@ -389,20 +343,20 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
         handled = 0
         while True:
             try:
-                kind, payload = loads(in_sock.recv(zmq.NOBLOCK))
+                msg = messages.decode_input(in_sock.recv(zmq.NOBLOCK))
             except zmq.Again:
                 break
             handled += 1
-            if kind == "add":
+            if isinstance(msg, AddRequest):
                 num_adds += 1
-                core.add_request(payload)
-            elif kind == "wake":
-                wakes_seen = max(wakes_seen, int(payload))
-            elif kind == "shutdown":
+                core.add_request(msg.request)
+            elif isinstance(msg, Wake):
+                wakes_seen = max(wakes_seen, msg.n)
+            elif isinstance(msg, Shutdown):
                 logger.info("engine core shutting down")
                 stop = True
             else:
-                _handle_request_message(core, out_sock, kind, payload)
+                _handle_request_message(core, out_sock, msg)
         has_work = core.has_unfinished_requests()
         outputs: list = []
         if in_wave or wakes_seen != wave_end or has_work:
@@ -427,5 +381,5 @@ def _lockstep_core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, pa
             return
         now = time.monotonic()
         if outputs or handled or (has_work and now - last_send > _STATS_INTERVAL_S):
-            out_sock.send(dumps(("outputs", outputs, core.get_stats(), num_adds)))
+            out_sock.send(dumps(Outputs(outputs, core.get_stats(), num_adds)))
             last_send = now

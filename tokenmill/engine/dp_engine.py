@@ -34,12 +34,12 @@ import os
 from typing import Any, AsyncIterator, Callable
 
 from tokenmill.config import EngineConfig
-from tokenmill.metrics.stats import EngineStats
+from tokenmill.metrics.stats import EngineStats, IterationStats, StatLogger
 from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
-from tokenmill.engine.core_proc import CoreInfo
-from tokenmill.metrics.stats import IterationStats, StatLogger
+from tokenmill.engine.messages import CoreInfo, Wake
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,6 @@ class DPAsyncEngine:
         self.tokenizer = tokenizer
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.shares = cpu_shares(cpus, n)
-        from tokenmill.engine.executor.dp_ep import check_dp_expert_parallel, uses_dp_expert_parallel
 
         self.expert_parallel = n > 1 and uses_dp_expert_parallel(config)
         init_method = worker_init_method = None
@@ -147,7 +146,7 @@ class DPAsyncEngine:
         self.num_wakes += 1
         for e in self.engines:
             try:
-                e._send(("wake", self.num_wakes))
+                e._send(Wake(self.num_wakes))
             except Exception:  # noqa: BLE001 - a dead core fails its own requests; the others still wake
                 logger.debug("could not wake engine %s", e.data_parallel_rank)
 

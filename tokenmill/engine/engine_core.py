@@ -22,6 +22,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler
+from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.executor import Executor, create_executor
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.sampling_params import SamplingParams
@@ -51,7 +52,7 @@ class EngineCoreRequest:
     priority: int = 0
     cache_salt: str | None = None
     batch: bool = False
-    lora_request: Any = None
+    lora_request: LoRARequest | None = None
 
 
 class EngineCore:
@@ -158,8 +159,14 @@ class EngineCore:
                 from tokenmill.tokenizer import load_tokenizer
 
                 return load_tokenizer(model.tokenizer or model.model or default_model_path())
+        device = str(self.config.model.device)
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
         return StructuredOutputManager(self.config.model.structured_outputs, getattr(arch, "vocab_size", 0) or 0,
-                                       list(self.executor.eos_token_ids or []), tokenizer)
+                                       list(self.executor.eos_token_ids or []), tokenizer,
+                                       host_logits=device == "cpu")
 
     # -- requests ------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

@@ -117,7 +117,7 @@ class WorkerLoRAProxy:
         self.arch, self.max_rank = arch, max_rank
         self.max_cpu_loras = max_cpu_loras
         self.supported = supported_targets(arch)
-        self._send = send
+        self._to_workers = send
         self.cpu: OrderedDict[int, LoRAAdapter] = OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-lora-check")
         self._loading: dict[int, Future] = {}
@@ -148,7 +148,7 @@ class WorkerLoRAProxy:
             self.cpu.move_to_end(lid)
             return self.cpu[lid]
         meta = self._validate(req)
-        self._send(("load", req))
+        self._to_workers(("load", req))
         self._insert(lid, meta)
         return meta
 
@@ -162,7 +162,7 @@ class WorkerLoRAProxy:
             fut = Future()
             fut.set_result(self.cpu[lid])
             return fut
-        self._send(("load", req))
+        self._to_workers(("load", req))
         fut = self._pool.submit(self._validate, req)
         self._loading[lid] = fut
         return fut
@@ -177,7 +177,7 @@ class WorkerLoRAProxy:
             if old in self.pinned or old == lid:
                 continue
             del self.cpu[old]
-            self._send(("remove", old))
+            self._to_workers(("remove", old))
             logger.info("LoRA: adapter %d dropped from the workers' memory (--max-cpu-loras %d)", old,
                         self.max_cpu_loras)
 
@@ -195,7 +195,7 @@ class WorkerLoRAProxy:
             except Exception as e:  # noqa: BLE001 - a bad adapter fails its requests, not the engine
                 msg = str(e) if isinstance(e, LoRAAdapterError) else f"{type(e).__name__}: {e}"
                 self._errors[lid] = msg
-                self._send(("remove", lid))
+                self._to_workers(("remove", lid))
                 done.append((lid, msg))
         return done
 
@@ -223,7 +223,7 @@ class WorkerLoRAProxy:
         """Forget adapter ``lid`` here and in every worker (after an unload with no request of it left)."""
         self.cpu.pop(lid, None)
         self._errors.pop(lid, None)
-        self._send(("remove", lid))
+        self._to_workers(("remove", lid))
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

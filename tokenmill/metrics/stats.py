@@ -11,13 +11,14 @@ implement :class:`StatLogger` and receive both.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from tokenmill.core.scheduler import QueueState
 from tokenmill.metrics.step_timing import StepTimingSnapshot
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
 from tokenmill.core.kv_transfer_stats import KVTransferStats
 from tokenmill.core.kv_offload_stats import KVOffloadStats
+from tokenmill.structured_output.manager import StructuredOutputStats
 
 
 @dataclass
@@ -135,7 +136,7 @@ class EngineStats:
     kv_offload: KVOffloadStats | None = None
     prompt_tokens_by_source: dict[str, int] | None = None
     expert_parallel: dict[str, float] | None = None
-    structured_outputs: Any = None
+    structured_outputs: StructuredOutputStats | None = None
     # LoRA (--enable-lora): {"running": [adapter names], "waiting": [...], "max_lora": n,
     # "requests_total": {adapter name: requests added}}; None without LoRA
     lora: dict | None = None

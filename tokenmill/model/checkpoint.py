@@ -12,6 +12,7 @@ import os
 
 from tokenmill.model.arch_config import ModelArchConfig
 from tokenmill.model.default_model import default_model_path
+from tokenmill.quantization.registry import get_method
 
 __all__ = ["resolve_checkpoint", "load_arch_config", "check_quantization"]
 
@@ -55,7 +56,7 @@ def load_arch_config(path: str | None) -> ModelArchConfig:
 
 
 def check_quantization(method: str | None, device: str, model_path: str | None = None, *,
-                       check_model: bool = False) -> None:
+                       check_model: bool = False, int4_group: int | None = None) -> None:
     """:func:`tokenmill.quantization.methods.check_method` for a config's device setting (``auto`` -> cuda when
     available), for the CLI; with ``check_model``, also the checkpoint ``model_path`` (None: the default model)
     against the method, reading only its config (no weights), so that a bad combination is one line at
@@ -72,7 +73,6 @@ def check_quantization(method: str | None, device: str, model_path: str | None =
 
     from tokenmill.quantization.methods import check_method, int4_group_for
     from tokenmill.quantization.prequantized import check_quant_config, read_quant_config
-    from tokenmill.quantization.registry import get_method
 
     dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     check_method(method, dev)
@@ -95,4 +95,4 @@ def check_quantization(method: str | None, device: str, model_path: str | None =
         if arch.num_experts == 0:
             inputs.add(arch.intermediate_size)
         for k in sorted(inputs):
-            int4_group_for(k)
+            int4_group_for(k, int4_group)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import CacheConfig
+from tokenmill import envs
 
 logger = logging.getLogger(__name__)
 
@@ -109,8 +110,6 @@ def allocate_kv_caches(layout: KVCacheLayout, device: torch.device, zero: bool =
     fills the pool with NaN and checks every path against a zeroed pool.
     ``TOKENMILL_KV_CACHE_ZERO=1`` (or ``zero=True``) zeroes it anyway.
     """
-    from tokenmill import envs
-
     zero = zero or envs.TOKENMILL_KV_CACHE_ZERO
     make = torch.zeros if zero else torch.empty
     per_layer = torch.Size(layout.shape).numel() * torch.empty((), dtype=layout.dtype).element_size()

@@ -19,13 +19,23 @@ import torch
 from torch import nn
 
 from tokenmill import envs
+from tokenmill.kernel_plan import CpuKernelSwitches
 from tokenmill.model.arch_config import ModelArchConfig
+from tokenmill.model.cpu_facts import hardware_bf16
 from tokenmill.model.checkpoint import load_arch_config  # noqa: F401 - re-exported
 from tokenmill.model.checkpoint import resolve_checkpoint as _resolve_checkpoint
 from tokenmill.model.default_model import default_model_path  # noqa: F401 - re-exported
 from tokenmill.model.layers.attention import AttentionBackend, get_attention_backend
 from tokenmill.model.registry import get_model_class
 from tokenmill.tokenizer import load_tokenizer
+from tokenmill.model import weight_cache
+from tokenmill.model.layers.cpu_build import cpu_isa
+from tokenmill.quantization.methods import check_method, quantize_model
+from tokenmill.quantization.registry import get_method
+from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
+from tokenmill.model.hf_loader import iter_hf_weights, read_hf_config
+from tokenmill.quantization.prequantized import check_quant_config, load_prequantized, read_quant_config
+from tokenmill.quantization.gguf import gguf_lowbit_weights
 
 logger = logging.getLogger(__name__)
 
@@ -88,21 +98,20 @@ def resolve_device(device: str | torch.device = "cpu") -> torch.device:
     return torch.device(device)
 
 
-def cpu_has_native_bf16() -> bool:
+def cpu_has_native_bf16(allow: bool | None = None) -> bool:
     """True when this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles) and oneDNN supports it.
 
     On CPUs without it bfloat16 GEMMs are emulated and slower than float32.
-    ``TOKENMILL_CPU_BF16=0`` forces False (so ``dtype=auto`` means float32).
+    ``allow=False`` (an engine config's ``cpu_kernels.native_bf16``, ``TOKENMILL_CPU_BF16=0``) forces
+    False, so ``dtype=auto`` means float32; None: the environment's switch (outside an engine).
     """
-    if not envs.TOKENMILL_CPU_BF16:
-        return False
-    cpu = getattr(torch, "cpu", None)
-    native = any(bool(getattr(cpu, name, lambda: False)())
-                 for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
-    return native and torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if allow is None:
+        allow = envs.TOKENMILL_CPU_BF16
+    return bool(allow) and hardware_bf16()
 
 
-def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu",
+                  allow_native_bf16: bool | None = None) -> torch.dtype:
     """Map a dtype setting to a torch dtype.
 
     ``"auto"`` -> bfloat16 on CUDA (and other accelerators) and on CPUs with
@@ -111,7 +120,8 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     backend defaults to bfloat16. Checkpoint weights (GGUF quants included)
     are converted to this dtype at load time.
     Accepted names: float32/fp32/float, bfloat16/bf16, float16/fp16/half, or a
-    ``torch.dtype``.
+    ``torch.dtype``. ``allow_native_bf16``: see :func:`cpu_has_native_bf16` (the rule itself is
+    :func:`tokenmill.kernel_plan.resolve_dtype_name`'s, which the engine's kernel plan applies).
 
     Raises:
         ValueError: an unknown name or a non-floating dtype.
@@ -124,7 +134,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: str | torch.device = "cpu") 
     if d == "auto":
         if resolve_device(device).type != "cpu":
             return torch.bfloat16
-        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16(allow_native_bf16) else torch.float32
     if d not in _DTYPES:
         raise ValueError(f"unsupported model dtype {dtype!r}; use auto, float32, bfloat16 or float16")
     return _DTYPES[d]
@@ -271,21 +281,19 @@ def _with_progress(weights: Iterable[tuple[str, torch.Tensor]], total: int | Non
 
 
 def _weight_cache_entry(enabled: bool, kind: str, path: str, dtype: torch.dtype, device: torch.device,
-                        lowbit: bool, quantization: str | None, num_redundant_experts: int = 0
-                        ) -> tuple[str, str] | None:
-    """``(cache file, key)`` when the processed-weight cache applies (CPU, no load-time quantisation)."""
-    from tokenmill.model import weight_cache
-
+                        lowbit: bool, quantization: str | None, num_redundant_experts: int = 0,
+                        cpu_kernels: CpuKernelSwitches | None = None) -> tuple[str, str] | None:
+    """``(cache file, key)`` when the processed-weight cache applies (CPU, no load-time quantisation); the
+    key holds ``cpu_kernels``' weight-changing switches (None: the environment's)."""
     if not weight_cache.cache_enabled(enabled) or device.type != "cpu" or quantization is not None:
         return None
     recipe = {"kind": kind, "dtype": str(dtype), "device": str(device), "lowbit": bool(lowbit),
               "redundant_experts": int(num_redundant_experts)}
     if lowbit:
-        from tokenmill.model.layers.cpu_build import cpu_isa
-
         recipe["isa"] = cpu_isa()
     try:
-        return weight_cache.cache_key(kind, path, recipe)
+        switches = (cpu_kernels if cpu_kernels is not None else CpuKernelSwitches.from_env()).weight_key()
+        return weight_cache.cache_key(kind, path, recipe, switches)
     except (OSError, ValueError) as e:
         logger.warning("processed-weight cache off for %s: %s", path, e)
         return None
@@ -294,8 +302,6 @@ def _weight_cache_entry(enabled: bool, kind: str, path: str, dtype: torch.dtype,
 def _load_cached(entry: tuple[str, str] | None, arch: ModelArchConfig, device: torch.device,
                  attn_backend: AttentionBackend | None) -> tuple[nn.Module, dict | None] | None:
     """The model (and low-bit weights) from the cache entry, or None (no entry, or a corrupt one: warned)."""
-    from tokenmill.model import weight_cache
-
     if entry is None or not os.path.exists(entry[0]):
         return None
     try:
@@ -312,8 +318,6 @@ def _load_cached(entry: tuple[str, str] | None, arch: ModelArchConfig, device: t
 
 
 def _save_cached(entry: tuple[str, str] | None, model: nn.Module, lowbit: dict | None) -> None:
-    from tokenmill.model import weight_cache
-
     if entry is None:
         return
     import time
@@ -331,7 +335,8 @@ def _save_cached(entry: tuple[str, str] | None, model: nn.Module, lowbit: dict |
 def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "cpu",
                *, with_tokenizer: bool | str = True, attn_backend: AttentionBackend | None = None,
                lowbit: bool = False, quantization: str | None = None,
-               num_redundant_experts: int = 0, weight_cache: bool = True) -> LoadedModel:
+               num_redundant_experts: int = 0, weight_cache: bool = True,
+               cpu_kernels: CpuKernelSwitches | None = None) -> LoadedModel:
     """Load a checkpoint into a :class:`LoadedModel`.
 
     Args:
@@ -358,6 +363,8 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             ``quantization`` only; ``TOKENMILL_WEIGHT_CACHE=0`` also turns it off): a hit maps the
             weights (and low-bit codes) from disk instead of converting the checkpoint; a miss converts
             and writes the entry.
+        cpu_kernels: the engine config's kernel switches (their weight-changing ones key the cache; the
+            dtype ``auto`` rule reads ``native_bf16``); None: the environment's.
 
     Raises:
         FileNotFoundError: the path (or the default package) is missing.
@@ -368,25 +375,21 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
     import time
 
     t0 = time.perf_counter()
-    from tokenmill.quantization.methods import check_method, quantize_model
-    from tokenmill.quantization.registry import get_method
 
     lowbit_weights = None
     kind, path = _resolve_checkpoint(path)
     device = resolve_device(device)
-    dt = resolve_dtype(dtype, device)
+    dt = resolve_dtype(dtype, device, None if cpu_kernels is None else cpu_kernels.native_bf16)
     check_method(quantization, device)
     if kind == "gguf" and quantization is not None and get_method(quantization).from_checkpoint:
         raise ValueError(f"--quantization {quantization} needs an {quantization} safetensors checkpoint, not a GGUF file")
     applied = quantization
     if kind == "gguf":
-        from tokenmill.model.gguf_loader import chat_template, iter_gguf_weights, open_gguf, read_arch_config
-
         reader = open_gguf(path)
         arch = with_redundant_experts(read_arch_config(reader), num_redundant_experts)
         want_lowbit = lowbit and quantization is None
         entry = _weight_cache_entry(weight_cache, kind, path, dt, device, want_lowbit, quantization,
-                                    num_redundant_experts)
+                                    num_redundant_experts, cpu_kernels)
         hit = _load_cached(entry, arch, device, attn_backend)
         if hit is not None:
             model, lowbit_weights = hit
@@ -394,8 +397,6 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
             model = _instantiate(arch, dt, device, attn_backend)
             model.load_weights(_with_progress(iter_gguf_weights(reader, arch), len(reader.tensors)))
             if want_lowbit:
-                from tokenmill.quantization.gguf import gguf_lowbit_weights
-
                 logger.info("preparing the GGUF's low-bit codes for the small-step kernel")
                 lowbit_weights = gguf_lowbit_weights(reader, arch, getattr(model, "_STACKED", {})) or None
             _save_cached(entry, model, lowbit_weights)
@@ -403,10 +404,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         name = os.path.splitext(os.path.basename(path))[0]
         del reader
     else:
-        from tokenmill.model.hf_loader import iter_hf_weights, read_hf_config
-
         arch = with_redundant_experts(read_hf_config(path), num_redundant_experts)
-        from tokenmill.quantization.prequantized import check_quant_config, load_prequantized, read_quant_config
 
         model = _instantiate(arch, dt, device, attn_backend)
         qcfg = read_quant_config(path)
@@ -421,7 +419,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
                 raise ValueError(f"--quantization {quantization} needs a checkpoint with a {quantization} "
                                  f"quantization_config; {path} has none")
             entry = _weight_cache_entry(weight_cache, kind, path, dt, device, False, quantization,
-                                        num_redundant_experts)
+                                        num_redundant_experts, cpu_kernels)
             hit = _load_cached(entry, arch, device, attn_backend)
             if hit is not None:
                 model = hit[0]
@@ -431,7 +429,7 @@ def load_model(path: str | None = None, dtype: str | torch.dtype = "auto", devic
         template = None
         name = os.path.basename(os.path.normpath(path))
     if applied is not None and get_method(applied).at_load:
-        quantize_model(model, applied)
+        quantize_model(model, applied, None if cpu_kernels is None else cpu_kernels.int4_group_size)
     tokenizer, template, eos = resolve_tokenizer(path, arch, template, with_tokenizer)
     return LoadedModel(model=_finalize(model), arch=arch, tokenizer=tokenizer, chat_template=template,
                        eos_token_ids=eos, bos_token_id=arch.bos_token_id, name=name, path=path,

@@ -40,11 +40,20 @@ from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata
-from tokenmill.model.layers.linear import PackedLinear, attach_lowbit_weights, lowbit_max_tokens, pack_linear_weights
+from tokenmill.model.cpu_facts import engine_plan
+from tokenmill.model.layers.cpu_build import configure as configure_kernels
+from tokenmill.model.layers.linear import PackedLinear, attach_lowbit_weights, pack_linear_weights
 from tokenmill.model.layers.kv_quant import KVScales, is_quantized, resolve_kv_cache_dtype
 from tokenmill.model.kv_cache import allocate_kv_caches, kv_bytes_per_token, plan_kv_cache  # noqa: F401 - re-export
 from tokenmill.model.process_tuning import configure_allocator, configure_threads, rss_bytes
 from tokenmill.model.sampler import Sampler
+from tokenmill.quantization.methods import Int8DynamicLinear, QuantizedLinear, format_bytes, weight_bytes_by_format
+from tokenmill.model.layers import cpu_build, fused_cpu, paged_attention_cpu
+from tokenmill.lora.manager import LoRAManager
+from tokenmill.spec_decode.worker import SpecDecodeWorker
+from tokenmill.model.step_graph import CpuStepGraph, unsupported_reason
+from tokenmill.model.loader import load_model, resolve_dtype
+from tokenmill.model import llama
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +75,6 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
     packed = sum(1 for m in model.modules() if isinstance(m, PackedLinear))
     plain = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
     weights = f"weights {name(dtype)} ({packed} oneDNN-prepacked linears, {plain} plain"
-    from tokenmill.quantization.methods import Int8DynamicLinear, QuantizedLinear
     quant: dict[str, int] = {}
     for m in model.modules():
         if isinstance(m, QuantizedLinear):
@@ -91,7 +99,6 @@ def log_compute_paths(model: torch.nn.Module, device: torch.device, dtype: torch
     if device.type != "cpu":
         logger.info("compute paths: %s; attention torch (%s), KV cache %s", weights, device, kv)
         return
-    from tokenmill.model.layers import cpu_build, fused_cpu, paged_attention_cpu
     try:
         isa = cpu_build.cpu_isa()
     except ValueError as e:
@@ -211,9 +218,17 @@ class ModelRunner:
         self.max_model_len = int(config.model.max_model_len or model_len)
         if self.max_model_len > model_len:
             logger.warning("max_model_len %d exceeds the model's context length %d", self.max_model_len, model_len)
-        lowbit_limit = lowbit_max_tokens(device, dtype) if lowbit_weights else 0
+        # the CPU kernel choices, resolved once from the config's switches and this machine (logged below)
+        self.kernel_plan = engine_plan(config, device, checkpoint_lowbit=bool(lowbit_weights))
+        if self.kernel_plan.dtype != str(dtype).removeprefix("torch."):   # a caller's explicit dtype wins
+            self.kernel_plan = engine_plan(config.replace(dtype=str(dtype).removeprefix("torch.")), device,
+                                           checkpoint_lowbit=bool(lowbit_weights))
+        plan = self.kernel_plan
+        if device.type == "cpu":
+            configure_kernels(plan.isa, config.cpu_kernels)   # this process's C kernels follow the config
+        lowbit_limit = plan.lowbit_max_tokens
         # auto: a float32 model on the CPU low-bit path keeps a bfloat16 cache (kv_quant.auto_kv_bf16)
-        self.kv_cache_dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, dtype, device, bool(lowbit_limit))
+        self.kv_cache_dtype = resolve_kv_cache_dtype(plan.kv_cache_dtype, dtype, device)
         if config.cache.kv_cache_dtype == "auto" and self.kv_cache_dtype != dtype:
             logger.info("--kv-cache-dtype auto: bfloat16 KV cache for this float32 model on the CPU low-bit path "
                         "(unlike vLLM, whose auto is the model's dtype: half the bytes a decode step reads, twice "
@@ -241,10 +256,9 @@ class ModelRunner:
         backend = getattr(model, "attn_backend", None)
         if hasattr(backend, "batch_invariant"):
             backend.batch_invariant = self.batch_invariant
-        if lowbit_limit and attach_lowbit_weights(model, lowbit_weights, lowbit_limit,
+        if lowbit_limit and attach_lowbit_weights(model, lowbit_weights, lowbit_limit, plan.int8_act_max_tokens,
                                                   invariant=self.batch_invariant)[0]:
             self.lowbit_max_tokens = lowbit_limit
-        from tokenmill.quantization.methods import format_bytes, weight_bytes_by_format
 
         self.weight_bytes = weight_bytes_by_format(model)
         logger.info("weights: %s (total %.1f MiB)", format_bytes(self.weight_bytes),
@@ -252,11 +266,10 @@ class ModelRunner:
         if not config.model.enforce_eager:
             self.capture(parse_buckets(config.model.compile_sizes, sched.max_num_batched_tokens))
         self._setup_kv_scales(config.cache.calculate_kv_scales)   # after capture: its warm-up steps are no batch
+        logger.info("%s", plan.describe())
         log_compute_paths(model, device, dtype, self.kv_cache_dtype, self.lowbit_max_tokens)
         self.lora_manager = None   # a tokenmill.lora.manager.LoRAManager with --enable-lora
         if config.model.enable_lora:
-            from tokenmill.lora.manager import LoRAManager
-
             m = config.model
             # lora_shard: a tensor/pipeline-parallel worker's (full arch, RankLayout): adapters are validated
             # against the full model and cut to the rank's shard; the engine core's proxy owns the CPU LRU
@@ -269,18 +282,15 @@ class ModelRunner:
         self.spec_decode = None
         # grammar-forced tokens (structured outputs) are verified as drafts even without a proposer
         if config.speculative is not None or config.model.structured_outputs.num_forced_draft_tokens:
-            from tokenmill.spec_decode.worker import SpecDecodeWorker
-
             self.spec_decode = SpecDecodeWorker(config.speculative, config, self)
         self._setup_step_graph()
 
     def _setup_step_graph(self) -> None:
         """Build the :class:`~tokenmill.model.step_graph.CpuStepGraph` for decode-only steps where the
         model, dtype, KV cache and device allow it (logged either way; ``TOKENMILL_CPU_STEP_GRAPH=0``: off)."""
-        from tokenmill.model.step_graph import CpuStepGraph, max_tokens_from_env, unsupported_reason
-
         reason = unsupported_reason(self.model, self.device, self.dtype, self.kv_cache_dtype, self.lowbit_max_tokens,
-                                    spec_decode=self.config.speculative is not None)
+                                    spec_decode=self.config.speculative is not None,
+                                    enabled=self.kernel_plan.step_graph)
         if reason is None and not self.config.model.enforce_eager:
             reason = "compiled step"
         if reason is not None:
@@ -288,7 +298,7 @@ class ModelRunner:
             return
         # every decode-only step up to max_num_seqs requests (TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS caps it)
         self.step_graph = CpuStepGraph(self.model, self.kv_caches, self.lowbit_max_tokens,
-                                       max_tokens_from_env(self.config.scheduler.max_num_seqs))
+                                       self.kernel_plan.step_graph_max_tokens)
 
     def _setup_kv_scales(self, calculate: bool) -> None:
         """Per-layer K/V scales of a quantised cache: checkpoint values, else computed from the first batch
@@ -325,18 +335,21 @@ class ModelRunner:
             FileNotFoundError, ValueError: from the loader (missing file,
                 unsupported architecture or dtype).
         """
-        from tokenmill.model.loader import load_model, resolve_dtype
-
         device = resolve_device(config.model.device)
         configure_threads(device)
         configure_allocator(device)
         t0 = time.perf_counter()
-        dtype = resolve_dtype(config.model.dtype, device)
-        quant = config.model.quantization
-        want_lowbit = config.model.enforce_eager and quant is None and lowbit_max_tokens(device, dtype) > 0
-        loaded = load_model(config.model.model, dtype=config.model.dtype, device=device, lowbit=want_lowbit,
-                            quantization=quant, num_redundant_experts=config.parallel.eplb.num_redundant_experts,
-                            weight_cache=config.model.weight_cache,
+        # the kernel plan if the checkpoint has low-bit codes (the runner resolves the final one): the dtype,
+        # the ISA variant of this process's kernels and whether to collect the codes
+        plan = engine_plan(config, device, checkpoint_lowbit=True)
+        if device.type == "cpu":
+            configure_kernels(plan.isa, config.cpu_kernels)   # where the config differs from the environment
+        dtype = resolve_dtype(plan.dtype, device)
+        want_lowbit = plan.lowbit_max_tokens > 0
+        loaded = load_model(config.model.model, dtype=dtype, device=device, lowbit=want_lowbit,
+                            quantization=config.model.quantization,
+                            num_redundant_experts=config.parallel.eplb.num_redundant_experts,
+                            weight_cache=config.model.weight_cache, cpu_kernels=config.cpu_kernels,
                             with_tokenizer=with_tokenizer)
         logger.info("loaded %s (%s) in %.1f s on %s", loaded.name, loaded.arch.architecture,
                     time.perf_counter() - t0, device)
@@ -371,7 +384,6 @@ class ModelRunner:
                                "load a fresh model for the compiled step")
         if not buckets:
             return
-        from tokenmill.model import llama
 
         import torch._dynamo.config as dynamo_config
 

@@ -79,7 +79,8 @@ def max_tokens_from_env(default: int) -> int:
 
 
 def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                       kv_cache_dtype: torch.dtype, max_tokens: int, spec_decode: bool = False) -> str | None:
+                       kv_cache_dtype: torch.dtype, max_tokens: int, spec_decode: bool = False,
+                       enabled: bool | None = None) -> str | None:
     """Why :class:`CpuStepGraph` cannot serve ``model``; None when it can.
 
     Args:
@@ -88,6 +89,8 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
         kv_cache_dtype: the KV pool's element type.
         max_tokens: the runner's low-bit step limit (0: off).
         spec_decode: speculative decoding is configured.
+        enabled: the kernel plan's ``step_graph`` (``TOKENMILL_CPU_STEP_GRAPH`` as the engine config holds
+            it); None: the environment's.
     """
     from tokenmill.model.layers import fused_cpu, paged_attention_cpu
     from tokenmill.model.layers.attention import TorchAttentionBackend
@@ -96,7 +99,7 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
     from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
     from tokenmill.quantization import lowbit
 
-    if not step_graph_enabled():
+    if not (step_graph_enabled() if enabled is None else enabled):
         return f"{ENV_SWITCH}=0"
     if device.type != "cpu":
         return f"device {device.type}"

@@ -13,7 +13,7 @@ with no Python constructor from bytes); the model runner packs them in the backg
 Location: ``$TOKENMILL_CACHE_DIR/weights`` or ``~/.cache/tokenmill/weights``. One file per checkpoint
 and recipe, named ``<checkpoint hash>-<key hash>.tmw``; the key covers the checkpoint files' identity
 (absolute path, size, mtime in ns), the recipe (dtype, device, low-bit codes on/off, kernel ISA variant,
-the environment switches that change the weights) and the versions of tokenmill, torch and this format.
+the config's kernel switches that change the weights) and the versions of tokenmill, torch and this format.
 A new entry for a checkpoint removes that checkpoint's older entries, and every entry whose checkpoint
 files are gone (a deleted or moved model, a test's temporary checkpoint): without that rule the folder
 only grew (6.3 GB of orphans after a few weeks of test runs on one machine).
@@ -48,6 +48,8 @@ import torch
 from torch import nn
 
 from tokenmill import envs
+import tokenmill
+from tokenmill.quantization.lowbit import LowBitWeight
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +58,8 @@ MAGIC = b"TMWCACHE"
 ENV_SWITCH = "TOKENMILL_WEIGHT_CACHE"
 _ALIGN = 64
 _STALE_TMP_S = 3600   # a temporary file this old belongs to no live writer
-# The environment switches that change the processed weights are part of the key: those declared with
-# ``in_weight_key`` in tokenmill/envs.py (envs.weight_key_switches()).
+# The kernel switches that change the processed weights are part of the key: those declared with
+# ``in_weight_key`` in tokenmill/envs.py, as the engine config holds them (CpuKernelSwitches.weight_key()).
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.uint8, torch.int8,
                                torch.int16, torch.int32, torch.int64, torch.bool)}
 _BUFFER = "buffer/"
@@ -86,13 +88,14 @@ def checkpoint_files(kind: str, path: str) -> list[str]:
 
 
 def _versions() -> dict[str, str]:
-    import tokenmill
-
     return {"tokenmill": tokenmill.__version__, "torch": torch.__version__, "format": str(FORMAT_VERSION)}
 
 
-def cache_key(kind: str, path: str, recipe: dict[str, Any]) -> tuple[str, str]:
+def cache_key(kind: str, path: str, recipe: dict[str, Any], switches: dict[str, Any]) -> tuple[str, str]:
     """``(file path of the entry, full key)`` for a checkpoint and recipe.
+
+    ``switches``: the kernel switches that change the processed weights, from the engine config
+    (``config.cpu_kernels.weight_key()``, :class:`tokenmill.kernel_plan.CpuKernelSwitches`).
 
     Raises:
         OSError: a checkpoint file cannot be stat-ed.
@@ -101,8 +104,8 @@ def cache_key(kind: str, path: str, recipe: dict[str, Any]) -> tuple[str, str]:
     for f in checkpoint_files(kind, path):
         st = os.stat(f)
         ident.append([os.path.abspath(f), st.st_size, st.st_mtime_ns])
-    env = envs.weight_key_switches()
-    key = json.dumps({"files": ident, "recipe": recipe, "env": env, "versions": _versions()}, sort_keys=True)
+    key = json.dumps({"files": ident, "recipe": recipe, "switches": switches, "versions": _versions()},
+                     sort_keys=True)
     ckpt = hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return os.path.join(cache_root(), f"{ckpt}-{digest}.tmw"), key
@@ -226,8 +229,6 @@ def load(file: str, key: str) -> CachedWeights:
         FileNotFoundError: no entry.
         CorruptCacheError: the entry is unusable (wrong magic, header, version, key or length).
     """
-    from tokenmill.quantization.lowbit import LowBitWeight
-
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         head = f.read(len(MAGIC) + 8)

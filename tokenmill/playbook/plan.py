@@ -39,6 +39,7 @@ model that is not on disk can be planned), with no torch and no weights read:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -46,8 +47,9 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tokenmill import envs
 from tokenmill.config import parse_size
+from tokenmill.kernel_plan import CpuFacts, CpuKernelSwitches, KernelPlan, read_cpu_flags, resolve_dtype_name, \
+    resolve_kernel_plan
 
 # Bytes per element of --dtype / --kv-cache-dtype values.
 DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
@@ -546,16 +548,32 @@ def lora_bytes_per_adapter(shape: "ModelShape", rank: int, dtype_bytes: int, tp:
 
 def cpu_has_native_bf16_flags(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU has native bfloat16 arithmetic (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's
-    flags): the planner's torch-free twin of :func:`tokenmill.model.loader.cpu_has_native_bf16`."""
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return "avx512_bf16" in flags or "amx_bf16" in flags
-    except OSError:
-        pass
-    return False
+    flags): the planner's (torch-free) probe of the fact the engine asks torch for
+    (:func:`tokenmill.model.cpu_facts.hardware_bf16`); the rule using it is shared (tokenmill/kernel_plan.py)."""
+    return CpuFacts.from_cpu_flags(read_cpu_flags(cpuinfo)).native_bf16
+
+
+def planner_cpu_facts() -> CpuFacts:
+    """This machine's :class:`~tokenmill.kernel_plan.CpuFacts` from /proc/cpuinfo (oneDNN and a C compiler
+    assumed, as the engine's install has them)."""
+    return dataclasses.replace(CpuFacts.from_cpu_flags(read_cpu_flags()), native_bf16=cpu_has_native_bf16_flags())
+
+
+def cpu_kernel_plan(shape: "ModelShape", opts: "PlanOptions", dtype: str | None = None) -> KernelPlan:
+    """The engine's :class:`~tokenmill.kernel_plan.KernelPlan` for this deployment on this CPU: the same
+    resolution the model runner logs at start-up (:func:`tokenmill.kernel_plan.resolve_kernel_plan`), from the
+    ``TOKENMILL_CPU_*`` switches (read here, the planner's command-line edge) and /proc/cpuinfo. ``dtype``
+    overrides ``opts.dtype``. Assumes the engine's default ``--enforce-eager`` (a compiled step runs no
+    low-bit codes: plan with ``--kv-cache-dtype float32`` there).
+
+    Raises:
+        ValueError: an invalid switch value, or a forced ISA this CPU cannot run.
+    """
+    return resolve_kernel_plan(CpuKernelSwitches.from_env(), planner_cpu_facts(), device_type="cpu",
+                               dtype=dtype or opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
+                               quantization=opts.quantization,
+                               world_size=opts.tensor_parallel_size * opts.pipeline_parallel_size,
+                               checkpoint_lowbit=bool(shape.gguf_lowbit))
 
 
 def resolve_plan_device(device: str | None) -> str | None:
@@ -580,8 +598,8 @@ def _resolve_dtype(shape: ModelShape, dtype: str, device: str | None = None) -> 
         if dtype not in DTYPE_BYTES:
             raise ValueError(f"unknown --dtype {dtype!r}; choose auto, float32, bfloat16, float16")
         return dtype
-    if device == "cpu":   # the engine's rule (tokenmill.model.loader.resolve_dtype)
-        return "bfloat16" if cpu_has_native_bf16_flags() else "float32"
+    if device == "cpu":   # the engine's rule (tokenmill.kernel_plan.resolve_dtype_name)
+        return resolve_dtype_name("auto", "cpu", CpuKernelSwitches.from_env(), planner_cpu_facts())
     td = str(shape.torch_dtype or "").replace("torch.", "")
     return td if td in ("bfloat16", "float16") else "bfloat16"
 
@@ -589,21 +607,16 @@ def _resolve_dtype(shape: ModelShape, dtype: str, device: str | None = None) -> 
 def kv_cache_dtype_for(shape: ModelShape, opts: PlanOptions, dtype: str) -> str:
     """The KV cache dtype the engine allocates for ``opts.kv_cache_dtype`` with model dtype ``dtype``.
 
-    An explicit value is itself. ``auto`` is ``dtype``, except bfloat16 where the engine deviates from vLLM
-    (:func:`tokenmill.model.layers.kv_quant.auto_kv_bf16`): a float32 model on the CPU
-    (``opts.device`` resolves to ``cpu``) whose GGUF codes the low-bit path runs (``shape.gguf_lowbit``,
-    no ``--quantization``, one process: tensor/pipeline-parallel shards load dense weights), unless
-    ``TOKENMILL_CPU_INT4_MAX_TOKENS=0`` (low-bit path off) or ``TOKENMILL_CPU_KV_BF16=0``. Assumes the
-    engine's default ``--enforce-eager`` (a compiled step runs no low-bit codes: plan with
-    ``--kv-cache-dtype float32`` there).
+    An explicit value is itself. ``auto`` is ``dtype``, except on the CPU (``opts.device`` resolves to
+    ``cpu``), where it is the engine's kernel plan's (:func:`cpu_kernel_plan`): bfloat16 for a float32 model
+    whose GGUF codes the low-bit path runs (``shape.gguf_lowbit``, no ``--quantization``, one process:
+    tensor/pipeline-parallel shards load dense weights), unless ``TOKENMILL_CPU_INT4_MAX_TOKENS=0`` (low-bit
+    path off) or ``TOKENMILL_CPU_KV_BF16=0`` (:func:`tokenmill.model.layers.kv_quant.auto_kv_bf16` says why).
     """
     if opts.kv_cache_dtype != "auto":
         return opts.kv_cache_dtype
-    lowbit = (shape.gguf_lowbit and opts.quantization is None
-              and opts.tensor_parallel_size * opts.pipeline_parallel_size == 1
-              and envs.TOKENMILL_CPU_INT4_MAX_TOKENS > 0 and envs.TOKENMILL_CPU_KV_BF16)
-    if dtype == "float32" and resolve_plan_device(opts.device) == "cpu" and lowbit:
-        return "bfloat16"
+    if resolve_plan_device(opts.device) == "cpu":
+        return cpu_kernel_plan(shape, opts, dtype).kv_cache_dtype
     return dtype
 
 

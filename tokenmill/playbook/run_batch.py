@@ -44,6 +44,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tokenmill.config import EngineConfig
+from tokenmill.server.launch import create_server_state, resolve_model_path
+from tokenmill.tokenizer import load_tokenizer
+from tokenmill.server.cli_args import add_serve_args, config_from_args
 
 logger = logging.getLogger("tokenmill.run_batch")
 
@@ -133,15 +136,12 @@ async def _run(requests: list[BatchRequest], out, config: EngineConfig, *, execu
 
     from tokenmill.engine.async_engine import AsyncEngine
     from tokenmill.server.app import build_app
-    from tokenmill.server.launch import create_server_state, resolve_model_path
 
     model_path = "/models/fake" if executor_factory is not None else resolve_model_path(config)
     engine = AsyncEngine(config, tokenizer, executor_factory=executor_factory)
     engine.launch()
     try:
         if tokenizer is None:
-            from tokenmill.tokenizer import load_tokenizer
-
             tokenizer = load_tokenizer(config.model.tokenizer or model_path)
             engine.set_tokenizer(tokenizer)
         await asyncio.to_thread(engine.wait_ready)
@@ -223,8 +223,6 @@ def run_batch(input_path: str, output_path: str, config: EngineConfig, *, execut
 
 def add_run_batch_args(p) -> None:
     """Flags of ``tokenmill run-batch`` (vLLM's names) plus the engine flags."""
-    from tokenmill.server.cli_args import add_serve_args
-
     p.add_argument("-i", "--input-file", required=True, help="Batch file (JSON lines, OpenAI batch format); - for stdin.")
     p.add_argument("-o", "--output-file", required=True, help="Results file (JSON lines); - for stdout.")
     p.add_argument("--max-concurrency", type=int, default=None,
@@ -235,8 +233,6 @@ def add_run_batch_args(p) -> None:
 
 def run_batch_cli(args) -> int:
     """``tokenmill run-batch``: 0 when every request succeeded, 1 when some failed, 2 on a bad file or flags."""
-    from tokenmill.server.cli_args import config_from_args
-
     try:
         config = config_from_args(args)
         summary = run_batch(args.input_file, args.output_file, config, max_concurrency=args.max_concurrency,

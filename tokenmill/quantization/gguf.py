@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+from tokenmill.quantization.lowbit import LowBitWeight
 
 SUPPORTED = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q8_0", "Q6_K")
 
@@ -199,7 +200,6 @@ def gguf_lowbit_weights(reader, arch, stacked: dict[str, tuple[str, int]]) -> di
         Modules with any shard in an unsupported type are left out (they keep the dense path).
     """
     from tokenmill.model.gguf_loader import _PERMUTED_ARCHS, get_field, gguf_to_hf_name, unpermute_qk
-    from tokenmill.quantization.lowbit import LowBitWeight
 
     permuted = get_field(reader, "general.architecture") in _PERMUTED_ARCHS
     need: dict[str, int] = {}

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import envs
+from tokenmill.model.layers.cpu_build import _cpu_flags, load_library, switch
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +58,6 @@ _FUNCTIONS = {"tm_lowbit_gemm": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P,
 @functools.lru_cache(maxsize=1)
 def cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty where unreadable)."""
-    from tokenmill.model.layers.cpu_build import _cpu_flags
-
     return _cpu_flags()
 
 
@@ -70,15 +68,13 @@ def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
         The library, or None (no compiler, a CPU that cannot run ``isa``,
         or ``TOKENMILL_CPU_LOWBIT_KERNEL=0``).
     """
-    from tokenmill.model.layers.cpu_build import load_library
-
     lib = load_library("lowbit_gemm", ["lowbit_gemm.c"], _FUNCTIONS, ENV_SWITCH, isa)
     if lib is not None:
         lib.tm_lowbit_isa.restype = ctypes.c_char_p
         lib.tm_lowbit_isa.argtypes = []
         lib.tm_lowbit_set_bf16_dot.restype = ctypes.c_int
         lib.tm_lowbit_set_bf16_dot.argtypes = [ctypes.c_int]
-        set_bf16_dot(lib, envs.get(BF16_DOT_SWITCH))
+        set_bf16_dot(lib, switch(BF16_DOT_SWITCH))
     return lib
 
 
@@ -292,7 +288,7 @@ def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = 
 def _default_kernel() -> ctypes.CDLL | None:
     lib = load_kernel()
     if lib is not None:
-        dot = bool(lib.tm_lowbit_set_bf16_dot(int(envs.get(BF16_DOT_SWITCH))))
+        dot = bool(lib.tm_lowbit_set_bf16_dot(int(switch(BF16_DOT_SWITCH))))
         logger.info("low-bit GEMM kernel: %s path%s", lib.tm_lowbit_isa().decode(),
                     ", bfloat16 activations on AVX512-BF16 dot products" if dot else "")
     return lib

@@ -73,15 +73,16 @@ def int4_group_size() -> int:
     return envs.get(GROUP_ENV)
 
 
-def int4_group_for(in_features: int) -> int:
+def int4_group_for(in_features: int, group: int | None = None) -> int:
     """The int4 group size of a layer with ``in_features`` inputs: :func:`int4_group_size`, or where that does
     not divide ``in_features`` the largest of 128, 64, 32 below it that does (SmolLM2's 576-input layers take
-    64 under ``TOKENMILL_INT4_GROUP_SIZE=128``).
+    64 under ``TOKENMILL_INT4_GROUP_SIZE=128``). ``group``: the engine config's
+    ``cpu_kernels.int4_group_size``; None: the environment's.
 
     Raises:
         ValueError: none of those groups divides ``in_features``.
     """
-    g = int4_group_size()
+    g = int4_group_size() if group is None else group
     for c in (g, *(c for c in (128, 64, 32) if c < g)):
         if in_features % c == 0:
             return c
@@ -234,19 +235,23 @@ class Int8DynamicLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, format=w8a8"
 
 
-def _quantized_module(method: str, weight: torch.Tensor, bias: torch.Tensor | None, head: bool) -> nn.Module:
+def _quantized_module(method: str, weight: torch.Tensor, bias: torch.Tensor | None, head: bool,
+                      int4_group: int | None = None) -> nn.Module:
     if method == "w8a8" and not head:
         return Int8DynamicLinear(weight, bias)
     if method == "int4" and not head:
-        lw = quantize_int4(weight, int4_group_for(weight.shape[1]))
+        lw = quantize_int4(weight, int4_group_for(weight.shape[1], int4_group))
     else:
         lw = quantize_int8(weight)
     qm = QuantizedLinear(lw, bias)
     return qm.to(weight.device)
 
 
-def quantize_model(model: nn.Module, method: str) -> dict[str, int]:
+def quantize_model(model: nn.Module, method: str, int4_group: int | None = None) -> dict[str, int]:
     """Replace every ``nn.Linear`` (and a tied logits head) of ``model`` by its ``method`` version, in place.
+
+    ``int4_group``: the largest int4 group (the config's ``cpu_kernels.int4_group_size``; None: the
+    environment's ``TOKENMILL_INT4_GROUP_SIZE``), see :func:`int4_group_for`.
 
     The logits head is weight-only int8 for every method (w8a8 included:
     its activations feed the sampler directly).
@@ -267,7 +272,7 @@ def quantize_model(model: nn.Module, method: str) -> dict[str, int]:
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
                 head = child is getattr(model, "lm_head", None)
-                q = _quantized_module(method, child.weight, child.bias, head)
+                q = _quantized_module(method, child.weight, child.bias, head, int4_group)
                 setattr(parent, name, q)
                 count(q)
     tied = getattr(model, "tied_logits_weight", None)

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from tokenmill.quantization.gguf import GroupCodes, merge_shards
+from tokenmill.quantization.methods import QuantizedLinear
+from tokenmill.quantization.lowbit import LowBitWeight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 _SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx", ".bias")
@@ -120,8 +122,6 @@ def load_prequantized(model: nn.Module, tensors, method: str, qcfg: dict) -> dic
     Raises:
         ValueError: a quantised layer the model does not have, or shards that cannot be fused.
     """
-    from tokenmill.quantization.methods import QuantizedLinear
-
     stacked = getattr(model, "_STACKED", {})
     parts: dict[str, dict[str, torch.Tensor]] = {}
     dense: list[tuple[str, torch.Tensor]] = []
@@ -168,7 +168,6 @@ def load_prequantized(model: nn.Module, tensors, method: str, qcfg: dict) -> dic
         gc = merge_shards([g[0] for g in got])
         biases = [g[2] for g in got]
         bias = torch.cat([b.float() for b in biases]) if all(b is not None for b in biases) else None
-        from tokenmill.quantization.lowbit import LowBitWeight
 
         lw = LowBitWeight.from_codes(gc.codes, gc.scale, gc.min, 4, fmt=f"{method}-g{gc.group}", check=False)
         parent_name, _, attr = target.rpartition(".")

@@ -6,12 +6,12 @@ Same flags as ``tokenmill serve`` (see ``--help``).
 from __future__ import annotations
 
 import sys
+from tokenmill.server.launch import run_server
+from tokenmill.server.cli_args import build_parser, config_from_args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse the serve flags and run the server until SIGINT/SIGTERM; returns the exit status."""
-    from tokenmill.server.launch import run_server
-    from tokenmill.server.cli_args import build_parser, config_from_args
 
     parser = build_parser("python -m tokenmill.server")
     args = parser.parse_args(argv)

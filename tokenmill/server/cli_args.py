@@ -15,6 +15,7 @@ import typing
 from typing import Any
 
 from tokenmill.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig, ServerConfig
+from tokenmill.server.slo_predictor import SLO
 
 SECTIONS: list[tuple[str, type]] = [
     ("model", ModelConfig), ("cache", CacheConfig), ("scheduler", SchedulerConfig), ("server", ServerConfig),
@@ -108,8 +109,6 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
             raise ValueError(f"model given twice: positional {tag!r} and --model {values['model']!r}")
         values["model"] = tag
     if values.get("slo"):
-        from tokenmill.server.slo_predictor import SLO
-
         SLO.parse(values["slo"])        # ValueError with the bad item
     if getattr(args, "speculative_config", None) is not None:
         values["speculative_config"] = args.speculative_config

@@ -206,14 +206,16 @@ class DraftModel:
     """
 
     def __init__(self, spec: SpeculativeConfig, config: EngineConfig, runner) -> None:
-        from tokenmill.model.layers.linear import attach_lowbit_weights, lowbit_max_tokens, pack_linear_weights
+        from tokenmill.model.layers.linear import (attach_lowbit_weights, int8_act_max_tokens, lowbit_max_tokens,
+                                                   pack_linear_weights)
         from tokenmill.model.loader import load_model
 
         # A GGUF draft keeps its low-bit codes for small steps, as the target does (its k proposal steps are
         # steps of one token per request: dense bfloat16 weights would make each cost more than the target's).
-        limit = lowbit_max_tokens(runner.device, runner.dtype) if config.model.enforce_eager else 0
+        switches = config.cpu_kernels
+        limit = lowbit_max_tokens(runner.device, runner.dtype, switches) if config.model.enforce_eager else 0
         loaded = load_model(spec.model, dtype=runner.dtype, device=runner.device, with_tokenizer=False,
-                            lowbit=limit > 0)
+                            lowbit=limit > 0, cpu_kernels=switches)
         if loaded.arch.vocab_size != runner.arch.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary ({loaded.arch.vocab_size} tokens) "
                              f"differs from the target's ({runner.arch.vocab_size}); it must share the tokenizer")
@@ -222,7 +224,8 @@ class DraftModel:
         pack_linear_weights(self.model)
         self.lowbit_layers = 0
         if limit and loaded.lowbit_weights:
-            self.lowbit_layers = attach_lowbit_weights(self.model, loaded.lowbit_weights, limit)[0]
+            self.lowbit_layers = attach_lowbit_weights(self.model, loaded.lowbit_weights, limit,
+                                                       int8_act_max_tokens(limit, switches))[0]
         loaded.lowbit_weights = None
         self.device = runner.device
         self.block_size = runner.block_size

@@ -97,6 +97,15 @@ class GrammarMatcher(abc.ABC):
         Empty when nothing is forced. State unchanged.
         """
 
+    def forced_string(self) -> bytes:
+        """The bytes the grammar forces next (its only continuation up to the next choice); ``b""`` when
+        nothing is forced or the backend cannot tell. State unchanged."""
+        return b""
+
+    def forced_tokens_for(self, text: bytes, max_tokens: int) -> list[int]:
+        """:meth:`forced_tokens` for the string :meth:`forced_string` just returned (saves a second search)."""
+        return self.forced_tokens(max_tokens)
+
     @abc.abstractmethod
     def reset(self) -> None:
         """Back to the start of the grammar (no token accepted)."""
@@ -131,6 +140,16 @@ class StructuredOutputBackend(abc.ABC):
     @abc.abstractmethod
     def allocate_bitmask(self, num_rows: int) -> Any:
         """A ``[num_rows, ceil(vocab_size / 32)]`` int32 tensor for :meth:`GrammarMatcher.fill_bitmask`."""
+
+    def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask: Any, rows: Sequence[int]) -> None:
+        """Fill row ``rows[i]`` of ``bitmask`` for ``matchers[i]``, for every ``i`` (a backend may batch it)."""
+        for m, r in zip(matchers, rows):
+            m.fill_bitmask(bitmask, r)
+
+    def token_bytes(self) -> Sequence[bytes] | None:
+        """Each token id's bytes in the output (``b""`` for special tokens), or None when unknown (then
+        forced drafts are never learned from what the model wrote)."""
+        return None
 
     @abc.abstractmethod
     def apply_bitmask(self, logits: Any, bitmask: Any, rows: list[int]) -> None:

@@ -96,7 +96,7 @@ class StructuredOutputStats:
 class _RequestState:
     """One constrained request: its compile future, then its matcher."""
 
-    __slots__ = ("req_id", "future", "key", "matcher", "num_accepted")
+    __slots__ = ("req_id", "future", "key", "matcher", "num_accepted", "trace")
 
     def __init__(self, req_id: str, future: Future, key: tuple) -> None:
         self.req_id = req_id
@@ -104,6 +104,18 @@ class _RequestState:
         self.key = key
         self.matcher: GrammarMatcher | None = None
         self.num_accepted = 0       # output tokens the matcher has accepted
+        self.trace: _Trace | None = None    # the forced string being written, and the model's tokens so far
+
+
+class _Trace:
+    """A forced string the request is writing: ``text`` (bytes), ``pos`` bytes of it written by ``tokens``."""
+
+    __slots__ = ("text", "pos", "tokens")
+
+    def __init__(self, text: bytes) -> None:
+        self.text = text
+        self.pos = 0
+        self.tokens: list[int] = []
 
 
 class GrammarBitmask:
@@ -111,9 +123,12 @@ class GrammarBitmask:
 
     The bitmask has one row per logits row of the step (the runner's sampling rows: per sampling request in
     batch order, its last token, then one row per draft); rows of unconstrained requests allow everything.
+    With host logits the fill thread also works out how to write the mask
+    (:class:`~tokenmill.structured_output.xgrammar_backend.MaskPlan`: the rows unpacked, the allowed ids of
+    the rows that allow few), so the critical path only writes the ``-inf``s.
 
     Attributes:
-        rows: the constrained rows (the ones :meth:`apply` masks).
+        rows: the constrained rows (the ones :meth:`apply` masks), ascending.
     """
 
     def __init__(self, manager: "StructuredOutputManager", rows: list[int], future: Future) -> None:
@@ -121,25 +136,33 @@ class GrammarBitmask:
         self.rows = rows
         self._future = future
         self._bitmask: Any = None
+        self._plan: Any = None
+
+    def _wait(self) -> None:
+        if self._bitmask is None:
+            t0 = time.perf_counter()
+            self._bitmask, self._plan = self._future.result()
+            if self.manager is not None:
+                self.manager.stats.mask_wait_time += time.perf_counter() - t0
 
     def result(self) -> Any:
         """The ``[num_sampling_rows, ceil(V / 32)]`` int32 bitmask (waits for the fill; its wait is counted)."""
-        if self._bitmask is None:
-            t0 = time.perf_counter()
-            self._bitmask = self._future.result()
-            if self.manager is not None:
-                self.manager.stats.mask_wait_time += time.perf_counter() - t0
+        self._wait()
         return self._bitmask
 
     def apply(self, logits: Any) -> None:
         """Mask ``logits`` (``[num_sampling_rows, V]`` float, in place): disallowed tokens become ``-inf``."""
         from tokenmill.structured_output.xgrammar_backend import apply_token_bitmask
 
-        apply_token_bitmask(logits, self.result(), self.rows)
+        self._wait()
+        apply_token_bitmask(logits, self._bitmask, self.rows, self._plan)
 
     def __getstate__(self) -> dict:
-        # crossing to a worker process (tensor/pipeline parallel): the filled bitmask travels, not the thread
-        return {"rows": self.rows, "_bitmask": self.result(), "manager": None, "_future": None}
+        # crossing to a worker process (tensor/pipeline parallel): the filled packed bitmask travels (1/8 the
+        # bytes of the unpacked one), not the thread; the worker unpacks it when it applies it
+        self._wait()
+        return {"rows": self.rows, "_bitmask": self._bitmask, "_plan": None, "manager": None,
+                "_future": None}
 
 
 class StructuredOutputManager:
@@ -153,6 +176,7 @@ class StructuredOutputManager:
             the compile thread with the first constrained request, so start-up pays nothing).
         backend_factory: ``(tokenizer, vocab_size, eos_token_ids, config) -> StructuredOutputBackend``
             (default: the configured backend).
+        host_logits: the logits are CPU tensors (the fill thread then also unpacks the mask for the apply).
 
     Attributes:
         stats: :class:`StructuredOutputStats`.
@@ -161,7 +185,8 @@ class StructuredOutputManager:
     """
 
     def __init__(self, config: Any, vocab_size: int, eos_token_ids: list[int], tokenizer: Any,
-                 backend_factory: Callable[..., StructuredOutputBackend] | None = None) -> None:
+                 backend_factory: Callable[..., StructuredOutputBackend] | None = None,
+                 host_logits: bool = True) -> None:
         self.config = config
         self.vocab_size = int(vocab_size)
         self.eos_token_ids = list(eos_token_ids)
@@ -178,6 +203,11 @@ class StructuredOutputManager:
         self.num_forced_draft_tokens = int(getattr(config, "num_forced_draft_tokens", 0))
         self.forced_draft_max_batch = int(getattr(config, "forced_draft_max_batch", 1 << 30))
         self.compile_timeout_s = float(getattr(config, "compile_timeout_s", 30.0))
+        self.host_logits = bool(host_logits)
+        # forced string -> the tokens the model last wrote it with (forced drafts learned from outputs)
+        self.learn_forced = bool(getattr(config, "learn_forced_splits", True))
+        self._learned: dict[bytes, list[int]] = {}
+        self._token_bytes: Any = None
 
     # -- backend and compiling -----------------------------------------------------------------
     @property
@@ -303,7 +333,29 @@ class StructuredOutputManager:
                 logger.error("structured outputs: request %s emitted token %d that its grammar refuses",
                              req.request_id, tokens[n])
                 st.num_accepted = len(req.output_token_ids)
+        if st.trace is not None:
+            self._follow(st, tokens)
         return st.matcher.is_terminated()
+
+    MAX_LEARNED = 4096
+
+    def _follow(self, st: _RequestState, tokens: list[int]) -> None:
+        """Advance the request's forced-string trace by the tokens it emitted; once the model's tokens leave
+        the string (it is complete, or a token runs past its end), remember how the model split it."""
+        tr, vocab = st.trace, self._token_bytes
+        for t in tokens:
+            b = vocab[t] if 0 <= t < len(vocab) else b""
+            if b and tr.text.startswith(b, tr.pos):
+                tr.tokens.append(t)
+                tr.pos += len(b)
+                if tr.pos < len(tr.text):
+                    continue
+            if tr.tokens:
+                if len(self._learned) >= self.MAX_LEARNED:
+                    self._learned.clear()
+                self._learned[tr.text] = tr.tokens
+            st.trace = None
+            return
 
     def drafts(self, req: Any, proposed: list[int], max_forced: int) -> tuple[list[int], bool]:
         """The drafts ``req`` verifies next step, and whether they are grammar-forced.
@@ -315,7 +367,7 @@ class StructuredOutputManager:
         if st is None or st.matcher is None or st.matcher.is_terminated():
             return [], False
         if max_forced > 0:
-            forced = st.matcher.forced_tokens(max_forced)
+            forced = self._forced(st, max_forced)
             if forced:
                 forced = forced[:st.matcher.validate_tokens(forced)]
                 if forced:
@@ -323,6 +375,40 @@ class StructuredOutputManager:
         if proposed:
             return proposed[:st.matcher.validate_tokens(proposed)], False
         return [], False
+
+    def _forced(self, st: _RequestState, k: int) -> list[int]:
+        """Up to ``k`` draft tokens for the string the grammar forces next.
+
+        Where the model has written this forced string before (this request or another: JSON keys repeat),
+        the drafts are the tokens it wrote it with, which under the mask are often not the tokenizer's own
+        split (``sub`` ``script`` ``ion`` for ``subscription``), the rest of that split when the request is
+        part-way through the string; otherwise the backend's tokens for it (the tokenizer's split). The
+        tokens are only drafts: the model verifies every one (the idea of drafting from earlier outputs is
+        SuffixDecoding's, Oliaro et al., arXiv 2411.04975; here the grammar says where the text is fixed).
+        """
+        m = st.matcher
+        if not self.learn_forced:
+            return m.forced_tokens(k)
+        if self._token_bytes is None:
+            self._token_bytes = self.backend.token_bytes() or ()
+            if not self._token_bytes:
+                self.learn_forced = False
+                return m.forced_tokens(k)
+        text = m.forced_string()
+        if not text:
+            st.trace = None
+            return []
+        tr = st.trace
+        if tr is None or tr.text[tr.pos:] != text:
+            tr = st.trace = _Trace(text)
+        learned = self._learned.get(tr.text)
+        n = len(tr.tokens)
+        if learned is not None and len(learned) > n and learned[:n] == tr.tokens:
+            return learned[n:n + k]
+        learned = self._learned.get(text) if n else None
+        if learned is not None:
+            return learned[:k]
+        return m.forced_tokens_for(text, k)
 
     def observe_forced(self, num_drafts: int, num_accepted: int) -> None:
         """Count a step's verified forced drafts (``num_drafts`` scheduled, ``num_accepted`` kept)."""
@@ -353,14 +439,26 @@ class StructuredOutputManager:
             return None
         if self._mask_thread is None:
             self._mask_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-bitmask")
-        fut = self._mask_thread.submit(self._fill, jobs, row, len(rows))
+        fut = self._mask_thread.submit(self._fill, jobs, row, rows)
         return GrammarBitmask(self, rows, fut)
 
-    def _fill(self, jobs: list[tuple[GrammarMatcher, list[int], int]], total_rows: int, num_rows: int) -> Any:
+    def _fill(self, jobs: list[tuple[GrammarMatcher, list[int], int]], total_rows: int,
+              rows: list[int]) -> tuple[Any, Any]:
+        """Fill the step's bitmask (worker thread): every request's first row in one batched backend call,
+        then the draft rows request by request (accept the draft, fill, and finally roll back); with host
+        logits, also make the :class:`~tokenmill.structured_output.xgrammar_backend.MaskPlan` that
+        :meth:`GrammarBitmask.apply` writes.
+
+        Returns:
+            ``(bitmask, plan or None)``.
+        """
         t0 = time.perf_counter()
-        bitmask = self.backend.allocate_bitmask(total_rows)       # all bits set: unconstrained rows allow all
+        backend = self.backend
+        bitmask = backend.allocate_bitmask(total_rows)       # all bits set: unconstrained rows allow all
+        backend.fill_bitmasks([m for m, _, _ in jobs], bitmask, [r for _, _, r in jobs])
         for m, drafts, r in jobs:
-            m.fill_bitmask(bitmask, r)
+            if not drafts:
+                continue
             r += 1
             accepted = 0
             for t in drafts:
@@ -369,15 +467,19 @@ class StructuredOutputManager:
                 accepted += 1
                 m.fill_bitmask(bitmask, r)
                 r += 1
-            if accepted < len(drafts):
-                for _ in range(len(drafts) - accepted):
-                    bitmask[r] = bitmask[r - 1]
-                    r += 1
+            for _ in range(len(drafts) - accepted):
+                bitmask[r] = bitmask[r - 1]
+                r += 1
             m.rollback(accepted)
+        plan = None
+        if self.host_logits:
+            from tokenmill.structured_output.xgrammar_backend import MaskPlan
+
+            plan = MaskPlan(bitmask, rows)
         self.stats.mask_steps += 1
-        self.stats.mask_rows += num_rows
+        self.stats.mask_rows += len(rows)
         self.stats.mask_fill_time += time.perf_counter() - t0
-        return bitmask
+        return bitmask, plan
 
     def shutdown(self) -> None:
         """Stop the worker threads (a compile in progress finishes in the background)."""

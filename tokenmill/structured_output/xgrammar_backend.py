@@ -77,6 +77,11 @@ class XgrammarMatcher(GrammarMatcher):
     def is_terminated(self) -> bool:
         return bool(self.m.is_terminated())
 
+    def forced_string(self) -> bytes:
+        if self.m.is_terminated():
+            return b""
+        return self.m.find_jump_forward_string().encode("utf-8", "surrogateescape")
+
     def forced_tokens(self, max_tokens: int) -> list[int]:
         if max_tokens <= 0 or self.m.is_terminated():
             return []
@@ -84,13 +89,18 @@ class XgrammarMatcher(GrammarMatcher):
             # xgrammar tokenises the forced string greedily by longest vocabulary token and leaves out a last
             # token that is a strict prefix of a longer one (the text after it could merge into it)
             return list(self.m.find_jump_forward_tokens()[:max_tokens])
+        return self.forced_tokens_for(self.forced_string(), max_tokens)
+
+    def forced_tokens_for(self, text: bytes, max_tokens: int) -> list[int]:
         # the model's tokenizer splits the forced string as the model was trained to write it: on the
         # key-heavy benchmark record 0.97 of these drafts match the canonical tokenisation, 0.87 of xgrammar's
-        text = self.m.find_jump_forward_string()
-        if not text:
+        if max_tokens <= 0 or not text:
             return []
-        ids = self.encode(text)
-        if text[-1].isspace() and len(ids) > 1:
+        if self.encode is None:
+            return list(self.m.find_jump_forward_tokens()[:max_tokens])
+        s = text.decode("utf-8", "surrogateescape")
+        ids = self.encode(s)
+        if s[-1].isspace() and len(ids) > 1:
             # byte-level BPE attaches a space to the word after it (' true', ' 1'): a trailing space token
             # is almost never what the model writes there (seen on the key-heavy benchmark record)
             ids = ids[:-1]
@@ -128,6 +138,8 @@ class XgrammarBackend(StructuredOutputBackend):
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=threads, cache_enabled=True)
         self.tokenizer = tokenizer
         self._encoded: dict[str, list[int]] = {}       # forced string -> its tokens (keys repeat across requests)
+        self._batch: Any = None                         # xgrammar's BatchGrammarMatcher, made on first use
+        self._token_bytes: list[bytes] | None = None
 
     # -- compile ---------------------------------------------------------------------------------
     def compile(self, params: StructuredOutputsParams) -> Any:
@@ -205,35 +217,137 @@ class XgrammarBackend(StructuredOutputBackend):
     def allocate_bitmask(self, num_rows: int) -> Any:
         return self.xgr.allocate_token_bitmask(num_rows, self.vocab_size)
 
+    def token_bytes(self) -> list[bytes]:
+        """xgrammar's decoded vocabulary (byte-level BPE undone; special tokens ``b""``), padded to the logits."""
+        if self._token_bytes is None:
+            special = set(self.tokenizer_info.special_token_ids)
+            vocab = [b"" if i in special else bytes(v) for i, v in enumerate(self.tokenizer_info.decoded_vocab)]
+            self._token_bytes = vocab + [b""] * max(0, self.vocab_size - len(vocab))
+        return self._token_bytes
+
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any, rows: list[int]) -> None:
+        """One call into xgrammar for the whole batch (``BatchGrammarMatcher.batch_fill_next_token_bitmask``,
+        one thread: the forward it overlaps has the cores) instead of a Python call per request."""
+        if len(matchers) < 2:
+            super().fill_bitmasks(matchers, bitmask, rows)
+            return
+        if self._batch is None:
+            self._batch = self.xgr.BatchGrammarMatcher(max_threads=1)
+        self._batch.batch_fill_next_token_bitmask([m.m for m in matchers], bitmask, list(rows))
+
     def apply_bitmask(self, logits: Any, bitmask: Any, rows: list[int]) -> None:
         apply_bitmask_torch(logits, bitmask, rows)
 
 
-def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int]) -> None:
-    """``logits[r, t] = -inf`` for each ``r`` in ``rows`` where bit ``t`` of ``bitmask[r]`` is clear; in place.
-
-    xgrammar's CPU kernel (``apply_token_bitmask_inplace``; measured at 2-core load 20: 64 rows x 49152
-    tokens in ~50 ms against ~130-150 ms for the unpack-and-fill in :func:`apply_bitmask_torch`).
+def unpack_disallowed(bitmask: Any, rows: list[int] | None = None) -> Any:
+    """The disallowed tokens of ``bitmask``'s rows as a numpy bool array (True: the token is refused).
 
     Args:
-        logits: ``[N, V]`` float32 tensor.
-        bitmask: ``[N, ceil(V / 32)]`` int32 tensor, row ``r`` for logits row ``r`` (bit ``t % 32`` of
+        bitmask: ``[N, W]`` int32 CPU tensor or array, bit ``t % 32`` of word ``t // 32`` set when token ``t``
+            is allowed.
+        rows: the rows to unpack (None: all), in that order.
+
+    Returns:
+        ``[len(rows), 32 W]`` ``numpy.bool_`` array (a C-contiguous copy). Little-endian hosts only (the byte
+        order of the words decides which byte holds tokens ``0..7``); :func:`apply_token_bitmask` checks.
+    """
+    import numpy as np
+
+    a = bitmask.numpy() if hasattr(bitmask, "numpy") else np.asarray(bitmask)
+    if rows is not None and len(rows) != a.shape[0]:
+        a = a[np.asarray(rows, dtype=np.int64)]
+    inv = np.ascontiguousarray(np.invert(a))
+    return np.unpackbits(inv.view(np.uint8), axis=1, bitorder="little").view(np.bool_)
+
+
+def row_runs(rows: list[int]) -> list[tuple[int, int, int]]:
+    """``rows`` as maximal runs of consecutive rows: ``(first, end, index of first in rows)``."""
+    runs: list[tuple[int, int, int]] = []
+    for i, r in enumerate(rows):
+        if runs and runs[-1][1] == r:
+            a, _, j = runs[-1]
+            runs[-1] = (a, r + 1, j)
+        else:
+            runs.append((r, r + 1, i))
+    return runs
+
+
+class MaskPlan:
+    """How to write one step's mask into host logits, worked out off the critical path (the fill thread).
+
+    A row that allows few tokens (at most :attr:`SPARSE_FRACTION` of its width; a JSON key, punctuation, an
+    enum) is written as "save the allowed logits, fill the row with ``-inf``, put them back": a ``fill`` at
+    memory speed plus a gather/scatter of a handful of entries. The other rows (free text inside a string
+    allows almost everything) get ``numpy.copyto(where=refused)`` over runs of consecutive rows.
+
+    Attributes:
+        sparse: ``[(logits row, allowed token ids (int64, ascending))]``.
+        dense_rows: the other rows, ascending; ``dense``: their refused-token array (``[len, 32 W]`` bool).
+        width: ``32 W``, the tokens the bitmask covers.
+    """
+
+    SPARSE_FRACTION = 1 / 8
+
+    __slots__ = ("sparse", "dense_rows", "dense", "width")
+
+    def __init__(self, bitmask: Any, rows: list[int]) -> None:
+        import numpy as np
+
+        dis = unpack_disallowed(bitmask, rows)
+        self.width = dis.shape[1]
+        allowed = self.width - np.count_nonzero(dis, axis=1)
+        limit = int(self.width * self.SPARSE_FRACTION)
+        self.sparse = [(r, np.flatnonzero(~dis[i])) for i, r in enumerate(rows) if allowed[i] <= limit]
+        keep = [i for i in range(len(rows)) if allowed[i] > limit]
+        self.dense_rows = [rows[i] for i in keep]
+        self.dense = dis[keep] if len(keep) != len(rows) else dis
+
+
+def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], plan: MaskPlan | None = None) -> None:
+    """``logits[r, t] = -inf`` for each ``r`` in ``rows`` where bit ``t`` of ``bitmask[r]`` is clear; in place.
+
+    On CPU float32 contiguous logits (little-endian host): numpy, as the :class:`MaskPlan` says (made here,
+    or passed in when the fill thread made it). On the quiet 2-core Xeon, 64 key-heavy rows x 49152 tokens:
+    ~0.5 ms, against ~14 ms for xgrammar's CPU kernel (``apply_token_bitmask_inplace``, a per-bit loop)
+    (``benchmarks/structured_output.py --mask-bench``). Elsewhere (CUDA, other dtypes): a batched torch
+    unpack-and-fill (:func:`apply_bitmask_torch`).
+
+    Args:
+        logits: ``[N, V]`` float tensor.
+        bitmask: ``[N, ceil(V' / 32)]`` int32 tensor, row ``r`` for logits row ``r`` (bit ``t % 32`` of
             word ``t // 32``); narrower than the logits (a padded vocabulary): the extra ids are refused.
         rows: the rows to mask.
+        plan: optional :class:`MaskPlan` of ``bitmask`` at ``rows``.
     """
+    import sys
+
+    import numpy as np
     import torch
-    import xgrammar as xgr
 
     if not rows:
         return
     vocab = logits.shape[1]
-    covered = min(vocab, bitmask.shape[1] * 32)
-    if logits.device.type != "cpu" or logits.dtype != torch.float32:
-        apply_bitmask_torch(logits, bitmask.index_select(0, torch.tensor(rows)), rows)
+    if (logits.device.type != "cpu" or logits.dtype != torch.float32 or not logits.is_contiguous()
+            or sys.byteorder != "little" or bitmask.device.type != "cpu"):
+        idx = torch.tensor(rows, dtype=torch.int64, device=bitmask.device)
+        apply_bitmask_torch(logits, bitmask.index_select(0, idx), rows)
         return
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=covered, indices=list(rows))
-    if covered < vocab:
-        logits[rows, covered:] = float("-inf")
+    if plan is None:
+        plan = MaskPlan(bitmask, rows)
+    ln = logits.numpy()
+    ninf = -np.inf
+    for r, ids in plan.sparse:
+        if len(ids) and ids[-1] >= vocab:       # a bitmask wider than the logits
+            ids = ids[ids < vocab]
+        row = ln[r]
+        kept = row[ids]
+        row.fill(ninf)
+        row[ids] = kept
+    covered = min(vocab, plan.width)
+    for a, b, j in row_runs(plan.dense_rows):
+        np.copyto(ln[a:b, :covered], ninf, where=plan.dense[j:j + b - a, :covered])
+        if covered < vocab:         # logits wider than the bitmask: the extra ids are never allowed
+            ln[a:b, covered:] = ninf
 
 
 def apply_bitmask_torch(logits: Any, bitmask: Any, rows: list[int]) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.model.checkpoint import load_arch_config, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +74,6 @@ def load_frontend(path: str | None, with_tokenizer: bool | str = True) -> tuple[
     Raises:
         FileNotFoundError, ValueError: from the loader.
     """
-    from tokenmill.model.checkpoint import load_arch_config, resolve_checkpoint
     from tokenmill.model.loader import resolve_tokenizer
 
     kind, full = resolve_checkpoint(path)
@@ -134,6 +134,7 @@ def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
     import torch
 
     from tokenmill.distributed.layout import rank_layout
+    from tokenmill.model.cpu_facts import engine_plan
     from tokenmill.model.loader import resolve_dtype
     from tokenmill.model.runner import kv_bytes_per_token, resolve_device
 
@@ -141,11 +142,11 @@ def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
 
     par = config.parallel
     device = resolve_device(config.model.device)
-    # lowbit=False: the shards load dense weights (worker.py builds their ModelRunner without the GGUF's low-bit
-    # codes), so --kv-cache-dtype auto is the model's dtype there, even for a float32 model on the CPU, where one
-    # process would keep a bfloat16 cache (kv_quant.auto_kv_bf16); tokenmill plan says the same.
-    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, device), device,
-                                   lowbit=False)
+    # the shards load dense weights (worker.py builds their ModelRunner without the GGUF's low-bit codes), so the
+    # kernel plan's --kv-cache-dtype auto is the model's dtype there, even for a float32 model on the CPU, where
+    # one process would keep a bfloat16 cache (kv_quant.auto_kv_bf16); tokenmill plan applies the same rule.
+    plan = engine_plan(config, device, checkpoint_lowbit=False)
+    dtype = resolve_kv_cache_dtype(plan.kv_cache_dtype, resolve_dtype(plan.dtype, device), device)
     per_rank = []
     for rank in range(par.world_size):
         lay = rank_layout(arch, par.tensor_parallel_size, par.pipeline_parallel_size, rank, par.enable_expert_parallel)

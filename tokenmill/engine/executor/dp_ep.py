@@ -39,6 +39,7 @@ from typing import Any
 from tokenmill.config import EngineConfig
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import load_frontend, resolve_max_model_len
+from tokenmill.engine.executor.mp import MultiprocExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,7 @@ class DataParallelEPExecutor:
             fused_cpu.load()
             paged_attention_cpu.load()
         self.ctx = init_data_parallel_ep(dp_rank, dp, init_method, device)
-        dtype = resolve_dtype(config.model.dtype, device)
+        dtype = resolve_dtype(config.model.dtype, device, config.cpu_kernels.native_bf16)
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=True)
         self.runner = ModelRunner(model, larch, config, device, dtype, self.loaded.eos_token_ids)
@@ -284,7 +285,6 @@ class DataParallelEPMultiprocExecutor:
                  with_tokenizer: bool | str = True) -> None:
         from tokenmill.distributed.expert_parallel import StepSync
         from tokenmill.distributed.parallel_state import destroy_distributed, init_data_parallel_ep
-        from tokenmill.engine.executor.mp import MultiprocExecutor
 
         t0 = time.perf_counter()
         check_dp_expert_parallel(config)

@@ -30,6 +30,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.engine.executor.base import (WorkerDiedError, check_parallel_config, eplb_stats_of, load_frontend,
                                             log_layout, merge_step_replies, plan_kv_blocks, resolve_max_model_len)
 from tokenmill.engine.executor.step_codec import StepEncoder
+from tokenmill.engine.executor.mp import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,6 @@ class _RankActor:
     def rendezvous_address(self) -> str:
         """``tcp://<this node's IP>:<free port>`` for ``torch.distributed`` (called on rank 0's actor)."""
         import ray
-
-        from tokenmill.engine.executor.mp import free_port
 
         ip = ray.util.get_node_ip_address()
         return f"tcp://{ip}:{free_port('0.0.0.0')}"

@@ -17,6 +17,8 @@ import torch
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.engine.executor.step_codec import StepDecoder
+from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +122,6 @@ class Worker:
         from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, \
             model_weight_bytes
         from tokenmill.distributed.parallel_state import init_distributed
-        from tokenmill.engine.executor.step_codec import StepDecoder
         from tokenmill.model.loader import load_arch_config, resolve_dtype, with_redundant_experts
         from tokenmill.model.runner import ModelRunner, configure_allocator
 
@@ -137,14 +138,13 @@ class Worker:
         if device.type == "cpu":
             # Build/load the C kernels now: a first use inside a step compiles them (tens of seconds on a busy
             # machine) while the other ranks wait in a collective, which then timed out (seen in the benchmark).
-            from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
             fused_cpu.load()
             paged_attention_cpu.load()
         self.ctx = init_distributed(rank, par.tensor_parallel_size, par.pipeline_parallel_size, init_method, device,
                                     dp_size=dp_size, dp_rank=dp_rank)
         arch = with_redundant_experts(load_arch_config(config.model.model), par.eplb.num_redundant_experts)
-        dtype = resolve_dtype(config.model.dtype, device)
+        dtype = resolve_dtype(config.model.dtype, device, config.cpu_kernels.native_bf16)
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)

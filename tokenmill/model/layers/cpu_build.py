@@ -41,7 +41,7 @@ from typing import Sequence
 
 import torch
 
-from tokenmill import envs
+from tokenmill import envs, kernel_plan
 
 logger = logging.getLogger(__name__)
 
@@ -51,12 +51,13 @@ _libs: dict[tuple[str, str], ctypes.CDLL | None] = {}
 #: Source directory of the kernels (shipped as package data).
 CSRC_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 
-#: Instruction-set variants, best first.
-ISAS = ("avx512", "avx2", "scalar")
-
-# The CPU flags (as /proc/cpuinfo names them) each x86-64 micro-architecture level needs.
-_X86_V3 = ("avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe")
-_X86_V4 = _X86_V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+#: Instruction-set variants, best first (and the CPU flags each needs): tokenmill/kernel_plan.py.
+ISAS = kernel_plan.ISAS
+_X86_V3, _X86_V4 = kernel_plan.X86_V3, kernel_plan.X86_V4
+# The variant an engine's kernel plan chose for this process (use_isa); None: TOKENMILL_CPU_ISA or the best.
+_isa_override: str | None = None
+# Library switches an engine's config set for this process where they differ from the environment (configure).
+_switch_overrides: dict[str, bool] = {}
 _ISA_FLAGS = {"avx512": ["-march=x86-64-v4", "-mtune=generic"],
               "avx2": ["-march=x86-64-v3", "-mtune=generic"],
               "scalar": []}
@@ -71,14 +72,7 @@ def cache_dir() -> str:
 @functools.lru_cache(maxsize=1)
 def _cpu_flags() -> frozenset[str]:
     """The CPU's feature flags from ``/proc/cpuinfo`` (empty when unreadable or not Linux)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("flags", "Features")):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
+    return kernel_plan.read_cpu_flags()
 
 
 def isa_supported(isa: str) -> bool:
@@ -87,27 +81,70 @@ def isa_supported(isa: str) -> bool:
         return True
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
-    need = {"avx512": _X86_V4, "avx2": _X86_V3}[isa]
-    return all(f in _cpu_flags() for f in need)
+    return kernel_plan.isa_supported(isa, _cpu_flags())
+
+
+def supported_isas() -> tuple[str, ...]:
+    """The variants this CPU runs, best first (``scalar`` always)."""
+    return tuple(isa for isa in ISAS if isa_supported(isa))
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_isa() -> str:
-    """The variant the kernels use in this process: the best the CPU supports, or ``TOKENMILL_CPU_ISA``.
+    """The variant the kernels use in this process: the one an engine's kernel plan chose (:func:`use_isa`),
+    else ``TOKENMILL_CPU_ISA`` (for kernels used outside an engine), else the best the CPU supports.
 
     Decided once per process (``cpu_isa.cache_clear()`` re-reads the environment).
 
     Raises:
         ValueError: ``TOKENMILL_CPU_ISA`` names an unknown variant or one this CPU cannot run.
     """
+    if _isa_override is not None:
+        return _isa_override
     forced = envs.TOKENMILL_CPU_ISA
-    if forced:
-        if forced not in ISAS:
-            raise ValueError(f"TOKENMILL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
-        if not isa_supported(forced):
-            raise ValueError(f"TOKENMILL_CPU_ISA={forced}: this CPU lacks the instructions it needs")
-        return forced
-    return next(isa for isa in ISAS if isa_supported(isa))
+    if forced and forced not in ISAS:
+        raise ValueError(f"TOKENMILL_CPU_ISA={forced!r}: expected one of {', '.join(ISAS)}")
+    return kernel_plan.choose_isa(kernel_plan.CpuKernelSwitches(isa=forced),
+                                  kernel_plan.CpuFacts(supported_isas=supported_isas()))
+
+
+def use_isa(isa: str | None) -> None:
+    """Make ``isa`` this process's variant (the engine's kernel plan, from its config); None: back to the
+    environment's. Call before the first kernel library loads (the model runner does, at start-up).
+
+    Raises:
+        ValueError: an unknown variant or one this CPU cannot run.
+    """
+    global _isa_override
+    if isa is not None and (isa not in ISAS or not isa_supported(isa)):
+        raise ValueError(f"CPU kernel variant {isa!r}: expected one this CPU runs ({', '.join(supported_isas())})")
+    _isa_override = isa
+    cpu_isa.cache_clear()
+
+
+def switch(name: str) -> bool:
+    """A library switch (``TOKENMILL_CPU_ATTENTION_KERNEL``, ``_FUSED_OPS``, ``_LOWBIT_KERNEL``,
+    ``_LOWBIT_BF16_DOT``) for this process: the engine config's (:func:`configure`), else the environment's."""
+    value = _switch_overrides.get(name)
+    return envs.get(name) if value is None else value
+
+
+def configure(isa: str | None, switches: "kernel_plan.CpuKernelSwitches") -> None:
+    """Make an engine config's kernel choices this process's: the plan's ISA variant (:func:`use_isa`) and the
+    library switches (:meth:`~tokenmill.kernel_plan.CpuKernelSwitches.library_switches`), each only where it
+    differs from what the environment gives (so a config built from this environment changes nothing).
+    Call before the first kernel library loads: the model runner does, at start-up.
+
+    Raises:
+        ValueError: an unknown ISA variant or one this CPU cannot run.
+    """
+    if isa is not None and isa != cpu_isa():
+        use_isa(isa)
+    for name, on in switches.library_switches().items():
+        if on == envs.get(name):
+            _switch_overrides.pop(name, None)
+        else:
+            _switch_overrides[name] = on
 
 
 def _sources_digest(sources: Sequence[str]) -> str:
@@ -161,7 +198,8 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         sources: C files in :data:`CSRC_DIR` compiled into the library (headers
             there are found with ``-I``).
         functions: exported function name -> ctypes argument types (all return void).
-        env_switch: environment variable that disables the library when ``"0"``.
+        env_switch: the switch that disables the library when off (:func:`switch`: the engine config's,
+            else the environment variable's ``"0"``).
         isa: a variant of :data:`ISAS`; None: :func:`cpu_isa`.
 
     Returns:
@@ -177,7 +215,7 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         if key in _libs:
             return _libs[key]
         lib = None
-        if not envs.get(env_switch):
+        if not switch(env_switch):
             logger.info("CPU %s kernels disabled by %s=0", name, env_switch)
         elif not isa_supported(isa):
             logger.warning("CPU %s kernels: this CPU cannot run the %s variant", name, isa)

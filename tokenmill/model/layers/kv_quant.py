@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill import envs
+from tokenmill.kernel_plan import CpuKernelSwitches, kv_cache_dtype_name
 
 #: ``--kv-cache-dtype`` value -> cache dtype (None: the model's dtype, see :func:`resolve_kv_cache_dtype`).
 KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
@@ -44,7 +44,8 @@ _CALC_DIVISOR = {torch.int8: (100.0, 100.0), torch.float8_e4m3fn: (200.0, 100.0)
 CPU_KV_BF16_ENV = "TOKENMILL_CPU_KV_BF16"
 
 
-def auto_kv_bf16(model_dtype: torch.dtype, device: torch.device | str, lowbit: bool) -> bool:
+def auto_kv_bf16(model_dtype: torch.dtype, device: torch.device | str, lowbit: bool,
+                 switches: CpuKernelSwitches | None = None) -> bool:
     """Whether ``--kv-cache-dtype auto`` stores a bfloat16 cache for a float32 model.
 
     True for a float32 model on the CPU whose small steps run the GGUF's
@@ -62,14 +63,17 @@ def auto_kv_bf16(model_dtype: torch.dtype, device: torch.device | str, lowbit: b
     and accumulation stays float32; the rounding of K/V to bfloat16 (8
     mantissa bits) is the only difference. Parity runs (float32, low-bit
     off), bfloat16 models, GPUs and tensor/pipeline-parallel shards (which
-    do not attach the low-bit codes) keep the model's dtype.
+    do not attach the low-bit codes) keep the model's dtype. The rule is
+    :func:`tokenmill.kernel_plan.kv_cache_dtype_name` (the engine's kernel plan applies it); ``switches``
+    None: the environment's ``TOKENMILL_CPU_KV_BF16``.
     """
-    return (model_dtype == torch.float32 and torch.device(device).type == "cpu" and lowbit
-            and envs.get(CPU_KV_BF16_ENV))
+    sw = switches if switches is not None else CpuKernelSwitches.from_env()
+    name = str(model_dtype).removeprefix("torch.")
+    return kv_cache_dtype_name("auto", name, torch.device(device).type, lowbit, sw) != name
 
 
 def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device | str = "cpu",
-                           lowbit: bool = False) -> torch.dtype:
+                           lowbit: bool = False, switches: CpuKernelSwitches | None = None) -> torch.dtype:
     """The cache dtype for a ``--kv-cache-dtype`` value.
 
     ``auto`` is the model's dtype, except bfloat16 where :func:`auto_kv_bf16`
@@ -81,13 +85,14 @@ def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.de
         model_dtype: the model's (activation) dtype.
         device: where the model runs.
         lowbit: the model's small steps run the checkpoint's low-bit codes.
+        switches: the config's kernel switches (None: the environment's).
 
     Raises:
         ValueError: an unknown value.
     """
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name!r}: expected one of {', '.join(KV_CACHE_DTYPES)}")
-    if name == "auto" and auto_kv_bf16(model_dtype, device, lowbit):
+    if name == "auto" and auto_kv_bf16(model_dtype, device, lowbit, switches):
         return torch.bfloat16
     return KV_CACHE_DTYPES[name] or model_dtype
 

@@ -18,7 +18,8 @@ rounding (max abs difference ~1e-4 in float32, bit-equal in bfloat16).
 
 The packed weight is opaque (only ``_linear_pointwise`` reads it), so
 packing happens after the checkpoint is loaded, in the model runner. Set
-``TOKENMILL_CPU_PACKED_LINEAR=0`` to keep plain ``nn.Linear`` layers.
+``TOKENMILL_CPU_PACKED_LINEAR=0`` to keep plain ``nn.Linear`` layers (the engine reads it through its
+config's kernel plan, tokenmill/kernel_plan.py).
 """
 
 from __future__ import annotations
@@ -31,8 +32,10 @@ import time
 import torch
 from torch import nn
 
-from tokenmill import envs
-from tokenmill.quantization.lowbit import LowBitWeight, lowbit_linear
+from tokenmill import kernel_plan
+from tokenmill.kernel_plan import CpuFacts, CpuKernelSwitches
+from tokenmill.model.layers.cpu_build import cpu_isa
+from tokenmill.quantization.lowbit import LowBitWeight, kernel_available, lowbit_linear
 
 logger = logging.getLogger(__name__)
 
@@ -41,22 +44,23 @@ _PACK_LOCK = threading.Lock()
 _PACKING_THREADS: dict[int, threading.Thread] = {}   # id(model) -> background packing thread
 
 
-def packed_linear_available(device: torch.device | str, dtype: torch.dtype) -> bool:
+def packed_linear_available(device: torch.device | str, dtype: torch.dtype,
+                            switches: CpuKernelSwitches | None = None) -> bool:
     """True when oneDNN prepacking can serve ``dtype`` weights on ``device``.
 
     Needs a CPU device, a PyTorch built with oneDNN (mkldnn) and float32 or
     bfloat16 weights (bfloat16 only where oneDNN supports it on this CPU);
-    ``TOKENMILL_CPU_PACKED_LINEAR=0`` turns it off.
+    ``switches.packed_linear`` (``TOKENMILL_CPU_PACKED_LINEAR=0``) turns it off. The rule is
+    :func:`tokenmill.kernel_plan.packed_linear_on`; ``switches`` None: the environment's (outside an engine,
+    whose runner reads its :class:`~tokenmill.kernel_plan.KernelPlan` instead).
     """
-    if not envs.get(ENV_SWITCH):
+    sw = switches if switches is not None else CpuKernelSwitches.from_env()
+    dev = torch.device(device).type
+    if not sw.packed_linear or dev != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    if torch.device(device).type != "cpu" or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.float32:
-        return True
-    if dtype == torch.bfloat16:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
+    name = str(dtype).removeprefix("torch.")
+    facts = CpuFacts(onednn=True, onednn_bf16=name == "bfloat16" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return kernel_plan.packed_linear_on(dev, name, sw, facts)
 
 
 class PackedLinear(nn.Module):
@@ -270,54 +274,49 @@ def wait_for_packing(model: nn.Module, timeout: float | None = None) -> bool:
     return True
 
 
-def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype) -> int:
+def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype, switches: CpuKernelSwitches | None = None) -> int:
     """Largest step (tokens) whose linears use the checkpoint's low-bit codes; 0 when that path is off.
 
-    On for float32 and bfloat16 CPU models with oneDNN packing and the
-    low-bit kernel available; ``TOKENMILL_CPU_INT4_MAX_TOKENS`` sets the limit
-    (default 8, ``0`` turns it off; see
-    :func:`tokenmill.config.int4_max_tokens_from_env`).
+    On for float32 and bfloat16 CPU models with oneDNN packing and the low-bit kernel available;
+    ``switches.int4_max_tokens`` (``TOKENMILL_CPU_INT4_MAX_TOKENS``, default 8, ``0`` off) sets the limit.
+    The rule is :func:`tokenmill.kernel_plan.lowbit_limit`, which the engine's kernel plan applies; this is
+    it for one device and dtype, ``switches`` None meaning the environment's.
 
     Raises:
         ValueError: the variable is not a non-negative integer.
     """
-    from tokenmill.config import int4_max_tokens_from_env
-    from tokenmill.quantization.lowbit import kernel_available
-
-    limit = int4_max_tokens_from_env()
-    if not limit or not packed_linear_available(device, dtype) or not kernel_available():
+    sw = switches if switches is not None else CpuKernelSwitches.from_env()
+    if not sw.int4_max_tokens or not packed_linear_available(device, dtype, sw):
         return 0
-    return limit
+    facts = CpuFacts(lowbit_kernel=sw.lowbit_kernel and kernel_available())
+    return kernel_plan.lowbit_limit("cpu", str(dtype).removeprefix("torch."), sw, facts)
 
 
 INT8_ACT_ENV = "TOKENMILL_CPU_INT8_ACT_MAX_TOKENS"
-#: Per kernel ISA variant, the default of :data:`INT8_ACT_ENV` ("auto"): where the integer path beats the
-#: dense oneDNN GEMM at 16-512 rows (``benchmarks/lowbit_gemm.py --int8-act``).
-INT8_ACT_AUTO = {"avx2": 1 << 30, "avx512": 0, "scalar": 0}
+#: Per kernel ISA variant, what ``TOKENMILL_CPU_INT8_ACT_MAX_TOKENS=auto`` means (tokenmill/kernel_plan.py).
+INT8_ACT_AUTO = kernel_plan.INT8_ACT_AUTO
 
 
-def int8_act_max_tokens(lowbit_limit: int) -> int:
+def int8_act_max_tokens(lowbit_limit: int, switches: CpuKernelSwitches | None = None) -> int:
     """Largest step (tokens) whose linears run the integer low-bit path (int8 activations x the codes).
 
     Steps of ``lowbit_limit + 1`` up to this many tokens use it; 0: off (they run the dense GEMM).
-    ``TOKENMILL_CPU_INT8_ACT_MAX_TOKENS``: ``auto`` (default: :data:`INT8_ACT_AUTO` for the kernel ISA in
-    use: on for AVX2, where float32 is the dtype and the integer path is 1.4-1.8x oneDNN's float32 GEMM),
-    a token count, or ``0``. Needs the low-bit path (``lowbit_limit > 0``).
+    ``switches.int8_act_max_tokens`` (``TOKENMILL_CPU_INT8_ACT_MAX_TOKENS``): ``auto`` (default:
+    :data:`INT8_ACT_AUTO` for the kernel ISA in use: on for AVX2), a token count, or ``0``. Needs the
+    low-bit path (``lowbit_limit > 0``). The rule is :func:`tokenmill.kernel_plan.int8_act_limit`;
+    ``switches`` None: the environment's.
 
     Raises:
         ValueError: the variable is neither ``auto`` nor a non-negative integer.
     """
-    value = envs.get(INT8_ACT_ENV)
+    sw = switches if switches is not None else CpuKernelSwitches.from_env()
     if not lowbit_limit:
         return 0
-    if value == "auto":
-        from tokenmill.model.layers.cpu_build import cpu_isa
-
-        try:
-            return INT8_ACT_AUTO.get(cpu_isa(), 0)
-        except ValueError:
-            return 0
-    return value
+    try:
+        isa = cpu_isa()
+    except ValueError:
+        isa = None
+    return kernel_plan.int8_act_limit(lowbit_limit, isa, sw)
 
 
 def attach_lowbit_weights(model: nn.Module, weights: dict[str, LowBitWeight], max_rows: int,

@@ -12,6 +12,7 @@ from pathlib import Path
 from tokenmill.playbook.tune.report import format_markdown, write_report
 from tokenmill.playbook.tune.search import tune
 from tokenmill.playbook.tune.settings import LEVER_ORDER, TuneSettings
+from tokenmill.server.cli_args import build_parser
 
 
 def add_tune_args(p: argparse.ArgumentParser) -> None:
@@ -75,7 +76,6 @@ def settings_from_args(args: argparse.Namespace) -> TuneSettings:
         ValueError: bad SLO, lever names or serve arguments.
     """
     from tokenmill.bench.metrics import parse_goodput
-    from tokenmill.server.cli_args import build_parser
 
     slos = parse_goodput(args.goodput)
     base = shlex.split(args.serve_args or "")

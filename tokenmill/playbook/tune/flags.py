@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 from typing import Any
+from tokenmill.server.cli_args import build_parser
 
 
 def serve_options() -> dict[str, argparse.Action]:
     """The ``tokenmill serve`` parser's options on this checkout: ``--flag`` → argparse action."""
-    from tokenmill.server.cli_args import build_parser
-
     return dict(build_parser()._option_string_actions)  # noqa: SLF001 - argparse has no public accessor
 
 
@@ -51,6 +50,4 @@ def normalize_flags(flags: dict[str, Any], defaults: dict[str, Any]) -> dict[str
 
 def serve_defaults(base_args: list[str]) -> dict[str, Any]:
     """Every serve field's value under the user's base serve arguments (dataclass defaults otherwise)."""
-    from tokenmill.server.cli_args import build_parser
-
     return dict(vars(build_parser().parse_args(base_args)))

@@ -10,6 +10,8 @@ from typing import Any
 
 from tokenmill.playbook.tune.flags import serve_defaults, flags_to_argv
 from tokenmill.playbook.tune.settings import TuneSettings
+from tokenmill.config import parse_size
+from tokenmill.playbook.plan import QUANTIZATIONS, PlanOptions, default_model_path, plan, load_shape
 
 
 def load_accuracy_report(path: str | None) -> dict[str, dict[str, Any]]:
@@ -32,8 +34,6 @@ def plan_capacity(settings: TuneSettings, flags: dict[str, Any], prompt_len: flo
 
     None when the model cannot be planned (e.g. a fake server in tests without a model path).
     """
-    from tokenmill.config import parse_size
-    from tokenmill.playbook.plan import QUANTIZATIONS, PlanOptions, default_model_path, plan
 
     vals = serve_defaults(settings.base_serve_args + flags_to_argv(
         {k: v for k, v in flags.items() if k in ("kv_cache_memory", "max_num_seqs", "block_size", "kv_cache_dtype")}))
@@ -65,8 +65,6 @@ def plan_capacity(settings: TuneSettings, flags: dict[str, Any], prompt_len: flo
 
 @functools.lru_cache(maxsize=4)
 def _cached_shape(path: str):
-    from tokenmill.playbook.plan import load_shape
-
     return load_shape(path)
 
 
