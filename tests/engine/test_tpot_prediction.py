@@ -51,7 +51,8 @@ EXTRA = 4                 # requests waiting beyond the seats (closed loop)
 OUTPUT_LEN = 16
 EWMA = 1.0 / 32
 MODEL_SHARE = 0.2
-MAX_SECONDS = 40.0        # submissions stop after this long (a slow machine: fewer requests)
+MAX_SECONDS = 40.0        # submissions stop after this long (a slow machine: fewer requests) ...
+MIN_MEASURED = 24         # ... but not before this many can be scored (past the warm-up, before the drain)
 
 
 def test_predicted_tpot_tracks_measured_tpot_on_a_full_batch():
@@ -89,7 +90,8 @@ def test_predicted_tpot_tracks_measured_tpot_on_a_full_batch():
     i = 0
     t0 = time.perf_counter()
     while True:
-        while outstanding < MAX_NUM_SEQS + EXTRA and i < len(lens) and time.perf_counter() - t0 < MAX_SECONDS:
+        more = i < WARMUP + MIN_MEASURED + MAX_NUM_SEQS + EXTRA or time.perf_counter() - t0 < MAX_SECONDS
+        while outstanding < MAX_NUM_SEQS + EXTRA and i < len(lens) and more:
             rid = f"r{i}"
             st = core.get_stats()
             p = predict(st.queue, st.step_timing, lens[i], 0, "fcfs", max_tokens=OUTPUT_LEN,
@@ -118,7 +120,7 @@ def test_predicted_tpot_tracks_measured_tpot_on_a_full_batch():
     # the tail of the run drains the batch below the seat cap (no more arrivals): not the regime tested
     ids = [f"r{k}" for k in range(WARMUP, n - MAX_NUM_SEQS - EXTRA)]
     pairs = [(predicted[r], measured[r]) for r in ids if r in predicted and r in measured]
-    assert len(pairs) >= max(16, len(ids) - 2), f"{n} sent, {len(predicted)} predicted, {len(measured)} measured"
+    assert len(pairs) >= len(ids) - 2, f"{n} sent, {len(predicted)} predicted, {len(measured)} measured"
     ms = [m for _, m in pairs]
     errs = [p - m for p, m in pairs]
     med_tpot, mean_tpot = statistics.median(ms), statistics.mean(ms)
