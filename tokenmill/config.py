@@ -137,7 +137,7 @@ class ModelConfig:
     compile_sizes: str | None = _f(None, "Padded token counts captured for the compiled step when --enforce-eager is off, comma-separated (default: 1,2,4,...,512 up to --max-num-batched-tokens).")
     logprobs_mode: str = _f("raw_logprobs", "What logprobs report (vLLM's --logprobs-mode): raw_logprobs (log-softmax of the model's logits, before penalties, temperature and top-k/top-p/min-p), raw_logits, processed_logprobs (after them; truncated tokens are -inf, sent as -9999), processed_logits. Prompt logprobs are always raw log-probabilities.", choices=["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
     weight_cache: bool = _f(True, "Keep processed weights (converted to the model dtype, low-bit codes packed for our kernel) in an on-disk cache ($TOKENMILL_CACHE_DIR/weights or ~/.cache/tokenmill/weights, keyed by the checkpoint files' path/size/mtime, the recipe and the versions) and map them from there on the next start; CPU and no --quantization only. TOKENMILL_WEIGHT_CACHE=0 also turns it off.")
-    structured_outputs_config: str | None = _f(None, "Structured outputs (JSON schema, regex, choice, grammar constraints), vLLM's JSON keys: '{\"backend\": \"xgrammar\", \"disable_any_whitespace\": false, \"disable_additional_properties\": false}' plus tokenmill's \"num_forced_draft_tokens\" (grammar-forced tokens verified as free draft tokens per step, default 3, the best of 3 and 8 measured at c=1 on the 2-core CPU; 0: off) \"learn_forced_splits\" (draft a forced string with the tokens the model last wrote it with, default true) and \"compile_timeout_s\" (a grammar compiling longer fails its request with HTTP 400, default 30). Backends: xgrammar (default), guidance (llguidance, when installed). See docs/guide/structured_outputs_engine.md.", metavar="JSON")
+    structured_outputs_config: str | None = _f(None, "Structured outputs (JSON schema, regex, choice, grammar constraints), vLLM's JSON keys: '{\"backend\": \"xgrammar\", \"disable_any_whitespace\": false, \"disable_additional_properties\": false}' plus tokenmill's \"max_whitespace\" (most optional whitespace characters in one place of a JSON constraint, default 20; 0: no limit) and \"num_forced_draft_tokens\" (grammar-forced tokens verified as free draft tokens per step, default 3, the best of 3 and 8 measured at c=1 on the 2-core CPU; 0: off) \"learn_forced_splits\" (draft a forced string with the tokens the model last wrote it with, default true) and \"compile_timeout_s\" (a grammar compiling longer fails its request with HTTP 400, default 30). Backends: xgrammar (default), guidance (llguidance, when installed). See docs/guide/structured_outputs_engine.md.", metavar="JSON")
     batch_invariant: bool = _f(True, "Batch-invariant inference (vLLM's VLLM_BATCH_INVARIANT, SGLang's --enable-deterministic-inference; on by default here): a request's token ids and logprobs are bit-identical whatever else is in the batch, the step size, chunking, prefix-cache hit or miss, preemption and the thread count, for a fixed model, dtype and CPU kernel variant. On the CPU a GGUF's linears run one kernel over its codes at every step size (the integer low-bit kernel: int8 activations per row and 32 columns x the codes, exact integer sums; TOKENMILL_CPU_INVARIANT_KERNEL=float32: the float32 low-bit kernel) and every attention row the decode kernel. --no-batch-invariant: steps over TOKENMILL_CPU_INT4_MAX_TOKENS tokens use the dense oneDNN GEMM (or the AVX2 integer path) and prefills the FlashAttention-style prefill kernel. See docs/guide/batch_invariance.md.")
     quantization: str | None = _f(None, "Weight quantisation applied at load time: int8 (weight-only, per channel), w8a8 (int8 weights and per-token int8 activations; needs VNNI on CPU), int4 (weight-only, groups of 32 inputs; TOKENMILL_INT4_GROUP_SIZE up to 128 sets larger ones); awq / gptq name a pre-quantised 4-bit checkpoint (detected from its quantization_config anyway). Default: none (a GGUF keeps its own low-bit codes for small steps).")
 
@@ -807,6 +807,11 @@ class StructuredOutputsConfig:
             two runs) and a batch of 16 loses (0.81x: its verify rows are compute; benchmarks/structured_output.py).
         learn_forced_splits: forced drafts for a forced string the model already wrote (in any request)
             are the tokens it wrote it with, not the tokenizer's split of it (false: always the tokenizer's).
+        max_whitespace: the most optional whitespace characters a JSON constraint allows in one place (between
+            tokens), when whitespace is allowed at all (xgrammar's ``max_whitespace_cnt``; 0: no limit). Without a
+            limit a small greedy model can emit newlines until ``max_tokens`` (SmolLM2-135M in float32 did, on a
+            top-level array: ``[`` then 160 newlines); 20 admits pretty-printed JSON, as llama.cpp's JSON grammar
+            allows one newline and up to 20 indent characters.
         compile_timeout_s: seconds a grammar may take to compile before its request fails (HTTP 400).
         max_compile_threads: threads of the compile pool (off the engine loop).
     Raises:
@@ -819,6 +824,7 @@ class StructuredOutputsConfig:
     num_forced_draft_tokens: int = 3   # quiet c=1 ablation: k=3 1.12x unconstrained, k=8 1.04x (docs/benchmarks)
     forced_draft_max_batch: int = 4
     learn_forced_splits: bool = True
+    max_whitespace: int = 20
     compile_timeout_s: float = 30.0
     max_compile_threads: int = 2
 
@@ -837,6 +843,9 @@ class StructuredOutputsConfig:
         b = self.forced_draft_max_batch
         if not isinstance(b, int) or isinstance(b, bool) or b < 1:
             raise ValueError(f"--structured-outputs-config: forced_draft_max_batch must be an integer >= 1, got {b!r}")
+        w = self.max_whitespace
+        if not isinstance(w, int) or isinstance(w, bool) or w < 0:
+            raise ValueError(f"--structured-outputs-config: max_whitespace must be an integer >= 0, got {w!r}")
         t = self.compile_timeout_s
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"--structured-outputs-config: compile_timeout_s must be a number > 0, got {t!r}")

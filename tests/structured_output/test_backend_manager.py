@@ -291,3 +291,18 @@ def test_forced_drafts_learn_the_models_split(tokenizer):
         rest = split[2:] if learn else tokenizer.encode('name": "', add_special_tokens=False)
         assert mgr.drafts(c, [], 16) == (rest, True)
         mgr.shutdown()
+
+
+@pytest.mark.parametrize("cap", [20, 0])
+def test_json_whitespace_is_capped_per_place(tokenizer, cap):
+    """``max_whitespace`` bounds the optional whitespace in one place of a JSON constraint (a small greedy model
+    otherwise writes newlines until max_tokens); 0 leaves it unbounded."""
+    b = XgrammarBackend(tokenizer, 49152, [EOS], StructuredOutputsConfig(max_whitespace=cap))
+    params = StructuredOutputsParams(json={"type": "array", "items": {"type": "integer"}})
+    nl = tokenizer.encode("\n", add_special_tokens=False)
+    m = b.new_matcher(b.compile(params))
+    assert m.accept_tokens(tokenizer.encode("[", add_special_tokens=False)) == 1
+    taken = sum(m.accept_tokens(nl) for _ in range(30))
+    assert taken == (20 if cap else 30)
+    with pytest.raises(ValueError, match="max_whitespace"):
+        StructuredOutputsConfig(max_whitespace=-1)

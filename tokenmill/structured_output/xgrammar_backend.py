@@ -142,6 +142,11 @@ class XgrammarBackend(StructuredOutputBackend):
         self._token_bytes: list[bytes] | None = None
 
     # -- compile ---------------------------------------------------------------------------------
+    def _max_ws(self, any_ws: bool) -> int | None:
+        """xgrammar's ``max_whitespace_cnt`` for a JSON constraint (the config's ``max_whitespace``; None: no limit)."""
+        cap = getattr(self.config, "max_whitespace", 0)
+        return cap if any_ws and cap > 0 else None
+
     def compile(self, params: StructuredOutputsParams) -> Any:
         kind = params.kind
         if params.whitespace_pattern is not None:
@@ -151,10 +156,12 @@ class XgrammarBackend(StructuredOutputBackend):
         try:
             if kind == "json":
                 any_ws, no_extra = resolve_json_options(params, self.config)
-                return c.compile_json_schema(_json_schema_text(params, no_extra), any_whitespace=any_ws)
+                return c.compile_json_schema(_json_schema_text(params, no_extra), any_whitespace=any_ws,
+                                             max_whitespace_cnt=self._max_ws(any_ws))
             if kind == "json_object":
                 any_ws, _ = resolve_json_options(params, self.config)
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws)
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=any_ws,
+                                             max_whitespace_cnt=self._max_ws(any_ws))
             if kind == "regex":
                 return c.compile_regex(params.regex)
             if kind == "choice":
