@@ -162,12 +162,13 @@ class ModelConfig:
             raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
         if self.quantization is not None and self.quantization not in ("int8", "w8a8", "int4", "awq", "gptq"):
             raise ValueError(f"unknown quantization {self.quantization!r}; choose one of int8, w8a8, int4, awq, gptq")
-        self.structured_outputs  # validates the JSON
+        # parsed (and validated) once here, not on every property access
+        object.__setattr__(self, "_structured_outputs", StructuredOutputsConfig.from_json(self.structured_outputs_config))
 
     @property
     def structured_outputs(self) -> "StructuredOutputsConfig":
         """The parsed ``--structured-outputs-config`` (:class:`StructuredOutputsConfig`; defaults when unset)."""
-        return StructuredOutputsConfig.from_json(self.structured_outputs_config)
+        return self._structured_outputs
 
 
 @dataclass(frozen=True)

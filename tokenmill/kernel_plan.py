@@ -63,6 +63,7 @@ class CpuKernelSwitches:
     fused_ops: bool = _env("TOKENMILL_CPU_FUSED_OPS")
     lowbit_bf16_dot: bool = _env("TOKENMILL_CPU_LOWBIT_BF16_DOT")
     invariant_kernel: str = _env("TOKENMILL_CPU_INVARIANT_KERNEL")
+    lora_kernel: bool = _env("TOKENMILL_CPU_LORA_KERNEL")
     int4_group_size: int = _env("TOKENMILL_INT4_GROUP_SIZE")
 
     def __post_init__(self) -> None:
@@ -96,7 +97,7 @@ class CpuKernelSwitches:
         what :func:`tokenmill.model.layers.cpu_build.configure` applies to this process's libraries."""
         return {"TOKENMILL_CPU_ATTENTION_KERNEL": self.attention_kernel, "TOKENMILL_CPU_FUSED_OPS": self.fused_ops,
                 "TOKENMILL_CPU_LOWBIT_KERNEL": self.lowbit_kernel,
-                "TOKENMILL_CPU_LOWBIT_BF16_DOT": self.lowbit_bf16_dot}
+                "TOKENMILL_CPU_LOWBIT_BF16_DOT": self.lowbit_bf16_dot, "TOKENMILL_CPU_LORA_KERNEL": self.lora_kernel}
 
     def weight_key(self) -> dict[str, Any]:
         """The switches that change the processed weights (``in_weight_key`` in tokenmill/envs.py),

@@ -124,7 +124,7 @@ def use_isa(isa: str | None) -> None:
 
 def switch(name: str) -> bool:
     """A library switch (``TOKENMILL_CPU_ATTENTION_KERNEL``, ``_FUSED_OPS``, ``_LOWBIT_KERNEL``,
-    ``_LOWBIT_BF16_DOT``) for this process: the engine config's (:func:`configure`), else the environment's."""
+    ``_LOWBIT_BF16_DOT``, ``_LORA_KERNEL``) for this process: the engine config's (:func:`configure`), else the environment's."""
     value = _switch_overrides.get(name)
     return envs.get(name) if value is None else value
 
