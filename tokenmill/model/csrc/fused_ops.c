@@ -54,9 +54,11 @@ void NAME(T* x, int64_t rows, int64_t stride, int64_t heads, int64_t d, int64_t 
     }                                                                                               \
 }
 
-/* gate_up: [T, 2I] (gate then up); out: [T, I] = R(R(silu(gate)) * up). A gate below -80 gives 0
- * (the true |silu| < 1e-33 there): expf(-gate) would overflow past -88.7, and under -ffast-math the
- * division by 1 + inf may be a reciprocal approximation whose Newton step returns NaN. */
+/* gate_up: [T, 2I] (gate then up); out: [T, I] = R(R(silu(gate)) * up). expf's argument is clamped at 80
+ * (and the result times 0 for a gate below -80, where the true |silu| < 1e-33): expf(-gate) would
+ * overflow past -88.7, and under -ffast-math the division by 1 + inf may be a reciprocal approximation whose
+ * Newton step returns NaN. A clamp, not a branch: the loop stays vectorised as before (a branch changed the
+ * vectorisation and so the bits of every silu, moving greedy near-ties). */
 #define DEFINE_SILU(NAME, T, LD, R, ST)                                                             \
 void NAME(const T* gu, T* out, int64_t rows, int64_t inter, int num_threads) {                      \
     _Pragma("omp parallel for num_threads(num_threads) if(rows * inter >= PAR_MIN) schedule(static)") \
@@ -64,7 +66,7 @@ void NAME(const T* gu, T* out, int64_t rows, int64_t inter, int num_threads) {  
         const T* g = gu + t * 2 * inter; const T* u = g + inter; T* o = out + t * inter;            \
         for (int64_t i = 0; i < inter; i++) {                                                       \
             const float gv = LD(g[i]);                                                              \
-            const float sv = gv < -80.f ? 0.f : gv / (1.f + expf(-gv));                             \
+            const float sv = gv / (1.f + expf(-fmaxf(gv, -80.f))) * (float)(gv >= -80.f);            \
             o[i] = ST(R(sv) * LD(u[i]));                                                            \
         }                                                                                           \
     }                                                                                               \
