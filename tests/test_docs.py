@@ -31,3 +31,29 @@ def test_relative_links_resolve(doc):
         if not path.exists():
             missing.append(target)
     assert not missing, f"{doc.relative_to(ROOT)} links to missing files: {missing}"
+
+
+def _requirement_names(specs: list[str]) -> set[str]:
+    return {re.split(r"[<>=!~\[ ;]", s, maxsplit=1)[0].strip().lower().replace("_", "-") for s in specs}
+
+
+def test_readme_dependency_table_is_the_pyproject_list():
+    """README's "Dependencies and why" names every declared dependency (runtime and extras) and nothing else."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = _requirement_names(project["dependencies"])
+    for extra in project["optional-dependencies"].values():
+        declared |= _requirement_names(extra)
+    section = (ROOT / "README.md").read_text().split("## Dependencies and why", 1)[1].split("\n## ", 1)[0]
+    rows = [r.split("|")[1:3] for r in section.splitlines() if r.startswith("|") and not r.startswith("|---")][1:]
+    assert rows, "README.md has no dependency table"
+    # the first column lists packages (parenthesised notes and the "test extras:" label aside)
+    listed = {w.strip().lower().replace("_", "-") for first, _ in rows
+              for w in re.sub(r"\(.*?\)|test extras:", "", first).split(",") if w.strip()}
+    # an optional backend may be named in its row's reason instead, in backticks
+    named = listed | {w.lower() for _, why in rows for w in re.findall(r"`([A-Za-z][\w.-]*)`", why)}
+    missing = sorted(declared - named)
+    assert not missing, f"README.md's dependency table does not name {missing} (pyproject.toml declares them)"
+    extra = sorted(listed - declared)
+    assert not extra, f"README.md's dependency table names {extra}, which pyproject.toml does not declare"
