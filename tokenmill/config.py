@@ -157,7 +157,8 @@ class ModelConfig:
                                  f"{self.max_lora_rank}")
             if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
                 raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
-            parse_lora_modules(self.lora_modules)     # ValueError naming the bad entry
+        # parsed (and validated: ValueError naming the bad entry) once here, not where it is used
+        object.__setattr__(self, "_lora_modules", tuple(parse_lora_modules(self.lora_modules)))
         if self.allow_runtime_lora_updating and not self.enable_lora:
             raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
         if self.quantization is not None and self.quantization not in ("int8", "w8a8", "int4", "awq", "gptq"):
@@ -169,6 +170,11 @@ class ModelConfig:
     def structured_outputs(self) -> "StructuredOutputsConfig":
         """The parsed ``--structured-outputs-config`` (:class:`StructuredOutputsConfig`; defaults when unset)."""
         return self._structured_outputs
+
+    @property
+    def lora_module_list(self) -> tuple[LoRAModule, ...]:
+        """The parsed ``--lora-modules`` (:class:`LoRAModule` entries in order; empty when unset)."""
+        return self._lora_modules
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,8 @@ class EngineCore:
         if self.lora_manager is not None and config.model.lora_modules:
             # --lora-modules: loaded (and validated) before the core is ready; a bad one names its file
             from tokenmill.lora.registry import startup_requests
-            from tokenmill.config import parse_lora_modules
 
-            for lr in startup_requests(parse_lora_modules(config.model.lora_modules)):
+            for lr in startup_requests(list(config.model.lora_module_list)):
                 self.lora_manager.load_now(lr)
                 logger.info("LoRA adapter %r (%d) loaded from %s", lr.lora_name, lr.lora_int_id, lr.lora_path)
         self.structured_output = self._make_structured_output_manager()

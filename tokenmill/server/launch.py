@@ -69,10 +69,9 @@ def create_server_state(config: EngineConfig, engine: AsyncEngine, tokenizer: An
     template = getattr(tokenizer, "chat_template", None)
     lora = None
     if config.model.enable_lora:     # the --lora-modules adapters: the engine core loaded them before "ready"
-        from tokenmill.config import parse_lora_modules
         from tokenmill.lora.registry import LoRARegistry
 
-        lora = LoRARegistry(name, parse_lora_modules(config.model.lora_modules))
+        lora = LoRARegistry(name, list(config.model.lora_module_list))
     return ServerState(config=config, engine=engine, tokenizer=tokenizer,
                        chat_template=template if isinstance(template, str) else None, model_name=name,
                        model_path=model_path, max_model_len=engine.info.max_model_len, admission=admission,
