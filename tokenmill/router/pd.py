@@ -62,18 +62,10 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
 async def proxy_pd(router: Router, request: Request, path: str) -> Response:
     """Serve one request through a prefill server and then a decode server (see the module docstring)."""
     raw = await request.body()
-    try:
-        body = json.loads(raw) if raw else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        router.metrics.errors.labels("bad_request").inc()
-        return error_response(400, f"request body is not valid JSON: {e}")
-    if not isinstance(body, dict):
-        router.metrics.errors.labels("bad_request").inc()
-        return error_response(400, "request body must be a JSON object")
-    model = router.request_model(body)
-    if isinstance(model, JSONResponse):
-        router.metrics.errors.labels("bad_request").inc()
-        return model
+    parsed = router.parse_body(raw)
+    if isinstance(parsed, JSONResponse):
+        return parsed
+    body, model = parsed
     pools = {}
     for role in ("prefill", "decode"):
         pool = router.pool(model, role)

@@ -254,6 +254,24 @@ class Router:
                                        f"{', '.join(served)}. Say which one in `model`.", "model")
         return served[0] if served else None
 
+    def parse_body(self, raw: bytes) -> tuple[dict[str, Any], str | None] | JSONResponse:
+        """A POST body as ``(the JSON object, the model it is for)`` (:meth:`request_model`), or the 400
+        response (counted under ``errors{kind="bad_request"}``): not JSON, not an object, or a bad ``model``.
+        Both the plain and the prefill-decode paths validate requests here."""
+        try:
+            body = json.loads(raw) if raw else {}
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            self.metrics.errors.labels("bad_request").inc()
+            return error_response(400, f"request body is not valid JSON: {e}")
+        if not isinstance(body, dict):
+            self.metrics.errors.labels("bad_request").inc()
+            return error_response(400, "request body must be a JSON object")
+        model = self.request_model(body)
+        if isinstance(model, JSONResponse):
+            self.metrics.errors.labels("bad_request").inc()
+            return model
+        return body, model
+
     def pool(self, model: str | None, role: str | None = None) -> list[Backend] | JSONResponse:
         """Healthy backends serving ``model`` (all healthy ones when None), or the error response.
 
@@ -382,18 +400,10 @@ class Router:
     async def proxy(self, request: Request, path: str) -> Response:
         """Route one POST request and relay the answer (see module docstring)."""
         raw = await request.body()
-        try:
-            body = json.loads(raw) if raw else {}
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, f"request body is not valid JSON: {e}")
-        if not isinstance(body, dict):
-            self.metrics.errors.labels("bad_request").inc()
-            return error_response(400, "request body must be a JSON object")
-        model = self.request_model(body)
-        if isinstance(model, JSONResponse):
-            self.metrics.errors.labels("bad_request").inc()
-            return model
+        parsed = self.parse_body(raw)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        body, model = parsed
         pool = self.pool(model)
         if isinstance(pool, JSONResponse):
             self.metrics.errors.labels("unknown_model" if pool.status_code == 404 else "no_backend").inc()
