@@ -95,6 +95,7 @@ from tokenmill.core.kv_offload_stats import KVOffloadStats
 from tokenmill.core.kv_transfer_stats import KVTransferStats
 from tokenmill.core.request import Request
 from tokenmill.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
+from tokenmill.kv_transfer.files import unlink_quietly, write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -530,10 +531,12 @@ class TierStore:
         """This rank's directory, locked (``flock``) so no other live process writes into it."""
         base = os.path.join(self.tier_config.root, self.fingerprint)
         os.makedirs(base, exist_ok=True)
-        tmp = os.path.join(base, f"config.json.tmp.{os.getpid()}")
-        with open(tmp, "w") as f:
-            json.dump(self.identity, f, indent=1, sort_keys=True)
-        os.replace(tmp, os.path.join(base, "config.json"))
+
+        def write_identity(tmp: str) -> None:
+            with open(tmp, "w") as f:
+                json.dump(self.identity, f, indent=1, sort_keys=True)
+
+        write_atomically(os.path.join(base, "config.json"), write_identity)
         rank = self.tier_config.data_parallel_rank
         for i in range(64):
             d = os.path.join(base, f"dp{rank}" + (f".{i}" if i else ""))
@@ -562,7 +565,7 @@ class TierStore:
             for e in os.scandir(sub.path):
                 if not e.name.endswith(SUFFIX):
                     if ".tmp" in e.name:           # a write a crash interrupted
-                        _unlink(e.path)
+                        unlink_quietly(e.path)
                     continue
                 try:
                     with open(e.path, "rb") as f:      # the header only (the payload is checked when loaded)
@@ -576,7 +579,7 @@ class TierStore:
                         raise TierFileError(f"size {size} != header + payload {off + int(header['nbytes'])}")
                 except (OSError, ValueError, KeyError, TypeError) as err:
                     logger.warning("KV tier: discarding %s (%s)", e.path, err)
-                    _unlink(e.path)
+                    unlink_quietly(e.path)
                     self.stats.blocks_discarded += 1
                     continue
                 found.append((e.stat().st_mtime_ns, bytes.fromhex(header["hash"]), size, header))
@@ -638,10 +641,11 @@ class TierStore:
         if old is not None and old != cur and len(self.index):
             self._purge("the KV cache scales differ from those of the tier's files")
         if old != cur:
-            tmp = self._scales_path() + f".tmp.{os.getpid()}"
-            with open(tmp, "w") as f:
-                json.dump(cur, f)
-            os.replace(tmp, self._scales_path())
+            def write_scales(tmp: str) -> None:
+                with open(tmp, "w") as f:
+                    json.dump(cur, f)
+
+            write_atomically(self._scales_path(), write_scales)
         self._scales, self._scales_ok = cur, True
 
     def _purge(self, why: str) -> None:
@@ -649,7 +653,7 @@ class TierStore:
         logger.warning("KV tier: %s; discarding %d files", why, n)
         for h in list(self.index.entries):
             if self.index.remove(h):
-                _unlink(self.path_of(h))
+                unlink_quietly(self.path_of(h))
                 self.stats.blocks_discarded += 1
                 self._lost(MEDIUM, h)
 
@@ -868,7 +872,7 @@ class TierStore:
             logger.warning("KV tier: discarding %s (%s)", path, e)
             if self.index.remove(h):
                 self._lost(MEDIUM, h)
-            _unlink(path)
+            unlink_quietly(path)
             with self._lock:
                 self.stats.blocks_discarded += 1
             raise TierFileError(str(e)) from None
@@ -911,14 +915,11 @@ class TierStore:
         for victim in self.index.victims(size):
             self._delete(victim, evicted=True)
         path = self.path_of(h)
-        tmp = f"{path}.tmp.{os.getpid()}"
         t0 = time.perf_counter()
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._write_file(tmp, head, memoryview(payload))
-            os.replace(tmp, path)
-        except OSError as e:
-            _unlink(tmp)
+            write_atomically(path, lambda tmp: self._write_file(tmp, head, memoryview(payload)))
+        except OSError as e:       # the partial file is gone already
             self._paused_until = time.monotonic() + self.tier_config.write_retry_s
             with self._lock:
                 self.stats.write_errors += 1
@@ -943,7 +944,7 @@ class TierStore:
 
     def _delete(self, h: bytes, evicted: bool) -> None:
         self.index.remove(h)
-        _unlink(self.path_of(h))
+        unlink_quietly(self.path_of(h))
         with self._lock:
             if evicted:
                 self.stats.blocks_evicted += 1
@@ -1366,13 +1367,6 @@ class OffloadingConnector(KVConnectorBase):
         finally:
             self._closed = True
             self.ranks.close()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def default_offloading_dir() -> str:

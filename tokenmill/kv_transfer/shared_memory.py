@@ -24,6 +24,7 @@ import torch
 
 from tokenmill.config import KVTransferConfig
 from tokenmill.kv_transfer.base import KVTransferError, LoadSpec, PullConnector
+from tokenmill.kv_transfer.files import unlink_quietly, write_atomically
 from tokenmill.kv_transfer.framing import encode_msg, raw_header, read_msg, read_raw_into
 
 logger = logging.getLogger(__name__)
@@ -69,12 +70,13 @@ class SharedMemoryConnector(PullConnector):
 
     def _write(self, req_id: str, block_ids: list[int]) -> None:
         path = self.path_for(req_id)
-        tmp = path + ".tmp"
         nbytes = 0
         with self._lock:
             if not self._begin_transfer_locked(req_id):
                 return      # released before the copy started: the blocks are already being freed
-        try:
+
+        def write(tmp: str) -> None:
+            nonlocal nbytes
             idx = torch.tensor(block_ids, dtype=torch.long, device=self.kv_caches[0].device)
             with open(tmp, "wb") as f:
                 f.write(encode_msg({"geometry": self.geometry(), "block_ids": block_ids}))
@@ -83,17 +85,18 @@ class SharedMemoryConnector(PullConnector):
                     f.write(raw_header(data.nbytes))
                     f.write(memoryview(data).cast("B"))
                     nbytes += data.nbytes
-            os.replace(tmp, path)
+
+        try:
+            write_atomically(path, write)
             with self._lock:
                 drop = req_id in self._drop_after_write
                 self._drop_after_write.discard(req_id)
                 if not drop:
                     self._files[req_id] = (path, time.monotonic() + self.abort_timeout_s)
             if drop:
-                _unlink(path)
-        except OSError as e:
+                unlink_quietly(path)
+        except OSError as e:       # the partial file is gone already
             logger.warning("writing the KV of request %s to %s failed: %s", req_id, path, e)
-            _unlink(tmp)
             with self._lock:
                 self._drop_after_write.discard(req_id)
         finally:
@@ -114,7 +117,7 @@ class SharedMemoryConnector(PullConnector):
                 self._drop_after_write.add(req_id)
             self.stats.num_released += 1
         if entry is not None:
-            _unlink(entry[0])
+            unlink_quietly(entry[0])
         logger.info("request %s: KV released (no consumer will read it); deleting its file", req_id)
         return True
 
@@ -129,7 +132,7 @@ class SharedMemoryConnector(PullConnector):
                 logger.warning("request %s: no consumer read its KV file within %.0f s; deleting it",
                                rid, self.abort_timeout_s)
                 self.stats.num_expired += 1
-                _unlink(p)
+                unlink_quietly(p)
         return super().get_finished()
 
     # -- consumer --------------------------------------------------------------
@@ -168,7 +171,7 @@ class SharedMemoryConnector(PullConnector):
                     kv.index_copy_(1, dst, buf.index_select(1, src).to(kv.device))
                     total += len(rows) * len(view) // max(1, len(stored))
         finally:
-            _unlink(path)     # read once: the consumer owns it now
+            unlink_quietly(path)     # read once: the consumer owns it now
         return total
 
     def shutdown(self) -> None:
@@ -177,15 +180,8 @@ class SharedMemoryConnector(PullConnector):
         with self._lock:
             files, self._files = list(self._files.values()), {}
         for p, _ in files:
-            _unlink(p)
+            unlink_quietly(p)
         try:
             os.rmdir(self.shm_dir)
         except OSError:
             pass
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
