@@ -265,3 +265,111 @@ def test_no_reference_to_documents_outside_the_repo(sub):
                 if pat.search(line):
                     hits.append(f"{path.relative_to(ROOT)}:{i}: {line.strip()}")
     assert not hits, "\n".join(hits)
+
+
+def _lazy_and_top_imports(pkg: pathlib.Path = PKG, root: pathlib.Path = ROOT):
+    """``(top, lazy)``: module -> the package's modules its module-level code imports (TYPE_CHECKING blocks
+    aside), and ``[(module, line, statement, targets)]`` for every import of the package inside a function.
+
+    A name that is not a module, taken from a package whose ``__init__`` resolves names on demand (a
+    module-level ``__getattr__``) and does not bind it, is a lazy target of its own (``tokenmill.LLM``)."""
+    mods = {module_name(p, root): p for p in pkg.rglob("*.py")}
+    top_name = pkg.name
+
+    def resolve(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    trees = {m: ast.parse(p.read_text(), str(p)) for m, p in mods.items()}
+
+    def on_demand(pkg_mod: str, name: str) -> bool:
+        body = trees[pkg_mod].body if pkg_mod in trees else []
+        has_getattr = any(isinstance(n, ast.FunctionDef) and n.name == "__getattr__" for n in body)
+        bound = {t.id for n in body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)}
+        bound |= {(a.asname or a.name).split(".")[0] for n in body if isinstance(n, (ast.Import, ast.ImportFrom))
+                  for a in n.names}
+        bound |= {n.name for n in body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        return has_getattr and name not in bound
+
+    def targets(node: ast.AST, mod: str) -> list[str]:
+        package = mod if mods[mod].name == "__init__.py" else mod.rpartition(".")[0]
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods or on_demand(base, a.name) else base
+                     for a in node.names]
+        return [n if n not in mods and _under(n, top_name) and on_demand(n.rpartition(".")[0], n.rpartition(".")[2])
+                else resolve(n) for n in names if _under(n, top_name)]
+
+    top: dict[str, set[str]] = {}
+    lazy: list[tuple[str, int, str, list[str]]] = []
+    for mod, tree in trees.items():
+        found: set[str] = set()
+
+        def walk(nodes, in_function: bool, type_checking: bool) -> None:
+            for n in nodes:
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                    walk(ast.iter_child_nodes(n), True, type_checking)
+                elif isinstance(n, ast.If) and ast.unparse(n.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING"):
+                    walk(n.body, in_function, True)
+                    walk(n.orelse, in_function, type_checking)
+                elif isinstance(n, (ast.Import, ast.ImportFrom)):
+                    ts = [t for t in targets(n, mod) if t]
+                    if in_function and ts:
+                        lazy.append((mod, n.lineno, ast.unparse(n), ts))
+                    elif not in_function and not type_checking:
+                        found.update(ts)
+                else:
+                    walk(ast.iter_child_nodes(n), in_function, type_checking)
+
+        walk(tree.body, False, False)
+        top[mod] = found
+    return top, lazy
+
+
+def _loaded_with(mod: str, top: dict[str, set[str]]) -> set[str]:
+    """The package's modules importing ``mod`` loads (its parent packages' ``__init__`` included)."""
+    seen: set[str] = set()
+    stack = [mod]
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        parts = m.split(".")
+        stack += [".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in top]
+        stack += top.get(m, ())
+    return seen
+
+
+def test_no_in_function_import_that_defers_nothing():
+    """An import of a tokenmill module inside a function is for deferring something (torch for a light CLI, an
+    optional backend); one whose module the importing module has loaded already (itself, or through its
+    module-level imports) defers nothing and belongs at the top (issue 28)."""
+    top, lazy = _lazy_and_top_imports()
+    bad = [f"{mod.replace('.', '/')}.py:{line}: {src}" for mod, line, src, ts in lazy
+           if all(t in _loaded_with(mod, top) for t in ts)]
+    assert not bad, "in-function imports that defer nothing (move them to the module's imports):\n" + "\n".join(bad)
+
+
+def test_defers_nothing_finder(tmp_path):
+    pkg = tmp_path / "tokenmill"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("def __getattr__(name):\n    from tokenmill.heavy import Big\n    return Big\n")
+    (pkg / "heavy.py").write_text("class Big: ...\n")
+    (pkg / "light.py").write_text("X = 1\n")
+    (pkg / "mid.py").write_text("from tokenmill import light\n")
+    (pkg / "user.py").write_text("import tokenmill.mid\n"
+                                 "def a():\n    from tokenmill.light import X\n"       # loaded via mid: nothing
+                                 "def b():\n    from tokenmill.heavy import Big\n"     # defers heavy
+                                 "def c():\n    from tokenmill import Big\n"           # the package's __getattr__
+                                 "def d():\n    import tokenmill\n")                   # the parent: nothing
+    top, lazy = _lazy_and_top_imports(pkg, tmp_path)
+    verdict = {src: all(t in _loaded_with(mod, top) for t in ts) for mod, _, src, ts in lazy if mod == "tokenmill.user"}
+    assert verdict == {"from tokenmill.light import X": True, "from tokenmill.heavy import Big": False,
+                       "from tokenmill import Big": False, "import tokenmill": True}

@@ -22,10 +22,17 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import RequestRejectedError, Scheduler
-from tokenmill.lora.request import LoRARequest
 from tokenmill.engine.executor import Executor, create_executor
+from tokenmill.kv_transfer import create_connector
+from tokenmill.kv_transfer.multi import MultiConnector
+from tokenmill.lora.registry import startup_requests
+from tokenmill.lora.request import LoRARequest
 from tokenmill.metrics.stats import EngineStats
+from tokenmill.metrics.step_timing import StepTimeModel
+from tokenmill.model.default_model import default_model_path
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured_output.manager import StructuredOutputManager
+from tokenmill.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +97,6 @@ class EngineCore:
             if self.kv_connector is None:
                 self.kv_connector = self.kv_offload
             else:       # P/D first: a request whose KV another engine computed pulls it; the others use the tier
-                from tokenmill.kv_transfer.multi import MultiConnector
-
                 self.kv_connector = MultiConnector([self.kv_connector, self.kv_offload])
         # LoRA: the runner's adapter manager (uniproc executor: the runner is the executor)
         self.lora_manager = getattr(executor, "lora_manager", None) if config.model.enable_lora else None
@@ -101,8 +106,6 @@ class EngineCore:
         self._lora_requests_total: dict[str, int] = {}
         if self.lora_manager is not None and config.model.lora_modules:
             # --lora-modules: loaded (and validated) before the core is ready; a bad one names its file
-            from tokenmill.lora.registry import startup_requests
-
             for lr in startup_requests(list(config.model.lora_module_list)):
                 self.lora_manager.load_now(lr)
                 logger.info("LoRA adapter %r (%d) loaded from %s", lr.lora_name, lr.lora_int_id, lr.lora_path)
@@ -119,8 +122,6 @@ class EngineCore:
         self._num_steps = 0
         self._last_step_time = 0.0
         self._last_schedule_time = 0.0
-        from tokenmill.metrics.step_timing import StepTimeModel
-
         self.step_time_model = StepTimeModel()
         # (decode requests, prefill tokens, start, end) of the last step, timed when the next one starts
         self._last_step: tuple[int, int, float, float] | None = None
@@ -134,8 +135,6 @@ class EngineCore:
         kv_caches = getattr(self.executor, "kv_caches", None)
         if kv_caches is None:
             raise ValueError("--kv-transfer-config needs the uniproc executor (its KV pool lives in the engine core)")
-        from tokenmill.kv_transfer import create_connector
-
         connector = create_connector(kv_transfer, self.config.cache.block_size)
         connector.register_kv_caches(kv_caches)
         logger.info("KV connector %s (%s), engine id %s", kv_transfer.kv_connector, kv_transfer.kv_role,
@@ -145,8 +144,6 @@ class EngineCore:
     def _make_structured_output_manager(self) -> Any:
         """The structured-output manager (:mod:`tokenmill.structured_output`): nothing is loaded until the
         first constrained request (then the tokenizer and the grammar backend, on its compile thread)."""
-        from tokenmill.structured_output.manager import StructuredOutputManager
-
         loaded = getattr(self.executor, "loaded", None)
         arch = getattr(self.executor, "arch", None) or getattr(loaded, "arch", None)
         tokenizer = getattr(loaded, "tokenizer", None)
@@ -154,9 +151,6 @@ class EngineCore:
             model = self.config.model
 
             def tokenizer() -> Any:   # the server's core loads no tokenizer of its own: load it on first use
-                from tokenmill.model.default_model import default_model_path
-                from tokenmill.tokenizer import load_tokenizer
-
                 return load_tokenizer(model.tokenizer or model.model or default_model_path())
         device = str(self.config.model.device)
         if device == "auto":

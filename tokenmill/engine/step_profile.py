@@ -63,6 +63,8 @@ from typing import Any
 
 from tokenmill import envs
 from tokenmill.core.request import RequestStatus
+from tokenmill.engine.engine_core import EngineCoreRequest
+from tokenmill.model.default_model import default_model_path
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -119,8 +121,6 @@ def profile_key(core: Any) -> dict[str, Any]:
     path = getattr(cfg.model, "model", None)
     if not path:
         try:
-            from tokenmill.model.default_model import default_model_path
-
             path = default_model_path()
         except Exception:  # noqa: BLE001 - the key is best effort
             path = ""
@@ -241,8 +241,6 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
     Raises:
         RuntimeError: the core is not idle, or a profile request failed (its error).
     """
-    from tokenmill.engine.engine_core import EngineCoreRequest
-
     sched = core.scheduler
     if sched.has_unfinished_requests():
         raise RuntimeError("the step-time profile needs an idle engine")
@@ -336,8 +334,6 @@ def warm_up(core: Any, seed: int = 0) -> float:
     Raises:
         RuntimeError: the core is not idle, or the request failed.
     """
-    from tokenmill.engine.engine_core import EngineCoreRequest
-
     sched = core.scheduler
     if sched.has_unfinished_requests():
         raise RuntimeError("the warm-up needs an idle engine")

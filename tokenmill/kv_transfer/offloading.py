@@ -91,6 +91,7 @@ import numpy as np
 import torch
 
 from tokenmill import envs
+import tokenmill
 from tokenmill.core.kv_offload_stats import KVOffloadStats
 from tokenmill.core.kv_transfer_stats import KVTransferStats
 from tokenmill.core.request import Request
@@ -1442,6 +1443,4 @@ def _executor_device(engine_config: Any) -> str:
 
 
 def _version() -> str:
-    import tokenmill
-
     return tokenmill.__version__

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tokenmill.router.backends import BackendSpec, load_backend_file
 from tokenmill.router.policies import POLICIES
 
 
@@ -140,7 +141,6 @@ def config_from_args(args: argparse.Namespace):
         ValueError: no backend, or a bad backend spec.
     """
     from tokenmill.router.router import RouterConfig
-    from tokenmill.router.backends import BackendSpec, load_backend_file
 
     specs = [BackendSpec.parse(s) for s in args.backend]
     if args.backend_file:

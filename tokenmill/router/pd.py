@@ -39,6 +39,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from tokenmill.kv_transfer.notify import release_remote
 from tokenmill.router.relay import Relay, error_response, forward_headers, response_headers, wait_disconnect
 from tokenmill.router.router import Router
 
@@ -149,8 +150,6 @@ def _release_client_kv(body: dict[str, Any]) -> None:
     free the producer's KV through its side channel (:func:`tokenmill.kv_transfer.notify.release_remote`)."""
     params = body.get("kv_transfer_params")
     if isinstance(params, dict) and params.get("do_remote_prefill"):
-        from tokenmill.kv_transfer.notify import release_remote
-
         fut = asyncio.get_running_loop().run_in_executor(None, release_remote, dict(params))
         _release_tasks.add(fut)  # type: ignore[arg-type]
         fut.add_done_callback(_release_tasks.discard)  # type: ignore[arg-type]

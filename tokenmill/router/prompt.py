@@ -19,6 +19,7 @@ import os
 from typing import Any
 
 from tokenmill.core.prefix_cache import BlockHash, hash_block_tokens
+from tokenmill.tokenizer import load_tokenizer
 
 
 def prompt_text(path: str, body: dict[str, Any]) -> str:
@@ -97,8 +98,6 @@ class PromptTokenizer:
     @classmethod
     def load(cls, path: str | None) -> "PromptTokenizer":
         """Load from a GGUF file or a Hugging Face folder (default: the packaged model)."""
-        from tokenmill.tokenizer import load_tokenizer
-
         return cls(load_tokenizer(path or default_tokenizer_path()))
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tokenmill import envs
 from tokenmill.metrics.stats import EngineStats
 from tokenmill.metrics.stats import IterationStats
+from tokenmill.server.slo_predictor import judge, max_decode_batch, predict
 
 if TYPE_CHECKING:
     from tokenmill.server.slo_predictor import SLO, InflightWork, Prediction
@@ -347,8 +348,6 @@ class SLOAdmission:
             measured its step times: then the request is admitted) and a
             :class:`Refusal` with ``reason="slo"`` when it is predicted to miss.
         """
-        from tokenmill.server.slo_predictor import judge, predict
-
         now = time.time() if now is None else now
         q, t = engine_stats.queue, engine_stats.step_timing
         pred = predict(q, t, prompt_tokens, priority, self.policy, inflight, self.prefix_hit_rate,
@@ -385,7 +384,6 @@ class SLOAdmission:
                 observe(pred.tpot)
             cap_setter = getattr(self.metrics, "set_slo_decode_batch_limit", None)
             if cap_setter is not None and self.slo.tpot is not None and q is not None:
-                from tokenmill.server.slo_predictor import max_decode_batch
                 cap_setter(max_decode_batch(t, self.slo.tpot, pred, q.max_num_seqs, factor))
         setter = getattr(self.metrics, "set_slo_margins", None)
         if setter is not None and self.calibrate:

@@ -29,14 +29,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-import tokenmill
 from tokenmill import envs
+import tokenmill
 from tokenmill.metrics.prometheus import CONTENT_TYPE_LATEST
 from tokenmill.server.body_limit import BodySizeLimitMiddleware
 from tokenmill.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                        ErrorResponse, KVTransferReleaseRequest, LoadLoRAAdapterRequest,
                                        TokenizeRequest, UnloadLoRAAdapterRequest,
                                        error_param_from_loc)
+from tokenmill.kv_transfer.notify import release_remote
+from tokenmill.lora.request import adapter_content_hash
+from tokenmill.metrics.memory import top_allocation_sites
 from tokenmill.server.serving import OpenAIServing, ServerState
 from tokenmill.server.serving_chat import OpenAIServingChat
 from tokenmill.server.serving_completion import OpenAIServingCompletion
@@ -187,8 +190,6 @@ async def _releasing_remote_kv(state: ServerState, body: Any, handler: Any) -> A
 
 
 def _release_remote_soon(params: dict[str, Any]) -> None:
-    from tokenmill.kv_transfer.notify import release_remote
-
     fut = asyncio.get_running_loop().run_in_executor(None, release_remote, dict(params))
     _kv_release_tasks.add(fut)
     fut.add_done_callback(_kv_release_tasks.discard)
@@ -255,7 +256,6 @@ def build_app(state: ServerState) -> FastAPI:
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Any:
         """Load and validate a PEFT adapter folder, then serve it as model ``lora_name`` (400 when invalid)."""
         reg = runtime_lora()
-        from tokenmill.lora.request import adapter_content_hash
 
         digest = await asyncio.to_thread(adapter_content_hash, body.lora_path)   # reads the files: off the loop
         try:
@@ -337,8 +337,6 @@ def build_app(state: ServerState) -> FastAPI:
         @app.get("/debug/invariants", include_in_schema=False)
         async def invariants() -> dict[str, Any]:
             """The engine's bookkeeping check (leaked blocks, stray requests) for tests and soak runs."""
-            from tokenmill.metrics.memory import top_allocation_sites
-
             report = await state.engine.check_invariants()
             report["api_unfinished_requests"] = state.engine.num_unfinished_requests
             report["api_detokenizing_requests"] = getattr(state.engine, "num_detokenizing_requests", 0)

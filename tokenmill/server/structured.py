@@ -27,6 +27,8 @@ from typing import Any
 from tokenmill.sampling_params import StructuredOutputsParams
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.tool_parsers.constrained import named_tool_schema, required_tools_schema, tool_parameters
+from tokenmill.structured_output import validate_structured_outputs
+from tokenmill.structured_output.backend import StructuredOutputError
 
 # A grammar that takes longer than this to check in the API process is refused (the engine compiles
 # it again, with its own --structured-outputs-config compile_timeout_s).
@@ -202,8 +204,6 @@ def constraint_for(body: Any, auto_parser: Any = None) -> Constraint | None:
 
 def _validator(so_config: Any):
     """The configured backend's tokenizer-free check (xgrammar or llguidance, chosen by the engine side)."""
-    from tokenmill.structured_output import validate_structured_outputs
-
     return lambda params, config: validate_structured_outputs(params, None, config)
 
 
@@ -233,7 +233,6 @@ async def check_constraint(constraint: Constraint, model_config: Any) -> None:
     """
     so_config = getattr(model_config, "structured_outputs", None)
     validate = _validator(so_config)
-    from tokenmill.structured_output.backend import StructuredOutputError
 
     for param, params in [*constraint.checks, (constraint.param, constraint.params)]:
         try:

@@ -17,6 +17,10 @@ import torch
 
 from tokenmill import envs
 from tokenmill.config import EngineConfig
+from tokenmill.distributed.eplb import build_controller
+from tokenmill.distributed.expert_parallel import dummy_forward, moe_layers
+from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, model_weight_bytes
+from tokenmill.distributed.parallel_state import destroy_distributed, init_distributed
 from tokenmill.engine.executor.step_codec import StepDecoder
 from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
@@ -119,9 +123,6 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int, init_method: str, cpus: list[int] | None = None,
                  dp_rank: int = 0, dp_size: int = 1) -> None:
-        from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, \
-            model_weight_bytes
-        from tokenmill.distributed.parallel_state import init_distributed
         from tokenmill.model.loader import load_arch_config, resolve_dtype, with_redundant_experts
         from tokenmill.model.runner import ModelRunner, configure_allocator
 
@@ -151,16 +152,12 @@ class Worker:
         self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids,
                                   lora_shard=(arch, self.layout) if config.model.enable_lora else None)
         if par.enable_eplb:
-            from tokenmill.distributed.eplb import build_controller
-
             ep, ctx = self.layout.ep_size, self.ctx
             # the group's global ranks (weight moves are point-to-point): the stage's tensor-parallel ranks, or
             # the whole world when the experts are shared over data-parallel engine cores
             glob = (list(range(ep)) if dp_size > 1 else [ctx.pp_rank * ctx.tp_size + i for i in range(ctx.tp_size)])
             self.runner.eplb = build_controller(config, model, ep_rank=self.layout.ep_rank, ep_size=ep,
                                                 group=ctx.ep.group, global_ranks=glob)
-        from tokenmill.distributed.expert_parallel import moe_layers
-
         self._moe = moe_layers(model) if dp_size > 1 else []
         self._hidden, self._dtype, self._device = arch.hidden_size, dtype, device
         self.decoder = StepDecoder()
@@ -206,8 +203,6 @@ class Worker:
         Returns:
             ``(None, StepStats)``.
         """
-        from tokenmill.distributed.expert_parallel import dummy_forward
-
         c0, e0, t0 = self.ctx.comm_seconds(), self.ctx.ep.seconds, time.perf_counter()
         dummy_forward(self._moe, self._hidden, self._dtype, self._device)
         if self.runner.eplb is not None:
@@ -228,8 +223,6 @@ class Worker:
         return reply
 
     def close(self) -> None:
-        from tokenmill.distributed.parallel_state import destroy_distributed
-
         store = getattr(self, "_kv_tier", None)
         if store is not None:
             store.shutdown()
