@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import pathlib
 import re
+from collections.abc import Callable
 
 import pytest
 
@@ -138,6 +139,27 @@ def test_every_module_has_a_rule():
     assert not missing, "give these packages a layer rule (RULES above, docs/architecture.md):\n" + "\n".join(missing)
 
 
+def _resolve(name: str, mods: dict[str, pathlib.Path]) -> str | None:
+    """The module ``name`` loads: itself, or its nearest enclosing module (``pkg.func`` -> ``pkg``)."""
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imported_names(node: ast.AST, package: str, names_module: Callable[[str, str], bool]) -> list[str]:
+    """The absolute names an import statement in ``package`` imports (none for another node):
+    ``from a.b import c`` gives ``a.b.c`` when ``names_module("a.b", "c")``, else ``a.b``."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
+    return [f"{base}.{a.name}" if names_module(base, a.name) else base for a in node.names]
+
+
 def module_graph(pkg: pathlib.Path = PKG, root: pathlib.Path = ROOT) -> dict[str, set[str]]:
     """Module -> the package's modules it imports (every import statement, lazy ones included).
 
@@ -148,27 +170,14 @@ def module_graph(pkg: pathlib.Path = PKG, root: pathlib.Path = ROOT) -> dict[str
     mods = {module_name(p, root): p for p in pkg.rglob("*.py")}
     top = pkg.name
 
-    def resolve(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
     graph: dict[str, set[str]] = {}
     for mod, path in mods.items():
         package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
         deps: set[str] = set()
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            names: list[str] = []
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = package.split(".")
-                    base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            names = _imported_names(node, package, lambda base, name: f"{base}.{name}" in mods)
             for name in names:
-                target = resolve(name) if _under(name, top) else None
+                target = _resolve(name, mods) if _under(name, top) else None
                 if target and target != top:
                     deps.add(target)
         deps.discard(mod)
@@ -276,11 +285,6 @@ def _lazy_and_top_imports(pkg: pathlib.Path = PKG, root: pathlib.Path = ROOT):
     mods = {module_name(p, root): p for p in pkg.rglob("*.py")}
     top_name = pkg.name
 
-    def resolve(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
     trees = {m: ast.parse(p.read_text(), str(p)) for m, p in mods.items()}
 
     def on_demand(pkg_mod: str, name: str) -> bool:
@@ -294,17 +298,9 @@ def _lazy_and_top_imports(pkg: pathlib.Path = PKG, root: pathlib.Path = ROOT):
 
     def targets(node: ast.AST, mod: str) -> list[str]:
         package = mod if mods[mod].name == "__init__.py" else mod.rpartition(".")[0]
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([node.module] if node.module else []))
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods or on_demand(base, a.name) else base
-                     for a in node.names]
+        names = _imported_names(node, package, lambda base, name: f"{base}.{name}" in mods or on_demand(base, name))
         return [n if n not in mods and _under(n, top_name) and on_demand(n.rpartition(".")[0], n.rpartition(".")[2])
-                else resolve(n) for n in names if _under(n, top_name)]
+                else _resolve(n, mods) for n in names if _under(n, top_name)]
 
     top: dict[str, set[str]] = {}
     lazy: list[tuple[str, int, str, list[str]]] = []
