@@ -137,16 +137,19 @@ def test_strided_rows_and_auto_mode():
     buf = torch.randn(6, K_IN + 10)
     x = buf[:, :K_IN]
     assert x.stride(0) == K_IN + 10
-    ref = _run(lin, x.contiguous(), [1, 3], [2, 4], "kernel")
+    # one base output for both: the base GEMM itself may round a strided input differently from a contiguous
+    # one (oneDNN with 2 threads on the AMD EPYC: 1.2e-7 apart); only the delta's reading of strides is tested
+    y0 = lin.base(x.contiguous())
+    ref = _run(lin, x.contiguous(), [1, 3], [2, 4], "kernel", y0=y0)
     out = torch.zeros(6, N_OUT + 7)
     b = LoRABatch(mode="auto", invariant=True)
     lin.batch = b
     b.fill(np.array([1, 3]), np.array([2, 4]), 6)
-    out[:, :N_OUT] = lin.base(x)
+    out[:, :N_OUT] = y0
     lin.add_delta_(x, out[:, :N_OUT])
     assert torch.equal(out[:, :N_OUT], ref)
     b.mode = "torch"
-    out[:, :N_OUT] = lin.base(x)
+    out[:, :N_OUT] = y0
     lin.add_delta_(x, out[:, :N_OUT])
     torch.testing.assert_close(out[:, :N_OUT], ref, atol=1e-4, rtol=1e-5)
 
