@@ -20,6 +20,7 @@ Arms are interleaved and repeated (``--repeat``); the machine is shared, so the 
 and concurrency, the ratio to ``base``, and memory: N merged models (N copies of the base's weights)
 vs the base plus N adapters (CPU cache bytes) plus the slot buffers.
 
+``--step-op`` adds the C kernel calls of one decode step with cold adapter weights (the bandwidth part).
 ``--op`` adds a micro-benchmark of one q/k/v-shaped layer's delta (stacked / segmented / loop) at
 16 and 64 rows with 8 adapters, next to the base GEMM, to calibrate
 :data:`tokenmill.model.layers.lora.CALL_COST_S` / ``GEMM_RATE``.
@@ -177,6 +178,64 @@ def op_bench(reps: int = 200, dtype: torch.dtype | None = None) -> list[dict]:
     return rows
 
 
+def step_op_bench(dtype: torch.dtype, layers: int = 30, slots: int = 8, rank: int = 16) -> list[dict]:
+    """The C kernel calls of one decode step of SmolLM2-135M with ``slots`` adapters of rank ``rank`` on all targets:
+    ``layers`` x (qkv, o, gate/up, down), each layer its own adapter weights (cold: the step streams them from
+    memory, as in the engine), 16 and 64 rows, 1 and 2 threads; ``hot`` repeats the first layer's four calls
+    ``layers`` times (weights cache-resident: the compute part). GB/s = the slot bytes read per step / time."""
+    import numpy as np
+    from torch import nn
+
+    from tokenmill.model.layers.lora import LoRABatch, LoRALinear, load_kernel
+
+    if load_kernel() is None:
+        return []
+    fused = [(576, ["q_proj", "k_proj", "v_proj"]), (576, ["o_proj"]), (576, ["gate_proj", "up_proj"]),
+             (1536, ["down_proj"])]
+    g = torch.Generator().manual_seed(0)
+    batch, lins = LoRABatch(dtype=dtype), []
+    for _ in range(layers):
+        for fin, names in fused:
+            sl, off = [], 0
+            for nm in names:
+                sl.append((nm, off, SHAPES[nm][1]))
+                off += SHAPES[nm][1]
+            lin = LoRALinear(nn.Identity(), sl, fin, slots, rank, dtype)
+            for s in range(slots):
+                lin.set_slot(s, {nm: (torch.randn(rank, fin, generator=g).to(dtype) * .1,
+                                      torch.randn(w, rank, generator=g).to(dtype) * .1) for nm, _, w in sl})
+            lin.batch = batch
+            lins.append(lin)
+    nbytes = sum((x.a_rows.numel() + x.b_all.numel()) * x.a_rows.element_size() for x in lins)
+    out = []
+    for rows in (16, 64):
+        batch.fill(np.arange(rows) % slots, np.ones(rows, dtype=np.int64), rows)
+        xs = {k: torch.randn(rows, k).to(dtype) for k in (576, 1536)}
+        ys = [torch.zeros(rows, x.out_features, dtype=dtype) for x in lins]
+        for threads in (1, 2):
+            calls = [x.kernel_call(xs[x.in_features], y, threads) for x, y in zip(lins, ys)]
+            for f, a in calls:
+                f(*a)
+            cold = 1e9
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(4):
+                    for f, a in calls:
+                        f(*a)
+                cold = min(cold, (time.perf_counter() - t0) / 4)
+            t0 = time.perf_counter()
+            for _ in range(10):
+                for f, a in calls[:4] * layers:
+                    f(*a)
+            hot = (time.perf_counter() - t0) / 10
+            r = {"dtype": str(dtype), "rows": rows, "threads": threads, "cold_ms": 1e3 * cold, "hot_ms": 1e3 * hot,
+                 "slot_mib": nbytes / 2**20, "cold_gb_s": nbytes / cold / 1e9}
+            out.append(r)
+            print(f"step-op {dtype} rows {rows:3d} threads {threads}: cold {r['cold_ms']:.2f} ms "
+                  f"({r['cold_gb_s']:.1f} GB/s of {r['slot_mib']:.0f} MiB), hot {r['hot_ms']:.2f} ms", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
@@ -194,10 +253,13 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="write OUT.json with every cell")
     ap.add_argument("--op-only", action="store_true", help="only the per-layer delta micro-benchmark")
     ap.add_argument("--op-dtype", nargs="+", default=["float32", "bfloat16"], help="dtypes of the micro-benchmark")
+    ap.add_argument("--step-op", action="store_true",
+                    help="also the C kernel calls of one decode step (30 layers of cold adapter weights)")
     args = ap.parse_args()
     if args.op_only:
         ops = [r for d in args.op_dtype for r in op_bench(dtype=getattr(torch, d))]
-        print(json.dumps({"machine": machine(), "load": loadavg(), "op": ops}, indent=1))
+        steps = [r for d in args.op_dtype for r in step_op_bench(getattr(torch, d))] if args.step_op else []
+        print(json.dumps({"machine": machine(), "load": loadavg(), "op": ops, "step_op": steps}, indent=1))
         return
 
     from tokenmill import LLM
@@ -279,8 +341,9 @@ def main() -> None:
         print(f"  N={n:2d}: {n} merged models {merged / 2**20:8.1f} MiB vs base + {n} adapters + {min(n, n_max)} "
               f"slots {ours / 2**20:7.1f} MiB ({merged / ours:.1f}x less)")
     ops = [r for d in args.op_dtype for r in op_bench(dtype=getattr(torch, d))] if args.op else []
+    step_ops = [r for d in args.op_dtype for r in step_op_bench(getattr(torch, d))] if args.step_op else []
     result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(), "args": vars(args),
-              "cells": cells, "summary": summary, "memory": memory, "op": ops,
+              "cells": cells, "summary": summary, "memory": memory, "op": ops, "step_op": step_ops,
               "note": "offline engine, closed batch of c requests; shared 2-core machine, arms interleaved"}
     if args.out:
         Path(args.out + ".json").write_text(json.dumps(result, indent=1))

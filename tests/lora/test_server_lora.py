@@ -74,6 +74,20 @@ def test_runtime_load_unload_and_bad_inputs(server, lora_root, tmp_path):
     assert dup.status_code == 400 and "already been loaded" in dup.json()["error"]["message"]
     assert httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "base", "lora_path": ads["r4"]}
                       ).status_code == 400
+    # every bad adapter is a 400 naming the problem (the loader's checks, reached over HTTP)
+    import shutil
+
+    from tests.lora.conftest import save_adapter, save_base
+
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(ads["r4"], corrupt)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    other = save_adapter(save_base(tmp_path / "other_base", hidden=32), tmp_path / "other", r=4)
+    for path, msg in [(str(corrupt), "not a readable safetensors"),
+                      (save_adapter(base, tmp_path / "r32", r=32), "above --max-lora-rank 16"),
+                      (other, "trained for another base model")]:
+        r = httpx.post(url + "/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": path})
+        assert r.status_code == 400 and msg in r.json()["error"]["message"], r.text
     assert complete(server, "r4").status_code == 200           # still serving
     r = complete(server, "x")
     assert r.status_code == 200 and tokens_of(r.json()) == reference_greedy(peft_model(base, ads["r16attn"]),

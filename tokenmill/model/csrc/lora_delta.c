@@ -49,135 +49,191 @@ static inline float ld1(const void *p, int64_t i, int bf) {
     return bf ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
-/* out[i] = dot(x_i[0..K), a[0..K)) for nr <= 4 rows (x float32, a float32 or bfloat16; a read once for all nr
- * rows). Each row's arithmetic is the same whatever nr: two 16-lane (AVX2: 8-lane) accumulator chains over
- * k, added, then a fixed horizontal sum, then the scalar tail. */
-static inline __attribute__((always_inline)) void dotn_impl(const float *const *x, const int nr, const void *a,
+/* out[q] = dot(x[0..K), a_q[0..K)) for na <= 4 rank vectors a_q = a + q * lda (x float32, a float32 or
+ * bfloat16), x read once for all na. Each dot's arithmetic is the same whatever na: two 16-lane (AVX2: 8-lane)
+ * accumulator chains over k, added, then a fixed horizontal sum, then the scalar tail. (na independent pairs of
+ * chains keep the FMA units busy; one vector at a time waited on the FMA latency.) */
+static inline __attribute__((always_inline)) void dotq_impl(const float *x, const void *a, const int na, int64_t lda,
                                                              int64_t K, int abf, float *out) {
     int64_t k0 = 0;
     float s[4] = {0.f, 0.f, 0.f, 0.f};
+    const size_t esz = abf ? 2 : 4;
+    const char *ap[4];
+    for (int q = 0; q < na; q++) ap[q] = (const char *)a + q * lda * (int64_t)esz;
 #if defined(__AVX512F__)
     __m512 c0[4], c1[4];
-    const size_t esz = abf ? 2 : 4;
-    for (int i = 0; i < nr; i++) c0[i] = c1[i] = _mm512_setzero_ps();
+    for (int q = 0; q < na; q++) c0[q] = c1[q] = _mm512_setzero_ps();
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        const __m512 a0 = ld16((const char *)a + k * esz, abf), a1 = ld16((const char *)a + (k + 16) * esz, abf);
-        for (int i = 0; i < nr; i++) {
-            c0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + k), a0, c0[i]);
-            c1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + k + 16), a1, c1[i]);
+        const __m512 x0 = _mm512_loadu_ps(x + k), x1 = _mm512_loadu_ps(x + k + 16);
+        for (int q = 0; q < na; q++) {
+            c0[q] = _mm512_fmadd_ps(x0, ld16(ap[q] + k * esz, abf), c0[q]);
+            c1[q] = _mm512_fmadd_ps(x1, ld16(ap[q] + (k + 16) * esz, abf), c1[q]);
         }
     }
     for (; k + 16 <= K; k += 16) {
-        const __m512 a0 = ld16((const char *)a + k * esz, abf);
-        for (int i = 0; i < nr; i++) c0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(x[i] + k), a0, c0[i]);
+        const __m512 x0 = _mm512_loadu_ps(x + k);
+        for (int q = 0; q < na; q++) c0[q] = _mm512_fmadd_ps(x0, ld16(ap[q] + k * esz, abf), c0[q]);
     }
-    for (int i = 0; i < nr; i++) s[i] = _mm512_reduce_add_ps(_mm512_add_ps(c0[i], c1[i]));
+    for (int q = 0; q < na; q++) s[q] = _mm512_reduce_add_ps(_mm512_add_ps(c0[q], c1[q]));
     k0 = k;
 #elif defined(__AVX2__)
     __m256 c0[4], c1[4];
-    const size_t esz = abf ? 2 : 4;
-    for (int i = 0; i < nr; i++) c0[i] = c1[i] = _mm256_setzero_ps();
+    for (int q = 0; q < na; q++) c0[q] = c1[q] = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-        const __m256 a0 = ld8((const char *)a + k * esz, abf), a1 = ld8((const char *)a + (k + 8) * esz, abf);
-        for (int i = 0; i < nr; i++) {
-            c0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), a0, c0[i]);
-            c1[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k + 8), a1, c1[i]);
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        for (int q = 0; q < na; q++) {
+            c0[q] = _mm256_fmadd_ps(x0, ld8(ap[q] + k * esz, abf), c0[q]);
+            c1[q] = _mm256_fmadd_ps(x1, ld8(ap[q] + (k + 8) * esz, abf), c1[q]);
         }
     }
     for (; k + 8 <= K; k += 8) {
-        const __m256 a0 = ld8((const char *)a + k * esz, abf);
-        for (int i = 0; i < nr; i++) c0[i] = _mm256_fmadd_ps(_mm256_loadu_ps(x[i] + k), a0, c0[i]);
+        const __m256 x0 = _mm256_loadu_ps(x + k);
+        for (int q = 0; q < na; q++) c0[q] = _mm256_fmadd_ps(x0, ld8(ap[q] + k * esz, abf), c0[q]);
     }
-    for (int i = 0; i < nr; i++) {
-        __m256 c = _mm256_add_ps(c0[i], c1[i]);
+    for (int q = 0; q < na; q++) {
+        __m256 c = _mm256_add_ps(c0[q], c1[q]);
         __m128 h = _mm_add_ps(_mm256_castps256_ps128(c), _mm256_extractf128_ps(c, 1));
         h = _mm_add_ps(h, _mm_movehl_ps(h, h));
         h = _mm_add_ss(h, _mm_movehdup_ps(h));
-        s[i] = _mm_cvtss_f32(h);
+        s[q] = _mm_cvtss_f32(h);
     }
     k0 = k;
 #else
-    for (int i = 0; i < nr; i++) {
+    for (int q = 0; q < na; q++) {
         float acc[16] = {0};
         int64_t k = 0;
         for (; k + 16 <= K; k += 16)
-            for (int l = 0; l < 16; l++) acc[l] += x[i][k + l] * ld1(a, k + l, abf);
-        for (int l = 0; l < 16; l++) s[i] += acc[l];
+            for (int l = 0; l < 16; l++) acc[l] += x[k + l] * ld1(ap[q], k + l, abf);
+        for (int l = 0; l < 16; l++) s[q] += acc[l];
         k0 = k;
     }
 #endif
-    for (int i = 0; i < nr; i++) {
-        float v = s[i];
-        for (int64_t k = k0; k < K; k++) v += x[i][k] * ld1(a, k, abf);
-        out[i] = v;
+    for (int q = 0; q < na; q++) {
+        float v = s[q];
+        for (int64_t k = k0; k < K; k++) v += x[k] * ld1(ap[q], k, abf);
+        out[q] = v;
     }
 }
 
-/* dotn_impl with the row count a constant (the unrolled accumulators stay in registers). */
-static void dotn(const float *const *x, int nr, const void *a, int64_t K, int abf, float *out) {
-    switch (nr) {
-    case 4: dotn_impl(x, 4, a, K, abf, out); break;
-    case 3: dotn_impl(x, 3, a, K, abf, out); break;
-    case 2: dotn_impl(x, 2, a, K, abf, out); break;
-    default: dotn_impl(x, 1, a, K, abf, out); break;
+/* dotq_impl with the vector count a constant (the unrolled accumulators stay in registers). */
+static void dotq(const float *x, const void *a, int na, int64_t lda, int64_t K, int abf, float *out) {
+    switch (na) {
+    case 4: dotq_impl(x, a, 4, lda, K, abf, out); break;
+    case 3: dotq_impl(x, a, 3, lda, K, abf, out); break;
+    case 2: dotq_impl(x, a, 2, lda, K, abf, out); break;
+    default: dotq_impl(x, a, 1, lda, K, abf, out); break;
     }
 }
 
-/* acc[0..n) = sum_{r < rank} z[r] * b[r * ldb + c], c < n <= CT, r in order 0..rank-1 from 0 (one FMA chain per
- * element; the 16-lane vectors of a tile are independent chains, so the loop over r is outside). */
-static void expand_tile(const float *z, int rank, const void *b, int64_t ldb, int bbf, int64_t n, float *acc) {
+/* acc_i[0..n) = sum_{r < rank} z_i[r] * b[r * ldb + c], c < n <= CT, for nr <= 2 rows i sharing the loads of b;
+ * r in order 0..rank-1 from 0 (one FMA chain per element, the same whatever nr; the 16-lane vectors of a tile are
+ * independent chains, so the loop over r is outside). */
+static inline __attribute__((always_inline)) void expand_impl(const float *const *z, const int nr, int rank,
+                                                               const void *b, int64_t ldb, int bbf, int64_t n,
+                                                               float *const *acc) {
     int64_t c = 0;
-#if defined(__AVX512F__)
     const size_t esz = bbf ? 2 : 4;
+#if defined(__AVX512F__)
     if (n == CT) {
-        __m512 v0 = _mm512_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
+        __m512 v[2][4];
+        for (int i = 0; i < nr; i++) v[i][0] = v[i][1] = v[i][2] = v[i][3] = _mm512_setzero_ps();
         for (int r = 0; r < rank; r++) {
-            const __m512 zr = _mm512_set1_ps(z[r]);
             const char *br = (const char *)b + r * ldb * esz;
-            v0 = _mm512_fmadd_ps(zr, ld16(br, bbf), v0);
-            v1 = _mm512_fmadd_ps(zr, ld16(br + 16 * esz, bbf), v1);
-            v2 = _mm512_fmadd_ps(zr, ld16(br + 32 * esz, bbf), v2);
-            v3 = _mm512_fmadd_ps(zr, ld16(br + 48 * esz, bbf), v3);
+            const __m512 b0 = ld16(br, bbf), b1 = ld16(br + 16 * esz, bbf), b2 = ld16(br + 32 * esz, bbf),
+                         b3 = ld16(br + 48 * esz, bbf);
+            for (int i = 0; i < nr; i++) {
+                const __m512 zr = _mm512_set1_ps(z[i][r]);
+                v[i][0] = _mm512_fmadd_ps(zr, b0, v[i][0]);
+                v[i][1] = _mm512_fmadd_ps(zr, b1, v[i][1]);
+                v[i][2] = _mm512_fmadd_ps(zr, b2, v[i][2]);
+                v[i][3] = _mm512_fmadd_ps(zr, b3, v[i][3]);
+            }
         }
-        _mm512_storeu_ps(acc, v0);
-        _mm512_storeu_ps(acc + 16, v1);
-        _mm512_storeu_ps(acc + 32, v2);
-        _mm512_storeu_ps(acc + 48, v3);
+        for (int i = 0; i < nr; i++)
+            for (int q = 0; q < 4; q++) _mm512_storeu_ps(acc[i] + 16 * q, v[i][q]);
         return;
     }
     for (; c + 16 <= n; c += 16) {
-        __m512 v = _mm512_setzero_ps();
-        for (int r = 0; r < rank; r++)
-            v = _mm512_fmadd_ps(_mm512_set1_ps(z[r]), ld16((const char *)b + (r * ldb + c) * esz, bbf), v);
-        _mm512_storeu_ps(acc + c, v);
+        __m512 v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int r = 0; r < rank; r++) {
+            const __m512 br = ld16((const char *)b + (r * ldb + c) * esz, bbf);
+            for (int i = 0; i < nr; i++) v[i] = _mm512_fmadd_ps(_mm512_set1_ps(z[i][r]), br, v[i]);
+        }
+        for (int i = 0; i < nr; i++) _mm512_storeu_ps(acc[i] + c, v[i]);
     }
 #elif defined(__AVX2__)
-    const size_t esz = bbf ? 2 : 4;
     if (n == CT) {
-        __m256 v[8];
-        for (int q = 0; q < 8; q++) v[q] = _mm256_setzero_ps();
+        __m256 v[2][8];
+        for (int i = 0; i < nr; i++)
+            for (int q = 0; q < 8; q++) v[i][q] = _mm256_setzero_ps();
         for (int r = 0; r < rank; r++) {
-            const __m256 zr = _mm256_set1_ps(z[r]);
             const char *br = (const char *)b + r * ldb * esz;
-            for (int q = 0; q < 8; q++) v[q] = _mm256_fmadd_ps(zr, ld8(br + 8 * q * esz, bbf), v[q]);
+            for (int q = 0; q < 8; q++) {
+                const __m256 bq = ld8(br + 8 * q * esz, bbf);
+                for (int i = 0; i < nr; i++) v[i][q] = _mm256_fmadd_ps(_mm256_set1_ps(z[i][r]), bq, v[i][q]);
+            }
         }
-        for (int q = 0; q < 8; q++) _mm256_storeu_ps(acc + 8 * q, v[q]);
+        for (int i = 0; i < nr; i++)
+            for (int q = 0; q < 8; q++) _mm256_storeu_ps(acc[i] + 8 * q, v[i][q]);
         return;
     }
     for (; c + 8 <= n; c += 8) {
-        __m256 v = _mm256_setzero_ps();
-        for (int r = 0; r < rank; r++)
-            v = _mm256_fmadd_ps(_mm256_set1_ps(z[r]), ld8((const char *)b + (r * ldb + c) * esz, bbf), v);
-        _mm256_storeu_ps(acc + c, v);
+        __m256 v[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (int r = 0; r < rank; r++) {
+            const __m256 br = ld8((const char *)b + (r * ldb + c) * esz, bbf);
+            for (int i = 0; i < nr; i++) v[i] = _mm256_fmadd_ps(_mm256_set1_ps(z[i][r]), br, v[i]);
+        }
+        for (int i = 0; i < nr; i++) _mm256_storeu_ps(acc[i] + c, v[i]);
     }
 #endif
-    for (; c < n; c++) {
-        float v = 0.f;
-        for (int r = 0; r < rank; r++) v = fmaf(z[r], ld1(b, r * ldb + c, bbf), v);
-        acc[c] = v;
+    for (; c < n; c++)
+        for (int i = 0; i < nr; i++) {
+            float v = 0.f;
+            for (int r = 0; r < rank; r++) v = fmaf(z[i][r], ld1(b, r * ldb + c, bbf), v);
+            acc[i][c] = v;
+        }
+}
+
+static void expand_tile(const float *const *z, int nr, int rank, const void *b, int64_t ldb, int bbf, int64_t n,
+                        float *const *acc) {
+    if (nr == 2) expand_impl(z, 2, rank, b, ldb, bbf, n, acc);
+    else expand_impl(z, 1, rank, b, ldb, bbf, n, acc);
+}
+
+/* dst[0..n) = src[0..n) widened from bfloat16 (exact). */
+static void widen_bf16(const uint16_t *src, float *dst, int64_t n) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(dst + c, ld16(src + c, 1));
+#elif defined(__AVX2__)
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(dst + c, ld8(src + c, 1));
+#endif
+    for (; c < n; c++) dst[c] = bf16_to_f32(src[c]);
+}
+
+/* y[c] = bf16(float(y[c]) + acc[c]) for c < n, rounded to nearest even as f32_to_bf16 (NaN stays NaN). */
+static void add_bf16(uint16_t *y, const float *acc, int64_t n) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512i exp = _mm512_set1_epi32(0x7f800000), low = _mm512_set1_epi32(0xffff), one = _mm512_set1_epi32(1),
+                  half = _mm512_set1_epi32(0x7fff), qbit = _mm512_set1_epi32(0x40);
+    for (; c + 16 <= n; c += 16) {
+        const __m512 s = _mm512_add_ps(ld16(y + c, 1), _mm512_loadu_ps(acc + c));
+        const __m512i u = _mm512_castps_si512(s);
+        __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(
+            _mm512_srli_epi32(u, 16), one))), 16);
+        const __mmask16 special = _mm512_cmpeq_epi32_mask(_mm512_and_si512(u, exp), exp);
+        if (special) {
+            const __mmask16 payload = _mm512_test_epi32_mask(u, low);
+            const __m512i sp = _mm512_mask_or_epi32(_mm512_srli_epi32(u, 16), payload, _mm512_srli_epi32(u, 16), qbit);
+            r = _mm512_mask_mov_epi32(r, special, sp);
+        }
+        _mm256_storeu_si256((__m256i *)(y + c), _mm512_cvtepi32_epi16(r));
     }
+#endif
+    for (; c < n; c++) y[c] = f32_to_bf16(bf16_to_f32(y[c]) + acc[c]);
 }
 
 /* The delta, in place on y. bf: x, y, A, B are bfloat16 (else float32). See the header comment for layouts.
@@ -185,8 +241,9 @@ static void expand_tile(const float *z, int rank, const void *b, int64_t ldb, in
  *   (off[0] = 0, off[k] = N); R = slot rank; nthreads: OpenMP threads (<= 0: one).
  * Work items (built serially, split statically over the threads):
  *   shrink: (segment, block of <= RB rows, slice, chunk of <= QC rank vectors): the chunk's rank vectors stay in
- *           L1 while the block's rows stream past them;
- *   expand: (segment, block of <= RB rows, slice, tile of <= CT columns): the tile of B stays in L1. */
+ *           L1 while the block's rows stream past them, 4 vectors per pass over a row;
+ *   expand: (segment, block of <= RB rows, slice, tile of <= CT columns): the tile of B stays in L1 while the
+ *           block's rows pass it two at a time. */
 #define RB 16
 #define QC 8
 typedef struct { int32_t g, i0, i1, j, r0, r1; } item_t;
@@ -235,26 +292,24 @@ static void lora_delta(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t
     {
         if (bf) {
 #pragma omp for schedule(static)
-            for (int64_t i = 0; i < nrows; i++) {
-                const uint16_t *src = (const uint16_t *)x + (int64_t)rows[i] * ldx;
-                for (int64_t c = 0; c < K; c++) xf[i * K + c] = bf16_to_f32(src[c]);
-            }
+            for (int64_t i = 0; i < nrows; i++)
+                widen_bf16((const uint16_t *)x + (int64_t)rows[i] * ldx, xf + i * K, K);
         }
 #pragma omp for schedule(static)
         for (int64_t it = 0; it < n_sh; it++) {
             const item_t w = sh[it];
             const int s = seg_slot[w.g];
-            for (int32_t r = w.r0; r < w.r1; r++) {
-                const char *av = (const char *)A + (((int64_t)s * k + w.j) * R + r) * K * (int64_t)esz;
-                /* one row per call: measured faster than 4-row blocks here (the rank vector is in L1 anyway) */
-                for (int32_t i0 = w.i0; i0 < w.i1; i0 += 1) {
-                    const int nr = 1;
-                    const float *xr[4];
-                    float d[4];
-                    for (int q = 0; q < nr; q++)
-                        xr[q] = bf ? xf + (int64_t)(i0 + q) * K : (const float *)x + (int64_t)rows[i0 + q] * ldx;
-                    dotn(xr, nr, av, K, wbf, d);
-                    for (int q = 0; q < nr; q++) z[(int64_t)(i0 + q) * kR + w.j * R + r] = d[q];
+            const char *a0 = (const char *)A + (((int64_t)s * k + w.j) * R) * K * (int64_t)esz;
+            for (int32_t r = w.r0; r < w.r1; r += 4) {
+                const int na = w.r1 - r < 4 ? w.r1 - r : 4;
+                const char *av = a0 + (int64_t)r * K * (int64_t)esz;
+                {   /* prefetch the next 4 rank vectors (the next pass) into L1 */
+                    const char *pf = av + 4 * K * (int64_t)esz;
+                    for (int64_t o = 0; o < 4 * K * (int64_t)esz; o += 64) __builtin_prefetch(pf + o, 0, 3);
+                }
+                for (int32_t i = w.i0; i < w.i1; i++) {
+                    const float *xr = bf ? xf + (int64_t)i * K : (const float *)x + (int64_t)rows[i] * ldx;
+                    dotq(xr, av, na, K, K, wbf, z + (int64_t)i * kR + w.j * R + r);
                 }
             }
         }
@@ -265,16 +320,25 @@ static void lora_delta(const void *x, int64_t ldx, void *y, int64_t ldy, int64_t
             const int rank = ranks[s * k + w.j];
             const int64_t c0 = w.r0, n = w.r1 - w.r0;
             const char *b = (const char *)B + ((int64_t)s * R * N + c0) * (int64_t)esz;
-            float acc[CT];
-            for (int32_t i = w.i0; i < w.i1; i++) {
-                expand_tile(z + (int64_t)i * kR + w.j * R, rank, b, N, wbf, n, acc);
-                const int64_t row = rows[i];
-                if (bf) {
-                    uint16_t *yr = (uint16_t *)y + row * ldy + c0;
-                    for (int64_t c = 0; c < n; c++) yr[c] = f32_to_bf16(bf16_to_f32(yr[c]) + acc[c]);
-                } else {
-                    float *yr = (float *)y + row * ldy + c0;
-                    for (int64_t c = 0; c < n; c++) yr[c] += acc[c];
+            float acc_mem[2][CT];
+            for (int r = 0; r < rank; r++) {   /* prefetch the next tile of B */
+                const char *pf = b + ((int64_t)r * N + CT) * (int64_t)esz;
+                __builtin_prefetch(pf, 0, 3);
+                __builtin_prefetch(pf + 64, 0, 3);
+                if (!wbf) { __builtin_prefetch(pf + 128, 0, 3); __builtin_prefetch(pf + 192, 0, 3); }
+            }
+            float *acc[2] = {acc_mem[0], acc_mem[1]};
+            for (int32_t i = w.i0; i < w.i1; i += 2) {
+                const int nr = w.i1 - i < 2 ? 1 : 2;
+                const float *zr[2] = {z + (int64_t)i * kR + w.j * R, z + (int64_t)(i + nr - 1) * kR + w.j * R};
+                expand_tile(zr, nr, rank, b, N, wbf, n, acc);
+                for (int q = 0; q < nr; q++) {
+                    const int64_t row = rows[i + q];
+                    if (bf) add_bf16((uint16_t *)y + row * ldy + c0, acc[q], n);
+                    else {
+                        float *yr = (float *)y + row * ldy + c0;
+                        for (int64_t c = 0; c < n; c++) yr[c] += acc[q][c];
+                    }
                 }
             }
         }
