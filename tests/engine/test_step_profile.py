@@ -36,12 +36,14 @@ class ClockedExecutor(FakeExecutor):
         super().__init__(step_time=0.0, **kw)
         self.clock = clock
         self.steps = 0
+        self.prefills: list[int] = []       # prompt tokens of each step
 
     def execute_model(self, so):
         prefill = sum(len(r.token_ids) for r in so.scheduled if len(r.token_ids) > 1)
         decode = sum(1 for r in so.scheduled if len(r.token_ids) == 1)
         cost = FIXED + PER_DECODE * decode + PER_TOKEN * prefill
         self.clock.t += cost * (10 if self.steps == 0 else 1)
+        self.prefills.append(prefill)
         self.steps += 1
         return super().execute_model(so)
 
@@ -89,6 +91,29 @@ def test_profile_respects_small_max_num_seqs_and_budget(clock):
     assert [b for b, _ in prof.decode_points] == [1.0, 4.0]
     assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
     assert core.check_invariants()["num_free_blocks"] == 256
+
+
+def test_short_prefill_samples_get_one_longer_sample_sized_by_time(clock, monkeypatch):
+    # the joins' prefill parts (64 tokens x 0.2 ms = 12.8 ms) are under PREFILL_SAMPLE_MIN_S: one prompt
+    # joins alone beside the 32 decodes, sized to ~PREFILL_SAMPLE_S (750 tokens) but at most the token
+    # budget left (256 - 32 decodes)
+    core = _core(clock)
+    prof = step_profile.run_profile(core)
+    assert max(core.executor.prefills) == 256 - 32
+    assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
+    assert core.check_invariants()["num_free_blocks"] == 256
+    # joins long enough to time: no extra sample (the largest prefill is a join's 64 tokens)
+    monkeypatch.setattr(step_profile, "PREFILL_SAMPLE_MIN_S", 0.001)
+    core = _core(clock)
+    step_profile.run_profile(core)
+    assert max(core.executor.prefills) == step_profile.PREFILL_TOKENS
+    # a sample sized by time: a budget with room, so PREFILL_SAMPLE_S / rate tokens (0.15 / 0.0002 = 750,
+    # capped at LONG_SAMPLE_MAX_TOKENS 512)
+    monkeypatch.setattr(step_profile, "PREFILL_SAMPLE_MIN_S", 0.1)
+    monkeypatch.setattr(step_profile, "PREFILL_SAMPLE_S", 0.03)
+    core = _core(clock, max_num_batched_tokens=1024, max_model_len=1024)
+    step_profile.run_profile(core)
+    assert max(core.executor.prefills) == 150
 
 
 def test_over_its_time_budget_the_profile_skips_the_larger_batches(clock):

@@ -20,9 +20,13 @@ serves (``determine_available_memory``):
    batch join in one step, their prompts :data:`PREFILL_TOKENS` tokens together, beside the running
    decodes, as prompts join under load. That step is a prefill sample, split as the online model
    splits a mixed step: ``(step − decode_step_time(running)) / prompt tokens``; the rate is the
-   median of the samples. Then :data:`DECODE_STEPS` decode steps at the new size (its point is the
-   median). The joins thus serve both terms, and no step is spent on a probe alone. On a loaded
-   machine the larger sizes are skipped and extrapolated, so start-up does not wait for them.
+   pooled ratio of the samples (their prefill seconds over their tokens). Then :data:`DECODE_STEPS`
+   decode steps at the new size (its point is the median). The joins thus serve both terms. On a
+   loaded machine the larger sizes are skipped and extrapolated, so start-up does not wait for them;
+4. on a fast path, where every join's prefill part took under :data:`PREFILL_SAMPLE_MIN_S` (timer and
+   scheduling jitter are then a large share of it), one prompt of a few hundred tokens joins alone,
+   sized to take ~:data:`PREFILL_SAMPLE_S`: a sample timed more precisely, carrying the attention over
+   its own context that real prompts pay (within the time budget, seats, pool and token budget).
 
 The prefill samples are short prompts, so the rate holds little attention over long contexts: on the
 batch-invariant default every prompt row runs the decode attention kernel over its own context, and a
@@ -83,6 +87,16 @@ DECODE_STEPS = 2
 PREFILL_TOKENS = 64
 # A join step with fewer prompt tokens than this is no prefill sample (tiny batches, tiny budgets).
 MIN_PROBE_TOKENS = 8
+# When every join's prefill part took less than PREFILL_SAMPLE_MIN_S (a fast path: 64 tokens are ~30 ms on
+# the bfloat16 path of a 2-core AVX512-BF16 EPYC, where timer and scheduling jitter is a large share of
+# them: its rates scattered 1,635-2,123 tokens/s over four starts), one more prompt joins alone, sized
+# to take about PREFILL_SAMPLE_S by the joins' estimate (at most LONG_SAMPLE_MAX_TOKENS, the token budget,
+# the seats and the pool), while the profile is within its time budget. A single longer prompt also
+# carries the attention over its own context that real prompts of a few hundred tokens pay and the joins'
+# prompts of a few tokens each do not.
+PREFILL_SAMPLE_MIN_S = 0.1
+PREFILL_SAMPLE_S = 0.15
+LONG_SAMPLE_MAX_TOKENS = 512
 # Seconds after which the profile adds no larger decode batch (the warm-up, batch 1 and the first join
 # always run): on a loaded machine each step is many times slower, and start-up must not wait for it.
 PROFILE_BUDGET_S = 1.0
@@ -260,7 +274,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
     batches = sorted({max(1, min(b, cap)) for b in DECODE_BATCHES})
     ids: list[str] = []
     decode: dict[int, list[float]] = {}
-    rates: list[float] = []
+    samples: list[tuple[float, int]] = []      # (prefill seconds, prompt tokens) of each prefill sample
 
     def add(n_prompt: int) -> None:
         rid = f"{_ID_PREFIX}-{len(ids)}"
@@ -296,7 +310,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
             running = len(sched.running)
             if b <= running:
                 continue
-            if rates and time.perf_counter() - t_start > budget_s:
+            if samples and time.perf_counter() - t_start > budget_s:
                 logger.info("step-time profile: %.1f s spent, batches above %d are extrapolated",
                             time.perf_counter() - t_start, running)
                 break
@@ -310,20 +324,55 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
             d_running = statistics.median(decode[max(k for k in decode if k <= running)])
             nd, npf, dt = step()
             if npf >= MIN_PROBE_TOKENS:
-                rates.append(max(dt - d_running, 0.1 * dt) / npf)
+                samples.append((max(dt - d_running, 0.1 * dt), npf))
             for _ in range(DECODE_STEPS):
                 step()
+        _long_sample(core, samples, decode, add, step, max_tokens, t_start, budget_s)
     finally:
         core._last_step = None      # the gap after the profile is no step
         _forget_profile(core, ids)
-    if not rates:
+    if not samples:
         raise RuntimeError("the step-time profile measured no prefill step")
     points = [(float(n), statistics.median(ts)) for n, ts in sorted(decode.items())]
     mono: list[tuple[float, float]] = []
     for n, t in points:
         mono.append((n, max(t, mono[-1][1]) if mono else t))
-    logger.debug("step-time profile: waited %.2f s for the background packing", waited)
-    return StepProfile(mono, statistics.median(rates), time.perf_counter() - t_start)
+    logger.debug("step-time profile: waited %.2f s for the background packing; prefill samples %s", waited,
+                 [(n, round(sec * 1e3, 1)) for sec, n in samples])
+    # the pooled ratio (seconds over tokens of all samples, as the online model's EWMA ratio): the longer
+    # samples, timed more precisely, weigh more
+    rate = sum(sec for sec, _ in samples) / sum(n for _, n in samples)
+    return StepProfile(mono, rate, time.perf_counter() - t_start)
+
+
+def _long_sample(core: Any, samples: list[tuple[float, int]], decode: dict[int, list[float]], add: Any,
+                 step: Any, max_tokens: int, t_start: float, budget_s: float) -> None:
+    """One prompt joins alone beside the running decodes, sized to take ~:data:`PREFILL_SAMPLE_S`, when
+    every sample so far was shorter than :data:`PREFILL_SAMPLE_MIN_S` (see there); appends its sample.
+
+    Skipped past the time budget, or without a seat, blocks or token budget for at least twice
+    :data:`PREFILL_TOKENS` tokens.
+    """
+    if not samples or max(sec for sec, _ in samples) >= PREFILL_SAMPLE_MIN_S:
+        return
+    if time.perf_counter() - t_start > budget_s:
+        return
+    sched = core.scheduler
+    running = len(sched.running)
+    if running >= sched.max_num_seqs or running not in decode:
+        return
+    tp = sum(sec for sec, _ in samples) / sum(n for _, n in samples)
+    free_tokens = (sched.kv_cache_manager.num_free_blocks - running) * sched.block_size - max_tokens
+    room = min(LONG_SAMPLE_MAX_TOKENS, sched.max_num_batched_tokens - running,
+               core.max_model_len - max_tokens, free_tokens)
+    n = int(min(room, max(2 * PREFILL_TOKENS, PREFILL_SAMPLE_S / max(tp, 1e-9))))
+    if n < 2 * PREFILL_TOKENS:
+        return
+    d_running = statistics.median(decode[running])
+    add(n)
+    _, npf, dt = step()
+    if npf >= MIN_PROBE_TOKENS:
+        samples.append((max(dt - d_running, 0.1 * dt), npf))
 
 
 def warm_up(core: Any, seed: int = 0) -> float:
