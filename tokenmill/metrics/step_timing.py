@@ -75,12 +75,17 @@ class StepTimingSnapshot:
         prefill_seconds_per_step: EWMA over all steps of the prefill part of the step,
             seconds (how much prompt work rides along with each decode step now).
         num_steps_observed: steps that updated the model.
+        prefill_seconds_per_context: seconds per prompt row per token of context before it (the
+            attention over the row's context, which grows with the prompt: a prompt of ``P`` tokens
+            computed from position 0 costs ``P × prefill_seconds_per_token + P (P − 1) / 2 ×`` this);
+            measured by the start-up profile (0: not measured, the rate alone).
     """
 
     decode_points: list[tuple[float, float]] = field(default_factory=list)
     prefill_seconds_per_token: float | None = None
     prefill_seconds_per_step: float = 0.0
     num_steps_observed: int = 0
+    prefill_seconds_per_context: float = 0.0
 
     @property
     def ready(self) -> bool:
@@ -149,20 +154,27 @@ class StepTimeModel:
         self._pf_bootstrap: list[tuple[float, float]] = []   # the first prefill samples (seconds, tokens)
         self._n = 0
         self._seen = 0
+        self._ctx_cost = 0.0                    # seconds per prompt row per context token (profiled)
 
     # -- learning ------------------------------------------------------------
-    def seed(self, decode_points: list[tuple[float, float]], prefill_seconds_per_token: float) -> None:
+    def seed(self, decode_points: list[tuple[float, float]], prefill_seconds_per_token: float,
+             prefill_seconds_per_context: float = 0.0) -> None:
         """Start from a profile (:mod:`tokenmill.engine.step_profile`) instead of nothing.
 
         Replaces what was learnt: one bucket per ``(batch size, seconds)`` point, the prefill rate
         (as a finished bootstrap), and the warm-up steps counted as done (the profile paid them).
-        Later steps refine the seeded values by the usual EWMA.
+        Later steps refine the seeded values by the usual EWMA. ``prefill_seconds_per_context`` (the
+        attention term, seconds per prompt row per context token) stays fixed: later steps are learnt
+        net of it (:meth:`observe`'s ``prefill_context``).
 
         Raises:
-            ValueError: no decode point, or a non-positive time or rate.
+            ValueError: no decode point, a non-positive time or rate, or a negative context term.
         """
         if not decode_points or not prefill_seconds_per_token > 0 or any(t <= 0 for _, t in decode_points):
             raise ValueError("a step-time seed needs decode points and a prefill rate, all positive")
+        if not prefill_seconds_per_context >= 0 or math.isinf(prefill_seconds_per_context):
+            raise ValueError("the context term of a step-time seed must be a finite number >= 0")
+        self._ctx_cost = float(prefill_seconds_per_context)
         self._decode = {batch_bucket(max(1, int(round(b)))): [float(b), float(t)] for b, t in decode_points}
         tokens = 512.0
         self._pf_tokens = tokens
@@ -172,9 +184,12 @@ class StepTimeModel:
         self._seen = max(self._seen, WARMUP_STEPS)
         self._n = max(self._n, 1)
 
-    def observe(self, num_decode_reqs: int, num_prefill_tokens: int, seconds: float) -> None:
+    def observe(self, num_decode_reqs: int, num_prefill_tokens: int, seconds: float,
+                prefill_context: int = 0) -> None:
         """Learn from one step: ``num_decode_reqs`` decoded requests, ``num_prefill_tokens`` prompt
-        (or recompute) tokens, ``seconds`` of wall time (schedule + execute + update + transport).
+        (or recompute) tokens, ``seconds`` of wall time (schedule + execute + update + transport);
+        ``prefill_context``: the sum over the prompt rows of the context before each (their attention
+        work), charged at the profiled context term before the step is split (at most half of it).
 
         Steps with nothing scheduled or a non-positive duration are ignored.
         """
@@ -183,6 +198,8 @@ class StepTimeModel:
         self._seen += 1
         if self._seen <= WARMUP_STEPS:
             return
+        if self._ctx_cost and prefill_context > 0:
+            seconds = max(seconds - self._ctx_cost * prefill_context, 0.5 * seconds)
         self._n += 1
         snap = self.snapshot()
         if num_prefill_tokens <= 0:
@@ -248,4 +265,5 @@ class StepTimeModel:
         if self._pf_seconds is not None and self._pf_tokens:
             tp = self._pf_seconds / self._pf_tokens
         return StepTimingSnapshot(decode_points=mono, prefill_seconds_per_token=tp,
-                                  prefill_seconds_per_step=self._pf_per_step, num_steps_observed=self._n)
+                                  prefill_seconds_per_step=self._pf_per_step, num_steps_observed=self._n,
+                                  prefill_seconds_per_context=self._ctx_cost)

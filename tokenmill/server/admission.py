@@ -362,7 +362,8 @@ class SLOAdmission:
         q, t = engine_stats.queue, engine_stats.step_timing
         pred = predict(q, t, prompt_tokens, priority, self.policy, inflight, self.prefix_hit_rate,
                        num_seqs=num_seqs, max_tokens=max_tokens, mean_prompt_tokens=self.mean_prompt_tokens,
-                       mean_decode_tokens=self.mean_decode_tokens)
+                       mean_decode_tokens=self.mean_decode_tokens,
+                       context_ahead=self._context_ahead(priority))
         if pred is None:
             # no basis for a prediction yet (a cold engine has not timed a prefill and a decode step, and
             # no start-up profile seeded it; before its first stats even the queue is unknown): admit a
@@ -412,6 +413,13 @@ class SLOAdmission:
                 f"token limit of {p.limit * 1000:.0f} ms (--slo); retry later",
                 int(min(MAX_RETRY_AFTER, max(MIN_RETRY_AFTER, math.ceil(wait)))), "slo")
         return pred, None
+
+    def _context_ahead(self, priority: int) -> float:
+        """Attention work of the admitted prompts still waiting for their first token that are served
+        before a new request of ``priority`` (fcfs: all): ``Σ P (P − 1) / 2`` (a prompt partly prefilled
+        counts whole: an over-estimate of at most one step's share)."""
+        return float(sum(p.prompt_tokens * (p.prompt_tokens - 1) / 2 for p in self.pending.values()
+                         if self.policy != "priority" or p.priority <= priority))
 
     def _sharing(self, pred: "Prediction", priority: int, now: float) -> list[PendingRequest]:
         """Admitted requests still waiting for their first token whose last prefill step a new request
