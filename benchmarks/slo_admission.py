@@ -46,7 +46,7 @@ Servers: ``cal`` (``--slo-calibration cache`` with an empty cache: profiles at s
 default of a first start), ``cal_cached`` (the profile kept by the previous ``cal`` start: no
 profiling), ``blind`` (``--slo-calibration off``: the behaviour the issue measured, the ablation);
 ``oracle`` is no admission rule but the yardstick: the most requests of the burst that all meet the
-limit when only they are sent (the shortest first, probed on a server without ``--slo``; see
+limit when only they are sent (the shortest first, probed on a server that refuses nothing; see
 :func:`oracle_cell`), so over-refusal shows as admitted far below it.
 Seeds form a tuning family (``--tune-seeds``, looked at while choosing the profile) and a
 held-out family (``--heldout-seeds``, run once at the end); both are reported, arms interleaved per seed.
@@ -323,11 +323,12 @@ def profile_line(log_path: Path) -> str:
 
 def oracle_cell(shape_name: str, seed: int, args, out_dir: Path, cache_dir: Path) -> dict:
     """What an oracle admission could have admitted from one burst: the most requests that all meet the
-    TTFT limit when only they are sent (no ``--slo``), found by probing.
+    TTFT limit when only they are sent (nothing refused), found by probing.
 
     The oracle admits the ``k`` shortest prompts of the burst (each at its own offset): with a single
     deadline and prompts that share the steps, shortest first admits the most. Probes run on one server
-    without ``--slo``, warmed by one request (as the calibrated servers are by their start-up), each on
+    started as the calibrated ones are (the start-up profile warms the same paths) with a limit that
+    refuses nothing (``--slo ttft:3600000``), each on
     fresh random prompt ids of the same lengths (nothing hits the prefix cache), one after another:
     ``k`` = 1, 2, 4, ... until a probe has a request past the limit, then bisection. ``k`` counts as met
     when every request of the probe met the limit (the oracle needs no 90% slack). An upper bound on
@@ -338,7 +339,10 @@ def oracle_cell(shape_name: str, seed: int, args, out_dir: Path, cache_dir: Path
 
     port = free_port()
     env = {**thread_env(args.threads), "TOKENMILL_CACHE_DIR": str(cache_dir)}
-    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port)]
+    # the same start-up as the calibrated servers (the profile warms the same kernel paths), with a limit
+    # that refuses nothing: the probes run on a server exactly as warm as the one the arms measure
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--slo", "ttft:3600000",
+           "--slo-calibration", "profile"]
     server = Server("tokenmill-oracle", cmd, env, port, out_dir / f"server-oracle-{shape_name}-{seed}.log")
     server.start(args.startup_timeout, poll_s=0.02)
     set_autogroup_nice(server.proc.pid, args.autogroup_nice)
@@ -349,8 +353,6 @@ def oracle_cell(shape_name: str, seed: int, args, out_dir: Path, cache_dir: Path
     try:
         with urllib.request.urlopen(server.base_url + "/v1/models", timeout=10) as r:
             model = json.loads(r.read())["data"][0]["id"]
-        warm = [(0.0, [random.Random(seed + 7).randrange(100, 40000) for _ in range(64)], 2)]
-        asyncio.run(_send_burst(server.base_url, warm, model))
 
         def probe(k: int) -> bool:
             rng = random.Random(f"oracle-{seed}-{k}-{len(probes)}")
