@@ -285,6 +285,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
     ids: list[str] = []
     decode: dict[int, list[float]] = {}
     samples: list[tuple[float, int, int]] = []      # (prefill seconds, prompt tokens, context) per sample
+    num_long = 0                                     # single-prompt samples among them (the last ones)
 
     def add(n_prompt: int) -> None:
         rid = f"{_ID_PREFIX}-{len(ids)}"
@@ -337,7 +338,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
                 samples.append((max(dt - d_running, 0.1 * dt), npf, ctx))
             for _ in range(DECODE_STEPS):
                 step()
-        _long_samples(core, samples, decode, add, step, max_tokens, t_start, budget_s)
+        num_long = _long_samples(core, samples, decode, add, step, max_tokens, t_start, budget_s)
     finally:
         core._last_step = None      # the gap after the profile is no step
         _forget_profile(core, ids)
@@ -349,7 +350,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
         mono.append((n, max(t, mono[-1][1]) if mono else t))
     logger.debug("step-time profile: waited %.2f s for the background packing; prefill samples %s", waited,
                  [(n, c, round(sec * 1e3, 1)) for sec, n, c in samples])
-    ctx_cost = _context_term(samples)
+    ctx_cost = _context_term(samples[-2:]) if num_long == 2 else 0.0
     # the pooled ratio net of the context term (seconds over tokens of all samples, as the online model's
     # EWMA ratio learns net of it): the longer samples, timed more precisely, weigh more
     rate = sum(max(sec - ctx_cost * c, 0.5 * sec) for sec, _, c in samples) / sum(n for _, n, _ in samples)
@@ -357,10 +358,11 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
 
 
 def _context_term(samples: list[tuple[float, int, int]]) -> float:
-    """Seconds per prompt row per context token, from the two single-prompt samples (the last two, when
-    :func:`_long_samples` took both): ``seconds = a × tokens + c × context`` solved for ``c``; 0 without
-    them, or when the solution is not positive in both terms (noise larger than the effect)."""
-    if len(samples) < 2:
+    """Seconds per prompt row per context token from the two single-prompt samples of
+    :func:`_long_samples` (not the joins: their many short prompts carry per-request costs too):
+    ``seconds = a × tokens + c × context`` solved for ``c``; 0 when the solution is not positive in both
+    terms (noise larger than the effect)."""
+    if len(samples) != 2:
         return 0.0
     (s1, n1, c1), (s2, n2, c2) = samples[-2], samples[-1]
     if not (c1 > 0 and n2 >= 1.5 * n1 and c2 / n2 >= 32):
@@ -374,46 +376,47 @@ def _context_term(samples: list[tuple[float, int, int]]) -> float:
 
 
 def _long_samples(core: Any, samples: list[tuple[float, int, int]], decode: dict[int, list[float]], add: Any,
-                  step: Any, max_tokens: int, t_start: float, budget_s: float) -> None:
+                  step: Any, max_tokens: int, t_start: float, budget_s: float) -> int:
     """Single prompts joining alone beside the running decodes, when every sample so far was shorter than
     :data:`PREFILL_SAMPLE_MIN_S` (see there): one sized to take ~:data:`PREFILL_SAMPLE_S`, then, within
-    the time budget, one twice as long (for the context term); appends their samples.
+    the time budget, one twice as long (for the context term); appends their samples and returns how many.
 
     Each is skipped past the time budget, or without a seat, blocks or token budget for it (the first:
     at least twice :data:`PREFILL_TOKENS` tokens; the second: 1.5x the first).
     """
     if not samples or max(sec for sec, _, _ in samples) >= PREFILL_SAMPLE_MIN_S:
-        return
+        return 0
     sched = core.scheduler
     tp = sum(sec for sec, _, _ in samples) / sum(n for _, n, _ in samples)
-    first = 0
+    first = taken = 0
     for want in (None, 2):
         if time.perf_counter() - t_start > budget_s:
-            return
+            return taken
         running = len(sched.running)
         measured = [k for k in decode if k <= running]
         if running >= sched.max_num_seqs or not measured:
-            return
+            return taken
         free_tokens = (sched.kv_cache_manager.num_free_blocks - running) * sched.block_size - max_tokens
         room = min(LONG_SAMPLE_MAX_TOKENS * (want or 1), sched.max_num_batched_tokens - running,
                    core.max_model_len - max_tokens, free_tokens)
         if want is None:
             n = int(min(room, max(2 * PREFILL_TOKENS, PREFILL_SAMPLE_S / max(tp, 1e-9))))
             if n < 2 * PREFILL_TOKENS:
-                return
+                return taken
         else:
             n = int(min(room, want * first))
             if n < 1.5 * first:
-                return
+                return taken
         # the running batch's decode time, interpolated / extrapolated from the measured sizes as the model does
         d_running = StepTimingSnapshot(decode_points=[(float(k), statistics.median(v)) for k, v in
                                                       sorted(decode.items())]).decode_step_time(running)
         add(n)
         _, npf, dt, ctx = step()
         if npf < n:
-            return
+            return taken
         samples.append((max(dt - d_running, 0.1 * dt), npf, ctx))
-        first = first or n
+        first, taken = first or n, taken + 1
+    return taken
 
 
 def warm_up(core: Any, seed: int = 0) -> float:
