@@ -146,3 +146,19 @@ def test_a_seeded_context_term_is_charged_before_the_rate_is_learnt():
     assert m0.snapshot().prefill_seconds_per_token > 1.1 * snap.prefill_seconds_per_token
     with pytest.raises(ValueError):
         m.seed([(1.0, 0.010)], 0.0002, -1e-6)
+
+
+def test_a_stale_slow_bucket_does_not_hold_up_the_fresher_bigger_batch():
+    # batch 8 seen once during a stall (400 ms); batch 16, the load's batch, updated every step at 250 ms:
+    # the stale smaller bucket is capped at the fresher one instead of lifting it (TPOT prediction follows
+    # what the running batch costs); a fresher slow small bucket still lifts a stale bigger one
+    m = StepTimeModel(alpha=0.5)
+    m.seed([(1.0, 0.010), (16.0, 0.250)], 0.0002)
+    m.observe(8, 0, 0.400)
+    for _ in range(10):
+        m.observe(16, 0, 0.250)
+    pts = dict(m.snapshot().decode_points)
+    assert pts[16.0] == pytest.approx(0.250) and pts[8.0] == pytest.approx(0.250)
+    m.observe(8, 0, 0.400)            # now batch 8 is the fresher: the curve stays monotone by lifting 16
+    pts = dict(m.snapshot().decode_points)
+    assert pts[16.0] >= pts[8.0] > 0.250

@@ -152,7 +152,7 @@ class StepTimeModel:
         if not 0.0 < alpha <= 1.0:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
-        # bucket -> [EWMA batch size, EWMA seconds]
+        # bucket -> [EWMA batch size, EWMA seconds, observation count (self._n) at its last update]
         self._decode: dict[int, list[float]] = {}
         self._pf_seconds: float | None = None   # EWMA of prefill seconds in prefill-dominated steps
         self._pf_tokens: float | None = None    # EWMA of their prompt tokens
@@ -181,7 +181,7 @@ class StepTimeModel:
         if not prefill_seconds_per_context >= 0 or math.isinf(prefill_seconds_per_context):
             raise ValueError("the context term of a step-time seed must be a finite number >= 0")
         self._ctx_cost = float(prefill_seconds_per_context)
-        self._decode = {batch_bucket(max(1, int(round(b)))): [float(b), float(t)] for b, t in decode_points}
+        self._decode = {batch_bucket(max(1, int(round(b)))): [float(b), float(t), 0] for b, t in decode_points}
         tokens = 512.0
         self._pf_tokens = tokens
         self._pf_seconds = prefill_seconds_per_token * tokens
@@ -239,11 +239,12 @@ class StepTimeModel:
         k = batch_bucket(max(1, batch))
         cur = self._decode.get(k)
         if cur is None:
-            self._decode[k] = [float(batch), seconds]
+            self._decode[k] = [float(batch), seconds, self._n]
             return
         seconds = min(max(seconds, cur[1] / MAX_STEP_RATIO), cur[1] * MAX_STEP_RATIO)
         cur[0] += self.alpha * (batch - cur[0])
         cur[1] += self.alpha * (seconds - cur[1])
+        cur[2] = self._n
 
     def _update_prefill(self, tokens: int, seconds: float) -> None:
         if self._pf_seconds is None or self._pf_tokens is None or \
@@ -262,10 +263,18 @@ class StepTimeModel:
     # -- reading -------------------------------------------------------------
     def snapshot(self) -> StepTimingSnapshot:
         """The current estimates as plain data (cheap: a few buckets)."""
-        pts = sorted((b, t) for b, t in self._decode.values())
-        # keep the curve monotone in batch size (a noisy bucket must not make bigger batches cheaper)
+        pts = sorted(([b, t, last] for b, t, last in self._decode.values()), key=lambda p: p[0])
+        # keep the curve monotone in batch size (a noisy bucket must not make bigger batches cheaper). Where
+        # a smaller batch's bucket is slower than a bigger one's and was updated less recently, it is the
+        # stale one (on a contended machine a bucket visited once during a stall kept 435 ms while the
+        # batch the load held, updated every step, ran at ~250 ms: lifting that one to the stale value
+        # over-predicted every TPOT by 58%): it is capped at the fresher one first; what still decreases
+        # is then lifted, as before.
+        for i in range(len(pts) - 2, -1, -1):
+            if pts[i][1] > pts[i + 1][1] and pts[i][2] < pts[i + 1][2]:
+                pts[i][1] = pts[i + 1][1]
         mono: list[tuple[float, float]] = []
-        for b, t in pts:
+        for b, t, _ in pts:
             mono.append((b, max(t, mono[-1][1]) if mono else t))
         tp = None
         if self._pf_seconds is not None and self._pf_tokens:
