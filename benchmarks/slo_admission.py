@@ -44,7 +44,10 @@ meeting the TTFT limit, and the server's start-up time (process start to ``/heal
 
 Servers: ``cal`` (``--slo-calibration cache`` with an empty cache: profiles at start-up, the
 default of a first start), ``cal_cached`` (the profile kept by the previous ``cal`` start: no
-profiling), ``blind`` (``--slo-calibration off``: the behaviour the issue measured, the ablation).
+profiling), ``blind`` (``--slo-calibration off``: the behaviour the issue measured, the ablation);
+``oracle`` is no admission rule but the yardstick: the most requests of the burst that all meet the
+limit when only they are sent (the shortest first, probed on a server that refuses nothing; see
+:func:`oracle_cell`), so over-refusal shows as admitted far below it.
 Seeds form a tuning family (``--tune-seeds``, looked at while choosing the profile) and a
 held-out family (``--heldout-seeds``, run once at the end); both are reported, arms interleaved per seed.
 
@@ -303,7 +306,89 @@ def cold_cell(arm: str, shape_name: str, seed: int, args, out_dir: Path, cache_d
             "refused": len(refused), "refused_with_retry_after": sum(1 for r in refused if r["retry_after"]),
             "met": met, "attainment_admitted": met / len(ok) if ok else float("nan"),
             "ttft_p90_ms": pct([r["ttft"] * 1e3 for r in ok], 90), "startup_s": startup,
+            "profile": profile_line(server.log_path),
             "other": len(recs) - len(ok) - len(refused), "load_average": load, "requests": recs}
+
+
+def profile_line(log_path: Path) -> str:
+    """The server log's ``step-time model ...`` line (what the start-up profile measured), or ''."""
+    try:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "step-time model" in line and ("profiled" in line or "cache" in line):
+                return line.split("step_profile: ", 1)[-1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def oracle_cell(shape_name: str, seed: int, args, out_dir: Path, cache_dir: Path) -> dict:
+    """What an oracle admission could have admitted from one burst: the most requests that all meet the
+    TTFT limit when only they are sent (nothing refused), found by probing.
+
+    The oracle admits the ``k`` shortest prompts of the burst (each at its own offset): with a single
+    deadline and prompts that share the steps, shortest first admits the most. Probes run on one server
+    started as the calibrated ones are (the start-up profile warms the same paths) with a limit that
+    refuses nothing (``--slo ttft:3600000``), each on
+    fresh random prompt ids of the same lengths (nothing hits the prefix cache), one after another:
+    ``k`` = 1, 2, 4, ... until a probe has a request past the limit, then bisection. ``k`` counts as met
+    when every request of the probe met the limit (the oracle needs no 90% slack). An upper bound on
+    what any admission rule could admit with 100% attainment on this machine, not a prediction.
+    """
+    import asyncio
+    import urllib.request
+
+    port = free_port()
+    env = {**thread_env(args.threads), "TOKENMILL_CACHE_DIR": str(cache_dir)}
+    # the same start-up as the calibrated servers (the profile warms the same kernel paths), with a limit
+    # that refuses nothing: the probes run on a server exactly as warm as the one the arms measure
+    cmd = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--slo", "ttft:3600000",
+           "--slo-calibration", "profile"]
+    server = Server("tokenmill-oracle", cmd, env, port, out_dir / f"server-oracle-{shape_name}-{seed}.log")
+    server.start(args.startup_timeout, poll_s=0.02)
+    set_autogroup_nice(server.proc.pid, args.autogroup_nice)
+    limit = float(next(x for x in " ".join(args.slo).replace(",", " ").split() if x.startswith("ttft:"))[5:]) / 1000
+    burst = burst_requests(BURST_SHAPES[shape_name], seed)
+    order = sorted(range(len(burst)), key=lambda i: (len(burst[i][1]), i))
+    probes: list[dict] = []
+    try:
+        with urllib.request.urlopen(server.base_url + "/v1/models", timeout=10) as r:
+            model = json.loads(r.read())["data"][0]["id"]
+
+        def probe(k: int) -> bool:
+            rng = random.Random(f"oracle-{seed}-{k}-{len(probes)}")
+            chosen = sorted(order[:k])
+            reqs = [(burst[i][0], [rng.randrange(100, 49052) for _ in burst[i][1]], burst[i][2]) for i in chosen]
+            recs = asyncio.run(_send_burst(server.base_url, reqs, model))
+            ttfts = [r["ttft"] for r in recs if r["status"] == 200 and r["ttft"] is not None]
+            ok = len(ttfts) == k and max(ttfts) <= limit
+            probes.append({"k": k, "all_met": ok, "met": sum(1 for t in ttfts if t <= limit),
+                           "ttft_max_ms": max(ttfts) * 1e3 if ttfts else float("nan"),
+                           "prompt_tokens": [len(burst[i][1]) for i in chosen]})
+            return ok
+
+        lo, hi, k = 0, None, 1
+        while k <= len(burst):                  # doubling
+            if probe(k):
+                lo, k = k, 2 * k
+            else:
+                hi = k
+                break
+        if hi is None and lo < len(burst):     # every power of two passed: the whole burst?
+            if probe(len(burst)):
+                lo = len(burst)
+            else:
+                hi = len(burst)
+        while hi is not None and hi - lo > 1:   # bisection
+            mid = (lo + hi) // 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+    finally:
+        server.stop()
+    return {"arm": "oracle", "shape": shape_name, "seed": seed, "n": len(burst), "oracle_admitted": lo,
+            "oracle_prompt_tokens": sorted(len(burst[i][1]) for i in order[:lo]), "probes": probes,
+            "load_average": load_average()}
 
 
 def main_cold(args) -> None:
@@ -326,9 +411,22 @@ def main_cold(args) -> None:
         for seed in [int(s) for s in seeds.split(",") if s]:
             for shape in args.shapes.split(","):
                 for arm in args.arms.split(","):      # interleaved: every arm of a cell back to back
+                    if arm == "oracle":
+                        row = oracle_cell(shape, seed, args, out_dir, cache_dir)
+                        row["family"] = family
+                        rows.append(row)
+                        print(f"  {family:>8} seed {seed:>3} {shape:>7} {arm:>10}: at most {row['oracle_admitted']}/"
+                              f"{row['n']} meet TTFT when only they are sent (probes: "
+                              + ", ".join(f"{p['k']}->{p['ttft_max_ms']:.0f} ms" for p in row["probes"])
+                              + f"), load {row['load_average']:.2f}", flush=True)
+                        _save(args, out_dir, rows)
+                        continue
                     row = cold_cell(arm, shape, seed, args, out_dir, cache_dir)
                     row["family"] = family
                     rows.append(row)
+                    _save(args, out_dir, rows)
+                    if row.get("profile"):
+                        print(f"      {row['profile']}", flush=True)
                     print(f"  {family:>8} seed {seed:>3} {shape:>7} {arm:>10}: admitted {row['admitted']:>2}/"
                           f"{row['n']}, refused {row['refused']:>2} ({row['refused_with_retry_after']} with "
                           f"Retry-After), admitted meeting TTFT {row['attainment_admitted']:6.1%}, TTFT p90 "
@@ -342,6 +440,10 @@ def main_cold(args) -> None:
                 cell = [r for r in rows if (r["family"], r["shape"], r["arm"]) == (family, shape, arm)]
                 if not cell:
                     continue
+                if arm == "oracle":
+                    print(f"{family:>8} {shape:>7} {arm:>10} {sum(r['oracle_admitted'] for r in cell):>8} "
+                          f"{'':>7} {'100.0%':>12}")
+                    continue
                 adm = sum(r["admitted"] for r in cell)
                 met = sum(r["met"] for r in cell)
                 worst = min((r["attainment_admitted"] for r in cell if r["admitted"]), default=float("nan"))
@@ -349,9 +451,15 @@ def main_cold(args) -> None:
                       f"{met / adm if adm else float('nan'):>12.1%} {worst:>10.1%} "
                       f"{sum(r['startup_s'] for r in cell) / len(cell):>10.2f}")
     print(f"load average at the end {load_average():.2f}")
-    (out_dir / "summary.json").write_text(json.dumps({"slo": args.slo, "rows": rows}, indent=1))
+    _save(args, out_dir, rows)
+
+
+def _save(args, out_dir: Path, rows: list[dict]) -> None:
+    """Write the rows so far (after every cell: a run stopped at its time limit keeps what it measured)."""
+    doc = json.dumps({"slo": args.slo, "rows": rows}, indent=1)
+    (out_dir / "summary.json").write_text(doc)
     if args.save_json:
-        Path(args.save_json).write_text(json.dumps({"slo": args.slo, "rows": rows}, indent=1))
+        Path(args.save_json).write_text(doc)
 
 
 def main() -> None:

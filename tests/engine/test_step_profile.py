@@ -18,6 +18,7 @@ from tokenmill.engine.engine_core import EngineCore, EngineCoreRequest
 from tokenmill.sampling_params import SamplingParams
 
 FIXED, PER_DECODE, PER_TOKEN = 0.004, 0.0005, 0.0002
+PER_CONTEXT = 1e-6      # seconds per prompt row per context token (ClockedExecutor.per_context, when set)
 
 
 class Clock:
@@ -36,12 +37,17 @@ class ClockedExecutor(FakeExecutor):
         super().__init__(step_time=0.0, **kw)
         self.clock = clock
         self.steps = 0
+        self.prefills: list[int] = []       # prompt tokens of each step
+        self.per_context = 0.0              # seconds per prompt row per token of context before it
 
     def execute_model(self, so):
         prefill = sum(len(r.token_ids) for r in so.scheduled if len(r.token_ids) > 1)
         decode = sum(1 for r in so.scheduled if len(r.token_ids) == 1)
-        cost = FIXED + PER_DECODE * decode + PER_TOKEN * prefill
+        context = sum(len(r.token_ids) * r.num_computed_tokens + len(r.token_ids) * (len(r.token_ids) - 1) // 2
+                      for r in so.scheduled if len(r.token_ids) > 1)
+        cost = FIXED + PER_DECODE * decode + PER_TOKEN * prefill + self.per_context * context
         self.clock.t += cost * (10 if self.steps == 0 else 1)
+        self.prefills.append(prefill)
         self.steps += 1
         return super().execute_model(so)
 
@@ -89,6 +95,56 @@ def test_profile_respects_small_max_num_seqs_and_budget(clock):
     assert [b for b, _ in prof.decode_points] == [1.0, 4.0]
     assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
     assert core.check_invariants()["num_free_blocks"] == 256
+
+
+def test_short_prefill_samples_get_one_longer_sample_sized_by_time(clock, monkeypatch):
+    # the joins' prefill parts (64 tokens x 0.2 ms = 12.8 ms) are under PREFILL_SAMPLE_MIN_S: one prompt
+    # joins alone beside the 32 decodes, sized to ~PREFILL_SAMPLE_S (750 tokens) but at most the token
+    # budget left (256 - 32 decodes)
+    core = _core(clock)
+    prof = step_profile.run_profile(core)
+    assert max(core.executor.prefills) == 256 - 32
+    assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
+    assert core.check_invariants()["num_free_blocks"] == 256
+    # joins long enough to time: no extra sample (the largest prefill is a join's 64 tokens)
+    monkeypatch.setattr(step_profile, "PREFILL_SAMPLE_MIN_S", 0.001)
+    core = _core(clock)
+    step_profile.run_profile(core)
+    assert max(core.executor.prefills) == step_profile.PREFILL_TOKENS
+    # a budget with room: a sample sized by time (PREFILL_SAMPLE_S / rate: 0.03 / 0.0002 = 150 tokens),
+    # then one twice as long; no context cost on this clock: the context term is 0 and the rate exact
+    monkeypatch.setattr(step_profile, "PREFILL_SAMPLE_MIN_S", 0.1)
+    monkeypatch.setattr(step_profile, "PREFILL_SAMPLE_S", 0.03)
+    core = _core(clock, max_num_batched_tokens=1024, max_model_len=1024)
+    prof = step_profile.run_profile(core)
+    assert sorted(core.executor.prefills)[-2:] == [150, 300]
+    assert prof.prefill_seconds_per_context == pytest.approx(0.0, abs=1e-12)
+    assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-9)
+
+
+def test_two_single_prompt_samples_give_the_rate_and_the_context_term(clock, monkeypatch, tmp_path):
+    # every prompt row also costs PER_CONTEXT per token before it (the attention over its context):
+    # the two single-prompt samples (~150 and ~300 tokens) separate it from the per-token rate exactly
+    monkeypatch.setattr(step_profile, "PREFILL_SAMPLE_S", 0.03)
+    core = _core(clock, max_num_batched_tokens=1024, max_model_len=1024)
+    core.executor.per_context = PER_CONTEXT
+    prof = step_profile.run_profile(core)
+    assert prof.prefill_seconds_per_context == pytest.approx(PER_CONTEXT, rel=1e-6)
+    assert prof.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=1e-6)
+    # it seeds the online model, which learns later steps net of it and hands it to the predictor
+    monkeypatch.setenv("TOKENMILL_CACHE_DIR", str(tmp_path))
+    core = _core(clock, max_num_batched_tokens=1024, max_model_len=1024)
+    core.executor.per_context = PER_CONTEXT
+    step_profile.calibrate(core, "profile")
+    snap = core.get_stats().step_timing
+    assert snap.prefill_seconds_per_context == pytest.approx(PER_CONTEXT, rel=1e-6)
+    assert step_profile.load_cached(step_profile.profile_key(core)).prefill_seconds_per_context == \
+        pytest.approx(PER_CONTEXT, rel=1e-6)
+    core.add_request(EngineCoreRequest("long", [7] * 600, SamplingParams(max_tokens=1)))
+    while core.has_unfinished_requests():
+        core.step()
+    core.step()         # the next step times the last one (idle: its own span)
+    assert core.get_stats().step_timing.prefill_seconds_per_token == pytest.approx(PER_TOKEN, rel=0.02)
 
 
 def test_over_its_time_budget_the_profile_skips_the_larger_batches(clock):

@@ -122,12 +122,16 @@ def test_predicted_tpot_tracks_measured_tpot_on_a_full_batch():
     pairs = [(predicted[r], measured[r]) for r in ids if r in predicted and r in measured]
     assert len(pairs) >= len(ids) - 2, f"{n} sent, {len(predicted)} predicted, {len(measured)} measured"
     ms = [m for _, m in pairs]
-    errs = [p - m for p, m in pairs]
     med_tpot, mean_tpot = statistics.median(ms), statistics.mean(ms)
-    med_abs = statistics.median(abs(e) for e in errs)
     scatter = statistics.median(abs(m - mean_tpot) for m in ms)
-    bias = statistics.mean(errs)
-    se = statistics.stdev(errs) / math.sqrt(len(errs))
+
+    def judged(scale: float) -> tuple[float, float, float, bool]:
+        """(median |error|, bias, standard error, within the bounds) of the predictions × ``scale``."""
+        e = [scale * p - m for p, m in pairs]
+        mab, b, s = statistics.median(abs(x) for x in e), statistics.mean(e), statistics.stdev(e) / math.sqrt(len(e))
+        return mab, b, s, mab <= scatter + MODEL_SHARE * med_tpot and abs(b) <= MODEL_SHARE * mean_tpot + 3 * s
+
+    med_abs, bias, se, ok = judged(1.0)
     snap = core.get_stats().step_timing
     report = (f"{len(pairs)} requests, median TPOT {med_tpot * 1e3:.1f} ms (min {min(ms) * 1e3:.1f}, max "
               f"{max(ms) * 1e3:.1f}), median |error| {med_abs * 1e3:.1f} ms ({med_abs / med_tpot:.0%}) against "
@@ -138,3 +142,7 @@ def test_predicted_tpot_tracks_measured_tpot_on_a_full_batch():
     print(report)
     assert med_abs <= scatter + MODEL_SHARE * med_tpot, report
     assert abs(bias) <= MODEL_SHARE * mean_tpot + 3 * se, report
+    # The bounds come from the run, so a noisy (contended) run loosens them: they must still reject a
+    # predictor off by 2x either way on this run's data, or the run was too noisy to judge the model.
+    for scale in (2.0, 0.5):
+        assert not judged(scale)[3], f"the bounds would pass every prediction x{scale} too: too noisy to judge; {report}"

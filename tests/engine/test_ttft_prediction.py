@@ -85,14 +85,24 @@ def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
                 measured[out.req_id] = time.perf_counter() - arrivals[out.req_id]
     pairs = [(predicted[r], measured[r]) for r in (f"r{k}" for k in range(WARMUP, n)) if r in predicted]
     assert len(pairs) >= n - WARMUP - 2, f"{len(predicted)} predictions, {len(measured)} measured"
-    errs = [p - m for p, m in pairs]
     med_ttft = statistics.median(m for _, m in pairs)
-    med_abs = statistics.median(abs(e) for e in errs)
-    bias = statistics.mean(errs) / statistics.mean(m for _, m in pairs)
-    se = statistics.stdev(errs) / math.sqrt(len(errs)) / statistics.mean(m for _, m in pairs)
+    mean_ttft = statistics.mean(m for _, m in pairs)
+
+    def judged(scale: float) -> tuple[list[float], float, float, float, bool]:
+        """(errors, median |error|, relative bias, its standard error, within the bounds), predictions × scale."""
+        e = [scale * p - m for p, m in pairs]
+        mab = statistics.median(abs(x) for x in e)
+        b, s = statistics.mean(e) / mean_ttft, statistics.stdev(e) / math.sqrt(len(e)) / mean_ttft
+        return e, mab, b, s, mab <= max(0.35 * med_ttft, 0.040) and abs(b) <= 0.30 + 3 * s
+
+    errs, med_abs, bias, se, _ = judged(1.0)
     report = (f"median TTFT {med_ttft * 1e3:.0f} ms, median |error| {med_abs * 1e3:.0f} ms "
               f"({med_abs / med_ttft:.0%}), bias {bias:+.0%} (standard error {se:.0%}), p90 |error| "
               f"{sorted(abs(e) for e in errs)[int(0.9 * len(errs))] * 1e3:.0f} ms")
     print(report)
     assert med_abs <= max(0.35 * med_ttft, 0.040), report
     assert abs(bias) <= 0.30 + 3 * se, report
+    # The bias allowance grows with the run's noise (3 standard errors): on a contended run it must still
+    # reject a predictor off by 2x either way, or the run was too noisy to judge the model.
+    for scale in (2.0, 0.5):
+        assert not judged(scale)[4], f"the bounds would pass every prediction x{scale} too: too noisy to judge; {report}"

@@ -126,3 +126,39 @@ def test_a_stalled_first_prefill_does_not_pin_the_rate_near_zero():
         m.observe(0, 64, true_step(0, 64))
     tp = m.snapshot().prefill_seconds_per_token
     assert tp == pytest.approx(true_step(0, 64) / 64, rel=0.01), tp   # 1/tp: thousands of tok/s, not 8
+
+
+def test_a_seeded_context_term_is_charged_before_the_rate_is_learnt():
+    # steps cost 10 ms + 0.2 ms per prompt token + 1 us per prompt row per context token; seeded with the
+    # right terms, prompt steps of any length leave the per-token rate where it is
+    m = StepTimeModel(alpha=0.5)
+    m.seed([(1.0, 0.010)], 0.0002, 1e-6)
+    for p in (64, 512, 1500, 200):
+        m.observe(0, p, 0.010 + 0.0002 * p + 1e-6 * p * (p - 1) / 2, prefill_context=p * (p - 1) // 2)
+    snap = m.snapshot()
+    assert snap.prefill_seconds_per_context == 1e-6
+    assert snap.prefill_seconds_per_token == pytest.approx(0.0002 * 1.0, rel=0.06)   # the 10 ms fixed cost rides on it
+    # without the term the long prompts teach a higher rate (their attention), which short prompts then pay
+    m0 = StepTimeModel(alpha=0.5)
+    m0.seed([(1.0, 0.010)], 0.0002)
+    for p in (64, 512, 1500, 200):
+        m0.observe(0, p, 0.010 + 0.0002 * p + 1e-6 * p * (p - 1) / 2, prefill_context=p * (p - 1) // 2)
+    assert m0.snapshot().prefill_seconds_per_token > 1.1 * snap.prefill_seconds_per_token
+    with pytest.raises(ValueError):
+        m.seed([(1.0, 0.010)], 0.0002, -1e-6)
+
+
+def test_a_stale_slow_bucket_does_not_hold_up_the_fresher_bigger_batch():
+    # batch 8 seen once during a stall (400 ms); batch 16, the load's batch, updated every step at 250 ms:
+    # the stale smaller bucket is capped at the fresher one instead of lifting it (TPOT prediction follows
+    # what the running batch costs); a fresher slow small bucket still lifts a stale bigger one
+    m = StepTimeModel(alpha=0.5)
+    m.seed([(1.0, 0.010), (16.0, 0.250)], 0.0002)
+    m.observe(8, 0, 0.400)
+    for _ in range(10):
+        m.observe(16, 0, 0.250)
+    pts = dict(m.snapshot().decode_points)
+    assert pts[16.0] == pytest.approx(0.250) and pts[8.0] == pytest.approx(0.250)
+    m.observe(8, 0, 0.400)            # now batch 8 is the fresher: the curve stays monotone by lifting 16
+    pts = dict(m.snapshot().decode_points)
+    assert pts[16.0] >= pts[8.0] > 0.250

@@ -206,3 +206,25 @@ def test_tpot_retry_after_when_the_excess_is_still_waiting():
     excess = p.decode_batch - cap
     expected = (50 + -(-(excess - 2) // cap) * 100) * p.step_time
     assert v.retry_after == min(60, max(1, int(-(-expected // 1))))
+
+
+def test_the_context_term_charges_long_prompts_their_attention():
+    # C seconds per prompt row per context token: a prompt of P tokens costs P*TP + C*P*(P-1)/2 more
+    C = 1e-7
+    t = StepTimingSnapshot(decode_points=[(1.0, 0.010), (17.0, 0.026)], prefill_seconds_per_token=TP,
+                           num_steps_observed=100, prefill_seconds_per_context=C)
+    p = predict(queue(), t, prompt_tokens=500, priority=0, policy="fcfs")
+    assert p.ttft == pytest.approx(0.010 + 500 * TP + C * 500 * 499 / 2)
+    assert p.ttft_idle == pytest.approx(p.ttft)
+    # the prompts ahead's attention (their lengths come from the API process: context_ahead)
+    q = queue(waiting_by_priority={0: (2, 1000)})
+    base = predict(q, t, prompt_tokens=100, priority=0, policy="fcfs")
+    ahead = predict(q, t, prompt_tokens=100, priority=0, policy="fcfs", context_ahead=2 * 500 * 499 / 2)
+    assert ahead.ttft - base.ttft == pytest.approx(C * 500 * 499)
+    assert ahead.ttft_idle == base.ttft_idle == pytest.approx(0.010 + 100 * TP + C * 100 * 99 / 2)
+    # after a prefix-cache hit the rows computed attend to the cached prefix too: 250 rows from 250 on
+    hit = predict(queue(), t, prompt_tokens=500, priority=0, policy="fcfs", prefix_hit_rate=0.5)
+    assert hit.ttft == pytest.approx(0.010 + 250 * TP + C * (250 * 249 / 2 + 250 * 250))
+    # without a measured term (0), the linear model as before
+    assert predict(queue(), timing(), prompt_tokens=500, priority=0, policy="fcfs").ttft == \
+        pytest.approx(0.010 + 500 * TP)

@@ -124,7 +124,8 @@ class EngineCore:
         self._last_schedule_time = 0.0
         self.step_time_model = StepTimeModel()
         # (decode requests, prefill tokens, start, end) of the last step, timed when the next one starts
-        self._last_step: tuple[int, int, float, float] | None = None
+        # (decoding requests, prefill tokens, start, end, prefill context) of the last step
+        self._last_step: tuple[int, int, float, float, int] | None = None
 
     def _make_kv_connector(self, kv_transfer: Any) -> Any:
         """Build the ``--kv-transfer-config`` connector over the executor's KV pool.
@@ -310,7 +311,8 @@ class EngineCore:
         self._num_steps += 1
         self._last_step_time = t3 - t0
         self._last_schedule_time = (t1 - t0) + (t3 - t2)
-        self._last_step = (*_step_shape(scheduler_output), t0, t3)
+        nd, npf, ctx = _step_shape(scheduler_output)
+        self._last_step = (nd, npf, t0, t3, ctx)
         return outputs
 
     def _kv_connector_after_step(self) -> None:
@@ -337,9 +339,9 @@ class EngineCore:
         last, self._last_step = self._last_step, None
         if last is None:
             return
-        num_decode, num_prefill, start, end = last
+        num_decode, num_prefill, start, end, context = last
         busy = now - end <= max(0.002, 0.25 * (end - start))
-        self.step_time_model.observe(num_decode, num_prefill, (now if busy else end) - start)
+        self.step_time_model.observe(num_decode, num_prefill, (now if busy else end) - start, context)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
         """Finish every request of a failed step with an error output; their blocks return to the pool."""
@@ -419,17 +421,21 @@ class EngineCore:
         return stats
 
 
-def _step_shape(so: SchedulerOutput) -> tuple[int, int]:
-    """(decoding requests, prefill tokens) of a step: a request computing the tokens after its
-    prompt one step at a time decodes; prompt chunks and recomputes are prefill."""
-    num_decode = num_prefill = 0
+def _step_shape(so: SchedulerOutput) -> tuple[int, int, int]:
+    """(decoding requests, prefill tokens, prefill context) of a step: a request computing the tokens
+    after its prompt one step at a time decodes; prompt chunks and recomputes are prefill. The prefill
+    context is the sum over the prefill rows of the tokens before each (a chunk of ``n`` rows from
+    position ``c``: ``n c + n (n − 1) / 2``), the attention work the step-time model's context term
+    charges."""
+    num_decode = num_prefill = context = 0
     for sr in so.scheduled:
         n = sr.num_scheduled_tokens
         if sr.num_computed_tokens >= len(sr.prompt_token_ids) and sr.sample and n <= 1 + _num_draft(sr):
             num_decode += 1
         else:
             num_prefill += n
-    return num_decode, num_prefill
+            context += n * sr.num_computed_tokens + n * (n - 1) // 2
+    return num_decode, num_prefill, context
 
 
 def _num_draft(sr: Any) -> int:

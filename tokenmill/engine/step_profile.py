@@ -20,9 +20,15 @@ serves (``determine_available_memory``):
    batch join in one step, their prompts :data:`PREFILL_TOKENS` tokens together, beside the running
    decodes, as prompts join under load. That step is a prefill sample, split as the online model
    splits a mixed step: ``(step − decode_step_time(running)) / prompt tokens``; the rate is the
-   median of the samples. Then :data:`DECODE_STEPS` decode steps at the new size (its point is the
-   median). The joins thus serve both terms, and no step is spent on a probe alone. On a loaded
-   machine the larger sizes are skipped and extrapolated, so start-up does not wait for them.
+   pooled ratio of the samples (their prefill seconds over their tokens). Then :data:`DECODE_STEPS`
+   decode steps at the new size (its point is the median). The joins thus serve both terms. On a
+   loaded machine the larger sizes are skipped and extrapolated, so start-up does not wait for them;
+4. on a fast path, where every join's prefill part took under :data:`PREFILL_SAMPLE_MIN_S` (timer and
+   scheduling jitter are then a large share of it), one prompt of a few hundred tokens joins alone,
+   sized to take ~:data:`PREFILL_SAMPLE_S` (a sample timed more precisely), then one twice as long
+   (within the time budget, seats, pool and token budget): each prompt row attends to the rows before
+   it, so the two give the per-token rate and the per-context-token cost
+   (``seconds = a × tokens + c × Σ context``), which the predictor charges long prompts.
 
 The prefill samples are short prompts, so the rate holds little attention over long contexts: on the
 batch-invariant default every prompt row runs the decode attention kernel over its own context, and a
@@ -62,6 +68,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenmill import envs
+from tokenmill.metrics.step_timing import StepTimingSnapshot
 from tokenmill.core.request import RequestStatus
 from tokenmill.engine.engine_core import EngineCoreRequest
 from tokenmill.model.default_model import default_model_path
@@ -69,7 +76,7 @@ from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 # Decode batch sizes profiled (capped at --max-num-seqs and the pool), ascending. On the batch-invariant
 # default every row runs the same kernels, so a step's time is close to linear in its rows past a few
 # (fixed cost + per-row cost): 1, 8 and 32 pin the fixed cost, the bend and the slope, which
@@ -85,6 +92,18 @@ DECODE_STEPS = 2
 PREFILL_TOKENS = 64
 # A join step with fewer prompt tokens than this is no prefill sample (tiny batches, tiny budgets).
 MIN_PROBE_TOKENS = 8
+# When every join's prefill part took less than PREFILL_SAMPLE_MIN_S (a fast path: 64 tokens are ~30 ms on
+# the bfloat16 path of a 2-core AVX512-BF16 EPYC, where timer and scheduling jitter is a large share of
+# them: its rates scattered 1,635-2,123 tokens/s over four starts), one more prompt joins alone, sized
+# to take about PREFILL_SAMPLE_S by the joins' estimate (at most LONG_SAMPLE_MAX_TOKENS, the token budget,
+# the seats and the pool), then, within the time budget, one of twice its length: the two differ in the
+# attention over their own context (every prompt row attends to the rows before it: on that EPYC a
+# 1,100-token prompt cost 1.26x its tokens at the short prompts' rate, and steps of ~1,100-1,400-token
+# prompts 1.4-1.65x), so together they give the rate and the context term
+# (StepTimingSnapshot.prefill_seconds_per_context).
+PREFILL_SAMPLE_MIN_S = 0.1
+PREFILL_SAMPLE_S = 0.12
+LONG_SAMPLE_MAX_TOKENS = 512
 # Seconds after which the profile adds no larger decode batch (the warm-up, batch 1 and the first join
 # always run): on a loaded machine each step is many times slower, and start-up must not wait for it.
 PROFILE_BUDGET_S = 1.0
@@ -102,6 +121,8 @@ class StepProfile:
     Attributes:
         decode_points: ``[(batch size, seconds per decode step)]``, ascending batch size.
         prefill_seconds_per_token: marginal seconds per prompt token.
+        prefill_seconds_per_context: seconds per prompt row per token of context before it (0: not
+            measured).
         seconds: wall time the profile took (0 when loaded from the cache).
         source: ``profiled`` or ``cache``.
         key: what the cached entry is keyed by.
@@ -110,6 +131,7 @@ class StepProfile:
     decode_points: list[tuple[float, float]]
     prefill_seconds_per_token: float
     seconds: float = 0.0
+    prefill_seconds_per_context: float = 0.0
     source: str = "profiled"
     key: dict[str, Any] = field(default_factory=dict)
 
@@ -169,9 +191,10 @@ def load_cached(key: dict[str, Any]) -> StepProfile | None:
             return None
         pts = [(float(b), float(t)) for b, t in d["decode_points"]]
         tp = float(d["prefill_seconds_per_token"])
-        if not pts or not all(t > 0 for _, t in pts) or not tp > 0:
+        ctx = float(d.get("prefill_seconds_per_context", 0.0))
+        if not pts or not all(t > 0 for _, t in pts) or not tp > 0 or not ctx >= 0:
             raise ValueError("non-positive times")
-        return StepProfile(pts, tp, 0.0, "cache", key)
+        return StepProfile(pts, tp, 0.0, source="cache", key=key, prefill_seconds_per_context=ctx)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -188,6 +211,7 @@ def store(profile: StepProfile) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump({"key": profile.key, "decode_points": profile.decode_points,
                        "prefill_seconds_per_token": profile.prefill_seconds_per_token,
+                       "prefill_seconds_per_context": profile.prefill_seconds_per_context,
                        "profile_seconds": profile.seconds, "written": time.time()}, f)
         os.replace(tmp, path)
     except OSError as e:
@@ -258,7 +282,8 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
     batches = sorted({max(1, min(b, cap)) for b in DECODE_BATCHES})
     ids: list[str] = []
     decode: dict[int, list[float]] = {}
-    rates: list[float] = []
+    samples: list[tuple[float, int, int]] = []      # (prefill seconds, prompt tokens, context) per sample
+    num_long = 0                                     # single-prompt samples among them (the last ones)
 
     def add(n_prompt: int) -> None:
         rid = f"{_ID_PREFIX}-{len(ids)}"
@@ -267,18 +292,18 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
                                                                        ignore_eos=True)))
         ids.append(rid)
 
-    def step() -> tuple[int, int, float]:
+    def step() -> tuple[int, int, float, int]:
         t0 = time.perf_counter()
         outs = core.step()
         dt = time.perf_counter() - t0
         for o in outs:
             if o.finish_reason == "error":
                 raise RuntimeError(f"step-time profile request failed: {o.error}")
-        last = core._last_step       # (decoding requests, prefill tokens, start, end) of this step
-        nd, npf = (last[0], last[1]) if last is not None else (0, 0)
+        last = core._last_step       # (decoding requests, prefill tokens, start, end, context) of this step
+        nd, npf, ctx = (last[0], last[1], last[4]) if last is not None else (0, 0, 0)
         if npf == 0 and nd > 0:
             decode.setdefault(nd, []).append(dt)
-        return nd, npf, dt
+        return nd, npf, dt, ctx
 
     try:
         add(max(1, min(WARMUP_TOKENS, budget, core.max_model_len - max_tokens)))
@@ -294,7 +319,7 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
             running = len(sched.running)
             if b <= running:
                 continue
-            if rates and time.perf_counter() - t_start > budget_s:
+            if samples and time.perf_counter() - t_start > budget_s:
                 logger.info("step-time profile: %.1f s spent, batches above %d are extrapolated",
                             time.perf_counter() - t_start, running)
                 break
@@ -306,22 +331,90 @@ def run_profile(core: Any, vocab_size: int | None = None, seed: int = 0,
             for n in _split_prompts(total, joining):
                 add(n)
             d_running = statistics.median(decode[max(k for k in decode if k <= running)])
-            nd, npf, dt = step()
+            nd, npf, dt, ctx = step()
             if npf >= MIN_PROBE_TOKENS:
-                rates.append(max(dt - d_running, 0.1 * dt) / npf)
+                samples.append((max(dt - d_running, 0.1 * dt), npf, ctx))
             for _ in range(DECODE_STEPS):
                 step()
+        num_long = _long_samples(core, samples, decode, add, step, max_tokens, t_start, budget_s)
     finally:
         core._last_step = None      # the gap after the profile is no step
         _forget_profile(core, ids)
-    if not rates:
+    if not samples:
         raise RuntimeError("the step-time profile measured no prefill step")
     points = [(float(n), statistics.median(ts)) for n, ts in sorted(decode.items())]
     mono: list[tuple[float, float]] = []
     for n, t in points:
         mono.append((n, max(t, mono[-1][1]) if mono else t))
-    logger.debug("step-time profile: waited %.2f s for the background packing", waited)
-    return StepProfile(mono, statistics.median(rates), time.perf_counter() - t_start)
+    logger.debug("step-time profile: waited %.2f s for the background packing; prefill samples %s", waited,
+                 [(n, c, round(sec * 1e3, 1)) for sec, n, c in samples])
+    ctx_cost = _context_term(samples[-2:]) if num_long == 2 else 0.0
+    # the pooled ratio net of the context term (seconds over tokens of all samples, as the online model's
+    # EWMA ratio learns net of it): the longer samples, timed more precisely, weigh more
+    rate = sum(max(sec - ctx_cost * c, 0.5 * sec) for sec, _, c in samples) / sum(n for _, n, _ in samples)
+    return StepProfile(mono, rate, time.perf_counter() - t_start, prefill_seconds_per_context=ctx_cost)
+
+
+def _context_term(samples: list[tuple[float, int, int]]) -> float:
+    """Seconds per prompt row per context token from the two single-prompt samples of
+    :func:`_long_samples` (not the joins: their many short prompts carry per-request costs too):
+    ``seconds = a × tokens + c × context`` solved for ``c``; 0 when the solution is not positive in both
+    terms (noise larger than the effect)."""
+    if len(samples) != 2:
+        return 0.0
+    (s1, n1, c1), (s2, n2, c2) = samples[-2], samples[-1]
+    if not (c1 > 0 and n2 >= 1.5 * n1 and c2 / n2 >= 32):
+        return 0.0
+    det = n1 * c2 - n2 * c1
+    if det <= 0:
+        return 0.0
+    a = (s1 * c2 - s2 * c1) / det
+    c = (n1 * s2 - n2 * s1) / det
+    return c if (a > 0 and c > 0) else 0.0
+
+
+def _long_samples(core: Any, samples: list[tuple[float, int, int]], decode: dict[int, list[float]], add: Any,
+                  step: Any, max_tokens: int, t_start: float, budget_s: float) -> int:
+    """Single prompts joining alone beside the running decodes, when every sample so far was shorter than
+    :data:`PREFILL_SAMPLE_MIN_S` (see there): one sized to take ~:data:`PREFILL_SAMPLE_S`, then, within
+    the time budget, one twice as long (for the context term); appends their samples and returns how many.
+
+    Each is skipped past the time budget, or without a seat, blocks or token budget for it (the first:
+    at least twice :data:`PREFILL_TOKENS` tokens; the second: 1.5x the first).
+    """
+    if not samples or max(sec for sec, _, _ in samples) >= PREFILL_SAMPLE_MIN_S:
+        return 0
+    sched = core.scheduler
+    tp = sum(sec for sec, _, _ in samples) / sum(n for _, n, _ in samples)
+    first = taken = 0
+    for want in (None, 2):
+        if time.perf_counter() - t_start > budget_s:
+            return taken
+        running = len(sched.running)
+        measured = [k for k in decode if k <= running]
+        if running >= sched.max_num_seqs or not measured:
+            return taken
+        free_tokens = (sched.kv_cache_manager.num_free_blocks - running) * sched.block_size - max_tokens
+        room = min(LONG_SAMPLE_MAX_TOKENS * (want or 1), sched.max_num_batched_tokens - running,
+                   core.max_model_len - max_tokens, free_tokens)
+        if want is None:
+            n = int(min(room, max(2 * PREFILL_TOKENS, PREFILL_SAMPLE_S / max(tp, 1e-9))))
+            if n < 2 * PREFILL_TOKENS:
+                return taken
+        else:
+            n = int(min(room, want * first))
+            if n < 1.5 * first:
+                return taken
+        # the running batch's decode time, interpolated / extrapolated from the measured sizes as the model does
+        d_running = StepTimingSnapshot(decode_points=[(float(k), statistics.median(v)) for k, v in
+                                                      sorted(decode.items())]).decode_step_time(running)
+        add(n)
+        _, npf, dt, ctx = step()
+        if npf < n:
+            return taken
+        samples.append((max(dt - d_running, 0.1 * dt), npf, ctx))
+        first, taken = first or n, taken + 1
+    return taken
 
 
 def warm_up(core: Any, seed: int = 0) -> float:
@@ -405,9 +498,9 @@ def calibrate(core: Any, mode: str = "cache", vocab_size: int | None = None) -> 
             prof.seconds = warm_up(core)
         except Exception as e:  # noqa: BLE001
             logger.warning("warm-up step failed (%s: %s)", type(e).__name__, e)
-    core.step_time_model.seed(prof.decode_points, prof.prefill_seconds_per_token)
-    logger.info("step-time model %s in %.2f s: decode %s; prefill %.0f tokens/s",
+    core.step_time_model.seed(prof.decode_points, prof.prefill_seconds_per_token, prof.prefill_seconds_per_context)
+    logger.info("step-time model %s in %.2f s: decode %s; prefill %.0f tokens/s, %.3f us per row and context token",
                 "profiled" if prof.source == "profiled" else "loaded from the cache", prof.seconds,
                 ", ".join(f"{1000 * t:.1f} ms at batch {b:g}" for b, t in prof.decode_points),
-                1.0 / prof.prefill_seconds_per_token)
+                1.0 / prof.prefill_seconds_per_token, 1e6 * prof.prefill_seconds_per_context)
     return prof

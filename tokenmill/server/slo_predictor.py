@@ -21,7 +21,11 @@ residual of the step in progress (half a step) and, when all
 soonest-finishing running request (by tokens it may still generate) at the
 current TPOT. This is the chunked-prefill iteration model of Sarathi-Serve
 (Agrawal et al., arXiv 2403.02310, §4) with the linear step-time model of
-DistServe (Zhong et al., OSDI'24, §3), fitted online.
+DistServe (Zhong et al., OSDI'24, §3), fitted online, plus the attention over
+each prompt row's context (``P (P − 1) / 2`` rows × context tokens for a prompt
+of ``P``; the requests ahead's from their lengths, kept by the API process) at
+the start-up profile's per-context-token cost, which the linear rate misses for
+long prompts.
 
 **TPOT** — the mean step time of the decode batch the request will actually
 run in, over its lifetime. Every admitted request not yet finished holds a
@@ -214,7 +218,7 @@ def max_decode_batch(timing: Any, limit: float, pred: "Prediction", max_num_seqs
 def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: str,
             inflight: InflightWork | None = None, prefix_hit_rate: float = 0.0, num_seqs: int = 1,
             max_tokens: int | None = None, mean_prompt_tokens: float | None = None,
-            mean_decode_tokens: float | None = None) -> Prediction | None:
+            mean_decode_tokens: float | None = None, context_ahead: float = 0.0) -> Prediction | None:
     """Predict TTFT and TPOT of a new interactive request (see the module docstring for the model).
 
     Args:
@@ -234,6 +238,9 @@ def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: 
             requests, before the prefix-cache discount (None: this request's own).
         mean_decode_tokens: ``D̄``, mean tokens generated per sequence by recently finished
             requests (None: ``min(max_tokens, DEFAULT_DECODE_TOKENS)``).
+        context_ahead: the attention work of the prompts ahead of it, ``Σ P (P − 1) / 2`` over
+            them (prompt rows × the context before each); charged, with the request's own, at the
+            timing's ``prefill_seconds_per_context`` (0 when the profile did not measure it).
 
     Returns:
         the :class:`Prediction`, or None while the step-time model has not
@@ -253,6 +260,7 @@ def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: 
     keep = 1.0 - min(max(prefix_hit_rate, 0.0), 0.95)
     wait_tokens = int(wait_tokens * keep)
     inf_tokens = int(inf_tokens * keep)
+    full_prompt = max(1, int(prompt_tokens))
     prompt_tokens = max(1, int(prompt_tokens * keep))
     tokens_ahead = run_pf_tokens + wait_tokens + inf_tokens
     requests_ahead = run_pf_reqs + wait_reqs + inf_reqs
@@ -265,7 +273,13 @@ def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: 
     k = max(1, math.ceil(work / per_step))
     # the decode batch grows as the requests ahead start decoding; on average by half of them
     b_mean = min(max_seqs, b_now + (run_pf_reqs + wait_reqs + inf_reqs) / 2.0)
-    queue_time = k * timing.decode_step_time(max(1.0, b_mean)) + work * tp
+    # attention over each prompt row's context (the rows computed after a prefix-cache hit attend to it)
+    ctx_cost = float(getattr(timing, "prefill_seconds_per_context", 0.0) or 0.0)
+    seqs_own = max(1, num_seqs)
+    per, full = prompt_tokens / seqs_own, full_prompt / seqs_own
+    own_ctx = seqs_own * (per * (per - 1) / 2 + per * max(0.0, full - per))
+    queue_time = k * timing.decode_step_time(max(1.0, b_mean)) + work * tp \
+        + ctx_cost * (max(0.0, context_ahead) + own_ctx)
     # the step in progress: decodes plus whatever prefill is pending now (interactive, or batch
     # filling the budget interactive work leaves); on average half of it is still to run
     pending_pf = run_pf_tokens + wait_tokens + queue.batch_running_prefill[1] + queue.batch_waiting[1]
@@ -308,7 +322,8 @@ def predict(queue: Any, timing: Any, prompt_tokens: int, priority: int, policy: 
     prefill_per_seq = p_mean / d_mean * tp
     backlog_per_step = backlog / d_mean * tp
     tpot = tpot_at(timing, b_join, prefill_per_seq, backlog_per_step)
-    ttft_idle = timing.decode_step_time(1) * math.ceil(prompt_tokens / budget) + prompt_tokens * tp
+    ttft_idle = timing.decode_step_time(1) * math.ceil(prompt_tokens / budget) + prompt_tokens * tp \
+        + ctx_cost * own_ctx
     return Prediction(ttft=queue_time, tpot=tpot, ttft_idle=ttft_idle, tokens_ahead=tokens_ahead,
                       requests_ahead=requests_ahead, seat_wait=seat_wait, step_time=tpot_now,
                       decode_batch=b_join, prefill_per_seq=prefill_per_seq,
