@@ -120,7 +120,8 @@ class Worker:
     def __init__(self, config: EngineConfig, rank: int, init_method: str, cpus: list[int] | None = None,
                  dp_rank: int = 0, dp_size: int = 1) -> None:
         from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, \
-            model_weight_bytes
+            model_weight_bytes, pipeline_keeps_lowbit, shard_lowbit_weights
+        from tokenmill.model.cpu_facts import engine_plan
         from tokenmill.distributed.parallel_state import init_distributed
         from tokenmill.model.loader import load_arch_config, resolve_dtype, with_redundant_experts
         from tokenmill.model.runner import ModelRunner, configure_allocator
@@ -148,7 +149,12 @@ class Worker:
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
-        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids,
+        # a pipeline stage (no tensor parallelism) runs the GGUF's low-bit codes as one process does, so the
+        # pipeline split does not change a token's bits (docs/guide/batch_invariance.md)
+        lowbit = None
+        if device.type == "cpu" and pipeline_keeps_lowbit(config) and engine_plan(config, device).lowbit_max_tokens:
+            lowbit = shard_lowbit_weights(config.model.model, arch, self.layout, model)
+        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids, lowbit_weights=lowbit,
                                   lora_shard=(arch, self.layout) if config.model.enable_lora else None)
         if par.enable_eplb:
             from tokenmill.distributed.eplb import build_controller
