@@ -127,9 +127,10 @@ def checkpoint_weights(path: str | None, arch: ModelArchConfig) -> Iterable[tupl
 
 def pipeline_keeps_lowbit(config) -> bool:
     """Whether the ranks of ``config`` (an :class:`~tokenmill.config.EngineConfig`) run the GGUF's low-bit codes
-    (:func:`shard_lowbit_weights`): a GGUF checkpoint, no tensor or expert parallelism (pipeline stages only)."""
+    (:func:`shard_lowbit_weights`): a GGUF checkpoint, no tensor parallelism (pipeline stages only), no
+    ``--quantization``; the same rule as the planner's (:func:`tokenmill.kernel_plan.resolve_kernel_plan`)."""
     par = config.parallel
-    if par.tensor_parallel_size != 1 or par.enable_expert_parallel or config.model.quantization is not None:
+    if par.tensor_parallel_size != 1 or config.model.quantization is not None:
         return False
     return resolve_checkpoint(config.model.model)[0] == "gguf"
 
@@ -153,7 +154,7 @@ def shard_lowbit_weights(path: str | None, arch: ModelArchConfig, lay: RankLayou
         local module name -> :class:`~tokenmill.quantization.lowbit.LowBitWeight`, or None (no codes:
         another checkpoint kind, a tensor- or expert-parallel layout, or a GGUF without low-bit linears).
     """
-    if lay.tp_size != 1 or lay.ep_size != 1 or lay.num_experts:
+    if lay.tp_size != 1 or lay.ep_size != 1:
         return None
     kind, path = resolve_checkpoint(path)
     if kind != "gguf":
