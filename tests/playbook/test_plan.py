@@ -281,8 +281,8 @@ def test_cpu_device_uses_the_engine_dtype_rule(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_plan_agrees_with_what_the_engine_allocates(monkeypatch):
     """Bytes per token and blocks: ``tokenmill plan`` for the packaged GGUF against a real runner (one process,
-    float32 on the low-bit path: a bfloat16 pool) and the TP/PP block planning of the executors (shards load
-    dense weights: the model's dtype)."""
+    float32 on the low-bit path: a bfloat16 pool) and the TP/PP block planning of the executors (tensor-parallel
+    shards load dense weights: the model's dtype; pipeline stages keep the codes: bfloat16)."""
     import torch
 
     from tokenmill.config import EngineConfig
@@ -308,7 +308,7 @@ def test_plan_agrees_with_what_the_engine_allocates(monkeypatch):
         blocks, per_rank = plan_kv_blocks(cfg, arch)
         q = plan(shape, PlanOptions(dtype="float32", device="cpu", tensor_parallel_size=tp,
                                     pipeline_parallel_size=pp))
-        assert q.kv_cache_dtype == "float32"
+        assert q.kv_cache_dtype == ("bfloat16" if tp == 1 else "float32"), (tp, pp)
         assert max(per_rank) == q.kv_cache_bytes_per_token_per_device and blocks == q.num_kv_blocks, (tp, pp)
 
 
