@@ -176,8 +176,10 @@ def per_shape(args) -> None:
              "Q8_0 576->49152 (head)"]
     for m in (int(r) for r in args.rows.split(",")):
         print(f"\nM={m} rows")
+        bf16 = args.act_dtype == "bfloat16"
         hdr = ([f"ours {k}" for k in libs] + [f"ours {k} no-VNNI" for k in vnni_libs]
-               + ["ours f32 path", "torch _int_mm", "fp32 oneDNN"])
+               + ["ours f32 path" + (" (bf16 act.)" if bf16 else ""), "torch _int_mm", "fp32 oneDNN"]
+               + (["bf16 oneDNN"] if bf16 else []))
         print(f"{'shape':<26}" + "".join(f"{h:>22}" for h in hdr))
         tot = {h: 0.0 for h in hdr}
         for (k, n, count), name in zip(SHAPES, names):
@@ -189,7 +191,7 @@ def per_shape(args) -> None:
             else:
                 lb = LowBitWeight.from_codes(torch.randint(0, 16, (n, k)), torch.rand(n, k // 32),
                                              torch.randn(n, k // 32), 4)
-            x = torch.randn(m, k)
+            x = torch.randn(m, k).to(getattr(torch, args.act_dtype))
             fns = {}
             for key, lib in libs.items():
                 lb.codes_i8 = None
@@ -203,12 +205,16 @@ def per_shape(args) -> None:
                             lowbit_linear(x, w, lib=lib, int8_act=True)
                             set_vnni(lib, True)
                         fns[f"ours {key} no-VNNI"] = no_vnni
-            fns["ours f32 path"] = lambda: lowbit_linear(x, lb, lib=libs[isas[0]])
+            fns[hdr[len(libs) + len(vnni_libs)]] = lambda: lowbit_linear(x, lb, lib=libs[isas[0]])
             a8 = torch.randint(-127, 128, (max(m, 17), k), dtype=torch.int8)
             b8 = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
             fns["torch _int_mm"] = lambda: torch._int_mm(a8, b8)
             p32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k))
-            fns["fp32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, p32, None, "none", [], "")
+            x32 = x.float()
+            fns["fp32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x32, p32, None, "none", [], "")
+            if bf16:
+                pb = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(torch.bfloat16))
+                fns["bf16 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, pb, None, "none", [], "")
             reps = max(3, args.reps // (4 if head or m >= 1024 else 1))
             med = bench_interleaved(fns, reps)
             macs = m * k * n
@@ -279,6 +285,8 @@ def main() -> None:
     ap.add_argument("--isas", default="", help="kernel variants to time, e.g. avx512 [default: every one the CPU runs]")
     ap.add_argument("--model-step", action="store_true", help="time whole decode steps of the real model instead")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--act-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="--per-shape: the activations' dtype (bfloat16 adds oneDNN's bfloat16 GEMM)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--int8-act", action="store_true",
                     help="--model-step: also the integer path (int8 activations x the codes) for every step size")

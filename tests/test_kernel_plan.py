@@ -46,7 +46,7 @@ def test_dtype_auto_and_the_low_bit_path():
     ("no oneDNN", {}, ON, dataclasses.replace(AVX512, onednn=False)),
     ("--quantization", {"quantization": "int8"}, ON, AVX512),
     ("compiled step", {"enforce_eager": False}, ON, AVX512),
-    ("tensor parallel", {"world_size": 2}, ON, AVX512),
+    ("tensor parallel", {"tensor_parallel_size": 2}, ON, AVX512),
     ("no codes in the checkpoint", {"checkpoint_lowbit": False}, ON, AVX512),
 ])
 def test_what_turns_the_low_bit_path_off(why, kw, switches, facts):

@@ -277,7 +277,7 @@ class KernelPlan:
 
 def resolve_kernel_plan(switches: CpuKernelSwitches, facts: CpuFacts, *, device_type: str, dtype: str,
                         kv_cache_dtype: str = "auto", quantization: str | None = None, enforce_eager: bool = True,
-                        world_size: int = 1, checkpoint_lowbit: bool = True, max_num_seqs: int = 128,
+                        tensor_parallel_size: int = 1, checkpoint_lowbit: bool = True, max_num_seqs: int = 128,
                         batch_invariant: bool = False) -> KernelPlan:
     """The plan for one engine.
 
@@ -288,7 +288,10 @@ def resolve_kernel_plan(switches: CpuKernelSwitches, facts: CpuFacts, *, device_
         kv_cache_dtype: ``--kv-cache-dtype``.
         quantization: ``--quantization`` (the low-bit path runs a checkpoint's own codes only without it).
         enforce_eager: the compiled step runs no low-bit codes.
-        world_size: tensor x pipeline ranks (shards load dense weights: no low-bit codes above 1).
+        tensor_parallel_size: tensor-parallel ranks (their shards split rows and reductions and load dense
+            weights: no low-bit codes above 1). Pipeline stages hold whole layers and keep the codes
+            (:func:`tokenmill.distributed.model_loader.shard_lowbit_weights`), so a pipeline runs one
+            process's kernels.
         checkpoint_lowbit: the checkpoint has codes the low-bit kernel runs (a GGUF of supported formats).
         max_num_seqs: the step graph's default limit.
         batch_invariant: ``--batch-invariant``.
@@ -299,7 +302,7 @@ def resolve_kernel_plan(switches: CpuKernelSwitches, facts: CpuFacts, *, device_
     isa = choose_isa(switches, facts) if device_type == "cpu" else None
     name = resolve_dtype_name(dtype, device_type, switches, facts)
     low = 0
-    if enforce_eager and quantization is None and world_size == 1 and checkpoint_lowbit:
+    if enforce_eager and quantization is None and tensor_parallel_size == 1 and checkpoint_lowbit:
         low = lowbit_limit(device_type, name, switches, facts)
     return KernelPlan(device_type=device_type, isa=isa, dtype=name,
                       packed_linear=packed_linear_on(device_type, name, switches, facts),
@@ -315,6 +318,7 @@ def plan_for_config(config: Any, facts: CpuFacts, device_type: str, checkpoint_l
     m = config.model
     return resolve_kernel_plan(config.cpu_kernels, facts, device_type=device_type, dtype=m.dtype,
                                kv_cache_dtype=config.cache.kv_cache_dtype, quantization=m.quantization,
-                               enforce_eager=m.enforce_eager, world_size=config.parallel.world_size,
+                               enforce_eager=m.enforce_eager,
+                               tensor_parallel_size=config.parallel.tensor_parallel_size,
                                checkpoint_lowbit=checkpoint_lowbit, max_num_seqs=config.scheduler.max_num_seqs,
                                batch_invariant=bool(m.batch_invariant))

@@ -302,10 +302,13 @@ def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, kernel
     # position of the greedy request, asked again with temperature, top-p and top-k
     from tokenmill.sampling_params import SamplingParams
 
-    sampled = SamplingParams(temperature=0.7, top_p=0.8, top_k=10, seed=1, max_tokens=1, logprobs=3)
     greedy3 = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
-    first = _serve(alone_llm, [prompts[0], prompts[0]], [greedy3, sampled], [0, 0], 2)
-    assert first[0][1][0][1:] == first[1][1][0][1:] == (alone[0][1][0][1], alone[0][1][0][2][:3])
+    for sampled in (SamplingParams(temperature=0.7, top_p=0.8, top_k=10, seed=1, max_tokens=1, logprobs=3),
+                    SamplingParams(temperature=0.7, seed=1, max_tokens=1, logprobs=3),
+                    SamplingParams(temperature=1.0, top_p=0.5, seed=1, max_tokens=1, logprobs=3),
+                    SamplingParams(temperature=1.0, top_k=4, seed=1, max_tokens=1, logprobs=3)):
+        first = _serve(alone_llm, [prompts[0], prompts[0]], [greedy3, sampled], [0, 0], 2)
+        assert first[0][1][0][1:] == first[1][1][0][1:] == (alone[0][1][0][1], alone[0][1][0][2][:3]), sampled
     del alone_llm
     rng = random.Random(f"{variant_env}-{dtype}-{kernel}")
     differs = False
@@ -335,3 +338,95 @@ def test_engine_outputs_do_not_depend_on_the_schedule(variant_env, dtype, kernel
         differs |= _serve(plain, prompts, params, arrivals, threads) != alone
         del llm, plain
     assert differs, "the non-invariant mode gave the same bits every time: the check cannot fail"
+
+
+def _outs(outs):
+    """Every choice's token ids and (logprob, top ids, top logprobs) per position, in order."""
+    return [(tuple(c.token_ids), tuple((lp.logprob, tuple(lp.top_token_ids), tuple(lp.top_logprobs))
+                                       for lp in (c.logprobs or [])))
+            for o in outs for c in o.outputs]
+
+
+def _tiny_llm(path, dtype, **kw):
+    from tokenmill import LLM
+    from tokenmill.model.layers.linear import lowbit_max_tokens
+
+    if not lowbit_max_tokens("cpu", getattr(torch, dtype)):
+        pytest.skip(f"no low-bit path for {dtype} on this machine (oneDNN bfloat16 or the C kernel missing)")
+    return LLM(**{"model": str(path), "dtype": dtype, "max_model_len": 256, "block_size": 16, "num_kv_blocks": 96,
+                  **kw})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_seeded_n_choices_equal_each_choice_alone(dtype, tmp_path):
+    """A seeded ``n=3`` request (what a streamed and a non-streamed request both become in the engine: three
+    child requests with seeds ``seed + i``, scheduled differently) beside other requests under a 16-token
+    chunk budget: every choice equals its child request run alone, token ids and logprobs."""
+    from tokenmill.sampling_params import SamplingParams
+
+    path = tmp_path / "tiny-lowbit.gguf"
+    write_lowbit_gguf(path)
+    prompts, params = _requests(seed=2)
+    n3 = SamplingParams(temperature=0.9, top_p=0.95, seed=21, n=3, max_tokens=14, ignore_eos=True, logprobs=2)
+    llm = _tiny_llm(path, dtype, max_num_batched_tokens=16, max_num_seqs=4)
+    got = _outs(llm.generate([prompts[2], prompts[0], prompts[3]], [params[0], n3, params[3]]))[1:4]
+    del llm
+    llm = _tiny_llm(path, dtype)
+    alone = [_outs(llm.generate([prompts[0]], SamplingParams(temperature=0.9, top_p=0.95, seed=21 + i, max_tokens=14,
+                                                              ignore_eos=True, logprobs=2)))[0] for i in range(3)]
+    assert len({g[0] for g in got}) > 1, "the three choices must draw with different seeds"
+    assert got == alone
+
+
+SYSTEM_TOKENS = 700
+
+
+@pytest.mark.parametrize("kv", ["fp8", "int8"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quantised_kv_prefix_hit_equals_miss(kv, dtype, tmp_path):
+    """A 1-byte KV cache (fp8 / int8) and a 700-token system prompt shared by four questions: the greedy
+    continuations (token ids and logprobs) of the first run, which computes the system prompt (miss, the four
+    prompts prefilled together), equal a second run in which every full block of it comes from the prefix
+    cache (hit), batched and one request at a time. Every path reads the same stored bytes through the same
+    decode kernel. ``--no-batch-invariant`` (the prefill kernel for prompt rows, dense GEMMs for large steps)
+    must differ somewhere in the same runs, so the comparison can fail."""
+    from tokenmill.sampling_params import SamplingParams
+
+    path = tmp_path / "tiny-lowbit.gguf"
+    write_lowbit_gguf(path)
+    rng = random.Random(5)
+    system = [rng.randrange(3, VOCAB) for _ in range(SYSTEM_TOKENS)]
+    prompts = [system + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(3, 12))] for _ in range(4)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def runs(invariant: bool):
+        # the four prompts in one step (budget 4096), so the first run computes every block (no hit within it)
+        llm = _tiny_llm(path, dtype, kv_cache_dtype=kv, max_model_len=768, num_kv_blocks=240,
+                        max_num_batched_tokens=4096, batch_invariant=invariant)
+        stats = llm.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+        miss = _outs(llm.generate(prompts, greedy, cache_salt="s"))
+        assert stats.hits == 0
+        hit = _outs(llm.generate(prompts, greedy, cache_salt="s"))
+        assert stats.hits >= 4 * (SYSTEM_TOKENS // 16) * 16
+        one = [_outs(llm.generate([p], greedy, cache_salt="s"))[0] for p in prompts]
+        return miss, hit, one
+
+    miss, hit, one = runs(True)
+    assert hit == miss, "prefix-cache hit (batched) != miss"
+    assert one == miss, "prefix-cache hit (one at a time) != miss"
+    pmiss, phit, pone = runs(False)
+    assert (pmiss, pmiss) != (phit, pone), "--no-batch-invariant gave the same bits: the check cannot fail"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pipeline_parallel_equals_one_process(dtype, tmp_path):
+    """``--pipeline-parallel-size 2``: each stage holds whole layers and runs the GGUF's low-bit codes as one
+    process does (distributed/model_loader.shard_lowbit_weights), so greedy and seeded requests give one
+    process's token ids and logprobs bit for bit (tensor parallelism splits reductions: not covered)."""
+    path = tmp_path / "tiny-lowbit.gguf"
+    write_lowbit_gguf(path)
+    prompts, params = _requests(seed=3)
+    want = _outs(_tiny_llm(path, dtype).generate(prompts, params))
+    with _tiny_llm(path, dtype, pipeline_parallel_size=2) as llm:
+        got = _outs(llm.generate(prompts, params))
+    assert got == want

@@ -11,6 +11,8 @@ model's bound is in :func:`test_smollm2_bf16_cache_against_float32`.
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -95,13 +97,20 @@ def test_logits_stay_close_to_the_float32_cache(monkeypatch):
 
 #: The packaged SmolLM2-135M Q4_1 GGUF, float32 on the low-bit path, bfloat16 KV cache (auto) against the float32
 #: cache, everything else equal. Stated tolerances (measured 2026-12-01 on the AMD EPYC, AVX-512 kernels: 1.2% of the
-#: logits' range, argmax equal at every position, 8 of 8 greedy continuations equal over 48 tokens, chosen-token
-#: logprobs within 0.019):
+#: logits' range, argmax equal at every position):
 REAL_LOGIT_RTOL = 0.04          # max |logit difference| / max |logit| of a 42-token prefill
 REAL_ARGMAX_AGREEMENT = 0.95    # share of the prefill's positions whose argmax agrees
-REAL_GREEDY_EQUAL = 6           # of the 8 prompts' 48-token greedy continuations, at least this many equal...
-REAL_GREEDY_PREFIX = 8          # ...and every continuation's first tokens equal
-REAL_LOGPROB_ATOL = 0.05        # chosen-token logprobs before the first differing token
+#: Greedy decoding: the bound follows the format, not where one CPU's near-ties fall (a count of equal whole
+#: continuations, the old bound, flips with any ulp-level change of the reference; see
+#: tests/engine/test_kv_cache_dtype_e2e.py). The change of the float32-cache run's top-2 logprob margin at the
+#: positions where both runs share the context, over 8 prompts x 48 tokens (384 positions), measured 2026-12-02 on
+#: the AMD EPYC (AVX512-BF16 machine) with the avx512 kernels / the avx2 variant (``TOKENMILL_CPU_ISA=avx2
+#: ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``): median 0.0075 / 0.0068, max 0.082 / 0.089 nats, no
+#: continuation diverged on either. K/V rounded to 8 mantissa bits (relative error 2^-9) is ~13x finer than the
+#: int8 cache's (median 0.10 nats there). Bounds: ~2.7x the medians, ~1.6x the maxima; a greedy token may differ
+#: only where the reference's margin to the other token is within the maximal bound.
+REAL_MARGIN_MEDIAN = 0.02
+REAL_MARGIN_MAX = 0.14
 
 
 @pytest.mark.slow
@@ -145,17 +154,18 @@ def test_smollm2_bf16_cache_against_float32(monkeypatch):
                "In 1969, the first humans landed on the Moon. The mission was called",
                "Explain, in one sentence, why the sky is blue. " * 3, "List three colours: red,",
                "Translate to French: I like apples and oranges.", "1, 2, 3, 4,"]
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=1)
+    from ..engine.test_kv_cache_dtype_e2e import compare
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=20)
     res = {}
     for kv in ("auto", "float32"):
         with LLM(dtype="float32", max_model_len=512, kv_cache_dtype=kv) as llm:
-            res[kv] = llm.generate(prompts, params)
-    equal = 0
-    for i, (a, b) in enumerate(zip(res["auto"], res["float32"])):
-        ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
-        first = next((i for i, (x, y) in enumerate(zip(ta, tb)) if x != y), len(ta))
-        equal += ta == tb
-        assert first >= REAL_GREEDY_PREFIX, (prompts[i], first)
-        for x, y in zip(a.outputs[0].logprobs[:first], b.outputs[0].logprobs[:first]):
-            assert abs(x.logprob - y.logprob) <= REAL_LOGPROB_ATOL
-    assert equal >= REAL_GREEDY_EQUAL, equal
+            res[kv] = [(o.outputs[0].token_ids, [dict(zip(lp.top_token_ids, lp.top_logprobs))
+                                                 for lp in o.outputs[0].logprobs])
+                       for o in llm.generate(prompts, params)]
+    devs, flips = compare(res["float32"], res["auto"])
+    assert len(devs) >= 8 * 8, len(devs)
+    assert 0 < statistics.median(devs) <= REAL_MARGIN_MEDIAN, statistics.median(devs)   # > 0: really bfloat16
+    assert max(devs) <= REAL_MARGIN_MAX, max(devs)
+    for p, pos, margin in flips:          # a flip needs a perturbation at least as large as the reference's margin
+        assert margin <= REAL_MARGIN_MAX, (prompts[p], pos, margin)

@@ -226,7 +226,8 @@ def _packaged_shape():
 
 def test_auto_kv_cache_dtype_follows_the_engine(monkeypatch):
     """``--kv-cache-dtype auto`` is what the engine allocates: bfloat16 for a float32 model on the CPU whose GGUF
-    codes the low-bit path runs (one process, no --quantization), the model's dtype everywhere else."""
+    codes the low-bit path runs (one process or pipeline stages, no --quantization), the model's dtype everywhere
+    else."""
     from tokenmill.playbook import plan as plan_mod
     from tokenmill.quantization.gguf import SUPPORTED
 
@@ -239,8 +240,11 @@ def test_auto_kv_cache_dtype_follows_the_engine(monkeypatch):
     p = plan(shape, PlanOptions(**f32_cpu))
     assert p.kv_cache_dtype == "bfloat16" and p.kv_cache_bytes_per_token == 2 * 30 * 3 * 64 * 2 == 23040
     assert p.num_kv_blocks == (1 << 30) // (23040 * 16)
+    # pipeline stages keep the GGUF's codes (batch invariance over the split), so they keep one process's cache
+    assert plan(shape, PlanOptions(**f32_cpu, pipeline_parallel_size=2)).kv_cache_dtype == "bfloat16"
     for other in (dict(device="cuda"), dict(device=None), dict(tensor_parallel_size=3),
-                  dict(pipeline_parallel_size=2), dict(quantization="int8"), dict(kv_cache_dtype="float32")):
+                  dict(tensor_parallel_size=3, pipeline_parallel_size=2), dict(quantization="int8"),
+                  dict(kv_cache_dtype="float32")):
         q = plan(shape, PlanOptions(**{**f32_cpu, **other}))
         assert q.kv_cache_dtype == "float32", other
     assert plan(shape, PlanOptions(**f32_cpu, tensor_parallel_size=3)).kv_cache_bytes_per_token_per_device == \
@@ -277,8 +281,8 @@ def test_cpu_device_uses_the_engine_dtype_rule(monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_plan_agrees_with_what_the_engine_allocates(monkeypatch):
     """Bytes per token and blocks: ``tokenmill plan`` for the packaged GGUF against a real runner (one process,
-    float32 on the low-bit path: a bfloat16 pool) and the TP/PP block planning of the executors (shards load
-    dense weights: the model's dtype)."""
+    float32 on the low-bit path: a bfloat16 pool) and the TP/PP block planning of the executors (tensor-parallel
+    shards load dense weights: the model's dtype; pipeline stages keep the codes: bfloat16)."""
     import torch
 
     from tokenmill.config import EngineConfig
@@ -304,7 +308,7 @@ def test_plan_agrees_with_what_the_engine_allocates(monkeypatch):
         blocks, per_rank = plan_kv_blocks(cfg, arch)
         q = plan(shape, PlanOptions(dtype="float32", device="cpu", tensor_parallel_size=tp,
                                     pipeline_parallel_size=pp))
-        assert q.kv_cache_dtype == "float32"
+        assert q.kv_cache_dtype == ("bfloat16" if tp == 1 else "float32"), (tp, pp)
         assert max(per_rank) == q.kv_cache_bytes_per_token_per_device and blocks == q.num_kv_blocks, (tp, pp)
 
 

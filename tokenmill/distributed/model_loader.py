@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from typing import Iterable
 
 import torch
@@ -122,6 +123,64 @@ def checkpoint_weights(path: str | None, arch: ModelArchConfig) -> Iterable[tupl
     from tokenmill.model.hf_loader import iter_hf_weights
 
     return iter_hf_weights(path)
+
+
+def pipeline_keeps_lowbit(config) -> bool:
+    """Whether the ranks of ``config`` (an :class:`~tokenmill.config.EngineConfig`) run the GGUF's low-bit codes
+    (:func:`shard_lowbit_weights`): a GGUF checkpoint, no tensor parallelism (pipeline stages only), no
+    ``--quantization``; the same rule as the planner's (:func:`tokenmill.kernel_plan.resolve_kernel_plan`)."""
+    par = config.parallel
+    if par.tensor_parallel_size != 1 or config.model.quantization is not None:
+        return False
+    return resolve_checkpoint(config.model.model)[0] == "gguf"
+
+
+def shard_lowbit_weights(path: str | None, arch: ModelArchConfig, lay: RankLayout, model: nn.Module) -> dict | None:
+    """The GGUF's low-bit codes of a pipeline stage's linears, keyed by the shard's local module names.
+
+    A stage of a pipeline without tensor parallelism holds whole layers, so it can run exactly the kernels one
+    process runs (the low-bit codes, :meth:`~tokenmill.model.layers.linear.PackedLinear.attach_lowbit`): with
+    them ``--pipeline-parallel-size N`` gives one process's bits (batch invariance over the pipeline split,
+    docs/guide/batch_invariance.md). Tensor-parallel shards split rows and reductions; they keep the dense
+    weights (None).
+
+    Args:
+        path: the checkpoint (only a GGUF file has codes).
+        arch: the full model's architecture.
+        lay: this rank's layout.
+        model: the built shard (for the wrapped modules' names: ``...o_proj.linear``, ``lm_head.linear``).
+
+    Returns:
+        local module name -> :class:`~tokenmill.quantization.lowbit.LowBitWeight`, or None (no codes:
+        another checkpoint kind, a tensor- or expert-parallel layout, or a GGUF without low-bit linears).
+    """
+    if lay.tp_size != 1 or lay.ep_size != 1:
+        return None
+    kind, path = resolve_checkpoint(path)
+    if kind != "gguf":
+        return None
+    from tokenmill.model.gguf_loader import open_gguf
+    from tokenmill.quantization.gguf import gguf_lowbit_weights
+
+    full = gguf_lowbit_weights(open_gguf(path), arch, getattr(model, "_STACKED", {})) or {}
+    out = {}
+    for name, w in full.items():
+        m = re.match(r"model\.layers\.(\d+)\.(.*)$", name)
+        if m is not None:
+            idx = int(m.group(1))
+            if lay.layers[0] <= idx < lay.layers[1]:
+                local = f"model.layers.{idx - lay.layers[0]}.{m.group(2)}"
+                try:
+                    mod = model.get_submodule(local)
+                except AttributeError:
+                    continue
+                # o_proj / down_proj are wrapped (RowParallelLinear: the all-reduce, a no-op on one rank)
+                out[local + ".linear" if isinstance(mod, RowParallelLinear) else local] = w
+        elif lay.is_last_stage and isinstance(getattr(model, "lm_head", None), ParallelLMHead):
+            tied = name == "model.embed_tokens" and arch.tie_word_embeddings
+            if (tied or name == "lm_head") and w.out_features == lay.vocab[1] - lay.vocab[0]:
+                out["lm_head.linear"] = w
+    return out or None
 
 
 def model_weight_bytes(model: nn.Module) -> int:

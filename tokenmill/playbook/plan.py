@@ -572,7 +572,7 @@ def cpu_kernel_plan(shape: "ModelShape", opts: "PlanOptions", dtype: str | None 
     return resolve_kernel_plan(CpuKernelSwitches.from_env(), planner_cpu_facts(), device_type="cpu",
                                dtype=dtype or opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
                                quantization=opts.quantization,
-                               world_size=opts.tensor_parallel_size * opts.pipeline_parallel_size,
+                               tensor_parallel_size=opts.tensor_parallel_size,
                                checkpoint_lowbit=bool(shape.gguf_lowbit))
 
 

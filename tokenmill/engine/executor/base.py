@@ -142,10 +142,13 @@ def plan_kv_blocks(config: EngineConfig, arch: Any) -> tuple[int, list[int]]:
 
     par = config.parallel
     device = resolve_device(config.model.device)
-    # the shards load dense weights (worker.py builds their ModelRunner without the GGUF's low-bit codes), so the
-    # kernel plan's --kv-cache-dtype auto is the model's dtype there, even for a float32 model on the CPU, where
-    # one process would keep a bfloat16 cache (kv_quant.auto_kv_bf16); tokenmill plan applies the same rule.
-    plan = engine_plan(config, device, checkpoint_lowbit=False)
+    # tensor-parallel shards load dense weights (worker.py builds their ModelRunner without the GGUF's low-bit
+    # codes), so the kernel plan's --kv-cache-dtype auto is the model's dtype there, even for a float32 model on
+    # the CPU, where one process keeps a bfloat16 cache (kv_quant.auto_kv_bf16); pipeline stages keep the codes
+    # and so one process's cache dtype. tokenmill plan applies the same rule.
+    from tokenmill.distributed.model_loader import pipeline_keeps_lowbit
+
+    plan = engine_plan(config, device, checkpoint_lowbit=pipeline_keeps_lowbit(config))
     dtype = resolve_kv_cache_dtype(plan.kv_cache_dtype, resolve_dtype(plan.dtype, device), device)
     per_rank = []
     for rank in range(par.world_size):

@@ -19,9 +19,11 @@ from tokenmill import envs
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.eplb import build_controller
 from tokenmill.distributed.expert_parallel import dummy_forward, moe_layers
-from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, model_weight_bytes
+from tokenmill.distributed.model_loader import build_shard, checkpoint_weights, describe_shard, model_weight_bytes, \
+    pipeline_keeps_lowbit, shard_lowbit_weights
 from tokenmill.distributed.parallel_state import destroy_distributed, init_distributed
 from tokenmill.engine.executor.step_codec import StepDecoder
+from tokenmill.model.cpu_facts import engine_plan
 from tokenmill.model.layers import fused_cpu, paged_attention_cpu
 
 logger = logging.getLogger(__name__)
@@ -149,7 +151,12 @@ class Worker:
         model, larch, self.layout = build_shard(arch, self.ctx, dtype, checkpoint_weights(config.model.model, arch),
                                                 enable_expert_parallel=par.enable_expert_parallel)
         wb = model_weight_bytes(model)      # before the runner packs the linears (opaque oneDNN tensors)
-        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids,
+        # a pipeline stage (no tensor parallelism) runs the GGUF's low-bit codes as one process does, so the
+        # pipeline split does not change a token's bits (docs/guide/batch_invariance.md)
+        lowbit = None
+        if device.type == "cpu" and pipeline_keeps_lowbit(config) and engine_plan(config, device).lowbit_max_tokens:
+            lowbit = shard_lowbit_weights(config.model.model, arch, self.layout, model)
+        self.runner = ModelRunner(model, larch, config, device, dtype, arch.eos_token_ids, lowbit_weights=lowbit,
                                   lora_shard=(arch, self.layout) if config.model.enable_lora else None)
         if par.enable_eplb:
             ep, ctx = self.layout.ep_size, self.ctx
