@@ -822,15 +822,18 @@ static void tile_rows_i8(int bits, const uint8_t *codes, const float *sc, const 
 static void quantize_row_i8(const void *x, int x_bf16, int64_t K, int64_t G, int64_t SB, int8_t *xq, float *dx,
                             float *xs) {
 #if defined(__AVX2__)
-    if (!x_bf16 && SB % 8 == 0) {       /* float32 rows, 8 columns per step: the same arithmetic as below */
+    if (SB % 8 == 0) {       /* 8 columns per step (bfloat16 widened exactly on load): the same arithmetic as below */
         const float *xf = (const float *)x;
+        const uint16_t *xh = (const uint16_t *)x;
+#define QLOAD8(k) (x_bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(                        \
+                                _mm_loadu_si128((const __m128i *)(xh + s * SB + (k)))), 16))                   \
+                          : _mm256_loadu_ps(xf + s * SB + (k)))
         const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
         for (int64_t g = 0; g < K / G; g++) xs[g] = 0.f;
         for (int64_t s = 0; s < K / SB; s++) {
-            const float *b = xf + s * SB;
             __m256 mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
             for (int64_t k = 0; k < SB; k += 8) {
-                const __m256 v = _mm256_loadu_ps(b + k);
+                const __m256 v = QLOAD8(k);
                 sm = _mm256_add_ps(sm, v);
                 mx = _mm256_max_ps(mx, _mm256_and_ps(v, absmask));
             }
@@ -845,12 +848,13 @@ static void quantize_row_i8(const void *x, int x_bf16, int64_t K, int64_t G, int
             dx[s] = amax / 127.f;
             const __m256 id = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
             for (int64_t k = 0; k < SB; k += 8) {   /* round to nearest even (MXCSR default), as lrintf */
-                const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(b + k), id));
+                const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(QLOAD8(k), id));
                 const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
                 _mm_storel_epi64((__m128i *)(xq + s * SB + k), _mm_packs_epi16(q16, q16));
             }
         }
         return;
+#undef QLOAD8
     }
 #endif
     float buf[64];
