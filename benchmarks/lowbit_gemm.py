@@ -189,7 +189,7 @@ def per_shape(args) -> None:
             else:
                 lb = LowBitWeight.from_codes(torch.randint(0, 16, (n, k)), torch.rand(n, k // 32),
                                              torch.randn(n, k // 32), 4)
-            x = torch.randn(m, k)
+            x = torch.randn(m, k).to(getattr(torch, args.act_dtype))
             fns = {}
             for key, lib in libs.items():
                 lb.codes_i8 = None
@@ -207,7 +207,7 @@ def per_shape(args) -> None:
             a8 = torch.randint(-127, 128, (max(m, 17), k), dtype=torch.int8)
             b8 = torch.randint(-127, 128, (n, k), dtype=torch.int8).t()
             fns["torch _int_mm"] = lambda: torch._int_mm(a8, b8)
-            p32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k))
+            p32 = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n, k).to(x.dtype))   # oneDNN in the activation dtype
             fns["fp32 oneDNN"] = lambda: torch.ops.mkldnn._linear_pointwise(x, p32, None, "none", [], "")
             reps = max(3, args.reps // (4 if head or m >= 1024 else 1))
             med = bench_interleaved(fns, reps)
@@ -285,6 +285,9 @@ def main() -> None:
     ap.add_argument("--query-lens", default="1", help="--model-step: new tokens per request (verify steps: 1,5)")
     ap.add_argument("--per-shape", action="store_true",
                     help="GMAC/s per weight shape of the integer path vs torch._int_mm and float32 oneDNN")
+    ap.add_argument("--act-dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="--per-shape: activation dtype of the integer path's inputs (bfloat16: --dtype auto on "
+                         "AVX512-BF16 CPUs)")
     ap.add_argument("--baseline-csrc", default="",
                     help="--per-shape: also time the kernel built from this C source directory (before/after); "
                          "with --model-step: whole integer-path steps with this tree's kernel vs that one")
