@@ -201,10 +201,12 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
     Where the runner's :class:`~tokenmill.model.step_graph.CpuStepGraph` serves the step (decode-only steps;
     it calls the kernels directly, so module hooks never see them), every prepared call is timed by the
     graph itself (``CpuStepGraph.profile``) and booked by :meth:`~tokenmill.model.step_graph.CpuStepGraph.call_kind`;
-    the LM head (outside the graph) by a forward hook. In an eager step linears are timed with forward hooks
-    and the attention backend by wrapping its ``forward``; ``elementwise`` and ``embedding`` are then part of
-    ``other`` (reported as 0). Timers add ~0.1-1 us per call, so ``step`` is the median of separate
-    uninstrumented runs and ``parts`` the instrumented step the parts came from.
+    the LM head (outside the graph) by a forward hook. In an eager step (prefill) linears are timed with
+    forward hooks, the attention backend by wrapping its ``forward``, the fused element-wise kernels by
+    wrapping the loaded ``fused_ops`` library's functions (add+RMSNorm, RoPE, SiLU-and-multiply), and the
+    embedding by a hook on the token embedding plus a wrapper around the RoPE table computation; ``other`` is
+    then the Python and torch glue between them. Timers add ~0.1-1 us per call, so ``step`` is the median of
+    separate uninstrumented runs and ``parts`` the instrumented step the parts came from.
     """
     from torch import nn
 
@@ -213,7 +215,7 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
     model = runner.model
     graph = getattr(runner, "step_graph", None)
     head = getattr(model, "_logits_head", None) or getattr(model, "lm_head", None)
-    acc = {"linear": 0.0, "head": 0.0, "attention": 0.0}
+    acc = {"linear": 0.0, "head": 0.0, "attention": 0.0, "elementwise": 0.0, "embedding": 0.0}
     starts: dict[int, float] = {}
 
     def pre(mod, _args):
@@ -239,11 +241,49 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
         return out
 
     backend.forward = timed_forward
+    # eager steps: the fused element-wise kernels (the step graph's prepared calls hold the unwrapped functions
+    # and book these themselves) and the embedding + RoPE tables
+    from tokenmill.model.layers import cpu_build
+    wrapped = []
+    for (lib_name, _isa), lib in list(cpu_build._libs.items()):
+        if lib is None or not lib_name.startswith("fused_ops"):
+            continue
+        for fname in ("rms_norm_f32", "rms_norm_bf16", "rope_f32", "rope_bf16", "silu_mul_f32", "silu_mul_bf16"):
+            fn = getattr(lib, fname, None)
+            if fn is None:
+                continue
+
+            def timed_kernel(*a, _fn=fn):
+                t0 = time.perf_counter()
+                _fn(*a)
+                acc["elementwise"] += time.perf_counter() - t0
+            setattr(lib, fname, timed_kernel)
+            wrapped.append((lib, fname, fn))
+    inner = getattr(model, "model", model)
+    embed = getattr(inner, "embed_tokens", None)
+    rotary = getattr(inner, "rotary_emb", None)
+
+    def pre_embed(_mod, _args):
+        starts[-1] = time.perf_counter()
+
+    def post_embed(_mod, _args, _out):
+        acc["embedding"] += time.perf_counter() - starts[-1]
+
+    if embed is not None:
+        handles += [embed.register_forward_pre_hook(pre_embed), embed.register_forward_hook(post_embed)]
+    plain_cos_sin = rotary.cos_sin if rotary is not None else None
+    if rotary is not None:
+        def timed_cos_sin(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = plain_cos_sin(*args, **kwargs)
+            acc["embedding"] += time.perf_counter() - t0
+            return out
+        rotary.cos_sin = timed_cos_sin
     rows = []
     try:
         runner.execute_model(so)
         for _ in range(reps):
-            acc.update(linear=0.0, head=0.0, attention=0.0)
+            acc.update(linear=0.0, head=0.0, attention=0.0, elementwise=0.0, embedding=0.0)
             prof: dict[str, float] = {}
             if graph is not None:
                 graph.profile = prof
@@ -255,7 +295,8 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
             t = runner.last_timings
             row = {"linear": acc["linear"] + prof.get("linear", 0.0),
                    "attention": acc["attention"] + prof.get("attention", 0.0),
-                   "elementwise": prof.get("elementwise", 0.0), "embedding": prof.get("embedding", 0.0),
+                   "elementwise": prof.get("elementwise", acc["elementwise"]),
+                   "embedding": prof.get("embedding", acc["embedding"]),
                    "sampling": max(0.0, t["sample"] - acc["head"]), "prepare": t["prepare"]}
             row["other"] = max(0.0, total - sum(row.values()))
             row["parts"] = total
@@ -263,6 +304,10 @@ def step_breakdown(runner, so, reps: int) -> dict[str, float]:
             rows.append(row)
     finally:
         del backend.forward
+        for lib, fname, fn in wrapped:
+            setattr(lib, fname, fn)
+        if rotary is not None:
+            del rotary.cos_sin
         if graph is not None:
             graph.profile = None
         for hd in handles:
@@ -393,23 +438,31 @@ def main() -> None:
               f"{'/ step bound':>14}")
         for k, (name, ql, ctx) in enumerate(cases):
             br = step_breakdown(runner, steps[k], args.reps)
-            low, hb, _ = weights_read(runner, sum(ql))
+            low, hb, path = weights_read(runner, sum(ql))
             parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
+            # linears on the integer path: their FLOPs at the int8 rate (the roof of that arithmetic), else the
+            # dtype's GEMM rate; attention at the dtype's rate
+            lin_rate = rates["int8"] if path == "i8" and rates["int8"] > 0 else gemm
             step_bound = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
                              sum(f for _, f in parts.values()) / (gemm * 1e9))
-            print(f"{name:<22}{'(' + ('step graph' if br['graph'] else 'eager') + ')':<11}")
+            step_bound_i8 = max(sum(b for b, _ in parts.values()) / (bw * 1e9),
+                                parts["linear"][1] / (lin_rate * 1e9) + parts["attention"][1] / (gemm * 1e9))
+            print(f"{name:<22}{'(' + ('step graph' if br['graph'] else 'eager') + ')':<11}"
+                  + (f"  linear bound at the int8 rate ({lin_rate:.0f} GFLOP/s)" if lin_rate != gemm else ""))
             for part in PARTS:
                 t = br[part]
                 line = f"{'':<22}{part:<11}{t * 1e3:>8.2f}{t / br['parts']:>7.0%}"
                 if part in parts:
                     nbytes, flops = parts[part]
-                    pb = max(nbytes / (bw * 1e9), flops / (gemm * 1e9))
+                    pb = max(nbytes / (bw * 1e9), flops / ((lin_rate if part == "linear" else gemm) * 1e9))
                     line += f"{pb * 1e3:>10.2f}{t / pb:>8.2f}x{t / step_bound:>13.2f}x"
                 print(line)
             print(f"{'':<22}{'(timed)':<11}{br['parts'] * 1e3:>8.2f}{'':>7}  the instrumented step the "
                   f"shares are of")
             print(f"{'':<22}{'step':<11}{br['step'] * 1e3:>8.2f}{'':>7}{step_bound * 1e3:>10.2f}"
-                  f"{br['step'] / step_bound:>8.2f}x")
+                  f"{br['step'] / step_bound:>8.2f}x"
+                  + (f"   i8 bound {step_bound_i8 * 1e3:.2f} ms: {br['step'] / step_bound_i8:.2f}x"
+                     if lin_rate != gemm else ""))
 
     if not args.skip_engine:
         b = max(batches)

@@ -234,3 +234,42 @@ def test_float32_queries_read_a_bfloat16_cache(isa, heads, kv_heads, d):
     want = TorchAttentionBackend(False).forward(q, k, v, bc.clone(), md2, 0.125)
     assert type(md.cache["torch_plan"][1]).__name__ == "_KernelPrefillPlan"
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_rows_are_bit_identical_alone_and_batched(kv_dtype, heads, kv_heads, d, isa):
+    """A query row's decode output has the same bits whether it is computed alone, as one of the rows of a
+    prompt run as decode rows (the batch-invariant prefill: every row j of a 45-token prompt over its own
+    j + 1 positions, so lengths cross every partial group of keys the kernel's score pass reduces together),
+    in a shuffled batch, or with 1 or 2 threads: the kernel's score reduction (vtsum, several keys per add)
+    gives each score vhsum's sums, and no row reads another's. Every variant built explicitly."""
+    g = torch.Generator().manual_seed(3)
+    block, n = 16, 45
+    nb = -(-n // block) + 2
+    cache = torch.randn(2, nb, block, kv_heads, d, generator=g) * 3
+    cache = cache.round().clamp(-120, 120).to(kv_dtype) if kv_dtype == torch.int8 else cache.to(kv_dtype)
+    q_dtype = torch.float32 if kv_dtype != torch.bfloat16 else torch.bfloat16
+    q = torch.randn(n, heads, d, generator=g).to(q_dtype)
+    table = torch.tensor([[2, 0, 3]], dtype=torch.int32)
+    lens = torch.arange(1, n + 1, dtype=torch.int32)
+
+    def run(rows, threads):
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return paged_attention_cpu.paged_decode(q[rows], cache, table.expand(len(rows), -1).contiguous(),
+                                                    lens[rows], d ** -0.5, 0.9, 1.1, isa)
+        finally:
+            torch.set_num_threads(saved)
+
+    bits = (lambda t: t.view(torch.int16)) if q_dtype == torch.bfloat16 else (lambda t: t.view(torch.int32))
+    all_rows = torch.arange(n)
+    batched = run(all_rows, 2)
+    perm = torch.randperm(n, generator=g)
+    shuffled = run(perm, 1)
+    for j in range(n):
+        alone = run(torch.tensor([j]), 1)
+        assert torch.equal(bits(alone[0]), bits(batched[j])), j
+    assert torch.equal(bits(shuffled), bits(batched[perm]))

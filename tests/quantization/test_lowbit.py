@@ -286,3 +286,20 @@ def test_int8_activation_path_needs_blocks_that_fit():
     assert w.i8_block == 4
     if w.prepare_i8():
         assert w.nbytes == 2 * w.codes.numel() + 4 * w.scale.numel() * 2
+
+
+@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
+@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (8, 32, False), (4, 128, True), (8, 16, True)])
+def test_int8_activation_path_bfloat16_rows_quantise_as_their_float32_widening(i8_lib, bits, group, with_min):
+    """bfloat16 activations are widened exactly and then quantised by the float32 rows' own code (the vector
+    path on AVX2/AVX-512), so a bfloat16 input gives the same bits as its float32 widening on every variant
+    and at every row count: the two dtypes' integer paths cannot drift apart."""
+    lib = i8_lib
+    n, k = 264, 256                                  # enough tiles for the thread-private quantisation too
+    w = _weight(bits, n, k, group, with_min, seed=5)
+    assert w.prepare_i8(lib)
+    for m in (1, 5, 64, 70):
+        xb = (torch.randn(m, k) * torch.logspace(-2, 2, k)).bfloat16()
+        got = lowbit_linear(xb, w, lib=lib, int8_act=True, out_dtype=torch.float32)
+        want = lowbit_linear(xb.float(), w, lib=lib, int8_act=True)
+        assert torch.equal(got, want), m

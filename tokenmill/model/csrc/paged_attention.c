@@ -85,27 +85,61 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
                     qv[gi][c] = gi < gc ? vmul(QLDV(q + (b * H + h * G + g0 + gi) * D + VW * c), vset1(qscale)) \
                                         : vzero();                                                   \
             }                                                                                        \
+            vf mxv[GT];                                                                              \
+            float kf[VW * VW * NC];     /* VW keys' rows of K, widened to float32 */                 \
+            for (int gi = 0; gi < GT; gi++) mxv[gi] = vset1(-INFINITY);                              \
             for (int64_t j = 0; j < nblk; j++) {                                                     \
                 const int64_t l0 = j * bs, n = L - l0 < bs ? L - l0 : bs;                            \
                 const KT* kb = k + (int64_t)bt[j] * bs * row + h * D;                                \
                 const int pf = h == h0 && g0 == 0 && j + PF_DIST < nblk;                             \
                 const KT* kpf = pf ? k + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;        \
                 const KT* vpf = pf ? v + (int64_t)bt[j + PF_DIST] * bs * row + h0 * D : NULL;        \
-                for (int64_t o = 0; o < n; o++) {                                                    \
-                    if (pf) { prefetch_rows(kpf + o * row, 1, rb, hb); prefetch_rows(vpf + o * row, 1, rb, hb); } \
-                    vf kv[NC];                                                                       \
-                    for (int c = 0; c < NC; c++) kv[c] = KLDV(kb + o * row + VW * c);                \
-                    for (int gi = 0; gi < GT; gi++) {                                                \
-                        vf a = vmul(qv[gi][0], kv[0]);                                               \
-                        for (int c = 1; c < NC; c++) a = vfma(qv[gi][c], kv[c], a);                  \
-                        const float dot = vhsum(a);                                                  \
-                        s[gi * L + l0 + o] = dot;                                                    \
-                        mx[gi] = dot > mx[gi] ? dot : mx[gi];                                        \
+                /* VW keys at a time: their VW partial-product vectors reduced together (vtsum: the   \
+                 * same sums as vhsum per key); only the tile's gc real query heads */                \
+                for (int64_t o0 = 0; o0 < n; o0 += VW) {                                             \
+                    const int64_t m = n - o0 < VW ? n - o0 : VW;                                     \
+                    for (int64_t u = 0; u < m; u++) {   /* the keys widened once, for every head */  \
+                        const KT* kp = kb + (o0 + u) * row;                                          \
+                        if (pf) {                       /* one row of the block PF_DIST ahead per key */ \
+                            prefetch_rows(kpf + (o0 + u) * row, 1, rb, hb);                          \
+                            prefetch_rows(vpf + (o0 + u) * row, 1, rb, hb);                          \
+                        }                                                                            \
+                        for (int c = 0; c < NC; c++) vst(kf + u * D + VW * c, KLDV(kp + VW * c));   \
+                    }                                                                                \
+                    for (int gi = 0; gi < gc; gi++) {                                                \
+                        vf a[VW];                                                                    \
+                        for (int u = 0; u < VW; u++) {                                               \
+                            if (u < m) {                                                             \
+                                const float* kp = kf + u * D;                                        \
+                                vf t = vmul(qv[gi][0], vld_f32(kp));                                 \
+                                for (int c = 1; c < NC; c++) t = vfma(qv[gi][c], vld_f32(kp + VW * c), t); \
+                                a[u] = t;                                                            \
+                            } else {                                                                 \
+                                a[u] = vzero();                                                      \
+                            }                                                                        \
+                        }                                                                            \
+                        const vf sv = vtsum(a);                                                      \
+                        float* sp = s + gi * L + l0 + o0;                                            \
+                        if (m == VW) {                                                               \
+                            vst(sp, sv);                                                             \
+                            mxv[gi] = vmax(sv, mxv[gi]);    /* a NaN score leaves the max, as below */ \
+                        } else {                                                                     \
+                            float tb[VW];                                                            \
+                            vst(tb, sv);                                                             \
+                            for (int64_t u = 0; u < m; u++) {                                        \
+                                sp[u] = tb[u];                                                       \
+                                mx[gi] = tb[u] > mx[gi] ? tb[u] : mx[gi];                            \
+                            }                                                                        \
+                        }                                                                            \
                     }                                                                                \
                 }                                                                                    \
             }                                                                                        \
+            for (int gi = 0; gi < gc; gi++) {                                                        \
+                const float vm = vhmax(mxv[gi]);                                                     \
+                mx[gi] = vm > mx[gi] ? vm : mx[gi];                                                  \
+            }                                                                                        \
         }                                                                                            \
-        for (int gi = 0; gi < GT; gi++) {                                                            \
+        for (int gi = 0; gi < gc; gi++) {                                                            \
             float sum = 0.f; float* sg = s + gi * L; const float m = mx[gi];                         \
             for (int64_t l = 0; l < L; l++) { const float e = expf(sg[l] - m); sg[l] = e; sum += e; } \
             inv[gi] = vscale / sum;                                                                  \
@@ -120,6 +154,7 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
                 vf vv[NC];                                                                           \
                 for (int c = 0; c < NC; c++) vv[c] = KLDV(vb + o * row + VW * c);                    \
                 for (int gi = 0; gi < GT; gi++) {                                                    \
+                    if (gi >= gc) break;                                                             \
                     const vf p = vset1(s[gi * L + l0 + o]);                                          \
                     for (int c = 0; c < NC; c++) av[gi][c] = vfma(p, vv[c], av[gi][c]);              \
                 }                                                                                    \

@@ -56,6 +56,24 @@ static inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 static inline float vhsum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline float vhmax(vf a) { return _mm512_reduce_max_ps(a); }
 static inline void vst(float* p, vf a) { _mm512_storeu_ps(p, a); }
+/* vtsum(a)[u] = vhsum(a[u]) for the VW = 16 vectors a[0..15], with the same pairwise sums in the same tree as
+ * vhsum (_mm512_reduce_add_ps: lane i + lane i+8, then i + i+4, i + i+2, i + i+1), 15 adds for 16 sums
+ * instead of 4 shuffle-add steps each: every level adds the same two lanes of each source vector as vhsum
+ * does, only several vectors share one add (float addition is commutative, so the bits are vhsum's). */
+static inline vf vtsum(const vf* a) {
+    __m512 x[8], z[4], w[2];
+    for (int p = 0; p < 8; p++)         /* [a[2p] lo + hi (8) | a[2p+1] lo + hi (8)] */
+        x[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * p], a[2 * p + 1], 0xEE));
+    for (int p = 0; p < 4; p++)         /* 4 lanes per source vector: i + i+4 */
+        z[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0x88),
+                             _mm512_shuffle_f32x4(x[2 * p], x[2 * p + 1], 0xDD));
+    for (int p = 0; p < 2; p++)         /* 2 lanes per source vector: i + i+2 */
+        w[p] = _mm512_add_ps(_mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0x44),
+                             _mm512_shuffle_ps(z[2 * p], z[2 * p + 1], 0xEE));
+    const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);    /* lane u <- the sum of a[u] */
+}
 static inline vf vld_f32(const float* p) { return _mm512_loadu_ps(p); }
 static inline vf vld_bf16(const uint16_t* p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
@@ -98,6 +116,19 @@ static inline float vhmax(vf a) {
     return _mm_cvtss_f32(s);
 }
 static inline void vst(float* p, vf a) { _mm256_storeu_ps(p, a); }
+/* vtsum(a)[u] = vhsum(a[u]) for the VW = 8 vectors a[0..7], the same tree as vhsum (i + i+4, i + i+2,
+ * i + i+1) with several vectors per add (see the AVX-512 version). */
+static inline vf vtsum(const vf* a) {
+    __m256 x[4], z[2];
+    for (int p = 0; p < 4; p++)
+        x[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+    for (int p = 0; p < 2; p++)
+        z[p] = _mm256_add_ps(_mm256_shuffle_ps(x[2 * p], x[2 * p + 1], 0x44),
+                             _mm256_shuffle_ps(x[2 * p], x[2 * p + 1], 0xEE));
+    const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(z[0], z[1], 0x88), _mm256_shuffle_ps(z[0], z[1], 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
 static inline vf vld_f32(const float* p) { return _mm256_loadu_ps(p); }
 static inline vf vld_bf16(const uint16_t* p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
@@ -129,6 +160,7 @@ static inline vf vmax(vf a, vf b) { return a > b ? a : b; }
 static inline float vhsum(vf a) { return a; }
 static inline float vhmax(vf a) { return a; }
 static inline void vst(float* p, vf a) { *p = a; }
+static inline vf vtsum(const vf* a) { return a[0]; }
 static inline vf vld_f32(const float* p) { return *p; }
 static inline vf vld_bf16(const uint16_t* p) { return sld_bf16(p); }
 static inline vf vld_i8(const int8_t* p) { return sld_i8(p); }
