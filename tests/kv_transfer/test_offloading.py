@@ -28,6 +28,22 @@ def tiny(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_tier"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The engines here (and their mp workers, through the environment) run one torch thread: a step of
+    the tiny model is microseconds of work, and two OpenMP threads on cores shared with other jobs wait
+    for each other at every op (this module took 260 s with two threads at load 5-8 on the 2-core EPYC,
+    its in-process tests 10-20x longer than with one). Nothing here depends on the thread count: every
+    comparison is between engines built alike. The process's thread count is restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(before)
+
+
 def _cfg(model, tier_dir=None, size_gib=0.01, **kw):
     base = dict(model=model, dtype="float32", block_size=BS, num_kv_blocks=16, max_model_len=256)
     if tier_dir is not None:
