@@ -162,6 +162,22 @@ def test_short_tier_runs_are_recomputed(tiny, tmp_path):
         core.shutdown()
 
 
+def test_min_load_blocks_from_the_environment(tiny, tmp_path, monkeypatch):
+    """TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS sets the crossover a served engine uses; the options win."""
+    monkeypatch.setenv("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS", "8")
+    core = EngineCore(_cfg(tiny, tmp_path))
+    other = EngineCore(_cfg(tiny, tmp_path / "b"), kv_offloading_options={"min_load_blocks": 2})
+    try:
+        assert core.kv_offload.tier_config.min_load_blocks == 8
+        assert other.kv_offload.tier_config.min_load_blocks == 2
+    finally:
+        core.shutdown()
+        other.shutdown()
+    monkeypatch.setenv("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS", "0")
+    with pytest.raises(ValueError, match="MIN_LOAD_BLOCKS"):
+        EngineCore(_cfg(tiny, tmp_path / "c"))
+
+
 def test_restart_starts_warm(tiny, tmp_path):
     core = EngineCore(_cfg(tiny, tmp_path))
     try:
