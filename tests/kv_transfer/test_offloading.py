@@ -484,6 +484,29 @@ def test_prometheus_series(tiny, tmp_path):
     assert "tokenmill:kv_offload_usage_bytes" in text
 
 
+def test_a_finished_load_is_admitted_by_the_next_step(tiny, tmp_path):
+    """A load that ended between two steps is handed to the scheduler before it schedules, so the next
+    step computes the request's first token (it used to take one more step, plus the loop's idle wait:
+    one loaded block then lost to one recomputed)."""
+    core = EngineCore(_cfg(tiny, tmp_path))
+    try:
+        _one_by_one(core, PROMPTS[:3], "a")
+        assert core.kv_offload.flush()
+        store = core.kv_offload.stores[0]
+        gate, run_load = threading.Event(), store._run_load
+        store._run_load = lambda spec, cancel: (gate.wait(30), run_load(spec, cancel))
+        core.add_request(EngineCoreRequest("x", list(PROMPTS[0]), _greedy(1)))
+        assert core.step() == [] and "x" in core.scheduler.waiting_for_remote     # ordered the load; held
+        gate.set()
+        assert store.wait_for_load(30)                 # the load ended between the steps
+        (out,) = core.step()
+        assert out.req_id == "x" and out.finish_reason == "length" and out.num_cached_tokens == 28
+        assert core.kv_offload.get_tier_stats().num_loads == 1
+        assert core.check_invariants()["problems"] == []
+    finally:
+        core.shutdown()
+
+
 def test_abort_while_loading_leaks_nothing(tiny, tmp_path):
     core = EngineCore(_cfg(tiny, tmp_path))
     try:

@@ -59,8 +59,9 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--kv-tier-weight", type=float, default=None,
                    help="Cost, relative to a prefill block, of a prompt block the backend would load from its KV "
                         "offloading tier (its KV events with medium DISK or CPU) instead of computing it; in "
-                        "[0, 1] (tokenmill's term; 1: a tier hit counts for nothing) [default: the load/prefill "
-                        "time per block measured on a CPU, see docs/guide/kv_offload.md].")
+                        "[0, 1] (tokenmill's term; 1: a tier hit counts for nothing) [default: 0.15, the TTFT "
+                        "growth per block loaded over that per block computed, measured on a CPU; see "
+                        "docs/guide/kv_offload.md].")
     g.add_argument("--kv-prefill-wait", action=argparse.BooleanOptionalAction, default=True,
                    help="Hold a request at the router while the backend it would go to holds part of its prefix "
                         "only as blocks another request is still computing there (in flight, no BlockStored "

@@ -305,13 +305,13 @@ class _ReportedPools:
         return False
 
 
-# Cost of a block loaded from a backend's KV offloading tier relative to one prefilled: the tier's load time
-# per block over the prefill time per block, measured with benchmarks/kv_offload.py --crossover (AMD EPYC,
-# bfloat16, SmolLM2-135M, CPU to itself, 2026-12-02: 1.1 ms / 27 ms per 16-token block; Intel Xeon, float32
-# weights + bfloat16 KV: 1.1 / 43 ms), rounded up to cover the step a loading request waits before its
-# admission. Not measured on a GPU (where prefill is faster per block and the ratio higher):
+# Cost of a block loaded from a backend's KV offloading tier relative to one prefilled: how much a lone
+# request's TTFT grows per block loaded over how much it grows per block recomputed, measured with
+# benchmarks/kv_offload.py --crossover (AMD EPYC, bfloat16, SmolLM2-135M, CPU to itself, 2026-12-02:
+# 0.88 / 6.40 ms per 16-token block = 0.14; Intel Xeon, float32 weights + bfloat16 KV: ~0 / 43 ms), the
+# larger ratio rounded up. Not measured on a GPU (where prefill is faster per block and the ratio higher):
 # --kv-tier-weight sets it.
-TIER_WEIGHT = 0.05
+TIER_WEIGHT = 0.15
 
 
 class KVAware(Policy):
