@@ -80,6 +80,7 @@ class EngineCore:
         self.pd_connector = None        # --kv-transfer-config (prefill-decode disaggregation)
         self.kv_offload = None          # --kv-offloading-backend (tokenmill.kv_transfer.offloading)
         self._loads_ended = False       # the last _kv_connector_after_step handed ended KV loads to the scheduler
+        self._lockstep = hasattr(executor, "step_sync")    # one step per wave of the data-parallel group
         if kv_transfer is not None:
             self.kv_connector = self.pd_connector = self._make_kv_connector(kv_transfer.for_rank(data_parallel_rank or 0))
         if config.cache.kv_offloading_backend is not None:
@@ -302,11 +303,12 @@ class EngineCore:
             self._kv_connector_after_step()
             if not outputs and self.scheduler.waiting_for_grammar:
                 self.structured_output.wait_for_compiles(0.005)   # nothing else to do: no busy loop
-            if _tier_retry and not outputs and self.kv_offload is not None and (
+            if _tier_retry and not outputs and self.kv_offload is not None and not self._lockstep and (
                     self._loads_ended or (self.kv_offload.loads_in_flight() and self.kv_offload.wait_for_loads(0.005))):
                 # nothing ran, but a load (from the KV offloading tier) ended in this step or within the
                 # loop's idle wait: run the step that admits its request now, not after the caller's idle
-                # poll (with it, one block loaded lost to one recomputed on the EPYC: 25 vs 20 ms TTFT)
+                # poll (with it, one block loaded lost to one recomputed on the EPYC: 25 vs 20 ms TTFT).
+                # Not for cores stepping in lockstep (expert-parallel data parallelism): one step per wave
                 return outputs + self.step(_tier_retry=False)
             return outputs
         try:
