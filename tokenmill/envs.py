@@ -205,6 +205,10 @@ _DECLARED = [
            parse_unset=True),
     EnvVar("TOKENMILL_WEIGHT_CACHE", "bool", True, "0: no processed-weight cache (same as --no-weight-cache).",
            _on_unless_zero, _STORE),
+    EnvVar("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS", "int > 0", None, "Shortest run of blocks the KV offloading "
+           "tier loads; shorter runs are recomputed (unset: 1, loading won at every length measured on CPUs; "
+           "measure yours with benchmarks/kv_offload.py --crossover).",
+           _positive_int_or_unset("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS"), _STORE),
     EnvVar("TOKENMILL_KV_CACHE_ZERO", "bool", False, "1: zero the KV pool at allocation (default: uninitialised "
            "pages, touched on first write).", _off_unless_one, _STORE),
     # --- server and debugging ---

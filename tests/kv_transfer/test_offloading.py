@@ -28,6 +28,22 @@ def tiny(tmp_path_factory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny_tier"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """The engines here (and their mp workers, through the environment) run one torch thread: a step of
+    the tiny model is microseconds of work, and two OpenMP threads on cores shared with other jobs wait
+    for each other at every op (this module took 260 s with two threads at load 5-8 on the 2-core EPYC,
+    its in-process tests 10-20x longer than with one). Nothing here depends on the thread count: every
+    comparison is between engines built alike. The process's thread count is restored afterwards."""
+    import torch
+
+    before = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TOKENMILL_NUM_THREADS", "1")
+        yield
+    torch.set_num_threads(before)
+
+
 def _cfg(model, tier_dir=None, size_gib=0.01, **kw):
     base = dict(model=model, dtype="float32", block_size=BS, num_kv_blocks=16, max_model_len=256)
     if tier_dir is not None:
@@ -144,6 +160,22 @@ def test_short_tier_runs_are_recomputed(tiny, tmp_path):
         assert cached < 28
     finally:
         core.shutdown()
+
+
+def test_min_load_blocks_from_the_environment(tiny, tmp_path, monkeypatch):
+    """TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS sets the crossover a served engine uses; the options win."""
+    monkeypatch.setenv("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS", "8")
+    core = EngineCore(_cfg(tiny, tmp_path))
+    other = EngineCore(_cfg(tiny, tmp_path / "b"), kv_offloading_options={"min_load_blocks": 2})
+    try:
+        assert core.kv_offload.tier_config.min_load_blocks == 8
+        assert other.kv_offload.tier_config.min_load_blocks == 2
+    finally:
+        core.shutdown()
+        other.shutdown()
+    monkeypatch.setenv("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS", "0")
+    with pytest.raises(ValueError, match="MIN_LOAD_BLOCKS"):
+        EngineCore(_cfg(tiny, tmp_path / "c"))
 
 
 def test_restart_starts_warm(tiny, tmp_path):
@@ -450,6 +482,29 @@ def test_prometheus_series(tiny, tmp_path):
     assert 'tokenmill:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 28.0' in text
     assert 'tokenmill:kv_offload_blocks_total{direction="load",engine="0",model_name="tiny"} 7.0' in text
     assert "tokenmill:kv_offload_usage_bytes" in text
+
+
+def test_a_finished_load_is_admitted_by_the_next_step(tiny, tmp_path):
+    """A load that ended between two steps is handed to the scheduler before it schedules, so the next
+    step computes the request's first token (it used to take one more step, plus the loop's idle wait:
+    one loaded block then lost to one recomputed)."""
+    core = EngineCore(_cfg(tiny, tmp_path))
+    try:
+        _one_by_one(core, PROMPTS[:3], "a")
+        assert core.kv_offload.flush()
+        store = core.kv_offload.stores[0]
+        gate, run_load = threading.Event(), store._run_load
+        store._run_load = lambda spec, cancel: (gate.wait(30), run_load(spec, cancel))
+        core.add_request(EngineCoreRequest("x", list(PROMPTS[0]), _greedy(1)))
+        assert core.step() == [] and "x" in core.scheduler.waiting_for_remote     # ordered the load; held
+        gate.set()
+        assert store.wait_for_load(30)                 # the load ended between the steps
+        (out,) = core.step()
+        assert out.req_id == "x" and out.finish_reason == "length" and out.num_cached_tokens == 28
+        assert core.kv_offload.get_tier_stats().num_loads == 1
+        assert core.check_invariants()["problems"] == []
+    finally:
+        core.shutdown()
 
 
 def test_abort_while_loading_leaks_nothing(tiny, tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.kv_transfer.test_offloading import BS, PROMPTS, _cfg, _drive, _files, _greedy, _hashes, _one_by_one
-from tests.kv_transfer.test_offloading import tiny  # noqa: F401 - the module fixture
+from tests.kv_transfer.test_offloading import one_torch_thread, tiny  # noqa: F401 - the module fixtures
 from tokenmill.core.kv_events import BlockRemoved, BlockStored
 from tokenmill.engine.engine_core import EngineCore, EngineCoreRequest
 from tokenmill.kv_transfer.offloading import (HostTier, LocalTierRanks, OffloadingConfig, OffloadingConnector,
@@ -27,6 +27,7 @@ def _tokens(outs):
 
 
 # -- tensor / pipeline parallel workers ---------------------------------------------------------
+@pytest.mark.slow      # three engines of two spawned worker processes each: 26-36 s apiece at load ~4 here
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_parallel_ranks_keep_their_shards_and_restart_warm(tiny, tmp_path, tp, pp):  # noqa: F811
     """mp workers: greedy tokens with the tier equal the same layout without it over two passes of a

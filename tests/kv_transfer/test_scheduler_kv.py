@@ -240,3 +240,38 @@ def test_kv_transfer_config_validation():
     assert c.is_consumer and not c.is_producer and c.for_rank(2).kv_port == c.kv_port + 2
     z = KVTransferConfig.from_json('{"kv_port": 0, "engine_id": "pf"}')
     assert z.for_rank(0) is z and (z.for_rank(1).kv_port, z.for_rank(1).engine_id) == (0, "pf-dp1")
+
+
+def test_a_head_without_blocks_takes_them_from_a_loaded_request_behind_it():
+    """Nothing runs; the head of the waiting queue (a preempted request: preemption puts its victims in
+    front) needs more blocks than are free, and the blocks are held by a request behind it whose K/V was
+    loaded. That request's blocks are released (they stay in the prefix cache), so the head runs, and the
+    released request later finds its prefix in the pool again. Before, the engine stopped here: seen with
+    the KV offloading tier (tests/kv_transfer/test_offloading.py's chunked-prefill and preemption test)."""
+    conn = ScriptedConnector()
+    s = make(conn, num_blocks=8)
+    a = make_req("a", 20, kv_transfer_params=remote(20), temperature=0, max_tokens=2)
+    s.add_request(a)
+    kv_step(s, conn)
+    assert a.status == RequestStatus.WAITING_FOR_REMOTE_KVS and len(s.kv_cache_manager.get_block_ids("a")) == 5
+    conn.release.set()
+    wait_for(lambda: conn._recv_done or conn._recv_failed)
+    done = conn.get_finished()
+    s.update_from_kv_connector(done.finished_sending, done.finished_recving, done.failed_recving)
+    assert a.status == RequestStatus.WAITING and a.num_computed_tokens == 19
+    h = make_req("h", 22, max_tokens=2)            # 6 blocks; 3 are free
+    s.add_request(h)
+    s.waiting.remove(h)
+    s.waiting.add_front(h)                         # where a preempted victim goes
+    so, _ = kv_step(s, conn)
+    assert [r.req_id for r in so.scheduled] == ["h"]
+    assert "a" not in s.kv_cache_manager.req_to_blocks and a.num_computed_tokens == 0
+    assert a.status == RequestStatus.PREEMPTED and a.num_preemptions == 1     # (so it does not pull again)
+    finished = set()
+    for _ in range(20):
+        so, outs = kv_step(s, conn)
+        finished |= {rid for rid, o in outs.items() if o.finish_reason}
+        if finished == {"h", "a"}:
+            break
+    assert finished == {"h", "a"}
+    assert a.num_cached_tokens == 19 and len(conn.loads) == 1 and s.check_invariants() == []

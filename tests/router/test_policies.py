@@ -143,11 +143,13 @@ def test_kv_index_match_and_removal():
     assert idx.block_size == 4 and idx.has_events(1)
 
 
-def test_kv_index_ignores_a_lower_tiers_events():
-    """The KV offloading tier publishes BlockStored/BlockRemoved with medium="DISK": a block leaving the
-    tier must not drop it from the pool's index, nor a block stored in the tier count as pool-resident."""
+def test_kv_index_keeps_a_lower_tiers_events_apart():
+    """The KV offloading tier publishes BlockStored/BlockRemoved with medium="DISK" (or "CPU"): a block
+    leaving the tier must not drop it from the pool's index, nor a block stored in the tier count as
+    pool-resident; the tier's blocks are indexed on their own (tier_match), per medium, and survive a
+    prefix-cache reset of the pool (AllBlocksCleared) but not a lost event stream (clear_backend)."""
     idx = KVIndex()
-    chain = block_hash_chain(list(range(16)), 4)
+    chain = block_hash_chain(list(range(24)), 4)
     idx.apply(0, KVEventBatch(ts=0.0, events=[stored(chain[:3])]))
     idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[chain[1]], medium="DISK")]))
     assert idx.match(chain, [0]) == {0: 3}
@@ -155,8 +157,52 @@ def test_kv_index_ignores_a_lower_tiers_events():
     disk.medium = "DISK"
     idx.apply(1, KVEventBatch(ts=0.0, events=[disk]))
     assert idx.match(chain, [0, 1]) == {0: 3, 1: 0}
+    assert idx.tier_match(chain, {0: 3, 1: 0}, 5) == {0: 0, 1: 4}
+    assert idx.tier_match(chain, {1: 0}, 2) == {1: 2}                      # the limit (last token) holds
+    host = stored(chain[4:5], parent=chain[3])
+    host.medium = "CPU"
+    idx.apply(1, KVEventBatch(ts=0.0, events=[host]))
+    assert idx.tier_match(chain, {1: 0}, 6) == {1: 5}                     # DISK then CPU: one run
+    # a pool block in the middle continues the run as the engine's lookup does (pool, then tier)
+    idx.apply(1, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[chain[2]], medium="DISK"),
+                                              stored(chain[:3])]))
+    assert idx.match(chain, [1]) == {1: 3} and idx.tier_match(chain, {1: 3}, 6) == {1: 2}
+    idx.apply(1, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[chain[3]], medium="DISK")]))
+    assert idx.tier_match(chain, {1: 3}, 6) == {1: 0}                     # a hole ends it
+    assert idx.tier_holds(1, chain[4]) and not idx.tier_holds(1, chain[3]) and not idx.tier_holds(0, chain[0])
+    idx.apply(1, KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))       # the pool's reset: files stay
+    assert idx.match(chain, [1]) == {1: 0} and idx.tier_match(chain, {1: 0}, 6) == {1: 2}
+    idx.clear_backend(1)
+    assert idx.tier_match(chain, {1: 0}, 6) == {1: 0}
     idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=[chain[1]])]))
     assert idx.match(chain, [0]) == {0: 1}
+
+
+def test_kv_aware_scores_a_tier_hit_below_a_pool_hit_and_above_a_miss():
+    """Three idle backends, a 16-block prompt: 0 holds 12 blocks in its pool, 1 the same 12 only in its
+    KV offloading tier, 2 nothing. Costs (prefill + recomputed + decode): 0: 4 + 0 + 16; 1: 4 + w x 12
+    + 0 + 16; 2: 16 + 12 + 16. With the pool's copy gone, the tier's holder wins (reason kv_tier)."""
+    bs = backends(3)
+    idx = KVIndex()
+    chain = block_hash_chain(list(range(64)), 4)
+    idx.apply(0, KVEventBatch(ts=0.0, events=[stored(chain[:12])]))
+    disk = stored(chain[:12])
+    disk.medium = "DISK"
+    idx.apply(1, KVEventBatch(ts=0.0, events=[disk]))
+    p = _kv_policy(idx, tier_weight=0.25)
+    d = p.select(bs, RouteInput(block_hashes=chain, num_prompt_tokens=64))
+    assert d.backend.index == 0 and d.costs == {0: 20.0, 1: 23.0, 2: 44.0}
+    assert d.detail["candidates"][1]["ov_tier"] == 12 and d.detail["candidates"][1]["recomputed"] == 0
+    idx.apply(0, KVEventBatch(ts=0.0, events=[BlockRemoved(block_hashes=chain[:12])]))
+    p = _kv_policy(idx, tier_weight=0.25, placement=False)
+    d = p.select(bs, RouteInput(block_hashes=chain, num_prompt_tokens=64))
+    assert d.backend.index == 1 and d.reason == "kv_tier" and d.costs == {0: 32.0, 1: 23.0, 2: 32.0}
+    # tier_weight 1: a tier block costs a computed one (the old behaviour: tier events count for nothing)
+    d = _kv_policy(idx, tier_weight=1.0, placement=False).select(bs, RouteInput(block_hashes=chain,
+                                                                                num_prompt_tokens=64))
+    assert d.costs == {0: 32.0, 1: 32.0, 2: 32.0}
+    with pytest.raises(ValueError, match="tier weight"):
+        _kv_policy(idx, tier_weight=1.5)
 
 
 def test_block_hash_chain_matches_the_engine_and_salt_changes_it():

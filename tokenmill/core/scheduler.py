@@ -557,6 +557,8 @@ class Scheduler:
                     if started is None:     # no blocks for the load: wait, as any admission would
                         refund = self._preempt_for(req, out)
                         if refund is None:
+                            if self._release_loaded_waiting(req):
+                                continue
                             break
                         budget += refund
                         continue
@@ -576,6 +578,8 @@ class Scheduler:
                     and (not lookahead or self.kv_cache_manager.allocate_slots(req, n, hit_blocks, alloc_hit) is None)):
                 refund = self._preempt_for(req, out)
                 if refund is None:
+                    if self._release_loaded_waiting(req):
+                        continue
                     break
                 budget += refund
                 continue
@@ -598,6 +602,30 @@ class Scheduler:
         for req in reversed(skipped):     # back in front, in their order: they keep their age
             self.waiting.add_front(req)
         return budget
+
+    def _release_loaded_waiting(self, head: Request) -> bool:
+        """Nothing runs and ``head``, first in the waiting queue, finds no blocks: free the blocks of the
+        last waiting request whose K/V a connector loaded (the KV offloading tier, a P/D pull). Such a
+        request holds its blocks while it queues, and a preemption puts its victims in front of it, so
+        without this the victim at the head waits for blocks only the requests behind it hold, and the
+        engine stops (seen with the tier: six requests, 8-token steps, a 24-block pool). The freed blocks
+        stay in the prefix cache: the released request finds them again unless they are evicted first
+        (then the tier, or a recompute). It counts as a preemption. True if one was released."""
+        if self.running:
+            return False          # running requests finish or preempt each other: blocks come back
+        for req in reversed(list(self.waiting)):
+            if req is not head and req.request_id in self.kv_cache_manager.req_to_blocks:
+                # a preemption by recompute of a request that had not run yet (a P/D pull is not repeated:
+                # the producer may have freed its copy; a tier lookup is, as for any preempted request)
+                self.kv_cache_manager.free(req)
+                req.status = RequestStatus.PREEMPTED
+                req.num_computed_tokens = 0
+                req.num_external_tokens = 0
+                req.kv_load_attempted = False
+                req.num_preemptions += 1
+                self._num_preemptions_total += 1
+                return True
+        return False
 
     def _start_remote_load(self, req: Request, hit_blocks: list, num_hit: int) -> bool | None:
         """Ask the KV connector about ``req``; start an asynchronous load of its prompt when it can.

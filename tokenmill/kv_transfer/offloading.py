@@ -506,6 +506,7 @@ class TierStore:
         self._pending_hashes: set[bytes] = set()      # copied out or queued, not yet written
         self._recv_done: dict[str, float] = {}
         self._recv_failed: set[str] = set()
+        self._load_ended = threading.Event()     # set (under _lock) when a load adds to _recv_done/_recv_failed
         self._cancel: dict[str, threading.Event] = {}
         self._paused_until = 0.0
         self._queued = 0                         # blocks handed to the writer and not yet written (or dropped)
@@ -818,12 +819,13 @@ class TierStore:
             if not cancel.is_set():
                 logger.warning("KV tier load for request %s failed (%s: %s); it recomputes its prompt",
                                spec.req_id, type(e).__name__, e)
-            with self._lock:
-                self._recv_failed.add(spec.req_id)
-                self.stats.num_failed_loads += not cancel.is_set()
             self.index.unpin(spec.block_hashes)
             for h in held:
                 self.host.release(h)
+            with self._lock:
+                self._recv_failed.add(spec.req_id)
+                self.stats.num_failed_loads += not cancel.is_set()
+                self._load_ended.set()
             return
         for h in held:
             self.host.release(h)
@@ -841,6 +843,16 @@ class TierStore:
             st = self.stats
             st.bytes_loaded += len(spec.block_hashes) * self.block_nbytes
             st.host_blocks_loaded += from_host
+            self._load_ended.set()
+
+    def wait_for_load(self, timeout: float) -> bool:
+        """Block until a load has ended (done or failed) and is not yet polled, at most ``timeout`` s.
+        True if one has."""
+        with self._lock:
+            if self._recv_done or self._recv_failed:
+                return True
+            self._load_ended.clear()
+        return self._load_ended.wait(timeout)
 
     def _read_block(self, h: bytes) -> torch.Tensor:
         """Read and verify block ``h``'s file: its K/V as bytes ``[num_layers, 2, block_size, kv_heads,
@@ -1311,6 +1323,19 @@ class OffloadingConnector(KVConnectorBase):
     def wait_for_save(self) -> None:
         """Writes are asynchronous (the writer threads); nothing to wait for in the step."""
 
+    def loads_in_flight(self) -> bool:
+        """True while a request waits for its tier load."""
+        return bool(self._inflight)
+
+    def wait_for_loads(self, timeout: float) -> bool:
+        """With the ranks in this process: block until a rank's load ended, at most ``timeout`` s (the
+        engine calls it on a step with nothing else to run, so a loaded request is admitted on the next
+        step instead of after the loop's idle wait). True if one ended; False at once with worker ranks
+        (their reports come with the next call) or nothing in flight."""
+        if not self.ranks.local or not self._inflight:
+            return False
+        return any(s.wait_for_load(timeout) for s in self.ranks.stores)
+
     def get_finished(self) -> KVConnectorOutput:
         """Loads that ended on every rank; also hands the tier's KV events to the pool's event list."""
         if self.ranks.local or self._inflight or self._busy:
@@ -1412,6 +1437,10 @@ def create_offloading_connector(engine_config: Any, executor: Any, data_parallel
         OSError: the directory cannot be created or a checkpoint file stat-ed.
     """
     cache = engine_config.cache
+    from tokenmill import envs
+
+    if envs.TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS is not None:
+        overrides.setdefault("min_load_blocks", envs.TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS)
     model = engine_config.model.model
     if model is None:
         from tokenmill.model.default_model import default_model_path

@@ -57,6 +57,12 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "although another backend holds it or is computing it: a prefix group leaves its "
                         "replica only when the cost gap exceeds the prefix it recomputes (tokenmill's term; "
                         "0: Dynamo's cost) [default: 1].")
+    g.add_argument("--kv-tier-weight", type=float, default=None,
+                   help="Cost, relative to a prefill block, of a prompt block the backend would load from its KV "
+                        "offloading tier (its KV events with medium DISK or CPU) instead of computing it; in "
+                        "[0, 1] (tokenmill's term; 1: a tier hit counts for nothing) [default: 0.15, the TTFT "
+                        "growth per block loaded over that per block computed, measured on a CPU; see "
+                        "docs/guide/kv_offload.md].")
     g.add_argument("--kv-prefill-wait", action=argparse.BooleanOptionalAction, default=True,
                    help="Hold a request at the router while the backend it would go to holds part of its prefix "
                         "only as blocks another request is still computing there (in flight, no BlockStored "
@@ -166,6 +172,7 @@ def config_from_args(args: argparse.Namespace):
         balance_abs_threshold=args.balance_abs_threshold, balance_rel_threshold=args.balance_rel_threshold,
         max_tree_size=args.max_tree_size, kv_overlap_score_weight=args.kv_overlap_score_weight,
         kv_eviction_weight=args.kv_eviction_weight, kv_recompute_weight=args.kv_recompute_weight,
+        kv_tier_weight=args.kv_tier_weight,
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
         kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout, health_failure_threshold=args.health_failure_threshold,

@@ -66,6 +66,10 @@ class KVIndex:
         # which are too small while the pool still holds blocks stored before the router subscribed
         self.reported_capacity: dict[int, int] = {}
         self._subscribed: set[int] = set()   # backends whose events the router receives
+        # per backend and lower tier (the events' medium: "CPU", "DISK"; the KV offloading tier): the block
+        # hashes held there. Kept apart from the pool's: a tier hit costs a load, and kv_aware scores it
+        # below a pool hit (KVAware's tier_weight)
+        self._tiers: dict[int, dict[str, set[bytes]]] = {}
 
     def expect_events(self, backend: int) -> None:
         """The router subscribes to ``backend``'s KV events (so a block it computes will be announced)."""
@@ -120,9 +124,14 @@ class KVIndex:
         if held is None:
             held = self._held[backend] = OrderedDict()
         if isinstance(ev, (BlockStored, BlockRemoved)) and ev.medium is not None:
-            # a lower tier's event (medium "DISK": the KV offloading tier). The index scores the device
-            # pool only: a tier's BlockRemoved must not drop a hash the pool still holds, and a tier
-            # hit is not scored like a pool hit (it costs a load)
+            # a lower tier's event (medium "DISK" / "CPU": the KV offloading tier), indexed apart from the
+            # pool: a tier's BlockRemoved must not drop a hash the pool still holds, and a tier hit is not
+            # scored like a pool hit (it costs a load; tier_match())
+            tier = self._tiers.setdefault(backend, {}).setdefault(ev.medium, set())
+            if isinstance(ev, BlockStored):
+                tier.update(ev.block_hashes)
+            else:
+                tier.difference_update(ev.block_hashes)
             self.num_events[backend] = self.num_events.get(backend, 0) + 1
             return
         if isinstance(ev, BlockStored):
@@ -151,11 +160,15 @@ class KVIndex:
                     if not s:
                         del self._holders[h]
         elif isinstance(ev, AllBlocksCleared):
-            self.clear_backend(backend, keep_event_count=True)
+            self.clear_backend(backend, keep_event_count=True, tiers=False)
         self.num_events[backend] = self.num_events.get(backend, 0) + 1
 
-    def clear_backend(self, backend: int, keep_event_count: bool = False) -> None:
-        """Forget every block of ``backend`` (gap without replay, restart, removal)."""
+    def clear_backend(self, backend: int, keep_event_count: bool = False, tiers: bool = True) -> None:
+        """Forget every block of ``backend`` (gap without replay, restart, removal); with ``tiers`` False
+        (``AllBlocksCleared``: the engine reset its pool's prefix cache, the tier keeps its files) only
+        the pool's."""
+        if tiers:
+            self._tiers.pop(backend, None)
         for h in self._held.pop(backend, {}):
             s = self._holders.get(h)
             if s is not None:
@@ -240,6 +253,36 @@ class KVIndex:
                 break
             for b in alive:
                 out[b] = i + 1
+        return out
+
+
+    def tier_holds(self, backend: int, block_hash: bytes) -> bool:
+        """True when ``backend``'s events say a lower tier of it (any medium) holds ``block_hash``."""
+        return any(block_hash in t for t in self._tiers.get(backend, {}).values())
+
+    def tier_match(self, block_hashes: Sequence[bytes], start: dict[int, int], limit: int) -> dict[int, int]:
+        """Blocks a backend would load from its lower tiers after its pool's (or in-flight) match.
+
+        Args:
+            block_hashes: the request's chain, ``[num_full_blocks]``.
+            start: ``{backend: k}``, the leading blocks it holds in its pool (:meth:`match`) or computes now.
+            limit: at most this many leading blocks in all (the engine computes a prompt's last token).
+
+        Returns:
+            ``{backend: t}``: blocks ``k .. k+t-1`` are each in the pool or a lower tier of ``backend``
+            (the engine's lookup continues from the pool into the tier the same way: a consecutive run).
+        """
+        out = {}
+        for b, k in start.items():
+            tiers = self._tiers.get(b)
+            t = 0
+            if tiers:
+                while k + t < min(limit, len(block_hashes)):
+                    h = block_hashes[k + t]
+                    if not (self.holds(b, h) or any(h in s for s in tiers.values())):
+                        break
+                    t += 1
+            out[b] = t
         return out
 
 

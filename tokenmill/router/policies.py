@@ -56,7 +56,8 @@ class RouteDecision:
     Attributes:
         backend: where the request goes.
         reason: why (metric label): ``round_robin``, ``least_load``, ``prefix_match``,
-            ``cache_capacity``, ``load_balance``, ``kv_overlap``, ``kv_load``, ``load_fallback``.
+            ``cache_capacity``, ``load_balance``, ``kv_overlap``, ``kv_tier`` (the prefix only in the backend's KV
+            offloading tier), ``kv_load``, ``load_fallback``.
         matched, total: estimated cached part and size of the prompt, in ``unit``.
         unit: ``tokens`` (kv_aware), ``chars`` (prefix_aware) or ``""`` (no estimate).
         new_prefill_blocks, request_blocks: kv_aware's load bookkeeping (blocks).
@@ -304,14 +305,27 @@ class _ReportedPools:
         return False
 
 
+# Cost of a block loaded from a backend's KV offloading tier relative to one prefilled: how much a lone
+# request's TTFT grows per block loaded over how much it grows per block recomputed, measured with
+# benchmarks/kv_offload.py --crossover (AMD EPYC, bfloat16, SmolLM2-135M, CPU to itself, 2026-12-02:
+# 0.88 / 6.40 ms per 16-token block = 0.14; Intel Xeon, float32 weights + bfloat16 KV: ~0 / 43 ms), the
+# larger ratio rounded up. Not measured on a GPU (where prefill is faster per block and the ratio higher):
+# --kv-tier-weight sets it.
+TIER_WEIGHT = 0.15
+
+
 class KVAware(Policy):
     """Dynamo's KV-aware routing: lowest ``overlap_weight × prefill_blocks + decode_blocks``, plus two terms.
 
     For candidate ``w`` and a request of ``n`` blocks of which ``overlap(w)``
     leading blocks are in ``w``'s prefix cache (from its KV events):
 
-    * ``prefill_blocks(w) = w.prefill_blocks + n - overlap(w)`` (blocks it
-      would still have to prefill, its queued prefills included);
+    * ``prefill_blocks(w) = w.prefill_blocks + n - overlap(w) - tier(w) + tier_weight × tier(w)``
+      (blocks it would still have to prefill, its queued prefills included); ``tier(w)``: the blocks
+      after ``overlap(w)`` that ``w``'s KV offloading tier holds (its events with a ``medium``: DISK,
+      CPU; :meth:`KVIndex.tier_match`), which it would load instead of computing, each costing
+      ``tier_weight`` of a computed block (:data:`TIER_WEIGHT`): a tier hit scores below a pool hit
+      and above a miss;
     * ``decode_blocks(w) = distinct(w) + w.in_flight + new(w)``: the distinct
       full blocks its in-flight requests hold (requests sharing a prefix
       share its blocks, as Dynamo's active-sequence tracking counts them),
@@ -329,7 +343,7 @@ class KVAware(Policy):
       term (``eviction_weight = 0`` is Dynamo's rule); without it a move to a
       replica whose pool is full of other live prefixes looks as cheap as its
       own prefill, and the next requests of the evicted prefixes miss too;
-    * ``recomputed(w) = max_v overlap(v) - overlap(w)``: blocks of the request
+    * ``recomputed(w) = max(0, max_v overlap(v) - overlap(w) - tier(w))``: blocks of the request
       that another candidate already holds or is computing (for a request in
       flight there) and that ``w`` would prefill again. Dynamo's cost has no
       such term (``recompute_weight = 0``). Its prefill term prices a
@@ -392,6 +406,8 @@ class KVAware(Policy):
             (``--kv-eviction-weight``; 0 and ``recompute_weight`` 0: Dynamo's cost).
         recompute_weight: weight of recomputed blocks (held or being computed by another
             candidate) relative to prefill blocks (``--kv-recompute-weight``).
+        tier_weight: cost of a block loaded from the backend's KV offloading tier relative to a
+            prefill block, in [0, 1] (``--kv-tier-weight``; default :data:`TIER_WEIGHT`).
         prefill_wait: hold a request whose prefix is still being computed on its backend.
         busy_threshold: fraction of a backend's pool beyond which it is busy (None or 0: never).
         temperature: softmax temperature (0: deterministic).
@@ -411,7 +427,10 @@ class KVAware(Policy):
                  block_size: int = 16, seed: int | None = None, eviction_weight: float = 1.0,
                  recompute_weight: float = 1.0, prefill_wait: bool = True,
                  busy_threshold: float | None = 1.0, clock=time.monotonic, placement: bool = True,
-                 move_margin: float = 4.0) -> None:
+                 move_margin: float = 4.0, tier_weight: float = TIER_WEIGHT) -> None:
+        if not 0 <= tier_weight <= 1:
+            raise ValueError(f"KV tier weight must be in [0, 1], got {tier_weight}")
+        self.tier_weight = tier_weight
         if move_margin < 0:
             raise ValueError(f"move margin must be >= 0, got {move_margin}")
         self.move_margin = move_margin
@@ -476,10 +495,14 @@ class KVAware(Policy):
         evicted: dict[int, int] = {}
         cands: dict[int, dict] = {}
         best_ov = max((min(overlaps.get(b.index, 0), max_hit) for b in candidates), default=0)
+        # blocks each backend would load from its KV offloading tier (its DISK/CPU events) after its pool
+        tier_ovs = (self.index.tier_match(hashes, {b.index: min(overlaps.get(b.index, 0), max_hit)
+                                                   for b in candidates}, max_hit) if have_events else {})
         for b in candidates:
             ov = min(overlaps.get(b.index, 0), max_hit)
-            recomputed = best_ov - ov
-            prefill = b.prefill_blocks + (n - ov)
+            tier_ov = tier_ovs.get(b.index, 0)
+            recomputed = max(0, best_ov - ov - tier_ov)
+            prefill = b.prefill_blocks + (n - ov - tier_ov) + self.tier_weight * tier_ov
             pend = self.pending.get(b.index) or {}
             shared = sum(1 for h in hashes if h in pend)
             decode = len(pend) + b.in_flight + (n - shared)
@@ -487,7 +510,7 @@ class KVAware(Policy):
             costs[b.index] = self.overlap_weight * (prefill + self.eviction_weight * evicted[b.index]
                                                     + self.recompute_weight * recomputed) + decode
             cands[b.index] = {"ov_events": ev_overlaps.get(b.index, 0), "ov_pending": pend_overlaps.get(b.index, 0),
-                              "ov": ov, "queued_prefill": b.prefill_blocks, "prefill": prefill, "decode": decode,
+                              "ov": ov, "ov_tier": tier_ov, "queued_prefill": b.prefill_blocks, "prefill": prefill, "decode": decode,
                               "distinct": len(pend), "in_flight": b.in_flight, "evicted": evicted[b.index],
                               "recomputed": recomputed,
                               "cost": costs[b.index]}
@@ -505,6 +528,8 @@ class KVAware(Policy):
         ov = min(e["overlaps"].get(chosen.index, 0), e["max_hit"])
         if ov > 0:
             reason = "kv_overlap"
+        elif cands[chosen.index]["ov_tier"] > 0:
+            reason = "kv_tier"
         elif not e["have_events"]:
             reason = "load_fallback"
         else:
@@ -689,7 +714,8 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
                 block_size: int = 16, seed: int | None = None, load_source: str = "inflight",
                 eviction_weight: float = 1.0, recompute_weight: float = 1.0, prefill_wait: bool = True,
                 busy_threshold: float | None = 1.0, clock=time.monotonic, placement: bool = True,
-                move_margin: float = 4.0, prefix_placement: bool = False) -> Policy:
+                move_margin: float = 4.0, prefix_placement: bool = False,
+                tier_weight: float | None = None) -> Policy:
     """Build a policy by name.
 
     Raises:
@@ -704,5 +730,6 @@ def make_policy(name: str, *, index: KVIndex | None = None, cache_threshold: flo
                            placement=prefix_placement, block_size=block_size)
     if name == "kv_aware":
         return KVAware(index or KVIndex(), overlap_weight, temperature, block_size, seed, eviction_weight,
-                       recompute_weight, prefill_wait, busy_threshold, clock, placement, move_margin)
+                       recompute_weight, prefill_wait, busy_threshold, clock, placement, move_margin,
+                       TIER_WEIGHT if tier_weight is None else tier_weight)
     raise ValueError(f"unknown routing policy {name!r}; choose from {', '.join(POLICIES)}")

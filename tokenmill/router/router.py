@@ -60,6 +60,7 @@ class RouterConfig:
     kv_overlap_score_weight: float = 1.0
     kv_eviction_weight: float = 1.0
     kv_recompute_weight: float = 1.0
+    kv_tier_weight: float | None = None
     router_temperature: float = 0.0
     block_size: int = 16
     tokenizer: str | None = None
@@ -110,7 +111,8 @@ class Router:
                     overlap_weight=config.kv_overlap_score_weight, temperature=config.router_temperature,
                     eviction_weight=config.kv_eviction_weight, recompute_weight=config.kv_recompute_weight,
                     prefill_wait=config.kv_prefill_wait, busy_threshold=config.active_decode_blocks_threshold,
-                    placement=config.kv_placement, move_margin=config.kv_move_margin)
+                    placement=config.kv_placement, move_margin=config.kv_move_margin,
+                    tier_weight=config.kv_tier_weight)
         if config.router_queue_timeout < 0:
             raise ValueError(f"--router-queue-timeout must be >= 0, got {config.router_queue_timeout}")
         self.subscribers: dict[int, KVEventSubscriber] = {}
@@ -224,7 +226,8 @@ class Router:
                 temperature=c.router_temperature, block_size=c.block_size, seed=c.seed, load_source=c.load_source,
                 eviction_weight=c.kv_eviction_weight, recompute_weight=c.kv_recompute_weight,
                 prefill_wait=c.kv_prefill_wait, busy_threshold=c.active_decode_blocks_threshold,
-                placement=c.kv_placement, move_margin=c.kv_move_margin, prefix_placement=c.prefix_placement)
+                placement=c.kv_placement, move_margin=c.kv_move_margin, prefix_placement=c.prefix_placement,
+                tier_weight=c.kv_tier_weight)
         return p
 
     def all_models(self, healthy_only: bool = True) -> list[str]:
