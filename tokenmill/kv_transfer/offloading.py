@@ -1437,8 +1437,6 @@ def create_offloading_connector(engine_config: Any, executor: Any, data_parallel
         OSError: the directory cannot be created or a checkpoint file stat-ed.
     """
     cache = engine_config.cache
-    from tokenmill import envs
-
     if envs.TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS is not None:
         overrides.setdefault("min_load_blocks", envs.TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS)
     model = engine_config.model.model
