@@ -7,10 +7,13 @@ import pytest
 
 def save_tiny_llama(folder, *, layers: int = 4, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                     ffn: int = 128, vocab: int = 101, tied: bool = True, seed: int = 0,
-                    arch: str = "llama") -> str:
+                    arch: str = "llama", word_width: int = 0) -> str:
     """Write a random-weight Llama (or Qwen2 with ``arch='qwen2'``) HF folder with a word-level tokenizer.
 
-    ``vocab`` defaults to an odd size so the vocabulary-parallel padding is exercised.
+    ``vocab`` defaults to an odd size so the vocabulary-parallel padding is exercised. The words are ``w3`` ..
+    ``w{vocab-1}``; with ``word_width`` their numbers are zero-padded (``w003``), so no word is a prefix of
+    another: a grammar over them never lets a token start a word no token can finish (with ``w4`` and ``w42``
+    both words, xgrammar allows ``w4`` where ``w42`` is expected, and nothing can follow it).
     """
     import torch
     import transformers
@@ -31,7 +34,7 @@ def save_tiny_llama(folder, *, layers: int = 4, hidden: int = 64, heads: int = 4
             if "norm" not in name:
                 p.normal_(0.0, 0.08)
     model.save_pretrained(folder)
-    vocab_map = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab)}}
+    vocab_map = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i:0{word_width}d}": i for i in range(3, vocab)}}
     tk = Tokenizer(models.WordLevel(vocab_map, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",

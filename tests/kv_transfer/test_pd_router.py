@@ -28,15 +28,17 @@ from tokenmill import envs
 from tokenmill import LLM, SamplingParams
 from tokenmill.router.app import RouterConfig
 from tokenmill.router.backends import BackendSpec
+from tokenmill.sampling_params import StructuredOutputsParams
 
 COMMON = ("--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "96", "--max-model-len", "256",
           "--max-num-seqs", "8")
-PROMPTS = [" ".join(f"w{3 + (i * 7 + j) % 90}" for j in range(n)) for i, n in enumerate((21, 34, 9))]
+# zero-padded words (w003): no word is a prefix of another, so grammars over them never dead-end (conftest)
+PROMPTS = [" ".join(f"w{3 + (i * 7 + j) % 90:03d}" for j in range(n)) for i, n in enumerate((21, 34, 9))]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny_pd_router"))
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny_pd_router"), word_width=3)
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +46,20 @@ def reference(tiny):
     with LLM(tiny, dtype="float32", block_size=4, num_kv_blocks=96, max_model_len=256) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     return [o.outputs[0].text for o in outs]
+
+
+# constraints the decode server must enforce: free choices between forced runs, a regex, a choice
+CONSTRAINTS = [{"grammar": 'root ::= ("w021" | "w022") "w040w041w042" ("w028" | "w029")+ "w050w051"'},
+               {"regex": r"(w01[1-9]|w03[0-5]){2,5}w099"}, {"choice": ["w070w071w072", "w080w081"]}]
+
+
+@pytest.fixture(scope="module")
+def constrained_reference(tiny):
+    with LLM(tiny, dtype="float32", block_size=4, num_kv_blocks=96, max_model_len=256) as llm:
+        outs = llm.generate(PROMPTS, [SamplingParams(max_tokens=12, temperature=0,
+                                                     structured_outputs=StructuredOutputsParams(**c))
+                                      for c in CONSTRAINTS])
+    return [(o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
 
 ABORT_TIMEOUT_S = 15     # how long the prefill server keeps KV no decode server pulls
@@ -162,20 +178,60 @@ def test_greedy_outputs_equal_colocated_and_decode_computes_one_prompt_token(pd,
     assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
 
 
+def test_constrained_outputs_equal_colocated_the_decode_side_owns_the_matcher(pd, constrained_reference):
+    """Structured outputs across disaggregation: the prefill server computes the prompt (its one token, also
+    constrained, is dropped); the decode server builds the matcher from no output and samples every token
+    under its mask, so the outputs are the colocated engine's, streamed or not."""
+    prefill, decode, router = pd
+    model = _model(decode.url)
+    kinds = "tokenmill:structured_output_requests_total"
+    before = {k: _metric(decode.url, kinds, kind=k) for k in ("grammar", "regex", "choice")}
+    local0 = _metric(decode.url, "tokenmill:prompt_tokens_by_source_total", source="local_compute")
+    got = []
+    for p, c in zip(PROMPTS, CONSTRAINTS):
+        r = httpx.post(router.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": p, "max_tokens": 12, "temperature": 0, "structured_outputs": c})
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        got.append((ch["text"], ch["finish_reason"]))
+    assert got == constrained_reference
+    assert any(fr == "stop" for _, fr in got)
+    text = ""
+    with httpx.stream("POST", router.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": PROMPTS[0], "max_tokens": 12, "temperature": 0, "stream": True,
+            "structured_outputs": CONSTRAINTS[0]}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert text == constrained_reference[0][0]
+    # counted where they were decoded; each decode computed one prompt token, the rest came over the connector
+    assert {k: _metric(decode.url, kinds, kind=k) - v for k, v in before.items()} == \
+           {"grammar": 2, "regex": 1, "choice": 1}
+    assert _metric(decode.url, "tokenmill:prompt_tokens_by_source_total", source="local_compute") - local0 == 4
+    # a bad constraint is the prefill server's 400, before any KV is kept
+    r = httpx.post(router.url + "/v1/completions", timeout=30, json={
+        "model": model, "prompt": PROMPTS[2], "max_tokens": 4, "structured_outputs": {"regex": "(w01"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.regex", r.text
+    for url in (prefill.url, decode.url):
+        inv = _wait_free(url)
+        assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv
+
+
 def test_errors_pass_through(pd):
     prefill, decode, router = pd
     model = _model(decode.url)
-    r = httpx.post(router.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "w5 w6",
+    r = httpx.post(router.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "w005 w006",
                                                                      "temperature": -1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature", r.text
     # the prefill server accepts this one (it asks 1 token) and keeps its KV; the decode server refuses it
-    r = httpx.post(router.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "w5",
+    r = httpx.post(router.url + "/v1/completions", timeout=30, json={"model": model, "prompt": "w005",
                                                                      "max_tokens": 1000})
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"], r.text
     r = httpx.post(router.url + "/v1/completions", timeout=30, json={"model": "nope", "prompt": "w5"})
     assert r.status_code == 404, r.text
     r = httpx.post(decode.url + "/v1/completions", timeout=30, json={
-        "model": model, "prompt": "w5", "kv_transfer_params": {"do_remote_prefill": True}})
+        "model": model, "prompt": "w005", "kv_transfer_params": {"do_remote_prefill": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params", r.text
     # nobody will pull the refused request's KV: the router tells the prefill server, which frees it at
     # once (blocks, or the shared-memory file), not after abort_timeout_s
@@ -229,13 +285,13 @@ def test_a_decode_side_refusal_frees_the_prefill_pool_at_once(pd):
     t0 = time.monotonic()
     for i in range(4):
         r = httpx.post(prefill.url + "/v1/completions", timeout=60, json={
-            "model": model, "prompt": PROMPTS[i % 3] + f" w{i}", "max_tokens": 1,
+            "model": model, "prompt": PROMPTS[i % 3] + f" w{i:03d}", "max_tokens": 1,
             "kv_transfer_params": {"do_remote_decode": True}})
         assert r.status_code == 200, r.text
         params = r.json()["kv_transfer_params"]
         target = decode.url if i < 3 else router.url      # the last one through the router (it 404s itself)
         r = httpx.post(target + "/v1/completions", timeout=60, json={
-            "model": "nope", "prompt": PROMPTS[i % 3] + f" w{i}", "max_tokens": 4, "kv_transfer_params": params})
+            "model": "nope", "prompt": PROMPTS[i % 3] + f" w{i:03d}", "max_tokens": 4, "kv_transfer_params": params})
         assert r.status_code == 404, r.text
     inv = _wait_free(prefill.url, timeout=ABORT_TIMEOUT_S + 30)
     assert inv["problems"] == [] and inv["num_free_blocks"] == inv["num_kv_blocks"], inv

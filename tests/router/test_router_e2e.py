@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import httpx
@@ -159,5 +160,64 @@ def test_kv_aware_holds_a_concurrent_follower_until_its_prefix_is_computed(repli
                 if line.startswith("tokenmill:router_held_requests_total")]
         # one computed the prefix, the other found it cached (held until the events came, or sent after)
         assert cached[0] == 0 and cached[1] >= (n_prefix // 16 - 1) * 16, (cached, n_prefix, held)
+    finally:
+        router.stop()
+
+
+def test_constraints_and_tool_calls_pass_through_the_router(replicas, prompt_tokenizer):
+    """The router relays constrained requests and their streamed tool-call deltas unchanged (kv_aware: it
+    tokenizes the chat to route it). The schema's key and const are words the model would not write
+    unconstrained, so a valid object shows the replica applied the constraint it was sent."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    router = RouterThread(RouterConfig(backends=[r.spec for r in replicas], policy="kv_aware",
+                                       health_check_interval=0.5), prompt_tokenizer).start()
+    try:
+        rt = router.router
+        deadline = time.monotonic() + 10
+        while not all(b.healthy for b in rt.backends) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        url, model = router.url, _model(replicas[0].url)
+        schema = {"type": "object", "properties": {"zqx": {"const": "plugh"}, "n": {"type": "integer", "minimum": 0,
+                                                                                     "maximum": 9}},
+                  "required": ["zqx", "n"], "additionalProperties": False}
+        msgs = [{"role": "user", "content": "Give me a number."}]
+        # compact JSON: the longest object the schema allows is 24 bytes, so 40 tokens always finish it
+        NO_WS = {"disable_any_whitespace": True}
+        r = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": model, "messages": msgs, "max_tokens": 40, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}},
+            "structured_outputs": NO_WS})
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert ch["finish_reason"] == "stop", ch
+        jsonschema.validate(json.loads(ch["message"]["content"]), schema)
+        r = httpx.post(url + "/v1/completions", timeout=120, json={
+            "model": model, "prompt": "A code:", "max_tokens": 12, "temperature": 0,
+            "structured_outputs": {"regex": "QZ-[0-9]{3}"}})
+        assert r.status_code == 200 and re.fullmatch("QZ-[0-9]{3}", r.json()["choices"][0]["text"]), r.text
+        # a named tool call, streamed: OpenAI's delta order arrives through the relay, ending "stop"
+        tools = [{"type": "function", "function": {"name": "set_level", "parameters": schema}}]
+        body = {"model": model, "messages": msgs, "tools": tools, "max_tokens": 40, "temperature": 0,
+                "tool_choice": {"type": "function", "function": {"name": "set_level"}}, "stream": True,
+                "structured_outputs": NO_WS}
+        args, header, finish = "", None, []
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=120, json=body) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                c = json.loads(line[6:])["choices"][0]
+                for tc in c["delta"].get("tool_calls") or []:
+                    if header is None:
+                        header = tc
+                        assert tc["id"] and tc["function"]["name"] == "set_level" and tc["index"] == 0, tc
+                    else:
+                        assert "id" not in tc and "name" not in tc["function"], tc
+                    args += tc["function"].get("arguments") or ""
+                if c["finish_reason"]:
+                    finish.append(c["finish_reason"])
+        assert header is not None and finish == ["stop"]
+        jsonschema.validate(json.loads(args), schema)
     finally:
         router.stop()

@@ -247,7 +247,8 @@ TOOLS = [{"type": "function", "function": {
                    "required": ["city", "unit"], "additionalProperties": False}}},
     {"type": "function", "function": {
         "name": "get_time", "description": "Current time in a time zone",
-        "parameters": {"type": "object", "properties": {"tz": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
+        "parameters": {"type": "object", "properties": {"tz": {"type": "string",
+                                                        "pattern": "^[A-Z][a-z]{1,13}/[A-Z][a-z]{1,13}$"}},
                        "required": ["tz"], "additionalProperties": False}}}]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -279,28 +280,109 @@ def _check_calls(calls: list[tuple[str, str]]) -> None:
         jsonschema.validate(json.loads(args), PARAMS[name])
 
 
+# The bounded tool choices' grammars (a named call; "required" with parallel_tool_calls false, maxItems 1) accept
+# no output longer than this many bytes, so no more tokens (a token is at least one byte): at most 20 optional
+# whitespace characters in each place (max_whitespace) and 18 places (2 in the array, 8 in a two-key object
+# with 8 in its two-key "parameters"; fewer for get_time), the longest compact call
+# '[{"name":"get_weather","parameters":{"city":"","unit":"fahrenheit"}}]' (69 bytes) and a 12-character city
+# at most 12 bytes a character (an escaped surrogate pair). get_time's is shorter (tz <= 28 bytes, 14 places).
+# The whitespace places and the cap were checked on xgrammar 0.2.9 (20 spaces accepted in each place, 21 refused).
+BOUNDED_MAX_TOKENS = 18 * 20 + 69 + 12 * 12
+
+
+def _tool_kw(model: str, tc, parallel: bool, max_tokens: int) -> dict:
+    return dict(model=model, messages=ASK, tools=TOOLS, tool_choice=tc, max_tokens=max_tokens, temperature=0,
+                parallel_tool_calls=parallel)
+
+
+def _array_items(text: str) -> list:
+    """The complete items at the start of a (possibly cut) JSON array's text."""
+    dec, items = json.JSONDecoder(), []
+    i = text.index("[") + 1
+    while True:
+        while i < len(text) and text[i] in " \t\n\r,":
+            i += 1
+        try:
+            item, i = dec.raw_decode(text, i)
+        except ValueError:
+            return items
+        items.append(item)
+
+
 def test_tool_choice_named_and_required_streamed_and_not(client: openai.OpenAI, model: str) -> None:
+    # Both choices' grammars close the output (BOUNDED_MAX_TOKENS), so greedy decoding must end in a call.
+    # "required" with parallel_tool_calls true has no bound: test_required_parallel_calls_closed_or_cut
     named = {"type": "function", "function": {"name": "get_weather"}}
-    for tc, parallel in ((named, True), ("required", False), ("required", True)):
-        kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice=tc, max_tokens=MAX_TOKENS, temperature=0,
-                  parallel_tool_calls=parallel)
+    for tc, parallel in ((named, True), ("required", False)):
+        kw = _tool_kw(model, tc, parallel, BOUNDED_MAX_TOKENS)
         r = client.chat.completions.create(**kw)
         ch = r.choices[0]
-        assert ch.finish_reason == "tool_calls", ch
+        # OpenAI answers a forced named function with "stop" (vLLM too), auto and required calls "tool_calls"
+        want_finish = "stop" if tc is named else "tool_calls"
+        assert ch.finish_reason == want_finish, ch
         calls = ch.message.tool_calls
         assert calls and all(c.id and c.type == "function" for c in calls)
         assert len({c.id for c in calls}) == len(calls)
         if not parallel:
             assert len(calls) == 1
         if tc is named:
-            assert [c.function.name for c in calls] == ["get_weather"]
+            assert [c.function.name for c in calls] == ["get_weather"] and ch.message.content is None
         _check_calls([(c.function.name, c.function.arguments) for c in calls])
         streamed, finish = _streamed_calls(client.chat.completions.create(**kw, stream=True))
-        assert finish == ["tool_calls"]
+        assert finish == [want_finish]
         _check_calls([(c["name"], c["arguments"]) for c in streamed.values()])
         # greedy: the stream carries the same calls (ids are fresh per response)
         assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == \
                [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+        # the same request cut by max_tokens halfway (greedy: a prefix of the same tokens, so it is unfinished):
+        # "length", no tool calls, the raw text as content; streamed, what was sent stays and the end says "length"
+        half = r.usage.completion_tokens // 2
+        cut = client.chat.completions.create(**{**kw, "max_tokens": half})
+        cc = cut.choices[0]
+        assert cc.finish_reason == "length" and cut.usage.completion_tokens == half, cc
+        assert cc.message.tool_calls is None and cc.message.content
+        full_args = calls[0].function.arguments
+        if tc is named:
+            assert full_args.startswith(cc.message.content.lstrip())
+        else:
+            assert cc.message.content.lstrip().startswith("[") and _array_items(cc.message.content) == []
+        s_calls, s_finish = _streamed_calls(client.chat.completions.create(**{**kw, "max_tokens": half}, stream=True))
+        assert s_finish == ["length"] and len(s_calls) <= 1
+        for c in s_calls.values():
+            assert c["name"] == calls[0].function.name
+            assert full_args.startswith(c["arguments"]) and c["arguments"] in cc.message.content
+
+
+def test_required_parallel_calls_closed_or_cut(client: openai.OpenAI, model: str) -> None:
+    # parallel_tool_calls true: an array of calls with no maxItems (vLLM's schema), so how many calls the model
+    # writes is its own choice. Greedy SmolLM2-135M wrote two get_weather calls and closed the array on the EPYC
+    # (bfloat16 and float32) but repeated them until max_tokens in float32 with AVX2 kernels (emulated) and on the
+    # CI Xeon. Either way the response must have the right shape, streamed and not.
+    kw = _tool_kw(model, "required", True, BOUNDED_MAX_TOKENS)   # room for the first call, whatever it is
+    r = client.chat.completions.create(**kw)
+    ch = r.choices[0]
+    streamed, finish = _streamed_calls(client.chat.completions.create(**kw, stream=True))
+    assert finish == [ch.finish_reason] and ch.finish_reason in ("tool_calls", "length"), ch
+    if ch.finish_reason == "tool_calls":
+        calls = ch.message.tool_calls
+        assert calls and len({c.id for c in calls}) == len(calls) and ch.message.content is None
+        _check_calls([(c.function.name, c.function.arguments) for c in calls])
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed.values()] == \
+               [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+        return
+    # cut by max_tokens: no tool calls, the raw text is the content, and every call it completed is valid
+    assert ch.message.tool_calls is None and r.usage.completion_tokens == BOUNDED_MAX_TOKENS
+    done = _array_items(ch.message.content)
+    assert done, ch.message.content
+    for item in done:
+        _check_calls([(item["name"], json.dumps(item["parameters"]))])
+    # streamed: the completed calls were sent whole, then at most the unfinished one's beginning
+    got = list(streamed.values())
+    assert [(c["name"], json.loads(c["arguments"])) for c in got[:len(done)]] == \
+           [(it["name"], it["parameters"]) for it in done]
+    assert len(got) <= len(done) + 1
+    for c in got[len(done):]:
+        assert c["arguments"] in ch.message.content
 
 
 def test_openai_parse_with_a_strict_pydantic_tool(client: openai.OpenAI, model: str) -> None:
@@ -309,7 +391,8 @@ def test_openai_parse_with_a_strict_pydantic_tool(client: openai.OpenAI, model: 
         unit: Literal["celsius", "fahrenheit"]
 
     r = client.chat.completions.parse(model=model, messages=ASK, tools=[openai.pydantic_function_tool(GetWeather)],
-                                      tool_choice="required", max_completion_tokens=MAX_TOKENS, temperature=0)
+                                      tool_choice="required", parallel_tool_calls=False,
+                                      max_completion_tokens=BOUNDED_MAX_TOKENS, temperature=0)
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
 
@@ -368,8 +451,7 @@ def test_auto_hermes_call_follows_the_tools_schema(client: openai.OpenAI, model:
 
 def test_openai_stream_helper_assembles_tool_calls(client: openai.OpenAI, model: str) -> None:
     # the client's own delta accumulator (ChatCompletionStreamState) rebuilds the same message
-    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS, temperature=0,
-              parallel_tool_calls=False)
+    kw = _tool_kw(model, "required", False, BOUNDED_MAX_TOKENS)
     with client.chat.completions.stream(**kw) as s:
         final = s.get_final_completion()
     ref = client.chat.completions.create(**kw)

@@ -23,7 +23,8 @@ class OpenAIServingChat(OpenAIServing):
     model's text with ``--tool-call-parser`` (needs ``--enable-auto-tool-choice``); ``required`` and a
     named function constrain decoding to the tools' parameter schemas
     (:mod:`tokenmill.server.structured`) and read the calls back. A response with tool calls has
-    ``message.tool_calls`` and ``finish_reason: "tool_calls"``.
+    ``message.tool_calls`` and ``finish_reason: "tool_calls"`` (``"stop"`` for a named function, as OpenAI
+    and vLLM answer a forced call).
     """
 
     def tool_reader(self, body: ChatCompletionRequest) -> ToolParser | None:
@@ -117,6 +118,8 @@ class OpenAIServingChat(OpenAIServing):
         if constraint is not None:
             await check_constraint(constraint, state.config.model)
         keep_special = reader is not None and not reader.skip_special_tokens
+        # OpenAI (and vLLM) finish a forced named function with "stop"; auto and required calls with "tool_calls"
+        calls_finish = "stop" if isinstance(body.effective_tool_choice, NamedToolChoice) else "tool_calls"
         # parallel_tool_calls false: the first call only (required is held to one by its schema already)
         max_calls = 1 if body.parallel_tool_calls is False else None
         params = body.sampling_params(mt, body.num_logprobs, body.prompt_logprobs,
@@ -171,7 +174,7 @@ class OpenAIServingChat(OpenAIServing):
                             continue
                         delta: dict[str, Any] = d
                         if fr == "stop" and streamers[c.index].called:
-                            fr = "tool_calls"
+                            fr = calls_finish
                     elif c.index not in started:
                         # The role is announced together with the first generated token.
                         started.add(c.index)
@@ -204,7 +207,7 @@ class OpenAIServingChat(OpenAIServing):
                 if calls:
                     message["tool_calls"] = calls
                     if fr == "stop":
-                        fr = "tool_calls"
+                        fr = calls_finish
             choices.append({"index": idx, "message": message, "logprobs": lp, "finish_reason": fr,
                             "stop_reason": sr})
         resp: dict[str, Any] = {"id": rid, "object": "chat.completion", "created": created,
