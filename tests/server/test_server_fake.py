@@ -190,9 +190,15 @@ async def test_errors_then_normal_request(server):
     # Context limit: prompt + max_tokens beyond max_model_len (512), stated in the message.
     err = _error(await client.post("/v1/completions", json={**ok, "prompt": "a" * 500, "max_tokens": 20}), 400)
     assert "512" in err["message"] and "520" in err["message"] and "500" in err["message"]
-    err = _error(await client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "a" * 600}]}), 400)
-    assert "512" in err["message"]
+    assert err["param"] == "max_tokens"
+    # a prompt that alone fills the context names the prompt's field, with max_tokens given or not
+    for extra in ({}, {"max_tokens": 5}, {"max_completion_tokens": 5}):
+        err = _error(await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "a" * 600}], **extra}), 400)
+        assert "512" in err["message"] and err["param"] == "messages", (extra, err)
+    for extra in ({}, {"max_tokens": 5}):
+        err = _error(await client.post("/v1/completions", json={**ok, "prompt": "a" * 600, **extra}), 400)
+        assert "512" in err["message"] and err["param"] == "prompt", (extra, err)
     err = _error(await client.post("/v1/chat/completions", json={"model": MODEL, "messages": []}), 400)
     assert err["param"] == "messages"
     assert (await client.post("/v1/completions", json=ok)).status_code == 200

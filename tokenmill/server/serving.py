@@ -175,21 +175,30 @@ class OpenAIServing:
             raise APIError("priority is only supported with --scheduling-policy priority "
                            f"(this server uses {policy})", param="priority")
 
-    def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str = "max_tokens") -> int:
+    def resolve_max_tokens(self, prompt_len: int, requested: int | None, param: str = "max_tokens",
+                           prompt_param: str = "prompt") -> int:
         """Check the context limit; return the max_tokens to use (the rest of the context when None).
 
+        Args:
+            prompt_len: the prompt's tokens.
+            requested: the request's completion limit, or None for the rest of the context.
+            param: the field ``requested`` came from (``max_tokens`` or ``max_completion_tokens``).
+            prompt_param: the field the prompt came from (``prompt``; ``messages`` for chat), named when the
+                prompt alone leaves no room for a completion.
+
         Raises:
-            APIError: 400 stating the limit and the request's token counts.
+            APIError: 400 stating the limit and the request's token counts, naming the prompt's field when
+                the prompt alone fills the context, else ``param``.
         """
         limit = self.state.max_model_len
+        if prompt_len >= limit:
+            raise APIError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
+                f"of the {'messages' if prompt_param == 'messages' else 'prompt'}.", param=prompt_param)
         if requested is None:
-            if prompt_len >= limit:
-                raise APIError(
-                    f"This model's maximum context length is {limit} tokens. However, your prompt has "
-                    f"{prompt_len} tokens, which leaves no room for the completion. Please reduce the length "
-                    "of the prompt.", param="prompt" if param == "max_tokens" else "messages")
             return limit - prompt_len
-        if prompt_len + requested > limit or prompt_len > limit:
+        if prompt_len + requested > limit:
             raise APIError(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{prompt_len + requested} tokens ({prompt_len} in the prompt, {requested} in the completion). "

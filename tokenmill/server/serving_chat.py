@@ -111,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
                                   body.chat_template, body.chat_template_kwargs, tools, fmt, instructions)
         ids = await self.encode(prompt, body.add_special_tokens, param="messages")
         param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-        mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param)
+        mt = self.resolve_max_tokens(len(ids), body.requested_max_tokens, param, prompt_param="messages")
         auto = (reader if reader is not None and body.effective_tool_choice == "auto"
                 and structural_tags_supported(state.config.model) else None)
         constraint = constraint_for(body, auto)
