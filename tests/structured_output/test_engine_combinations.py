@@ -143,3 +143,76 @@ def test_chunked_prefill_same_tokens_as_unchunked():
     check_json(want, 3)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert [o.finish_reason for o in got] == [o.finish_reason for o in want]
+
+
+# -- 3. --logprobs-mode -----------------------------------------------------------------------------------
+MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+TOP = 5
+
+
+def allowed_sets(llm, token_ids: list[int]) -> list[set[int] | None]:
+    """Per generated position, the tokens the grammar allowed there (None: more than ``TOP``), replaying
+    the output through a fresh matcher of the engine's backend."""
+    backend = llm.engine_core.structured_output.backend
+    matcher = backend.new_matcher(backend.compile(StructuredOutputsParams(json=SCHEMA)))
+    bitmask = backend.allocate_bitmask(1)
+    vocab = llm.engine_core.executor.arch.vocab_size
+    out = []
+    for t in token_ids:
+        matcher.fill_bitmask(bitmask, 0)
+        allowed = (~unpack_disallowed(bitmask)[0][:vocab]).nonzero()[0]
+        out.append(set(allowed.tolist()) if len(allowed) <= TOP else None)
+        assert matcher.accept_token(t)
+    return out
+
+
+def test_logprobs_modes_report_the_masked_distribution():
+    """Every ``--logprobs-mode`` reports values after the grammar mask, as vLLM does (its runner masks the
+    logits in place before the sampler, whose raw modes read them first): a token the grammar refuses
+    is ``-inf`` (never a finite stand-in), never among the finite top entries. Raw modes are before
+    temperature and top-k, processed after them; the logprobs modes renormalise over the allowed tokens
+    (a forced token has logprob 0), the logits modes report the model's logits of the allowed tokens.
+    Greedy and seeded (temperature 0.8, top_k 3) requests, both with forced-token drafts on (their
+    logprobs come from the verify path) and off (the sampler's path)."""
+    res = {}
+    for mode in MODES:
+        for forced in (4, 0):
+            llm = LLM(**ENGINE, max_num_seqs=4, num_kv_blocks=128, logprobs_mode=mode,
+                      structured_outputs_config={"num_forced_draft_tokens": forced})
+            try:
+                prompts = [chat(llm, QUESTIONS[0]), chat(llm, QUESTIONS[1])]
+                params = [json_params(0, logprobs=TOP, max_tokens=40),
+                          json_params(1, logprobs=TOP, max_tokens=40, top_k=3)]
+                outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+                res[mode, forced] = [(o, allowed_sets(llm, o.token_ids)) for o in outs]
+            finally:
+                llm.shutdown()
+    base = res["raw_logits", 0]
+    for (mode, forced), per_req in res.items():
+        for r, (o, allowed) in enumerate(per_req):
+            assert o.token_ids == base[r][0].token_ids, (mode, forced, r)   # the mode never changes tokens
+            assert any(a is not None and len(a) == 1 for a in allowed)      # forced positions are covered
+            for i, (lp, a) in enumerate(zip(o.logprobs, allowed)):
+                where = (mode, forced, r, i)
+                vals = dict(zip(lp.top_token_ids, lp.top_logprobs))
+                assert lp.top_token_ids[0] == o.token_ids[i] or r == 1, where   # greedy: the masked argmax
+                assert vals.get(o.token_ids[i], lp.logprob) == lp.logprob and math.isfinite(lp.logprob), where
+                finite = {t for t, v in vals.items() if math.isfinite(v)}
+                assert all(v == -math.inf for v in vals.values() if not math.isfinite(v)), where
+                if a is None:
+                    continue
+                cap = 3 if (r == 1 and mode.startswith("processed")) else TOP     # top_k=3 truncates processed
+                assert finite <= a and len(finite) == min(len(a), cap), (where, vals, a)
+                if mode.endswith("logprobs") and len(finite) == len(a):            # all allowed tokens listed
+                    assert abs(math.log(sum(math.exp(vals[t]) for t in finite))) < 1e-4, (where, vals)
+                if mode.endswith("logprobs") and len(a) == 1:
+                    assert lp.logprob == 0.0, where
+                # raw logits of the allowed tokens: the same numbers in every raw mode and request
+                raw = dict(zip(base[r][0].logprobs[i].top_token_ids, base[r][0].logprobs[i].top_logprobs))
+                if mode == "raw_logprobs" and len(finite) == len(a):
+                    z = math.log(sum(math.exp(raw[t]) for t in a))
+                    assert all(abs(vals[t] - (raw[t] - z)) < 1e-4 for t in a), (where, vals, raw)
+                if mode == "processed_logits":
+                    scale = 0.8 if r == 1 else 1.0
+                    assert all(abs(vals[t] - raw[t] / scale) < 1e-4 * max(1.0, abs(raw[t])) for t in finite), \
+                        (where, vals, raw)
