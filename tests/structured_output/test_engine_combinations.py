@@ -101,10 +101,12 @@ DOC = " ".join(f"Record {k}: the traveller number {k} lives in {['Paris', 'Londo
                f"{20 + 3 * k} years old." for k in range(24))
 
 
-def chunked_run(max_num_batched_tokens: int):
-    """One long constrained prompt (about 500 tokens) after two short constrained ones; returns the
-    outputs, the long prompt's length and, per step, how many of its tokens were scheduled."""
-    llm = LLM(**ENGINE, max_num_seqs=8, num_kv_blocks=256, max_num_batched_tokens=max_num_batched_tokens)
+def chunked_run(max_num_batched_tokens: int, long_prefill_token_threshold: int):
+    """One long constrained prompt (about 500 tokens) before two short constrained ones, so its
+    partial-prefill rows precede their sampling rows in the batch; returns the outputs, the long
+    prompt's length and, per step, its scheduled tokens, whether it sampled, whether others sampled."""
+    llm = LLM(**ENGINE, max_num_seqs=8, num_kv_blocks=256, max_num_batched_tokens=max_num_batched_tokens,
+              long_prefill_token_threshold=long_prefill_token_threshold)
     try:
         sched = llm.engine_core.scheduler
         long_prompt = chat(llm, DOC + " Describe the traveller number 17 as JSON.")
@@ -113,14 +115,14 @@ def chunked_run(max_num_batched_tokens: int):
 
         def recording():
             so = schedule()
-            others = any(r.sample for r in so.scheduled if r.req_id != "2")
-            chunks.extend((len(r.token_ids), r.sample, others) for r in so.scheduled if r.req_id == "2")
+            others = any(r.sample for r in so.scheduled if r.req_id != "0")
+            chunks.extend((len(r.token_ids), r.sample, others) for r in so.scheduled if r.req_id == "0")
             return so
 
         sched.schedule = recording
-        prompts = [chat(llm, QUESTIONS[0]), chat(llm, QUESTIONS[1]), long_prompt]
-        params = [json_params(2), json_params(1), json_params(0, max_tokens=50)]
-        outs = [o.outputs[0] for o in llm.generate(prompts, params)]   # the long prompt is request "2"
+        prompts = [long_prompt, chat(llm, QUESTIONS[0]), chat(llm, QUESTIONS[1])]
+        params = [json_params(0, max_tokens=50), json_params(2), json_params(1)]
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]   # the long prompt is request "0"
         assert llm.engine_core.check_invariants()["problems"] == []
         return outs, len(llm.tokenizer.encode(long_prompt)), chunks
     finally:
@@ -128,17 +130,17 @@ def chunked_run(max_num_batched_tokens: int):
 
 
 def test_chunked_prefill_same_tokens_as_unchunked():
-    """A constrained request whose prompt is prefilled over many 32-token steps (no mask filled, no token
-    sampled, no matcher advanced until its last chunk), next to constrained requests decoding in those
-    same steps, produces the tokens of the run that prefills every prompt in one step."""
-    want, n_prompt, whole = chunked_run(2048)
-    got, _, chunked = chunked_run(32)
+    """A constrained request whose prompt is prefilled in 16-token chunks over many steps (no mask row, no
+    token sampled, no matcher advanced until its last chunk), ahead of constrained requests decoding in
+    those same steps, produces the tokens of the run that prefills every prompt in one step."""
+    want, n_prompt, whole = chunked_run(2048, 0)
+    got, _, chunked = chunked_run(32, 16)
     assert n_prompt > 400
     assert whole[0][:2] == (n_prompt, True)                  # reference: one prefill step that samples
     first = next(i for i, c in enumerate(chunked) if c[1])    # the chunk that reaches the prompt's end
     prefill = chunked[:first + 1]
-    assert len(prefill) >= math.ceil(n_prompt / 32) - 2       # at most 2 blocks (32 tokens) from the prefix cache
-    assert all(n <= 32 for n, _, _ in prefill) and sum(n for n, _, _ in prefill) > n_prompt - 64
+    assert len(prefill) >= math.ceil(n_prompt / 16) - 4       # at most 4 chunks' worth from the prefix cache
+    assert all(n <= 16 for n, _, _ in prefill) and sum(n for n, _, _ in prefill) > n_prompt - 64
     assert sum(others for _, _, others in prefill[:-1]) >= 5   # the short requests sampled meanwhile
     check_json(want, 3)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
