@@ -67,7 +67,8 @@ def add(llm, prompt: str, params: SamplingParams, batch: bool) -> str:
 def test_batch_lane_same_tokens_as_interactive():
     """Constrained batch-lane requests that are running when constrained interactive requests arrive at
     a full house (max_num_seqs=3) are preempted for them (seat preemption of the batch lane), resume
-    with their matchers rebuilt, and finish with the tokens they get as interactive requests."""
+    by recompute with their matchers still in step with their kept output, and finish with the tokens
+    they get as interactive requests."""
     llm = LLM(**ENGINE, max_num_seqs=3, num_kv_blocks=256)
     try:
         prompts = [chat(llm, q) for q in QUESTIONS]
