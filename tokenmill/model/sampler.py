@@ -88,8 +88,10 @@ class Sampler:
     the values do not depend on the sampling parameters; ``raw_logits`` the
     logits themselves; ``processed_logprobs`` / ``processed_logits`` the
     distribution actually sampled from (penalties, then temperature and
-    truncation for non-greedy rows; truncated tokens are ``-inf``). The rank
-    is the sampled token's 1-based rank in the reported values.
+    truncation for non-greedy rows; truncated tokens are ``-inf``). Every mode
+    sees the logits after the structured-outputs grammar mask (the runner
+    applies it before calling the sampler, as vLLM's): refused tokens report
+    ``-inf``. The rank is the sampled token's 1-based rank in the reported values.
 
     Raises:
         ValueError: when ``logits`` is not 2-D or its row count differs from
@@ -146,10 +148,11 @@ class Sampler:
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
         raw_mode = self.logprobs_mode.startswith("raw")
         # raw modes report the model's own distribution, before any sampling parameter touches it
-        lp_logits = torch.nan_to_num(logits[want_lp], nan=-1e30, posinf=1e30, neginf=-1e30) \
-            if want_lp and raw_mode else None
+        lp_logits = self.keep_neg_inf(torch.nan_to_num(logits[want_lp], nan=-1e30, posinf=1e30, neginf=-1e30),
+                                      logits[want_lp]) if want_lp and raw_mode else None
         logits = self._apply_penalties(logits, reqs)
         logits = self._apply_logit_bias(logits, params)
+        before_nan = logits     # the penalised rows with their -inf entries (processed modes report those -inf)
         if not want_lp and all(p.greedy for p in params):
             # all-greedy fast path: argmax of the raw rows, one pass instead of nan_to_num's copy + argmax.
             # Equal to the path below whenever every row's maximum is finite and above -1e30: argmax returns a
@@ -196,13 +199,25 @@ class Sampler:
         out_lp: list[TokenLogprobs | None] = [None] * len(reqs)
         if want_lp:
             if processed is not None:
-                lp_logits = processed[want_lp]
+                lp_logits = self.keep_neg_inf(processed[want_lp], before_nan[want_lp])
             assert lp_logits is not None
             normalize = self.logprobs_mode.endswith("logprobs")
             nums = [params[i].logprobs for i in want_lp]
             for i, tlp in zip(want_lp, self._logprobs(lp_logits, token_ids[want_lp], nums, normalize)):
                 out_lp[i] = tlp
         return ids, out_lp
+
+    @staticmethod
+    def keep_neg_inf(values: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+        """``values`` ``[R, V]`` with ``-inf`` wherever ``source`` ``[R, V]`` is ``-inf``: the reported value of
+        a token the grammar mask (or a ``-inf`` logit bias) refused, as vLLM reports it, instead of the
+        finite ``-1e30`` that ``nan_to_num`` put there so sampling stays defined. Rows of ``source``
+        with no entry above ``-inf`` are left finite (``log_softmax`` of them would be NaN)."""
+        neg = torch.isneginf(source)
+        if not bool(neg.any()):
+            return values
+        neg &= ~neg.all(dim=1, keepdim=True)
+        return values.masked_fill(neg, float("-inf"))
 
     # -- steps ----------------------------------------------------------------
     @staticmethod

@@ -139,9 +139,11 @@ class SpecDecodeWorker:
         mode = self.sampler.logprobs_mode
         if not mode.startswith("raw"):
             x = Sampler._apply_logit_bias(Sampler._apply_penalties(x, sel), [params] * len(sel))
+        source = x      # grammar-masked (and -inf-biased) tokens stay -inf in the report, as the sampler's
         x = torch.nan_to_num(x, nan=-1e30, posinf=1e30, neginf=-1e30)
         if not mode.startswith("raw") and not params.greedy:
             x = Sampler._truncate(x / params.temperature, [params] * len(sel))
+        x = Sampler.keep_neg_inf(x, source)
         return Sampler._logprobs(x, torch.tensor(toks, device=x.device), [params.logprobs] * len(toks),
                                  mode.endswith("logprobs"))
 
