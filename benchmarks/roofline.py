@@ -2,8 +2,11 @@
 
 1. Measures memory read bandwidth (GB/s, a full-tensor sum over 1 GiB,
    best of several) and dense GEMM rates (GFLOP/s, ``m = n = k = 2048`` by
-   default) in float32, bfloat16 and int8 (``torch._int_mm``, int32
-   accumulate), with the threads the engine core would use.
+   default; smaller where the CPU lacks native arithmetic for the type) in
+   float32, bfloat16 and int8 (the faster of ``torch._int_mm`` and FBGEMM's
+   uint8 × int8 ``quantized.linear``, int32 accumulate), with the threads the
+   engine core would use. A bfloat16 model's compute bound uses the float32
+   rate where that is faster (no native bfloat16 arithmetic, e.g. AVX2).
 2. From the model's bytes and FLOPs computes the lower bound of one step:
    ``max(bytes / bandwidth, flops / gemm_rate)`` (Williams, Waterman &
    Patterson, "Roofline", CACM 2009), where
@@ -57,11 +60,31 @@ def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    """Dense ``n × n × n`` GEMM rate in GFLOP/s (2 n³ per product), best of ``reps``.
+def _gemm_fn(dtype: torch.dtype, n: int, engine: str = "torch"):
+    """A zero-argument callable doing one ``n × n × n`` product, or None where it is unsupported.
 
-    int8 uses ``torch._int_mm`` (int8 × int8 → int32); returns 0.0 where it is unsupported.
+    ``engine="torch"``: ``a @ b`` (int8: ``torch._int_mm``, int8 × int8 → int32);
+    ``engine="fbgemm"`` (int8 only): ``torch.ops.quantized.linear``, uint8 activations × int8 weights with int32
+    accumulation (FBGEMM's VPMADDUBSW / VPDPBUSD kernels) and a requantised uint8 output.
     """
+    if dtype == torch.int8 and engine == "fbgemm":
+        import warnings
+        try:
+            if "fbgemm" not in torch.backends.quantized.supported_engines:
+                return None
+            torch.backends.quantized.engine = "fbgemm"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                qx = torch.quantize_per_tensor(torch.randn(n, n), 0.05, 128, torch.quint8)
+                qw = torch.quantize_per_tensor(torch.randn(n, n), 0.05, 0, torch.qint8)
+                packed = torch.ops.quantized.linear_prepack(qw, None)
+
+            def fn():
+                return torch.ops.quantized.linear(qx, packed, 1.0, 0)
+            fn()
+        except (RuntimeError, AttributeError):
+            return None
+        return fn
     if dtype == torch.int8:
         a = torch.randint(-64, 64, (n, n), dtype=torch.int8)
         b = torch.randint(-64, 64, (n, n), dtype=torch.int8)
@@ -70,20 +93,43 @@ def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
                 return torch._int_mm(a, b)
             fn()
         except (RuntimeError, AttributeError):
-            return 0.0
-    else:
-        a = torch.randn(n, n, dtype=dtype)
-        b = torch.randn(n, n, dtype=dtype)
+            return None
+        return fn
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
 
-        def fn():
-            return a @ b
-        fn()
+    def fn():
+        return a @ b
+    fn()
+    return fn
+
+
+def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5, engine: str = "torch",
+                 budget_s: float = 1.0) -> tuple[float, int]:
+    """Dense ``n × n × n`` GEMM rate in GFLOP/s (2 n³ per product), best of ``reps``, and the size timed.
+
+    A CPU without native arithmetic for the type (bfloat16 without AVX512-BF16/AMX, int8 ``_int_mm`` without
+    VNNI: reference loops at ~1 GFLOP/s, ~20 s per 2048³ product) would spend minutes of a benchmark slot
+    here: a 256³ probe comes first, and the size halves (down to 256) until one product is expected to take at
+    most ``budget_s``; the returned size says which was timed. Returns ``(0.0, n)`` where unsupported (see
+    :func:`_gemm_fn` for ``engine``).
+    """
+    probe = _gemm_fn(dtype, 256, engine)
+    if probe is None:
+        return 0.0, n
+    probe()             # _gemm_fn ran it once already: this second call is warm
+    t0 = time.perf_counter()
+    probe()
+    rate = 2 * 256**3 / max(time.perf_counter() - t0, 1e-9)
+    while n > 256 and 2 * n**3 / rate > budget_s:
+        n //= 2
+    fn = _gemm_fn(dtype, n, engine) if n != 256 else probe
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return 2 * n**3 / best / 1e9, n
 
 
 # --------------------------------------------------------------------------- model cost
@@ -357,6 +403,7 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the parts of each eager step (weight GEMMs, attention, sampling, rest) "
                          "against each part's own bound")
+    ap.add_argument("--json", default="", help="also write the measurements (rates, bounds, steps, breakdown) here")
     ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="the per-step-size kernels (default: the batch-invariant mode, as the engine's default)")
     args = ap.parse_args()
@@ -371,12 +418,24 @@ def main() -> None:
 
     print(f"torch {torch.__version__}, {threads} threads, mkldnn={torch.backends.mkldnn.is_available()}")
     bw = measure_bandwidth()
-    rates = {name: measure_gemm(d, args.gemm_n) for name, d in
-             (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("int8", torch.int8))}
+    measured = {name: measure_gemm(d, args.gemm_n, engine=eng) for name, d, eng in
+                (("float32", torch.float32, "torch"), ("bfloat16", torch.bfloat16, "torch"),
+                 ("int8", torch.int8, "torch"), ("int8 fbgemm", torch.int8, "fbgemm"))}
     print(f"memory read bandwidth: {bw:.1f} GB/s")
-    for name, r in rates.items():
-        print(f"GEMM {args.gemm_n}^3 {name:>8}: {r:.0f} GFLOP/s" + ("  (torch._int_mm)" if name == "int8" else ""))
+    notes = {"int8": "torch._int_mm, int8 x int8", "int8 fbgemm": "quantized.linear, uint8 x int8"}
+    for name, (r, n) in measured.items():
+        print(f"GEMM {n}^3 {name:>11}: {r:.1f} GFLOP/s" + (f"  ({notes[name]})" if name in notes else ""))
+    rates = {name: r for name, (r, _) in measured.items()}
+    # the int8 roof: the faster of the two libraries' int8 x int8 -> int32 products (the same multiply-adds the
+    # integer path does; without VNNI torch._int_mm runs a reference loop, FBGEMM the VPMADDUBSW kernels)
+    rates["int8"] = max(rates["int8"], rates.pop("int8 fbgemm"))
     gemm = rates[args.dtype]
+    if args.dtype == "bfloat16" and rates["float32"] > gemm:
+        # no native bfloat16 arithmetic (AVX2, AVX-512 without BF16): bfloat16 values are exact in float32, so
+        # the float32 rate is the faster roof for the same products; a bound must take the faster one
+        print(f"bfloat16 GEMM slower than float32 here: the compute bound uses the float32 rate "
+              f"({rates['float32']:.0f} GFLOP/s)")
+        gemm = rates["float32"]
 
     max_ctx = max(args.context + 1, args.prefill) + 64
     need_blocks = max(max(batches) * (-(-(args.context + 1) // 16)), -(-args.prefill // 16)) + 8
@@ -391,6 +450,7 @@ def main() -> None:
              f" the bound uses their bytes)" if runner.lowbit_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
 
+    report: dict = {"steps": {}, "breakdown": {}}
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
     cases.append((f"prefill {args.prefill}", [args.prefill], [0]))
     steps = [synthetic_step(runner, ql, ctx) for _, ql, ctx in cases]
@@ -429,6 +489,12 @@ def main() -> None:
         if compiled:
             line += f"{compiled[k] * 1e3:>10.2f}{compiled[k] / bound:>8.2f}x"
         print(line)
+        report["steps"][name] = {"path": path, "bytes": nbytes, "flops": flops, "bound_s": bound, "step_s": actual,
+                                 "ratio": actual / bound}
+        if path == "i8" and rates["int8"] > 0:
+            report["steps"][name]["i8_bound_s"] = b8
+        if compiled:
+            report["steps"][name]["compiled_s"] = compiled[k]
         if name.startswith("prefill"):
             best = min(actual, compiled[k]) if compiled else actual
             print(f"  prefill reaches {flops / best / 1e9 / gemm:.0%} of the measured {args.dtype} GEMM rate")
@@ -438,6 +504,7 @@ def main() -> None:
               f"{'/ step bound':>14}")
         for k, (name, ql, ctx) in enumerate(cases):
             br = step_breakdown(runner, steps[k], args.reps)
+            report["breakdown"][name] = dict(br)
             low, hb, path = weights_read(runner, sum(ql))
             parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
             # linears on the integer path: their FLOPs at the int8 rate (the roof of that arithmetic), else the
@@ -463,6 +530,19 @@ def main() -> None:
                   f"{br['step'] / step_bound:>8.2f}x"
                   + (f"   i8 bound {step_bound_i8 * 1e3:.2f} ms: {br['step'] / step_bound_i8:.2f}x"
                      if lin_rate != gemm else ""))
+
+    if args.json:
+        import json
+        import platform
+        flags = sorted(f for f in open("/proc/cpuinfo").read().split() if f.startswith(("avx", "amx", "fma")))
+        report.update(machine=platform.processor() or platform.machine(), cpu_flags=sorted(set(flags)),
+                      dtype=args.dtype, threads=threads, batch_invariant=runner.batch_invariant,
+                      bandwidth_gbs=bw, gemm={k: {"gflops": r, "n": m} for k, (r, m) in measured.items()},
+                      compute_rate_gflops=gemm, int8_rate_gflops=rates["int8"], reps=args.reps,
+                      context=args.context, load_avg=open("/proc/loadavg").read().split()[:3],
+                      time_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
 
     if not args.skip_engine:
         b = max(batches)
