@@ -55,6 +55,20 @@ def test_what_turns_the_low_bit_path_off(why, kw, switches, facts):
     assert p.kv_cache_dtype == "float32", why          # --kv-cache-dtype auto: the model's dtype then
 
 
+def test_bfloat16_without_onednn_bfloat16_keeps_the_low_bit_path():
+    """A bfloat16 model where oneDNN has no bfloat16 (AVX2): no packed linears, but the low-bit codes and the
+    integer path still serve it (plain wrapped weights); before, it ran emulated bfloat16 GEMMs."""
+    no_bf16 = dataclasses.replace(AVX2, onednn_bf16=False)
+    p = plan(facts=no_bf16, dtype="bfloat16")
+    assert (p.packed_linear, p.lowbit_max_tokens, p.int8_act_max_tokens, p.kv_cache_dtype) == \
+        (False, 8, INT8_ACT_AUTO["avx2"], "bfloat16")
+    assert plan(facts=no_bf16, dtype="float32").packed_linear                       # float32 unchanged
+    for switches in (CpuKernelSwitches(packed_linear=False), CpuKernelSwitches(lowbit_kernel=False),
+                     CpuKernelSwitches(int4_max_tokens=0)):
+        assert plan(switches, no_bf16, dtype="bfloat16").lowbit_max_tokens == 0, switches
+    assert plan(facts=no_bf16, dtype="bfloat16", tensor_parallel_size=2).lowbit_max_tokens == 0
+
+
 def test_integer_path_kv_rule_step_graph_and_isa():
     assert plan(facts=AVX2).int8_act_max_tokens == INT8_ACT_AUTO["avx2"] > 0
     assert plan(CpuKernelSwitches(int8_act_max_tokens=64)).int8_act_max_tokens == 64

@@ -199,14 +199,27 @@ def packed_linear_on(device_type: str, dtype: str, switches: CpuKernelSwitches, 
     return dtype == "float32" or (dtype == "bfloat16" and facts.onednn_bf16)
 
 
+def plain_bf16_linear(device_type: str, dtype: str, switches: CpuKernelSwitches, facts: CpuFacts) -> bool:
+    """A bfloat16 model's linears that oneDNN cannot pack (no oneDNN bfloat16 on this CPU, e.g. AVX2) still
+    get the :class:`~tokenmill.model.layers.linear.PackedLinear` wrapper, holding their plain weights (its
+    dense path is ``F.linear``): the low-bit codes need the wrapper, not oneDNN, and their kernels widen
+    bfloat16 rows themselves on every variant. Without it such a model ran every linear as an emulated
+    bfloat16 GEMM (AVX2, 2 cores: ~0.5-1 GFLOP/s, a decode step of SmolLM2-135M 1.4-3.4 s)."""
+    return (switches.packed_linear and device_type == "cpu" and dtype == "bfloat16"
+            and not packed_linear_on(device_type, dtype, switches, facts))
+
+
 def lowbit_limit(device_type: str, dtype: str, switches: CpuKernelSwitches, facts: CpuFacts) -> int:
     """Largest step (tokens) whose linears may run a checkpoint's low-bit codes here; 0: that path is off.
 
-    ``TOKENMILL_CPU_INT4_MAX_TOKENS`` (default 8), when packed linears and the low-bit kernel are on.
+    ``TOKENMILL_CPU_INT4_MAX_TOKENS`` (default 8), when the low-bit kernel is on and the linears are wrapped:
+    packed linears, or a bfloat16 model's plain ones where oneDNN has no bfloat16 (:func:`plain_bf16_linear`).
     """
     if not switches.int4_max_tokens or not switches.lowbit_kernel or not facts.lowbit_kernel:
         return 0
-    return switches.int4_max_tokens if packed_linear_on(device_type, dtype, switches, facts) else 0
+    wrapped = packed_linear_on(device_type, dtype, switches, facts) or \
+        plain_bf16_linear(device_type, dtype, switches, facts)
+    return switches.int4_max_tokens if wrapped else 0
 
 
 def int8_act_limit(lowbit_max_tokens: int, isa: str | None, switches: CpuKernelSwitches) -> int:

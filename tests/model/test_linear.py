@@ -142,6 +142,67 @@ def test_integer_lowbit_path_serves_rows_between_the_two_limits():
     assert lin.lowbit_i8_max_rows == 0 and torch.equal(lin(torch.randn(5, 64)) * 0, plain(torch.randn(5, 64)) * 0)
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_plain_bfloat16_layer_runs_f_linear_and_the_codes(bias):
+    """``onednn=False`` (a bfloat16 weight where oneDNN has no bfloat16): nothing is packed, the dense path is
+    ``F.linear`` bit for bit, and attached codes serve every row count in batch-invariant mode with the same
+    bits as a oneDNN-packed layer carrying the same codes (the codes' kernel does not depend on the wrapper)."""
+    from tokenmill.quantization.lowbit import kernel_available
+
+    if not kernel_available():
+        pytest.skip("no low-bit kernel on this machine")
+    w, dense = q4_weight(48, 64)
+    b = torch.randn(48).bfloat16() if bias else None
+    lin = PackedLinear(dense.bfloat16(), b, onednn=False)
+    assert lin.packed_weight is None and "plain (no oneDNN bfloat16)" in repr(lin)
+    with pytest.raises(RuntimeError, match="plain weight"):
+        lin.ensure_packed()
+    x = torch.randn(7, 64).bfloat16()
+    assert torch.equal(lin(x), F.linear(x, dense.bfloat16(), b))
+    lin.attach_lowbit(w, max_rows=8, invariant=True, invariant_kernel="int8")
+    ref = PackedLinear(dense, None if b is None else b.float(), defer=True)   # float32 host, same codes
+    ref.attach_lowbit(w, max_rows=8, invariant=True, invariant_kernel="int8")
+    assert all(lin.lowbit_path(m) == "i8" for m in (1, 9, 600))
+    from tokenmill.quantization.lowbit import lowbit_linear
+
+    for rows in (1, 9, 40):
+        x = torch.randn(rows, 64).bfloat16()
+        got = lin(x)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, lowbit_linear(x, w, lin.bias, int8_act=True))
+        # bfloat16 rows are widened exactly: the float32 host gives the same sums, rounded once to bfloat16
+        assert torch.equal(got, ref(x.float()).bfloat16())
+        assert (got.float() - F.linear(x.float(), dense, None if b is None else b.float())).abs().max() <= \
+            3e-2 * max(1.0, got.float().abs().max().item())
+
+
+def test_pack_linear_weights_wraps_bfloat16_plainly_where_onednn_has_none(monkeypatch):
+    """Where oneDNN has no bfloat16 (simulated on a CPU that has it), a bfloat16 model's linears are wrapped
+    with their plain weights (outputs bit-equal to the plain model), so the runner can attach low-bit codes."""
+    from tokenmill.model.layers import linear
+    from tokenmill.model.layers.attention import build_attention_metadata
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert not packed_linear_available("cpu", torch.bfloat16) and linear.plain_bf16_wrap("cpu", torch.bfloat16)
+    assert not linear.plain_bf16_wrap("cpu", torch.float32)
+    arch = tiny_arch("llama", tie_word_embeddings=True)
+    model = build_model_from_config(arch, seed=1).to(torch.bfloat16)
+    ids = torch.arange(3, 12)
+    caches = lambda: [torch.zeros(2, 8, 4, arch.num_key_value_heads, arch.head_dim, dtype=torch.bfloat16)  # noqa: E731
+                      for _ in range(arch.num_hidden_layers)]
+    md, pos = build_attention_metadata([0], [len(ids)], [[0, 1, 2]], 4)
+    with torch.inference_mode():
+        want = model.compute_logits(model(ids, pos, caches(), md))
+        n = pack_linear_weights(model, background=True)
+        got = model.compute_logits(model(ids, pos, caches(), md))
+    assert n == arch.num_hidden_layers * 4 + 1
+    wrapped = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(wrapped) == n and not any(m.onednn or m.packed_weight is not None for m in wrapped)
+    assert torch.equal(got, want)
+    monkeypatch.setenv("TOKENMILL_CPU_PACKED_LINEAR", "0")
+    assert pack_linear_weights(build_model_from_config(arch, seed=1).to(torch.bfloat16)) == 0
+
+
 def test_int8_act_limit_from_env(monkeypatch):
     from tokenmill.model.layers.cpu_build import cpu_isa
     from tokenmill.model.layers.linear import INT8_ACT_AUTO, int8_act_max_tokens

@@ -246,6 +246,12 @@ class CpuStepGraph:
                 add(xv, yv)
             return (with_lora_torch, ())
         path = lin.lowbit_path(m)
+        if path == "dense" and not lin.onednn:        # a plain bfloat16 weight (no oneDNN bfloat16 here)
+            xv, yv, plain = x[:m], y[:m], lin.dense
+
+            def dense_plain() -> None:
+                yv.copy_(plain(xv))
+            return (dense_plain, ())
         if path == "dense":
             # oneDNN's packed GEMM, as the eager layer runs it, then into the persistent buffer
             xv, yv, packed, bias = x[:m], y[:m], lin.ensure_packed(), lin.bias

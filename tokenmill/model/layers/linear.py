@@ -63,18 +63,37 @@ def packed_linear_available(device: torch.device | str, dtype: torch.dtype,
     return kernel_plan.packed_linear_on(dev, name, sw, facts)
 
 
+def plain_bf16_wrap(device: torch.device | str, dtype: torch.dtype, switches: CpuKernelSwitches | None = None) -> bool:
+    """True when a bfloat16 model's linears are wrapped in :class:`PackedLinear` without oneDNN packing
+    (``onednn=False``: plain weights, ``F.linear`` for the dense path) so they can carry low-bit codes:
+    oneDNN has no bfloat16 on this CPU (AVX2). The rule is :func:`tokenmill.kernel_plan.plain_bf16_linear`;
+    ``switches`` None: the environment's."""
+    sw = switches if switches is not None else CpuKernelSwitches.from_env()
+    dev = torch.device(device).type
+    if dtype != torch.bfloat16 or dev != "cpu":
+        return False
+    onednn = torch.backends.mkldnn.is_available()
+    facts = CpuFacts(onednn=onednn, onednn_bf16=onednn and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    return kernel_plan.plain_bf16_linear(dev, "bfloat16", sw, facts)
+
+
 class PackedLinear(nn.Module):
     """``y = x Wᵀ + b`` with ``W`` prepacked for oneDNN's inner product.
 
     Args:
         weight: ``[out_features, in_features]`` float32 or bfloat16 (CPU).
         bias: ``[out_features]`` or None.
+        defer: pack on first use (or in :func:`pack_linear_weights`' background thread) instead of now.
+        onednn: False keeps the plain weight and runs the dense path as ``F.linear`` (a bfloat16 weight on a
+            CPU where oneDNN has no bfloat16: :func:`plain_bf16_wrap`); the layer exists to carry low-bit
+            codes (:meth:`attach_lowbit`).
 
     Raises:
         ValueError: the weight is not a 2-D CPU float32/bfloat16 tensor.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, defer: bool = False) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, defer: bool = False,
+                 onednn: bool = True) -> None:
         super().__init__()
         if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"PackedLinear needs a 2-D CPU float32/bfloat16 weight, got "
@@ -90,7 +109,8 @@ class PackedLinear(nn.Module):
         self.lowbit_i8_min_rows = 1   # set by attach_lowbit: the integer path serves lowbit_i8_min_rows..i8_max_rows
         self.lowbit_invariant = False
         self.lowbit: LowBitWeight | None = None
-        if not defer:
+        self.onednn = onednn
+        if not defer and onednn:
             self.ensure_packed()
 
     def ensure_packed(self) -> torch.Tensor:
@@ -103,6 +123,8 @@ class PackedLinear(nn.Module):
         packed = self.packed_weight
         if packed is not None:
             return packed
+        if not self.onednn:
+            raise RuntimeError("this layer keeps a plain weight (no oneDNN bfloat16 here): use dense()")
         with _PACK_LOCK:
             if self.packed_weight is None:
                 with torch.no_grad():
@@ -180,6 +202,13 @@ class PackedLinear(nn.Module):
                 return lowbit_linear(x, self.lowbit, self.bias, int8_act=True)
             if path == "f32":
                 return lowbit_linear(x, self.lowbit, self.bias)
+        return self.dense(x)
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        """The dense product ``x Wᵀ + b`` (``x`` ``[..., in_features]``): oneDNN's packed GEMM, or ``F.linear``
+        on the plain weight where the layer has no oneDNN packing (``onednn=False``)."""
+        if not self.onednn:
+            return nn.functional.linear(x, self.weight_unpacked, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.ensure_packed(), self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -189,7 +218,8 @@ class PackedLinear(nn.Module):
             extra = f", batch-invariant: {self.lowbit.fmt} codes ({kernel} low-bit kernel) for every step size"
         elif self.lowbit_i8_max_rows:
             extra += f", int8 activations x {self.lowbit.fmt} codes for rows<={self.lowbit_i8_max_rows}"
-        state = "oneDNN" if self.packed_weight is not None else "oneDNN (pending)"
+        state = "plain (no oneDNN bfloat16)" if not self.onednn else \
+            "oneDNN" if self.packed_weight is not None else "oneDNN (pending)"
         return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
                 f"packed={state}{extra}")
 
@@ -212,7 +242,10 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True, backgroun
     The original weights are released. A model with a tied LM head (which
     reads the embedding table, so it is no ``nn.Linear``) gets a packed copy
     through its ``set_logits_head`` method, if it has one. Does nothing (and
-    returns 0) where :func:`packed_linear_available` is False.
+    returns 0) where :func:`packed_linear_available` is False, except for a
+    bfloat16 model where oneDNN has no bfloat16 (:func:`plain_bf16_wrap`): its
+    layers are wrapped with their plain weights (``onednn=False``, nothing to
+    pack) so that low-bit codes can be attached.
 
     Returns:
         The number of layers packed (the LM head included).
@@ -221,21 +254,28 @@ def pack_linear_weights(model: nn.Module, include_layers: bool = True, backgroun
     if not params:
         return 0
     p0 = params[0]
-    if not packed_linear_available(p0.device, p0.dtype):
+    onednn = packed_linear_available(p0.device, p0.dtype)
+    if not onednn and not plain_bf16_wrap(p0.device, p0.dtype):
         return 0
+    if not onednn:
+        background = False          # nothing to pack
     count, layers = 0, []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and (include_layers or child is getattr(model, "lm_head", None)):
-                layers.append(PackedLinear(child.weight, child.bias, defer=background))
+                layers.append(PackedLinear(child.weight, child.bias, defer=background, onednn=onednn))
                 setattr(parent, name, layers[-1])
                 count += 1
     tied = getattr(model, "tied_logits_weight", None)
     head = tied() if tied is not None else None
     if head is not None and hasattr(model, "set_logits_head") and getattr(model, "_logits_head", None) is None:
-        layers.append(PackedLinear(head, defer=background))
+        layers.append(PackedLinear(head, defer=background, onednn=onednn))
         model.set_logits_head(layers[-1])
         count += 1
+    if not onednn:
+        logger.info("wrapped %d bfloat16 linear layers with their plain weights (oneDNN has no bfloat16 on this "
+                    "CPU): they run the low-bit codes where the checkpoint has them, else F.linear", count)
+        return count
     if not background:
         logger.info("packed %d linear layers for oneDNN (%s)", count, p0.dtype)
         return count
@@ -284,7 +324,8 @@ def wait_for_packing(model: nn.Module, timeout: float | None = None) -> bool:
 def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype, switches: CpuKernelSwitches | None = None) -> int:
     """Largest step (tokens) whose linears use the checkpoint's low-bit codes; 0 when that path is off.
 
-    On for float32 and bfloat16 CPU models with oneDNN packing and the low-bit kernel available;
+    On for float32 and bfloat16 CPU models with oneDNN packing (or a bfloat16 model's plain wrapped
+    linears where oneDNN has no bfloat16: :func:`plain_bf16_wrap`) and the low-bit kernel available;
     ``switches.int4_max_tokens`` (``TOKENMILL_CPU_INT4_MAX_TOKENS``, default 8, ``0`` off) sets the limit.
     The rule is :func:`tokenmill.kernel_plan.lowbit_limit`, which the engine's kernel plan applies; this is
     it for one device and dtype, ``switches`` None meaning the environment's.
@@ -293,7 +334,8 @@ def lowbit_max_tokens(device: torch.device | str, dtype: torch.dtype, switches: 
         ValueError: the variable is not a non-negative integer.
     """
     sw = switches if switches is not None else CpuKernelSwitches.from_env()
-    if not sw.int4_max_tokens or not packed_linear_available(device, dtype, sw):
+    wrapped = packed_linear_available(device, dtype, sw) or plain_bf16_wrap(device, dtype, sw)
+    if not sw.int4_max_tokens or not wrapped:
         return 0
     facts = CpuFacts(lowbit_kernel=sw.lowbit_kernel and kernel_available())
     return kernel_plan.lowbit_limit("cpu", str(dtype).removeprefix("torch."), sw, facts)
