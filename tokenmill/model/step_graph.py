@@ -321,7 +321,7 @@ class CpuStepGraph:
         """The part of a step a prepared call belongs to: ``linear`` (weight GEMMs: low-bit kernels, oneDNN,
         a LoRA layer's base call and delta), ``attention`` (K/V write, the query copy, paged decode
         attention) or ``elementwise`` (add+RMSNorm, RoPE, SiLU-and-multiply)."""
-        if fn in (self._gemm, self._gemm_i8) or getattr(fn, "__name__", "") in ("dense", "with_lora"):
+        if fn in (self._gemm, self._gemm_i8) or getattr(fn, "__name__", "") in ("dense", "dense_plain", "with_lora"):
             return "linear"
         if fn in (self._kv_write, self._decode) or getattr(fn, "__name__", "") == "copy_":
             return "attention"
