@@ -67,6 +67,13 @@ class XgrammarMatcher(GrammarMatcher):
     def accept_token(self, token_id: int) -> bool:
         return bool(self.m.accept_token(token_id))
 
+    def accept_tokens(self, token_ids: Any) -> int:
+        accept = self.m.accept_token         # one bound method for the step's tokens (the base class's loop
+        for i, t in enumerate(token_ids):    # goes through accept_token per token)
+            if not accept(int(t)):
+                return i
+        return len(token_ids)
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
 
