@@ -256,7 +256,7 @@ def mask_bench(llm: LLM, schema: dict, compact: bool, sizes: list[int], reps: in
 
         copy = med(lambda: work.copy_(logits))
         plan = MaskPlan(bm, rows)
-        sparse = len(plan.sparse)
+        sparse = len(plan.sparse_rows)
         r = {"rows": b, "fill_one_by_one_ms": one, "fill_batched_ms": batched,
              "apply_xgrammar_ms": med(xgr_apply) - copy, "apply_numpy_ms": med(np_apply) - copy,
              "plan_ms": med(lambda: MaskPlan(bm, rows)),

@@ -147,6 +147,37 @@ def test_apply_bitmask_matches_brute_force(vocab):
     assert row_runs([0, 1, 2, 5, 7, 8]) == [(0, 3, 0), (5, 6, 3), (7, 9, 4)]
 
 
+@pytest.mark.parametrize("vocab", [70, 100, 200])   # padding inside the last word, logits wider, exact width
+def test_apply_bitmask_sparse_rows_match_brute_force(vocab):
+    """Rows that allow few tokens (the plan's gather / fill / scatter, in runs of consecutive rows) and dense
+    rows mixed, each row as the per-token rule says; also a row allowing nothing and one allowing all."""
+    g = torch.Generator().manual_seed(1)
+    words = 7
+    bits = torch.rand(8, 32 * words, generator=g) < 0.5                           # dense rows
+    for r, n in ((0, 3), (1, 1), (2, 0), (4, 5), (6, 2)):                          # sparse rows, n allowed
+        bits[r] = False
+        bits[r, torch.randperm(32 * words, generator=g)[:n]] = True
+    bits[7] = True
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    full = (bits.view(8, words, 32).to(torch.int64) * weights).sum(-1)
+    full = torch.where(full >= 2**31, full - 2**32, full).to(torch.int32)
+    logits = torch.randn(9, vocab, generator=g)
+    for rows in ([0, 1, 2, 3, 4, 5, 6, 7], [0, 1, 2, 4, 6], [3, 5, 7], [6]):
+        want = logits.clone()
+        for r in rows:
+            for t in range(vocab):
+                if t >= 32 * words or not bits[r, t]:
+                    want[r, t] = float("-inf")
+        plan = MaskPlan(full, rows)
+        assert sorted(plan.sparse_rows + plan.dense_rows) == sorted(rows)
+        assert {0, 1, 2, 4, 6} & set(rows) == set(plan.sparse_rows)
+        for r in plan.sparse_rows:
+            assert plan.sparse_ids[plan.sparse_row == r].tolist() == torch.nonzero(bits[r]).flatten().tolist()
+        got = logits.clone()
+        apply_token_bitmask(got, full, rows, plan)
+        assert torch.equal(got, want), rows
+
+
 def test_batched_fill_equals_one_by_one(backend, tokenizer):
     """xgrammar's batched fill gives every row what the request's own fill gives."""
     params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)

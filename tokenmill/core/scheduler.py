@@ -880,9 +880,13 @@ class Scheduler:
                 self._finish(req)
                 finished_any = True
             elif constrained:
-                req.spec_token_ids, req.spec_forced = self.structured_output.drafts(
-                    req, list(drafts.get(sr.req_id, ())),
-                    self._forced_k if len(self.running) <= self._forced_max_batch else 0)
+                proposed = drafts.get(sr.req_id)
+                max_forced = self._forced_k if len(self.running) <= self._forced_max_batch else 0
+                if proposed or max_forced:
+                    req.spec_token_ids, req.spec_forced = self.structured_output.drafts(
+                        req, list(proposed or ()), max_forced)
+                else:       # nothing to draft (what drafts() returns then), without a call per row
+                    req.spec_token_ids, req.spec_forced = [], False
             else:
                 req.spec_token_ids = list(drafts.get(sr.req_id, ()))
             outputs.append(self._make_output(req, emitted, list(lps[:len(emitted)])))

@@ -67,6 +67,13 @@ class XgrammarMatcher(GrammarMatcher):
     def accept_token(self, token_id: int) -> bool:
         return bool(self.m.accept_token(token_id))
 
+    def accept_tokens(self, token_ids: Any) -> int:
+        accept = self.m.accept_token         # one bound method for the step's tokens (the base class's loop
+        for i, t in enumerate(token_ids):    # goes through accept_token per token)
+            if not accept(int(t)):
+                return i
+        return len(token_ids)
+
     def fill_bitmask(self, bitmask: Any, row: int) -> None:
         self.m.fill_next_token_bitmask(bitmask, row)
 
@@ -285,35 +292,84 @@ def row_runs(rows: list[int]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _popcount_rows(words: Any) -> Any:
+    """Set bits per row of a ``[R, W]`` uint32 array (``numpy.bitwise_count`` where numpy has it, numpy >= 2;
+    else a byte lookup table)."""
+    import numpy as np
+
+    if hasattr(np, "bitwise_count"):
+        return np.bitwise_count(words).sum(axis=1, dtype=np.int64)
+    table = np.array([bin(i).count("1") for i in range(256)], dtype=np.uint8)
+    return table[words.view(np.uint8)].sum(axis=1, dtype=np.int64)
+
+
+def allowed_ids(words: Any) -> tuple[Any, Any]:
+    """The allowed token ids of the rows of a packed bitmask, without unpacking the rows.
+
+    Only the words with a bit set are unpacked (a row that allows few tokens has few such words), so the cost
+    follows the allowed tokens, not the row width.
+
+    Args:
+        words: ``[R, W]`` uint32 array, bit ``t % 32`` of word ``t // 32`` set when token ``t`` is allowed.
+
+    Returns:
+        ``(row, ids)``: two int64 arrays of equal length, the allowed ``(row index, token id)`` pairs in
+        ascending order (by row, then id). Little-endian hosts only (as :func:`unpack_disallowed`).
+    """
+    import numpy as np
+
+    r, w = np.nonzero(words)
+    if not len(r):
+        return r.astype(np.int64), w.astype(np.int64)
+    bits = np.unpackbits(np.ascontiguousarray(words[r, w]).view(np.uint8).reshape(-1, 4), axis=1,
+                         bitorder="little")                                   # [K, 32], bit b of word k
+    k, b = np.nonzero(bits)
+    return r[k].astype(np.int64), w[k].astype(np.int64) * 32 + b
+
+
 class MaskPlan:
     """How to write one step's mask into host logits, worked out off the critical path (the fill thread).
 
     A row that allows few tokens (at most :attr:`SPARSE_FRACTION` of its width; a JSON key, punctuation, an
     enum) is written as "save the allowed logits, fill the row with ``-inf``, put them back": a ``fill`` at
-    memory speed plus a gather/scatter of a handful of entries. The other rows (free text inside a string
-    allows almost everything) get ``numpy.copyto(where=refused)`` over runs of consecutive rows.
+    memory speed plus a gather/scatter of a handful of entries, done for all such rows at once (one fill per
+    run of consecutive rows, one gather and one scatter for the step). The plan counts each row's allowed
+    tokens with a popcount of the packed words and lists a sparse row's allowed ids from its non-zero words
+    only (:func:`allowed_ids`); only the other rows (free text inside a string allows almost everything) are
+    unpacked, for ``numpy.copyto(where=refused)`` over runs of consecutive rows.
 
     Attributes:
-        sparse: ``[(logits row, allowed token ids (int64, ascending))]``.
-        dense_rows: the other rows, ascending; ``dense``: their refused-token array (``[len, 32 W]`` bool).
+        sparse_rows: the logits rows that allow few tokens, ascending; ``sparse_runs`` them as
+            :func:`row_runs`.
+        sparse_row, sparse_ids: int64 arrays, the allowed ``(logits row, token id)`` pairs of those rows.
+        dense_rows: the other rows, ascending; ``dense_runs`` them as :func:`row_runs`; ``dense``: their
+            refused-token array (``[len, 32 W]`` bool).
         width: ``32 W``, the tokens the bitmask covers.
     """
 
     SPARSE_FRACTION = 1 / 8
 
-    __slots__ = ("sparse", "dense_rows", "dense", "width")
+    __slots__ = ("sparse_rows", "sparse_runs", "sparse_row", "sparse_ids", "dense_rows", "dense_runs", "dense",
+                 "width")
 
     def __init__(self, bitmask: Any, rows: list[int]) -> None:
         import numpy as np
 
-        dis = unpack_disallowed(bitmask, rows)
-        self.width = dis.shape[1]
-        allowed = self.width - np.count_nonzero(dis, axis=1)
-        limit = int(self.width * self.SPARSE_FRACTION)
-        self.sparse = [(r, np.flatnonzero(~dis[i])) for i, r in enumerate(rows) if allowed[i] <= limit]
-        keep = [i for i in range(len(rows)) if allowed[i] > limit]
-        self.dense_rows = [rows[i] for i in keep]
-        self.dense = dis[keep] if len(keep) != len(rows) else dis
+        a = bitmask.numpy() if hasattr(bitmask, "numpy") else np.asarray(bitmask)
+        self.width = 32 * a.shape[1]
+        sub = a if len(rows) == a.shape[0] and rows == list(range(len(rows))) \
+            else a[np.asarray(rows, dtype=np.int64)]
+        words = sub.view(np.uint32)
+        sparse = _popcount_rows(words) <= int(self.width * self.SPARSE_FRACTION)
+        rows_a = np.asarray(rows, dtype=np.int64)
+        self.sparse_rows = rows_a[sparse].tolist()
+        r, self.sparse_ids = allowed_ids(words[sparse] if not sparse.all() else words)
+        self.sparse_row = rows_a[sparse][r]
+        keep = np.flatnonzero(~sparse)
+        self.dense_rows = rows_a[keep].tolist()
+        self.dense = unpack_disallowed(sub[keep]) if len(keep) else np.zeros((0, self.width), dtype=np.bool_)
+        self.sparse_runs = row_runs(self.sparse_rows)
+        self.dense_runs = row_runs(self.dense_rows)
 
 
 def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], plan: MaskPlan | None = None) -> None:
@@ -349,15 +405,19 @@ def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], plan: MaskPl
         plan = MaskPlan(bitmask, rows)
     ln = logits.numpy()
     ninf = -np.inf
-    for r, ids in plan.sparse:
-        if len(ids) and ids[-1] >= vocab:       # a bitmask wider than the logits
-            ids = ids[ids < vocab]
-        row = ln[r]
-        kept = row[ids]
-        row.fill(ninf)
-        row[ids] = kept
+    if plan.sparse_rows:
+        row, ids = plan.sparse_row, plan.sparse_ids
+        if plan.width > vocab:                  # a bitmask wider than the logits
+            inside = ids < vocab
+            row, ids = row[inside], ids[inside]
+        flat = ln.reshape(-1)                   # a view (contiguous)
+        at = row * vocab + ids
+        kept = flat[at]
+        for a, b, _ in plan.sparse_runs:
+            ln[a:b].fill(ninf)
+        flat[at] = kept
     covered = min(vocab, plan.width)
-    for a, b, j in row_runs(plan.dense_rows):
+    for a, b, j in plan.dense_runs:
         np.copyto(ln[a:b, :covered], ninf, where=plan.dense[j:j + b - a, :covered])
         if covered < vocab:         # logits wider than the bitmask: the extra ids are never allowed
             ln[a:b, covered:] = ninf
