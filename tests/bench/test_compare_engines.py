@@ -303,6 +303,14 @@ def test_evaluate_targets_met_missed_and_missing():
         {"tokenmill": {"workload": "random", "goodput_req_s": 4.0}, "llamacpp": searches["llamacpp"]})
     assert [r["key"] for r in partial] == ["tpot_c1_random"]
     assert ce.format_targets([]).startswith("Targets: none")
+    # a ratio equal to the goal up to floating-point rounding is met: the search's bisection gave llama-server
+    # 0.35000000000000003 req/s, and 1.75 over it is 4.999999999999999
+    (g,) = ce.evaluate_targets([], {"tokenmill": {"workload": "mt-bench", "goodput_req_s": 1.75},
+                                    "llamacpp": {"workload": "mt-bench", "goodput_req_s": 0.35000000000000003}})
+    assert g["ratio"] < 5.0 and g["met"]
+    (g,) = ce.evaluate_targets([], {"tokenmill": {"workload": "mt-bench", "goodput_req_s": 1.74},
+                                    "llamacpp": {"workload": "mt-bench", "goodput_req_s": 0.35}})
+    assert not g["met"]
 
 
 def test_llama_server_version_reads_version_lines(tmp_path):
