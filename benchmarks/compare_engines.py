@@ -42,11 +42,18 @@ Workloads:
 
 Each cell sends ``--num-prompts`` requests (default ``max(8, 2 × concurrency)``)
 all at once, at most ``concurrency`` in flight. Reported per engine, workload
-and concurrency: output tok/s, p99 TTFT, p99 TPOT, goodput (requests meeting
-p99-free per-request SLO TTFT ≤ ``--slo-ttft-ms`` and TPOT ≤ ``--slo-tpot-ms``,
-÷ duration), and the ratios tokenmill / other. Saves
+and concurrency: output tok/s, p99 TTFT, mean and p99 TPOT, goodput (vLLM's
+``request_goodput``: requests meeting the per-request SLO TTFT ≤
+``--slo-ttft-ms`` and TPOT ≤ ``--slo-tpot-ms``, ÷ duration), and the ratios
+tokenmill / other (against ``tokenmill``, or the first ``tokenmill@ISA`` when
+plain tokenmill did not run). With ``--goodput-search``, DistServe's goodput
+(the highest Poisson rate at which ≥ ``--attainment`` of requests meet both
+SLOs) per engine. With llamacpp in the run, issue 31's targets
+(:data:`TARGETS`: c=1 mean TPOT ≤ llama-server's, c=64 output tok/s ≥ 5× and
+MT-bench goodput ≥ 5×) are evaluated: met, or the factor still missing. Saves
 ``OUT/compare_engines.json`` (with every cell's full ``bench serve`` result
-under ``OUT/raw/``), ``OUT/compare_engines.png`` and the servers' logs.
+under ``OUT/raw/``, the llama-server ``--version`` and whether tokenmill ran
+batch-invariant), ``OUT/compare_engines.png`` and the servers' logs.
 
 Ablations of tokenmill itself: an engine name ``tokenmill@ISA`` (``avx2``,
 ``avx512``, ``scalar``) runs tokenmill with ``TOKENMILL_CPU_ISA=ISA`` (its C
@@ -56,19 +63,26 @@ compared against plain ``tokenmill`` (the CPU's best) in the same run.
 Quick mode (``--quick``, about 10 minutes with tokenmill and llama-server):
 concurrency 1, 16, 64; random 256 → 128 and MT-bench; 4 requests at
 concurrency 1 and one per slot above (``--min-prompts 4 --prompts-per-slot 1``);
-engines tokenmill and llamacpp unless ``--engines`` says otherwise. The header
-names the CPU and its instruction-set level (the kernel variant tokenmill picks).
+engines tokenmill and llamacpp unless ``--engines`` says otherwise; with
+``--goodput-search``, 30 s probes of at least 16 requests (about 5 more
+minutes per engine). The header names the CPU and its instruction-set level
+(the kernel variant tokenmill picks). ``--dtype`` defaults to what tokenmill's
+``--dtype auto`` picks on the CPU (float32 without native bfloat16).
 
 Usage::
 
     .venv/bin/python benchmarks/compare_engines.py --quick --llama-server PATH   # ~10 min
     .venv/bin/python benchmarks/compare_engines.py --quick --engines tokenmill,tokenmill@avx2 --dtype float32
+    .venv/bin/python benchmarks/compare_engines.py --quick --llama-server PATH --workloads= \
+        --goodput-search tokenmill,llamacpp                           # goodput search only, ~10 min
     .venv/bin/python benchmarks/compare_engines.py                       # full sweep
     .venv/bin/python benchmarks/compare_engines.py --concurrency 1,4 --num-prompts 4 \\
         --output-len 32 --out-dir results/compare-smoke                 # smoke run
     .venv/bin/python benchmarks/compare_engines.py --engines tokenmill,transformers,llamacpp \\
         --llama-server /work/llama-build/build/bin/llama-server
     .venv/bin/python benchmarks/compare_engines.py --replot results/compare_engines.json
+    .venv/bin/python benchmarks/compare_engines.py --replot a/compare_engines.json b/compare_engines.json \
+        --out-dir results/merged                                       # merge runs (e.g. one search each)
 """
 
 from __future__ import annotations
@@ -119,7 +133,7 @@ WORKLOADS = {
 }
 
 #: Keys of a cell (one engine × workload × concurrency) shown in the table.
-CELL_KEYS = ("output_throughput", "p99_ttft_ms", "p99_tpot_ms", "request_goodput")
+CELL_KEYS = ("output_throughput", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms", "request_goodput")
 
 
 # ------------------------------------------------------------ results math ---
@@ -143,7 +157,8 @@ def cell_from_metrics(engine: str, workload: str, concurrency: int, m: dict[str,
         "slo_attainment": m.get("slo_attainment"),
         "total_output_tokens": m.get("total_output_tokens"),
         "mean_ttft_ms": m.get("mean_ttft_ms"), "p99_ttft_ms": m.get("p99_ttft_ms"),
-        "mean_tpot_ms": m.get("mean_tpot_ms"), "p99_tpot_ms": m.get("p99_tpot_ms"),
+        "mean_tpot_ms": m.get("mean_tpot_ms"), "median_tpot_ms": m.get("median_tpot_ms"),
+        "p99_tpot_ms": m.get("p99_tpot_ms"),
         "mean_itl_ms": m.get("mean_itl_ms"), "p99_itl_ms": m.get("p99_itl_ms"),
         "max_concurrent_requests": m.get("max_concurrent_requests"),
     }
@@ -168,10 +183,10 @@ def ratio(a: Any, b: Any) -> float | None:
 
 
 def compute_ratios(cells: Sequence[dict[str, Any]], baseline: str = BASELINE) -> list[dict[str, Any]]:
-    """tokenmill / other for every (workload, concurrency) both engines ran.
+    """``baseline`` / other for every (workload, concurrency) both engines ran (keys of :data:`CELL_KEYS`).
 
-    Throughput and goodput ratios above 1 favour tokenmill; latency ratios
-    (p99 TTFT, p99 TPOT) below 1 favour tokenmill.
+    Throughput and goodput ratios above 1 favour the baseline; latency ratios
+    (p99 TTFT, mean and p99 TPOT) below 1 favour it.
     """
     index = {(c["engine"], c["workload"], c["concurrency"]): c for c in cells}
     out = []
@@ -182,11 +197,11 @@ def compute_ratios(cells: Sequence[dict[str, Any]], baseline: str = BASELINE) ->
         if base is None:
             continue
         if not base.get("completed") or not c.get("completed"):  # latencies of nothing: no ratio
-            out.append({"other": c["engine"], "workload": c["workload"], "concurrency": c["concurrency"],
-                        **{k: None for k in CELL_KEYS}})
+            out.append({"baseline": baseline, "other": c["engine"], "workload": c["workload"],
+                        "concurrency": c["concurrency"], **{k: None for k in CELL_KEYS}})
             continue
-        out.append({"other": c["engine"], "workload": c["workload"], "concurrency": c["concurrency"],
-                    **{k: ratio(base.get(k), c.get(k)) for k in CELL_KEYS}})
+        out.append({"baseline": baseline, "other": c["engine"], "workload": c["workload"],
+                    "concurrency": c["concurrency"], **{k: ratio(base.get(k), c.get(k)) for k in CELL_KEYS}})
     return out
 
 
@@ -201,35 +216,132 @@ def _fmt(v: Any, spec: str) -> str:
 
 def format_tables(cells: Sequence[dict[str, Any]], ratios: Sequence[dict[str, Any]],
                   slo: dict[str, float]) -> str:
-    """The printed result: one row per cell, then one row per ratio."""
+    """The printed result: one row per cell, then one row per ratio (TPOT: mean and p99, ms)."""
     slo_s = f"TTFT ≤ {slo.get('ttft', 0):g} ms, TPOT ≤ {slo.get('tpot', 0):g} ms"
     lines = [f"Per engine (goodput: requests meeting {slo_s}, per s of benchmark duration)",
              f"| {'engine':<12} | {'workload':<8} | {'conc':>4} | {'reqs':>4} | {'out tok/s':>9} | "
-             f"{'p99 TTFT ms':>11} | {'p99 TPOT ms':>11} | {'goodput req/s':>13} | {'good':>9} | {'failed':>6} |",
-             "|" + "|".join("-" * w for w in (14, 10, 6, 6, 11, 13, 13, 15, 11, 8)) + "|"]
+             f"{'p99 TTFT ms':>11} | {'mean TPOT ms':>12} | {'p99 TPOT ms':>11} | {'goodput req/s':>13} | "
+             f"{'good':>9} | {'failed':>6} |",
+             "|" + "|".join("-" * w for w in (14, 10, 6, 6, 11, 13, 14, 13, 15, 11, 8)) + "|"]
     order = {e: i for i, e in enumerate(ENGINES)}
     for c in sorted(cells, key=lambda c: (c["workload"], c["concurrency"], order.get(c["engine"], 99))):
         good = f"{c.get('good_requests') or 0}/{c.get('num_requests', 0)}"
         lines.append(f"| {c['engine']:<12} | {c['workload']:<8} | {c['concurrency']:>4} | "
                      f"{c.get('num_requests', 0):>4} | {_fmt(c.get('output_throughput'), '.1f'):>9} | "
-                     f"{_fmt(c.get('p99_ttft_ms'), '.0f'):>11} | {_fmt(c.get('p99_tpot_ms'), '.1f'):>11} | "
+                     f"{_fmt(c.get('p99_ttft_ms'), '.0f'):>11} | {_fmt(c.get('mean_tpot_ms'), '.2f'):>12} | "
+                     f"{_fmt(c.get('p99_tpot_ms'), '.1f'):>11} | "
                      f"{_fmt(c.get('request_goodput'), '.3f'):>13} | {good:>9} | {c.get('failed', 0):>6} |")
     if ratios:
-        lines += ["", "Ratios tokenmill / other (tok/s and goodput: > 1 favours tokenmill; "
-                      "p99 TTFT and TPOT: < 1 favours tokenmill)",
+        base = ratios[0].get("baseline", BASELINE)
+        lines += ["", f"Ratios {base} / other (tok/s and goodput: > 1 favours {base}; "
+                      f"TTFT and TPOT: < 1 favours {base})",
                   f"| {'other':<12} | {'workload':<8} | {'conc':>4} | {'out tok/s':>9} | {'p99 TTFT':>8} | "
-                  f"{'p99 TPOT':>8} | {'goodput':>7} |",
-                  "|" + "|".join("-" * w for w in (14, 10, 6, 11, 10, 10, 9)) + "|"]
+                  f"{'mean TPOT':>9} | {'p99 TPOT':>8} | {'goodput':>7} |",
+                  "|" + "|".join("-" * w for w in (14, 10, 6, 11, 10, 11, 10, 9)) + "|"]
         for r in sorted(ratios, key=lambda r: (r["workload"], r["concurrency"], order.get(r["other"], 99))):
             lines.append(f"| {r['other']:<12} | {r['workload']:<8} | {r['concurrency']:>4} | "
                          f"{_fmt(r['output_throughput'], '.2f') + '×':>9} | {_fmt(r['p99_ttft_ms'], '.2f'):>8} | "
+                         f"{_fmt(r.get('mean_tpot_ms'), '.2f'):>9} | "
                          f"{_fmt(r['p99_tpot_ms'], '.2f'):>8} | {_fmt(r['request_goodput'], '.2f'):>7} |")
     return "\n".join(lines)
 
 
+def baseline_engine(engines: Sequence[str]) -> str:
+    """The engine the ratios are taken against: ``tokenmill`` when it ran, else the first ``tokenmill@ISA``
+    (a run of ``--engines tokenmill@avx2,llamacpp`` compares that variant); ``tokenmill`` when neither ran."""
+    names = list(dict.fromkeys(engines))
+    if BASELINE in names:
+        return BASELINE
+    return next((e for e in names if e.startswith(BASELINE + "@")), BASELINE)
+
+
+#: Issue 31's targets against llama-server: (key, description, metric, workload, concurrency, goal, sense).
+#: ``sense`` "max": the ratio tokenmill / llama-server must be ≤ goal; "min": ≥ goal. ``concurrency`` None:
+#: the goodput search's result on its workload (DistServe goodput), not a cell.
+TARGETS: tuple[tuple[str, str, str, str, int | None, float, str], ...] = (
+    ("tpot_c1_random", "c=1 mean TPOT, random", "mean_tpot_ms", "random", 1, 1.0, "max"),
+    ("tpot_c1_mt_bench", "c=1 mean TPOT, MT-bench", "mean_tpot_ms", "mt-bench", 1, 1.0, "max"),
+    ("tok_s_c64_random", "c=64 output tok/s, random", "output_throughput", "random", 64, 5.0, "min"),
+    ("tok_s_c64_mt_bench", "c=64 output tok/s, MT-bench", "output_throughput", "mt-bench", 64, 5.0, "min"),
+    ("goodput_mt_bench", "MT-bench goodput (search)", "goodput_req_s", "mt-bench", None, 5.0, "min"),
+)
+
+
+def evaluate_targets(cells: Sequence[dict[str, Any]], searches: dict[str, Any], baseline: str = BASELINE,
+                     other: str = "llamacpp",
+                     targets: Sequence[tuple[str, str, str, str, int | None, float, str]] = TARGETS,
+                     ) -> list[dict[str, Any]]:
+    """Each target's figures for ``baseline`` and ``other``, their ratio, whether it is met, and how far off.
+
+    Args:
+        cells: :func:`cell_from_metrics` dicts.
+        searches: engine → :func:`goodput_search` result (for targets with concurrency None).
+        targets: rows as in :data:`TARGETS`.
+
+    Returns:
+        One dict per target whose figures both engines have: ``key``, ``description``, ``baseline``,
+        ``other``, ``value`` and ``other_value`` (the metric's unit: ms, tok/s or req/s), ``ratio``
+        (baseline / other), ``goal`` and ``sense``, ``met`` (bool) and ``shortfall``: the factor by which
+        the ratio misses the goal (``goal / ratio`` for "min", ``ratio / goal`` for "max"; ≤ 1 when met;
+        ``None`` when the ratio is not finite). Targets lacking either figure are left out.
+    """
+    index = {(c["engine"], c["workload"], c["concurrency"]): c for c in cells if c.get("completed")}
+    out = []
+    for key, desc, metric, workload, conc, goal, sense in targets:
+        if conc is None:
+            a = searches.get(baseline, {})
+            b = searches.get(other, {})
+            if a.get("workload") != workload or b.get("workload") != workload:
+                continue
+            va, vb = _num(a.get(metric)), _num(b.get(metric))
+        else:
+            ca, cb = index.get((baseline, workload, conc)), index.get((other, workload, conc))
+            if ca is None or cb is None:
+                continue
+            va, vb = _num(ca.get(metric)), _num(cb.get(metric))
+        r = ratio(va, vb)
+        if r is None:
+            continue
+        # within floating-point rounding of the goal counts as met (a search gave 0.35000000000000003 req/s,
+        # and 1.75 over it is 4.999999999999999)
+        met = r <= goal * (1 + 1e-9) if sense == "max" else r >= goal * (1 - 1e-9)
+        if math.isinf(r) or r == 0:
+            shortfall = None if not met else 0.0
+        else:
+            shortfall = r / goal if sense == "max" else goal / r
+        out.append({"key": key, "description": desc, "baseline": baseline, "other": other, "value": va,
+                    "other_value": vb, "ratio": r, "goal": goal, "sense": sense, "met": met,
+                    "shortfall": shortfall})
+    return out
+
+
+def format_targets(rows: Sequence[dict[str, Any]]) -> str:
+    """The targets as a table: figures, ratio, goal, met or the factor still missing."""
+    if not rows:
+        return "Targets: none evaluable (need both engines' cells / goodput searches)"
+    base, other = rows[0]["baseline"], rows[0]["other"]
+    lines = [f"Targets (issue 31), {base} / {other}",
+             f"| {'target':<30} | {base:>14} | {other:>14} | {'ratio':>7} | {'goal':>7} | {'met':<20} |",
+             "|" + "|".join("-" * w for w in (32, 16, 16, 9, 9, 22)) + "|"]
+    for r in rows:
+        goal = ("≤ " if r["sense"] == "max" else "≥ ") + f"{r['goal']:g}×"
+        if r["met"]:
+            verdict = "yes"
+        elif r["shortfall"] is None:
+            verdict = "no"
+        else:
+            verdict = f"no ({r['shortfall']:.2f}× short)"
+        lines.append(f"| {r['description']:<30} | {_fmt(r['value'], '.3f'):>14} | {_fmt(r['other_value'], '.3f'):>14} | "
+                     f"{_fmt(r['ratio'], '.2f') + '×':>7} | {goal:>7} | {verdict:<20} |")
+    return "\n".join(lines)
+
+
 def build_report(cells: Sequence[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    """The saved JSON document: metadata, cells, ratios."""
-    return {**meta, "cells": list(cells), "ratios": compute_ratios(cells)}
+    """The saved JSON document: metadata, cells, ratios against :func:`baseline_engine`, issue 31's targets."""
+    base = baseline_engine(meta.get("engines") or [c["engine"] for c in cells])
+    ratios = compute_ratios(cells, base)
+    return {**meta, "baseline": base, "cells": list(cells), "ratios": ratios,
+            "targets": evaluate_targets(cells, meta.get("goodput_search") or {}, base)}
 
 
 def plot_report(doc: dict[str, Any], path: Path) -> Path:
@@ -510,19 +622,47 @@ def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokeni
     return doc
 
 
-def format_goodput(searches: dict[str, Any], attainment: float, slo: dict[str, float]) -> str:
-    """Goodput per engine and the ratio tokenmill / other."""
-    base = searches.get(BASELINE, {}).get("goodput_req_s")
+def format_goodput(searches: dict[str, Any], attainment: float, slo: dict[str, float],
+                   baseline: str = BASELINE) -> str:
+    """Goodput per engine and the ratio ``baseline`` / engine."""
+    base = searches.get(baseline, {}).get("goodput_req_s")
     lines = [f"Goodput (highest Poisson rate with ≥ {attainment:.0%} of requests meeting TTFT ≤ "
              f"{slo.get('ttft', 0):g} ms and TPOT ≤ {slo.get('tpot', 0):g} ms)",
-             "| engine       | workload | goodput req/s | lowest failing req/s | tokenmill / engine |",
+             f"| engine       | workload | goodput req/s | lowest failing req/s | {baseline + ' / engine':>18} |",
              "|--------------|----------|---------------|----------------------|--------------------|"]
     for eng, d in searches.items():
         g = d["goodput_req_s"]
-        r = ratio(base, g) if eng != BASELINE else None
+        r = ratio(base, g) if eng != baseline else None
         lines.append(f"| {eng:<12} | {d['workload']:<8} | {g:>13.3f} | {_fmt(d['lowest_failing_rate'], '.3f'):>20} | "
                      f"{(_fmt(r, '.2f') + '×') if r is not None else '—':>18} |")
     return "\n".join(lines)
+
+
+def merge_reports(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several saved runs as one document (e.g. the concurrency cells of one run and each engine's goodput
+    search from runs of their own).
+
+    Cells: all of them, a later run's cell replacing an earlier one's for the same (engine, workload,
+    concurrency). Goodput searches: merged by engine, later wins. ``engines``: the union in order of first
+    appearance. The first document's other metadata is kept; ``merged_from`` lists every run's ``date``,
+    engines and load averages. Ratios and targets are recomputed by the caller.
+    """
+    if not docs:
+        raise ValueError("merge_reports: no documents")
+    cells: dict[tuple[str, str, int], dict[str, Any]] = {}
+    searches: dict[str, Any] = {}
+    engines: list[str] = []
+    for d in docs:
+        for c in d.get("cells", []):
+            cells[(c["engine"], c["workload"], c["concurrency"])] = c
+        searches.update(d.get("goodput_search") or {})
+        engines += [e for e in d.get("engines", []) if e not in engines]
+    out = {k: v for k, v in docs[0].items() if k not in ("cells", "ratios", "targets")}
+    out.update({"engines": engines, "cells": list(cells.values()), "goodput_search": searches,
+                "merged_from": [{k: d.get(k) for k in ("date", "engines", "workloads", "concurrency",
+                                                       "load_average_start", "load_average_end")}
+                                for d in docs]})
+    return out
 
 
 def save(doc: dict[str, Any], out_dir: Path) -> Path:
@@ -575,6 +715,29 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
+def resolve_dtype_name(dtype: str) -> str:
+    """``auto`` → the dtype tokenmill's ``--dtype auto`` picks on this CPU ("bfloat16" or "float32", see
+    :func:`tokenmill.model.loader.resolve_dtype`); any other name unchanged."""
+    if dtype != "auto":
+        return dtype
+    from tokenmill.model.loader import resolve_dtype
+
+    return str(resolve_dtype("auto", "cpu")).removeprefix("torch.")
+
+
+def llama_server_version(path: Path | None, timeout_s: float = 30.0) -> str | None:
+    """``llama-server --version`` (version number, commit, compiler, target), or None when it cannot run."""
+    if path is None:
+        return None
+    try:
+        r = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [ln.strip() for ln in (r.stdout + r.stderr).splitlines()
+             if ln.strip().startswith(("version", "built with"))]
+    return "; ".join(lines) or None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -584,8 +747,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "tokenmill,llamacpp; llamacpp needs --llama-server and is skipped without it).")
     p.add_argument("--quick", action="store_true",
                    help="About 10 minutes: concurrency 1,16,64, random and mt-bench, --min-prompts 4 "
-                        "--prompts-per-slot 1 (explicit flags still win).")
-    p.add_argument("--workloads", default="random,mt-bench", help="Comma-separated: random, mt-bench.")
+                        "--prompts-per-slot 1, and shorter goodput probes if --goodput-search is given "
+                        "(--goodput-probe-s 30 --goodput-min-prompts 16); explicit flags still win.")
+    p.add_argument("--workloads", default="random,mt-bench",
+                   help="Comma-separated: random, mt-bench. Empty (--workloads=) with --goodput-search: only the "
+                        "goodput search runs, no concurrency cells.")
     p.add_argument("--concurrency", default="1,4,16,64", help="Max concurrency values (default 1,4,16,64).")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="Requests per cell (default max(--min-prompts, --prompts-per-slot × concurrency)).")
@@ -593,9 +759,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts-per-slot", type=int, default=2, help="See --num-prompts (default 2).")
     p.add_argument("--input-len", type=int, default=256, help="random: prompt tokens (default 256).")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens for both workloads (default 128).")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"],
-                   help="Compute dtype for tokenmill and transformers (default bfloat16, tokenmill's "
-                        "dtype=auto on a CPU with native bfloat16).")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="Compute dtype for tokenmill and transformers (default auto: what tokenmill's "
+                        "--dtype auto picks on this CPU, bfloat16 with native bfloat16 (AVX512-BF16, AMX), "
+                        "else float32; resolved here and passed explicitly to both engines).")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
                    help="Threads for each engine (default: all cores).")
     p.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="Goodput SLO on TTFT (default 2000).")
@@ -636,15 +803,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-max-probes", type=int, default=8, help="Probes per engine at most (default 8).")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds to wait for /health.")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
-    p.add_argument("--replot", type=Path, default=None, metavar="JSON",
-                   help="Only re-print the table and redraw the PNG from a saved JSON.")
+    p.add_argument("--replot", type=Path, nargs="+", default=None, metavar="JSON",
+                   help="Only re-print the tables and targets and redraw the PNG from saved JSON(s). Several: "
+                        "merged (see merge_reports) and saved to --out-dir/compare_engines.json.")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     if args.quick:
         given = {a.split("=", 1)[0] for a in argv}
         for flag, dest, value in (("--concurrency", "concurrency", "1,16,64"), ("--min-prompts", "min_prompts", 4),
                                   ("--prompts-per-slot", "prompts_per_slot", 1),
-                                  ("--workloads", "workloads", "random,mt-bench")):
+                                  ("--workloads", "workloads", "random,mt-bench"),
+                                  ("--goodput-probe-s", "goodput_probe_s", 30.0),
+                                  ("--goodput-min-prompts", "goodput_min_prompts", 16)):
             if flag not in given:
                 setattr(args, dest, value)
     if args.engines is None:
@@ -666,6 +836,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = [w for w in args.workload_list if w not in WORKLOADS]
     if bad:
         p.error(f"unknown workload(s) {bad}; choose from {','.join(WORKLOADS)}")
+    if not args.workload_list and not args.goodput_engines:
+        p.error("--workloads is empty: give workloads, or --goodput-search for a search-only run")
+    args.dtype = resolve_dtype_name(args.dtype)
     try:
         args.concurrency = sorted({int(c) for c in args.concurrency.split(",") if c.strip()})
     except ValueError:
@@ -681,12 +854,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = {"ttft": args.slo_ttft_ms, "tpot": args.slo_tpot_ms}
 
     if args.replot:
-        doc = json.loads(args.replot.read_text())
-        doc["ratios"] = compute_ratios(doc["cells"])
+        docs = [json.loads(p.read_text()) for p in args.replot]
+        doc = merge_reports(docs) if len(docs) > 1 else docs[0]
+        base = baseline_engine(doc.get("engines") or [c["engine"] for c in doc["cells"]])
+        doc["ratios"] = compute_ratios(doc["cells"], base)
+        doc["targets"] = evaluate_targets(doc["cells"], doc.get("goodput_search") or {}, base)
         print(format_tables(doc["cells"], doc["ratios"], doc.get("slo_ms", slo)))
         if doc.get("goodput_search"):
-            print(format_goodput(doc["goodput_search"], args.attainment, doc.get("slo_ms", slo)))
-        print(f"Saved plot to {plot_report(doc, args.replot.with_suffix('.png'))}")
+            print(format_goodput(doc["goodput_search"], args.attainment, doc.get("slo_ms", slo), base))
+        print(format_targets(doc["targets"]))
+        png = args.replot[0].with_suffix(".png")
+        if len(docs) > 1:
+            args.out_dir.mkdir(parents=True, exist_ok=True)
+            print(f"Saved merged results to {save(doc, args.out_dir)}")
+            png = args.out_dir / "compare_engines.png"
+        if doc["cells"]:
+            print(f"Saved plot to {plot_report(doc, png)}")
         return 0
 
     from tokenmill.bench.datasets import build_dataset
@@ -736,9 +919,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
         "num_prompts": args.num_prompts, "slo_ms": slo, "temperature": 0.0,
         "load_average_start": load_average(), "engine_runs": {},
+        # tokenmill's batch-invariant inference is on unless its flags turn it off
+        "tokenmill_batch_invariant": "--no-batch-invariant" not in args.tokenmill_args,
+        "llama_server_version": llama_server_version(args.llama_server) if "llamacpp" in engines else None,
     }
     print(isa_header(meta["machine"]))
-    print(f"# engines {', '.join(engines)}; dtype {args.dtype}; threads {args.threads}; concurrency "
+    if meta["llama_server_version"]:
+        print(f"# llama-server: {meta['llama_server_version']}")
+    print(f"# engines {', '.join(engines)}; dtype {args.dtype}; threads {args.threads}; tokenmill batch-invariant "
+          f"{'on' if meta['tokenmill_batch_invariant'] else 'off'}; concurrency "
           f"{','.join(map(str, args.concurrency))}; workloads {','.join(args.workload_list)}; load average "
           f"{meta['load_average_start']:.2f}", flush=True)
     cells: list[dict[str, Any]] = []
@@ -818,14 +1007,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_tables(cells, doc["ratios"], slo))
     if searches:
         print()
-        print(format_goodput(searches, args.attainment, slo))
+        print(format_goodput(searches, args.attainment, slo, doc["baseline"]))
+    if "llamacpp" in engines:
+        print()
+        print(format_targets(doc["targets"]))
     print(f"\nmachine: {meta['machine'].get('cpu', '?')}, {meta['machine']['cpu_count']} cores; "
           f"load average {meta['load_average_start']:.2f} at start, {meta['load_average_end']:.2f} at end")
     print(f"Saved results to {path}")
     if cells:
         print(f"Saved plot to {plot_report(doc, out_dir / 'compare_engines.png')}")
     errors = [i.get("error") for r in meta["engine_runs"].values() for w in r["workloads"].values() for i in w]
-    return 0 if cells and not any(errors) else 1
+    return 0 if (cells or searches) and not any(errors) else 1
 
 
 if __name__ == "__main__":

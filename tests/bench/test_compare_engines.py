@@ -105,11 +105,24 @@ def test_parse_args_lists_and_validation():
     a = ce.parse_args(["--concurrency", "16,1,4,4", "--engines", "tokenmill,transformers,llamacpp"])
     assert a.concurrency == [1, 4, 16]
     assert a.engine_list == ["tokenmill", "transformers", "llamacpp"]
-    assert a.workload_list == ["random", "mt-bench"] and a.dtype == "bfloat16"
+    assert a.workload_list == ["random", "mt-bench"]
+    assert a.dtype == ce.resolve_dtype_name("auto") and a.dtype in ("float32", "bfloat16")
+    assert ce.parse_args(["--dtype", "bfloat16"]).dtype == "bfloat16"
     with pytest.raises(SystemExit):
         ce.parse_args(["--engines", "vllm"])
     with pytest.raises(SystemExit):
         ce.parse_args(["--concurrency", "0"])
+    with pytest.raises(SystemExit):                       # nothing to run
+        ce.parse_args(["--workloads="])
+    a = ce.parse_args(["--workloads=", "--engines", "tokenmill", "--goodput-search", "tokenmill"])
+    assert a.workload_list == [] and a.goodput_engines == ["tokenmill"]
+
+
+def test_resolve_dtype_name_follows_tokenmill_auto():
+    from tokenmill.model.loader import cpu_has_native_bf16
+
+    assert ce.resolve_dtype_name("auto") == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert ce.resolve_dtype_name("float32") == "float32"
 
 
 def test_transformers_endpoint_replaces_ignore_eos():
@@ -220,6 +233,8 @@ def test_goodput_search_against_fake_server():
 def test_quick_mode_defaults_and_isa_engines():
     a = ce.parse_args(["--quick"])
     assert a.concurrency == [1, 16, 64] and a.workload_list == ["random", "mt-bench"]
+    assert (a.goodput_probe_s, a.goodput_min_prompts) == (30.0, 16)
+    assert ce.parse_args(["--quick", "--goodput-probe-s", "60"]).goodput_probe_s == 60.0
     assert (a.min_prompts, a.prompts_per_slot, a.engine_list) == (4, 1, ["tokenmill", "llamacpp"])
     assert [ce.default_num_prompts(c, a.min_prompts, a.prompts_per_slot) for c in a.concurrency] == [4, 16, 64]
     a = ce.parse_args(["--quick", "--concurrency", "1", "--engines", "tokenmill,tokenmill@avx2"])
@@ -230,3 +245,102 @@ def test_quick_mode_defaults_and_isa_engines():
     header = ce.isa_header(info)
     assert header.startswith("# CPU:") and "tokenmill kernels:" in header
     assert info.get("tokenmill_isa") in ("avx512", "avx2", "scalar")
+
+
+def test_mean_tpot_is_a_cell_key_and_ratio():
+    cells = [ce.cell_from_metrics("tokenmill", "random", 1, _metrics(100.0, 300.0, 20.0, 1.0)),
+             ce.cell_from_metrics("llamacpp", "random", 1, _metrics(80.0, 900.0, 16.0, 1.0))]
+    assert cells[0]["mean_tpot_ms"] == 10.0
+    (r,) = ce.compute_ratios(cells)
+    assert r["mean_tpot_ms"] == pytest.approx(1.25) and r["baseline"] == "tokenmill"
+    text = ce.format_tables(cells, [r], {"ttft": 2000.0, "tpot": 100.0})
+    assert "mean TPOT" in text and "10.00" in text and "1.25" in text
+
+
+def test_baseline_engine_prefers_plain_tokenmill_then_a_variant():
+    assert ce.baseline_engine(["llamacpp", "tokenmill@avx2", "tokenmill"]) == "tokenmill"
+    assert ce.baseline_engine(["tokenmill@avx2", "llamacpp"]) == "tokenmill@avx2"
+    assert ce.baseline_engine(["llamacpp"]) == "tokenmill"
+    cells = [ce.cell_from_metrics("tokenmill@avx2", "random", 64, _metrics(300.0, 1000.0, 50.0, 2.0)),
+             ce.cell_from_metrics("llamacpp", "random", 64, _metrics(100.0, 4000.0, 200.0, 0.5))]
+    doc = ce.build_report(cells, {"engines": ["tokenmill@avx2", "llamacpp"]})
+    assert doc["baseline"] == "tokenmill@avx2"
+    assert [(r["other"], r["output_throughput"]) for r in doc["ratios"]] == [("llamacpp", pytest.approx(3.0))]
+
+
+def test_evaluate_targets_met_missed_and_missing():
+    cells = [
+        # c=1 TPOT: tokenmill 12 ms mean vs llama 10 ms (1.2x slower) on random; 8 vs 10 on MT-bench
+        ce.cell_from_metrics("tokenmill", "random", 1, _metrics(80.0, 300.0, 24.0, 1.0)),
+        ce.cell_from_metrics("llamacpp", "random", 1, _metrics(70.0, 900.0, 20.0, 1.0)),
+        ce.cell_from_metrics("tokenmill", "mt-bench", 1, _metrics(90.0, 300.0, 16.0, 1.0)),
+        ce.cell_from_metrics("llamacpp", "mt-bench", 1, _metrics(70.0, 900.0, 20.0, 1.0)),
+        # c=64: 300 vs 100 tok/s on random (3x of 5x), 600 vs 100 on MT-bench (6x)
+        ce.cell_from_metrics("tokenmill", "random", 64, _metrics(300.0, 1000.0, 50.0, 2.0)),
+        ce.cell_from_metrics("llamacpp", "random", 64, _metrics(100.0, 4000.0, 200.0, 0.5)),
+        ce.cell_from_metrics("tokenmill", "mt-bench", 64, _metrics(600.0, 1000.0, 50.0, 2.0)),
+        ce.cell_from_metrics("llamacpp", "mt-bench", 64, _metrics(100.0, 4000.0, 200.0, 0.5)),
+    ]
+    searches = {"tokenmill": {"workload": "mt-bench", "goodput_req_s": 4.0},
+                "llamacpp": {"workload": "mt-bench", "goodput_req_s": 1.0}}
+    rows = {r["key"]: r for r in ce.evaluate_targets(cells, searches)}
+    assert set(rows) == {"tpot_c1_random", "tpot_c1_mt_bench", "tok_s_c64_random", "tok_s_c64_mt_bench",
+                         "goodput_mt_bench"}
+    r = rows["tpot_c1_random"]
+    assert (r["value"], r["other_value"]) == (12.0, 10.0)
+    assert r["ratio"] == pytest.approx(1.2) and not r["met"] and r["shortfall"] == pytest.approx(1.2)
+    assert rows["tpot_c1_mt_bench"]["met"] and rows["tpot_c1_mt_bench"]["ratio"] == pytest.approx(0.8)
+    r = rows["tok_s_c64_random"]
+    assert not r["met"] and r["shortfall"] == pytest.approx(5.0 / 3.0)
+    assert rows["tok_s_c64_mt_bench"]["met"] and rows["tok_s_c64_mt_bench"]["shortfall"] == pytest.approx(5 / 6)
+    r = rows["goodput_mt_bench"]
+    assert r["ratio"] == pytest.approx(4.0) and not r["met"] and r["shortfall"] == pytest.approx(1.25)
+    text = ce.format_targets(list(rows.values()))
+    assert "1.20×" in text and "no (1.20× short)" in text and "no (1.67× short)" in text
+    # a missing partner cell, a failed cell or a search on another workload: that target is left out
+    partial = ce.evaluate_targets(cells[:3] + [ce.cell_from_metrics(
+        "llamacpp", "mt-bench", 1, _metrics(0.0, 0.0, 0.0, 0.0, completed=0, failed=4, good=0))],
+        {"tokenmill": {"workload": "random", "goodput_req_s": 4.0}, "llamacpp": searches["llamacpp"]})
+    assert [r["key"] for r in partial] == ["tpot_c1_random"]
+    assert ce.format_targets([]).startswith("Targets: none")
+    # a ratio equal to the goal up to floating-point rounding is met: the search's bisection gave llama-server
+    # 0.35000000000000003 req/s, and 1.75 over it is 4.999999999999999
+    (g,) = ce.evaluate_targets([], {"tokenmill": {"workload": "mt-bench", "goodput_req_s": 1.75},
+                                    "llamacpp": {"workload": "mt-bench", "goodput_req_s": 0.35000000000000003}})
+    assert g["ratio"] < 5.0 and g["met"]
+    (g,) = ce.evaluate_targets([], {"tokenmill": {"workload": "mt-bench", "goodput_req_s": 1.74},
+                                    "llamacpp": {"workload": "mt-bench", "goodput_req_s": 0.35}})
+    assert not g["met"]
+
+
+def test_llama_server_version_reads_version_lines(tmp_path):
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\necho 'load_backend: x' >&2\necho 'version: 1 (0c1e570)' >&2\n"
+                    "echo 'built with cc for x86_64' >&2\n")
+    fake.chmod(0o755)
+    assert ce.llama_server_version(fake) == "version: 1 (0c1e570); built with cc for x86_64"
+    assert ce.llama_server_version(tmp_path / "missing") is None
+    assert ce.llama_server_version(None) is None
+
+
+def test_merge_reports_joins_cells_and_searches_later_wins():
+    a = {"date": "d1", "engines": ["tokenmill", "llamacpp"], "dtype": "float32",
+         "cells": [ce.cell_from_metrics("tokenmill", "random", 64, _metrics(300.0, 1000.0, 50.0, 2.0)),
+                   ce.cell_from_metrics("llamacpp", "random", 64, _metrics(100.0, 4000.0, 200.0, 0.5))],
+         "goodput_search": {}, "ratios": ["stale"]}
+    b = {"date": "d2", "engines": ["tokenmill"], "cells": [], "goodput_search": {
+        "tokenmill": {"workload": "mt-bench", "goodput_req_s": 4.0}}}
+    c = {"date": "d3", "engines": ["llamacpp"], "goodput_search": {
+        "llamacpp": {"workload": "mt-bench", "goodput_req_s": 0.8}},
+         "cells": [ce.cell_from_metrics("llamacpp", "random", 64, _metrics(150.0, 4000.0, 200.0, 0.5))]}
+    m = ce.merge_reports([a, b, c])
+    assert m["engines"] == ["tokenmill", "llamacpp"] and m["dtype"] == "float32" and "ratios" not in m
+    assert sorted(m["goodput_search"]) == ["llamacpp", "tokenmill"]
+    assert [x["date"] for x in m["merged_from"]] == ["d1", "d2", "d3"]
+    llama = [x for x in m["cells"] if x["engine"] == "llamacpp"]
+    assert len(llama) == 1 and llama[0]["output_throughput"] == 150.0      # the later run's cell
+    rows = {r["key"]: r for r in ce.evaluate_targets(m["cells"], m["goodput_search"])}
+    assert rows["goodput_mt_bench"]["ratio"] == pytest.approx(5.0) and rows["goodput_mt_bench"]["met"]
+    assert rows["tok_s_c64_random"]["ratio"] == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        ce.merge_reports([])
