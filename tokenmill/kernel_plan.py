@@ -246,9 +246,9 @@ class KernelPlan:
         lowbit_max_tokens: steps of at most this many tokens run the checkpoint's low-bit codes (0: off).
         int8_act_max_tokens: larger steps up to this many run the integer low-bit path (0: off).
         kv_cache_dtype: the KV cache element type's name.
-        step_graph: ``TOKENMILL_CPU_STEP_GRAPH`` leaves the CPU step graph on (the model, device, a compiled
-            step or speculative decoding may still rule it out: tokenmill.model.step_graph.unsupported_reason).
-        step_graph_max_tokens: the largest decode step it serves.
+        step_graph: ``TOKENMILL_CPU_STEP_GRAPH`` leaves the CPU step graph on (the model, device or a compiled
+            step may still rule it out: tokenmill.model.step_graph.unsupported_reason).
+        step_graph_max_tokens: the largest decode or verify step (tokens) it serves.
         batch_invariant: one kernel per linear and attention row at every step size.
     """
 
