@@ -140,8 +140,8 @@ def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
     model.model.layers[1].self_attn.o_proj = o_proj
     assert unsupported_reason(model, cpu, torch.float32, torch.float32, 8) is None
     g = runner.step_graph
-    assert g.max_tokens == 8     # the runner's max_num_seqs
-    assert g.accepts(5, 1, 5) and not g.accepts(9, 1, 9) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
+    assert g.max_tokens == 40    # the runner's max_num_seqs x (1 + 4 grammar-forced drafts, the default)
+    assert g.accepts(5, 1, 5) and not g.accepts(41, 1, 41) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
     assert g.accepts(3, 2, 3, [2, 1], [5, 4])    # a verify step: one draft after cached context
     # TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS caps the steps served; bad values are refused
     monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "3")
@@ -213,8 +213,7 @@ def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype, 
 
 # Verify steps (speculative decoding, grammar-forced drafts): per step, (request, new tokens, of which drafts).
 # Prompts first (eager), then verify steps of uneven k beside decode rows, a step of one request's verify rows
-# alone, a decode step, a short chunk after cached context beside a verify step, and a step larger than the
-# graph's 8 tokens (eager).
+# alone, a decode step, a short chunk after cached context beside a verify step, two requests' 4 drafts each.
 VERIFY_PROMPT = {"a": 7, "b": 5, "c": 6}
 VERIFY_STEPS = [
     [("a", 7, 0), ("b", 5, 0)],
@@ -281,8 +280,8 @@ def test_verify_steps_through_the_graph_equal_the_eager_steps(dtype, limits, mon
     run = runner.step_graph.run
     runner.step_graph.run = lambda ids, *a: served.append(ids.shape[0]) or run(ids, *a)
     logits_g, outs_g = play_verify(runner, arch.vocab_size)
-    # not served: the prompts, the step with c's 4-token prompt (no cached context: a prefill), 10 tokens (> 8)
-    assert served == [5, 6, 3, 7, 4]
+    # not served: the prompts, the step with c's 4-token prompt (no cached context: a prefill)
+    assert served == [5, 6, 3, 7, 10, 4]
     assert outs_g == outs_e
     assert len(logits_g) == len(logits_e) == len(VERIFY_STEPS)
     for g, e in zip(logits_g, logits_e):
@@ -300,7 +299,7 @@ def test_graph_accepts_verify_steps_the_eager_attention_serves_as_decode_rows(mo
     assert not g.accepts(5, 4, 5, [4, 1], [4, 9])        # a 4-token prompt (no cached context): a prefill
     assert not g.accepts(5, 4, 5)                        # lengths unknown
     assert not g.accepts(8, 4, 9, [4, 4], [9, 9])        # padded
-    assert not g.accepts(9, 5, 9, [5, 4], [9, 9])        # more than max_tokens
-    monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "64")
-    wide = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)[0].step_graph
-    assert wide.accepts(S, S, S, [S], [S + 1]) and not wide.accepts(S + 1, S + 1, S + 1, [S + 1], [S + 2])
+    assert g.accepts(S, S, S, [S], [S + 1]) and not g.accepts(S + 1, S + 1, S + 1, [S + 1], [S + 2])
+    monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "8")
+    capped = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)[0].step_graph
+    assert capped.accepts(8, 4, 8, [4, 4], [9, 9]) and not capped.accepts(9, 5, 9, [5, 4], [9, 9])  # > max
