@@ -75,6 +75,7 @@ def test_integer_path_kv_rule_step_graph_and_isa():
     assert plan(CpuKernelSwitches(kv_bf16=False)).kv_cache_dtype == "float32"
     assert plan(kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
     assert plan(max_num_seqs=8).step_graph_max_tokens == 8
+    assert plan(max_num_seqs=8, max_draft_tokens=4).step_graph_max_tokens == 40   # verify steps: 1 + 4 rows each
     assert plan(CpuKernelSwitches(step_graph_max_tokens=3), max_num_seqs=8).step_graph_max_tokens == 3
     assert not plan(CpuKernelSwitches(step_graph=False)).step_graph
     assert plan(CpuKernelSwitches(isa="scalar")).isa == "scalar"

@@ -259,9 +259,9 @@ class KernelPlan:
         lowbit_max_tokens: steps of at most this many tokens run the checkpoint's low-bit codes (0: off).
         int8_act_max_tokens: larger steps up to this many run the integer low-bit path (0: off).
         kv_cache_dtype: the KV cache element type's name.
-        step_graph: ``TOKENMILL_CPU_STEP_GRAPH`` leaves the CPU step graph on (the model, device, a compiled
-            step or speculative decoding may still rule it out: tokenmill.model.step_graph.unsupported_reason).
-        step_graph_max_tokens: the largest decode step it serves.
+        step_graph: ``TOKENMILL_CPU_STEP_GRAPH`` leaves the CPU step graph on (the model, device or a compiled
+            step may still rule it out: tokenmill.model.step_graph.unsupported_reason).
+        step_graph_max_tokens: the largest decode or verify step (tokens) it serves.
         batch_invariant: one kernel per linear and attention row at every step size.
     """
 
@@ -291,7 +291,7 @@ class KernelPlan:
 def resolve_kernel_plan(switches: CpuKernelSwitches, facts: CpuFacts, *, device_type: str, dtype: str,
                         kv_cache_dtype: str = "auto", quantization: str | None = None, enforce_eager: bool = True,
                         tensor_parallel_size: int = 1, checkpoint_lowbit: bool = True, max_num_seqs: int = 128,
-                        batch_invariant: bool = False) -> KernelPlan:
+                        batch_invariant: bool = False, max_draft_tokens: int = 0) -> KernelPlan:
     """The plan for one engine.
 
     Args:
@@ -306,8 +306,11 @@ def resolve_kernel_plan(switches: CpuKernelSwitches, facts: CpuFacts, *, device_
             (:func:`tokenmill.distributed.model_loader.shard_lowbit_weights`), so a pipeline runs one
             process's kernels.
         checkpoint_lowbit: the checkpoint has codes the low-bit kernel runs (a GGUF of supported formats).
-        max_num_seqs: the step graph's default limit.
+        max_num_seqs: with ``max_draft_tokens``, the step graph's default limit.
         batch_invariant: ``--batch-invariant``.
+        max_draft_tokens: the most draft tokens a request verifies per step (speculative decoding's
+            ``num_speculative_tokens``, structured outputs' ``num_forced_draft_tokens``; 0: none): the step
+            graph's default limit is ``max_num_seqs * (1 + max_draft_tokens)`` tokens, so verify steps fit.
 
     Raises:
         ValueError: a forced ISA this CPU cannot run, or an unknown dtype.
@@ -322,16 +325,18 @@ def resolve_kernel_plan(switches: CpuKernelSwitches, facts: CpuFacts, *, device_
                       lowbit_max_tokens=low, int8_act_max_tokens=int8_act_limit(low, isa, switches),
                       kv_cache_dtype=kv_cache_dtype_name(kv_cache_dtype, name, device_type, bool(low), switches),
                       step_graph=switches.step_graph,
-                      step_graph_max_tokens=switches.step_graph_max_tokens or max_num_seqs,
+                      step_graph_max_tokens=switches.step_graph_max_tokens or max_num_seqs * (1 + max_draft_tokens),
                       batch_invariant=batch_invariant)
 
 
 def plan_for_config(config: Any, facts: CpuFacts, device_type: str, checkpoint_lowbit: bool = True) -> KernelPlan:
     """:func:`resolve_kernel_plan` for an :class:`tokenmill.config.EngineConfig`."""
     m = config.model
+    drafts = max(config.speculative.num_speculative_tokens if config.speculative is not None else 0,
+                 m.structured_outputs.num_forced_draft_tokens)
     return resolve_kernel_plan(config.cpu_kernels, facts, device_type=device_type, dtype=m.dtype,
                                kv_cache_dtype=config.cache.kv_cache_dtype, quantization=m.quantization,
                                enforce_eager=m.enforce_eager,
                                tensor_parallel_size=config.parallel.tensor_parallel_size,
                                checkpoint_lowbit=checkpoint_lowbit, max_num_seqs=config.scheduler.max_num_seqs,
-                               batch_invariant=bool(m.batch_invariant))
+                               batch_invariant=bool(m.batch_invariant), max_draft_tokens=drafts)

@@ -5,7 +5,10 @@ steps of 1, 3 and 5 requests, a mixed step) run through a runner with the
 graph and one without it (the ablation switch); the logits of every step must
 be equal, and the graph must have served exactly the decode-only steps. With
 lowered limits the three decode sizes take the three GEMM paths (low-bit
-float32, integer low-bit, oneDNN dense).
+float32, integer low-bit, oneDNN dense). Verify steps (each request's last
+token and its drafts, beside decode rows and short chunks) run through the
+graph as one row per token, equal to the eager forward's logits on every
+draft row.
 """
 
 from __future__ import annotations
@@ -115,7 +118,6 @@ def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
     assert unsupported_reason(model, cpu, torch.float32, torch.float32, 8) is None
     assert "KV cache" in unsupported_reason(model, cpu, torch.float32, torch.int8, 8)
     assert "low-bit" in unsupported_reason(model, cpu, torch.float32, torch.float32, 0)
-    assert "speculative" in unsupported_reason(model, cpu, torch.float32, torch.float32, 8, spec_decode=True)
     assert "cuda" in unsupported_reason(model, torch.device("cuda"), torch.float32, torch.float32, 8)
     # more tokens than the low-bit limit the layers were given
     assert "low-bit" in unsupported_reason(model, cpu, torch.float32, torch.float32, 16)
@@ -138,8 +140,9 @@ def test_graph_is_refused_where_the_eager_path_differs(monkeypatch):
     model.model.layers[1].self_attn.o_proj = o_proj
     assert unsupported_reason(model, cpu, torch.float32, torch.float32, 8) is None
     g = runner.step_graph
-    assert g.max_tokens == 8     # the runner's max_num_seqs
-    assert g.accepts(5, 1, 5) and not g.accepts(9, 1, 9) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
+    assert g.max_tokens == 40    # the runner's max_num_seqs x (1 + 4 grammar-forced drafts, the default)
+    assert g.accepts(5, 1, 5) and not g.accepts(41, 1, 41) and not g.accepts(3, 2, 3) and not g.accepts(3, 1, 4)
+    assert g.accepts(3, 2, 3, [2, 1], [5, 4])    # a verify step: one draft after cached context
     # TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS caps the steps served; bad values are refused
     monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "3")
     capped = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)[0].step_graph
@@ -206,3 +209,97 @@ def test_real_model_greedy_decode_is_the_same_with_and_without_the_graph(dtype, 
     eager = generate(16)
     for g, e in zip(with_graph, eager, strict=True):
         assert torch.equal(g, e)
+
+
+# Verify steps (speculative decoding, grammar-forced drafts): per step, (request, new tokens, of which drafts).
+# Prompts first (eager), then verify steps of uneven k beside decode rows, a step of one request's verify rows
+# alone, a decode step, a short chunk after cached context beside a verify step, two requests' 4 drafts each.
+VERIFY_PROMPT = {"a": 7, "b": 5, "c": 6}
+VERIFY_STEPS = [
+    [("a", 7, 0), ("b", 5, 0)],
+    [("a", 4, 3), ("b", 1, 0)],
+    [("a", 1, 0), ("b", 5, 4)],
+    [("a", 3, 2)],
+    [("a", 1, 0), ("b", 1, 0), ("c", 4, 0)],
+    [("c", 2, 0), ("a", 2, 1), ("b", 3, 2)],
+    [("a", 5, 4), ("b", 5, 4)],
+    [("a", 2, 1), ("b", 1, 0), ("c", 1, 0)],
+]
+
+
+def play_verify(runner: ModelRunner, vocab: int) -> tuple[list[torch.Tensor], list]:
+    """Run VERIFY_STEPS (a fixed token stream per request; the drafts are the step's last tokens): every
+    sampled row's logits (the last token and each draft) and each step's output tokens."""
+    import random
+
+    from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+    from tokenmill.sampling_params import SamplingParams
+
+    from .test_runner import RecordingSampler
+
+    rec = RecordingSampler()
+    runner.sampler = runner.spec_decode.sampler = rec
+    rng = random.Random(7)
+    stream = {r: [rng.randrange(3, vocab) for _ in range(40)] for r in VERIFY_PROMPT}
+    free = list(range(NUM_BLOCKS))
+    rng.shuffle(free)
+    tables: dict[str, list[int]] = {r: [] for r in VERIFY_PROMPT}
+    computed = {r: 0 for r in VERIFY_PROMPT}
+    params = SamplingParams(temperature=0.0, max_tokens=64)
+    outs = []
+    for step in VERIFY_STEPS:
+        reqs = []
+        for rid, n, k in step:
+            c = computed[rid]
+            while len(tables[rid]) * BLOCK < c + n:
+                tables[rid].append(free.pop())
+            toks = stream[rid][c:c + n]
+            p = VERIFY_PROMPT[rid]
+            reqs.append(ScheduledRequest(rid, toks, c, list(tables[rid]), sample=c + n >= p, sampling_params=params,
+                                         prompt_token_ids=stream[rid][:p], output_token_ids=stream[rid][p:c],
+                                         new=c == 0, spec_token_ids=toks[n - k:] if k else []))
+            computed[rid] = c + n
+        so = SchedulerOutput(scheduled=reqs, total_num_scheduled_tokens=sum(len(r.token_ids) for r in reqs))
+        out = runner.execute_model(so)
+        outs.append((out.sampled_token_ids, dict(out.verified_token_ids)))
+    return rec.logits, outs
+
+
+@pytest.mark.parametrize("limits", list(LIMITS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_steps_through_the_graph_equal_the_eager_steps(dtype, limits, monkeypatch):
+    """A verify step (each request's last token + its drafts) runs through the graph as one row per token,
+    bit-equal to the eager forward's decode-kernel rows; prefills and oversized steps stay eager."""
+    needs_lowbit(dtype)
+    eager, model_e, arch = build("llama", dtype, graph=False, monkeypatch=monkeypatch, limits=LIMITS[limits])
+    assert eager.step_graph is None and eager.spec_decode is not None    # verify-only worker (forced drafts)
+    logits_e, outs_e = play_verify(eager, arch.vocab_size)
+
+    runner = build("llama", dtype, graph=True, monkeypatch=monkeypatch, limits=LIMITS[limits])[0]
+    served = []
+    run = runner.step_graph.run
+    runner.step_graph.run = lambda ids, *a: served.append(ids.shape[0]) or run(ids, *a)
+    logits_g, outs_g = play_verify(runner, arch.vocab_size)
+    # not served: the prompts, the step with c's 4-token prompt (no cached context: a prefill)
+    assert served == [5, 6, 3, 7, 10, 4]
+    assert outs_g == outs_e
+    assert len(logits_g) == len(logits_e) == len(VERIFY_STEPS)
+    for g, e in zip(logits_g, logits_e):
+        assert g.shape == e.shape and torch.equal(g, e)
+    assert [g.shape[0] for g in logits_g] == [2, 5, 6, 3, 2, 6, 10, 4]   # every sampled row, drafts included
+
+
+def test_graph_accepts_verify_steps_the_eager_attention_serves_as_decode_rows(monkeypatch):
+    from tokenmill.model.layers.attention import SHORT_QUERY_AS_DECODE as S
+
+    needs_lowbit(torch.float32)
+    g = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)[0].step_graph
+    assert g.accepts(5, 4, 5, [4, 1], [20, 9])           # a verify step (1 + 3 drafts) beside a decode row
+    assert g.accepts(8, 8, 8, [8], [9])                  # the longest short query, after one cached token
+    assert not g.accepts(5, 4, 5, [4, 1], [4, 9])        # a 4-token prompt (no cached context): a prefill
+    assert not g.accepts(5, 4, 5)                        # lengths unknown
+    assert not g.accepts(8, 4, 9, [4, 4], [9, 9])        # padded
+    assert g.accepts(S, S, S, [S], [S + 1]) and not g.accepts(S + 1, S + 1, S + 1, [S + 1], [S + 2])
+    monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "8")
+    capped = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)[0].step_graph
+    assert capped.accepts(8, 4, 8, [4, 4], [9, 9]) and not capped.accepts(9, 5, 9, [5, 4], [9, 9])  # > max

@@ -278,7 +278,7 @@ class ModelRunner:
             cpu_loras = (m.max_cpu_loras or m.max_loras) if layout is None else 1 << 30
             self.lora_manager = LoRAManager(model, full_arch, m.max_loras, m.max_lora_rank, cpu_loras, dtype,
                                             layout=layout, invariant=self.batch_invariant)
-        self.step_graph = None   # a CpuStepGraph for decode-only steps (set below when the model allows)
+        self.step_graph = None   # a CpuStepGraph for decode and verify steps (set below when the model allows)
         self.eplb = None    # an EplbController (tokenmill.distributed.eplb) with --enable-eplb, set by the builder
         self.spec_decode = None
         # grammar-forced tokens (structured outputs) are verified as drafts even without a proposer
@@ -287,10 +287,9 @@ class ModelRunner:
         self._setup_step_graph()
 
     def _setup_step_graph(self) -> None:
-        """Build the :class:`~tokenmill.model.step_graph.CpuStepGraph` for decode-only steps where the
+        """Build the :class:`~tokenmill.model.step_graph.CpuStepGraph` for decode and verify steps where the
         model, dtype, KV cache and device allow it (logged either way; ``TOKENMILL_CPU_STEP_GRAPH=0``: off)."""
         reason = unsupported_reason(self.model, self.device, self.dtype, self.kv_cache_dtype, self.lowbit_max_tokens,
-                                    spec_decode=self.config.speculative is not None,
                                     enabled=self.kernel_plan.step_graph)
         if reason is None and not self.config.model.enforce_eager:
             reason = "compiled step"
@@ -546,8 +545,11 @@ class ModelRunner:
                                                     count=len(so.scheduled)), input_ids.shape[0])
         t1 = time.perf_counter()
         graph = self.step_graph
-        if graph is not None and graph.accepts(md.num_reqs, md.max_query_len, input_ids.shape[0]):
-            hidden = graph.run(input_ids, positions, md.slot_mapping, md.block_tables, md.seq_lens)
+        if graph is not None and graph.accepts(md.num_tokens, md.max_query_len, input_ids.shape[0], md.query_lens,
+                                               md.seq_lens_list):
+            # decode steps, and verify steps (each request's last token + its drafts) as one row per token
+            hidden = graph.run(input_ids, positions, md.slot_mapping, md.block_tables, md.seq_lens,
+                               md.query_lens if md.max_query_len > 1 else None)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, md)
         if self.spec_decode is not None:

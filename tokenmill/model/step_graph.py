@@ -34,11 +34,27 @@ path's (:meth:`LlamaForCausalLM.forward` with :class:`PackedLinear`,
 The residual stream is updated in place (the fused add+norm reads each
 element before writing it at the same index).
 
-Where it does not apply the runner keeps the eager forward: prefill or
-mixed steps, steps above ``max_tokens``, quantised KV caches (a float32
+Verify steps: a speculative-decoding step (n-gram or draft-model drafts, or
+a structured-output request's grammar-forced tokens) schedules each request's
+last token plus its ``k`` drafts. The eager attention already serves a query
+of at most :data:`~tokenmill.model.layers.attention.SHORT_QUERY_AS_DECODE`
+tokens after cached context as that many decode rows, row ``j`` over
+``seq_len - query_len + j + 1`` positions of the request's block table
+(``TorchAttentionBackend._plan``); every other call of the step is per row
+already. So such a step is an ``M``-row step of the same calls: the graph
+expands the step's block tables and context lengths to one row per token in
+persistent buffers of its own (:meth:`CpuStepGraph.run` with ``query_lens``)
+and runs the prepared calls of ``M = sum(query_lens)`` rows -- the ones a
+decode step of ``M`` requests uses. A verify step of 5 rows then costs about
+a 5-request decode step instead of an eager forward (measured in
+``docs/benchmarks/2026-12-02-structured-output-avx2.md``).
+
+Where it does not apply the runner keeps the eager forward: prefills and
+chunks (a query longer than ``SHORT_QUERY_AS_DECODE``, or one with no cached
+context before it), steps above ``max_tokens``, quantised KV caches (a float32
 model's bfloat16 cache is served), Qwen3's q/k norm, mixture-of-experts and
-pipeline-parallel models, speculative decoding, CUDA (device is a parameter
-of the runner; nothing here runs off the CPU). ``TOKENMILL_CPU_STEP_GRAPH=0``
+pipeline-parallel models, CUDA (device is a parameter of the runner; nothing
+here runs off the CPU). ``TOKENMILL_CPU_STEP_GRAPH=0``
 turns it off (the ablation switch); ``TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS=N``
 caps the step size it serves (e.g. the low-bit limit, 8, as before it took
 larger decode steps).
@@ -51,10 +67,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from tokenmill import envs
+from tokenmill.model.layers.attention import SHORT_QUERY_AS_DECODE
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +99,7 @@ def max_tokens_from_env(default: int) -> int:
 
 
 def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
-                       kv_cache_dtype: torch.dtype, max_tokens: int, spec_decode: bool = False,
-                       enabled: bool | None = None) -> str | None:
+                       kv_cache_dtype: torch.dtype, max_tokens: int, enabled: bool | None = None) -> str | None:
     """Why :class:`CpuStepGraph` cannot serve ``model``; None when it can.
 
     Args:
@@ -89,7 +107,6 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
         device, dtype: where and in what dtype it runs.
         kv_cache_dtype: the KV pool's element type.
         max_tokens: the runner's low-bit step limit (0: off).
-        spec_decode: speculative decoding is configured.
         enabled: the kernel plan's ``step_graph`` (``TOKENMILL_CPU_STEP_GRAPH`` as the engine config holds
             it); None: the environment's.
     """
@@ -110,8 +127,6 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
         return f"KV cache dtype {kv_cache_dtype} (quantised caches keep the eager path)"
     if not max_tokens:
         return "low-bit small-step weights are off"
-    if spec_decode:
-        return "speculative decoding"
     if type(model) is not LlamaForCausalLM:
         return f"model class {type(model).__name__}"
     cfg = model.config
@@ -194,6 +209,9 @@ class CpuStepGraph:
         lin = model.model.layers[0].self_attn.qkv_proj
         self._lora_mod = lin if _lora_base(lin) is not lin else None
         self._lora_on, self._threads = False, 1
+        # per-token block tables and context lengths of multi-token-query steps (:meth:`_row_tables`)
+        self._row_bt: torch.Tensor | None = None
+        self._row_sl: torch.Tensor | None = None
         #: None, or a dict that :meth:`run` adds each part's seconds to (:meth:`call_kind` names the parts,
         #: plus ``embedding``): ``benchmarks/roofline.py --breakdown`` reads it. Off in serving.
         self.profile: dict[str, float] | None = None
@@ -339,20 +357,72 @@ class CpuStepGraph:
             prof[kind] = prof.get(kind, 0.0) + clock() - t0
 
     # -- running ------------------------------------------------------------
-    def accepts(self, num_tokens: int, max_query_len: int, padded_tokens: int) -> bool:
-        """True for a decode-only step (every request one token) of at most ``max_tokens`` tokens, unpadded."""
-        return max_query_len == 1 and num_tokens <= self.max_tokens and padded_tokens == num_tokens
+    def accepts(self, num_tokens: int, max_query_len: int, padded_tokens: int,
+                query_lens: Sequence[int] | None = None, seq_lens: Sequence[int] | None = None) -> bool:
+        """True for an unpadded step of at most ``max_tokens`` tokens whose every token is a decode row of the
+        eager attention.
+
+        That is a decode-only step (``max_query_len == 1``), or, given the step's ``query_lens`` and
+        ``seq_lens`` (context after the step, per request), one where every request has one token or at most
+        :data:`~tokenmill.model.layers.attention.SHORT_QUERY_AS_DECODE` tokens after cached context
+        (``seq_len > query_len``): a speculative-decoding verify step, the eager path's rule for serving a
+        short query with the decode kernel (``TorchAttentionBackend._plan``), so the bits are the eager
+        step's.
+        """
+        if num_tokens > self.max_tokens or padded_tokens != num_tokens:
+            return False
+        if max_query_len == 1:
+            return True
+        if query_lens is None or seq_lens is None or max_query_len > SHORT_QUERY_AS_DECODE:
+            return False
+        return all(ql == 1 or sl > ql for ql, sl in zip(query_lens, seq_lens, strict=True))
+
+    def _row_tables(self, m: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                    query_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block-table row and context length per token of a multi-token-query step.
+
+        Token ``j`` of a request with ``q`` new tokens and context ``s`` after the step sees
+        ``s - q + j + 1`` positions through its request's block table (the causal mask), as
+        ``TorchAttentionBackend._plan`` serves a short query with the decode kernel.
+
+        Args:
+            m: tokens in the step (``sum(query_lens)``).
+            block_tables: ``[R, W]`` int32, the requests' tables.
+            seq_lens: ``[R]`` int32, context after this step.
+            query_lens: ``R`` new-token counts.
+
+        Returns:
+            ``([m, W]`` int32, ``[m]`` int32) views of persistent buffers (same storage every call until
+            a wider table grows them), which the prepared calls of the step read.
+        """
+        n, w = block_tables.shape
+        if self._row_bt is None or self._row_bt.shape[1] < w or self._row_bt.shape[0] < m:
+            rows = max(m, self.max_tokens)
+            width = max(w, block_tables.stride(0), 0 if self._row_bt is None else self._row_bt.shape[1])
+            self._row_bt = torch.zeros(rows, width, dtype=torch.int32)
+            self._row_sl = torch.zeros(rows, dtype=torch.int32)
+        qls = np.fromiter(query_lens, dtype=np.int64, count=n)
+        req = np.repeat(np.arange(n), qls)
+        j = np.arange(m) - np.repeat(np.cumsum(qls) - qls, qls)
+        bt = self._row_bt.numpy()
+        bt[:m, :w] = block_tables.numpy()[req]
+        self._row_sl.numpy()[:m] = seq_lens.numpy()[req] - qls[req] + j + 1
+        return self._row_bt[:m, :w], self._row_sl[:m]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
-        """One decode step over ``m = len(input_ids)`` requests.
+            block_tables: torch.Tensor, seq_lens: torch.Tensor,
+            query_lens: Sequence[int] | None = None) -> torch.Tensor:
+        """One step over ``m = len(input_ids)`` tokens: a decode step of ``m`` requests, or (``query_lens``)
+        a step that :meth:`accepts` with several tokens for some requests (a verify step).
 
         Args:
             input_ids, positions: ``[m]`` int64.
             slot_mapping: ``[m]`` int64 contiguous (the K/V slot of each token).
-            block_tables: ``[m, max_blocks]`` int32, last dimension contiguous.
-            seq_lens: ``[m]`` int32 contiguous (context after this step).
+            block_tables: ``[R, max_blocks]`` int32, last dimension contiguous (``R`` requests; ``R == m``
+                for a decode step).
+            seq_lens: ``[R]`` int32 contiguous (context after this step).
+            query_lens: ``R`` new-token counts (sum ``m``); None: one each.
 
         The tensors' storage may change between calls (the runner grows its
         buffers); the prepared calls are keyed by their addresses.
@@ -361,6 +431,8 @@ class CpuStepGraph:
             ``[m, hidden_size]`` final-norm hidden states (a view of a buffer the next call overwrites).
         """
         m = input_ids.shape[0]
+        if query_lens is not None and len(query_lens) != m:     # per-token tables for the decode kernel
+            block_tables, seq_lens = self._row_tables(m, block_tables, seq_lens, query_lens)
         threads = torch.get_num_threads()
         key = (m, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
                threads)

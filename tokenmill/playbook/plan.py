@@ -47,7 +47,7 @@ import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tokenmill.config import parse_size
+from tokenmill.config import StructuredOutputsConfig, parse_size
 from tokenmill.kernel_plan import CpuFacts, CpuKernelSwitches, KernelPlan, read_cpu_flags, resolve_dtype_name, \
     resolve_kernel_plan
 
@@ -564,7 +564,8 @@ def cpu_kernel_plan(shape: "ModelShape", opts: "PlanOptions", dtype: str | None 
     resolution the model runner logs at start-up (:func:`tokenmill.kernel_plan.resolve_kernel_plan`), from the
     ``TOKENMILL_CPU_*`` switches (read here, the planner's command-line edge) and /proc/cpuinfo. ``dtype``
     overrides ``opts.dtype``. Assumes the engine's default ``--enforce-eager`` (a compiled step runs no
-    low-bit codes: plan with ``--kv-cache-dtype float32`` there).
+    low-bit codes: plan with ``--kv-cache-dtype float32`` there) and the default structured-outputs config
+    (its grammar-forced drafts size the step graph's verify steps).
 
     Raises:
         ValueError: an invalid switch value, or a forced ISA this CPU cannot run.
@@ -573,7 +574,8 @@ def cpu_kernel_plan(shape: "ModelShape", opts: "PlanOptions", dtype: str | None 
                                dtype=dtype or opts.dtype, kv_cache_dtype=opts.kv_cache_dtype,
                                quantization=opts.quantization,
                                tensor_parallel_size=opts.tensor_parallel_size,
-                               checkpoint_lowbit=bool(shape.gguf_lowbit))
+                               checkpoint_lowbit=bool(shape.gguf_lowbit),
+                               max_draft_tokens=StructuredOutputsConfig().num_forced_draft_tokens)
 
 
 def resolve_plan_device(device: str | None) -> str | None:
