@@ -73,7 +73,7 @@ import numpy as np
 import torch
 
 from tokenmill import envs
-from tokenmill.model.layers.attention import SHORT_QUERY_AS_DECODE
+from tokenmill.model.layers.attention import SHORT_QUERY_AS_DECODE, TorchAttentionBackend
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +111,6 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
             it); None: the environment's.
     """
     from tokenmill.model.layers import fused_cpu, paged_attention_cpu
-    from tokenmill.model.layers.attention import TorchAttentionBackend
     from tokenmill.model.layers.linear import PackedLinear
     from tokenmill.model.layers.mlp import SwiGLUMLP
     from tokenmill.model.llama import LlamaDecoderLayer, LlamaForCausalLM
