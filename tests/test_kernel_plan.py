@@ -115,10 +115,26 @@ def test_the_planner_resolves_the_engines_plan(monkeypatch):
     if path is None:
         pytest.skip("the packaged model is not installed")
     shape = load_shape(path)
-    for dtype in ("float32", "auto"):
+    for dtype in ("float32", "auto", "bfloat16"):   # bfloat16: oneDNN's bfloat16 linears exist or not (AVX2)
         engine = engine_plan(EngineConfig.from_kwargs(model=path, dtype=dtype, device="cpu"), "cpu",
                              checkpoint_lowbit=True)
         if not engine.lowbit_max_tokens:
             pytest.skip("no low-bit kernel on this machine (no C compiler or oneDNN)")
         assert cpu_kernel_plan(shape, PlanOptions(dtype=dtype, device="cpu")) == \
             dataclasses.replace(engine, batch_invariant=False), dtype
+
+
+@pytest.mark.parametrize("machine,flags,onednn_bf16", [
+    ("x86_64", {"avx", "avx2", "fma"}, False),                                     # AVX2 only
+    ("x86_64", {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq"}, True),     # AVX-512 without BF16
+    ("x86_64", {"avx2", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "amx_bf16"}, True),
+    ("x86_64", {"avx2", "avx512f"}, False),                                          # no BW/VL/DQ
+    ("aarch64", {"asimd", "bf16"}, True),
+    ("aarch64", {"asimd"}, False),
+])
+def test_planner_facts_follow_torchs_onednn_bfloat16_rule(machine, flags, onednn_bf16):
+    """The planner (no torch) decides oneDNN bfloat16 from /proc/cpuinfo as torch does (AVX512 BW+VL+DQ on
+    x86), so a bfloat16 model on an AVX2 CPU is planned with the plain (unpacked) linears the engine runs."""
+    facts = CpuFacts.from_cpu_flags(frozenset(flags), machine=machine)
+    assert facts.onednn_bf16 is onednn_bf16
+    assert plan(facts=facts, dtype="bfloat16").packed_linear is onednn_bf16

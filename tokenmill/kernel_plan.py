@@ -127,10 +127,20 @@ class CpuFacts:
     @classmethod
     def from_cpu_flags(cls, flags: frozenset[str] | set[str], machine: str | None = None) -> "CpuFacts":
         """Facts from ``/proc/cpuinfo``'s flags alone (the planner: no torch); oneDNN and a C compiler
-        are assumed present (the engine's default install)."""
-        x86 = (machine or platform.machine()).lower() in ("x86_64", "amd64")
+        are assumed present (the engine's default install).
+
+        ``onednn_bf16`` follows torch's own test for oneDNN bfloat16 linears (``mkldnn_bf16_device_check``:
+        AVX512 BW + VL + DQ on x86, the ``bf16`` feature on AArch64), so an AVX2-only CPU plans the plain
+        bfloat16 linears the engine runs there, not oneDNN's packed ones."""
+        arch = (machine or platform.machine()).lower()
+        x86 = arch in ("x86_64", "amd64")
         isas = tuple(i for i in ISAS if i == "scalar" or (x86 and isa_supported(i, flags)))
-        return cls(supported_isas=isas, native_bf16="avx512_bf16" in flags or "amx_bf16" in flags)
+        if x86:
+            onednn_bf16 = all(f in flags for f in ("avx512bw", "avx512vl", "avx512dq"))
+        else:
+            onednn_bf16 = arch in ("aarch64", "arm64") and "bf16" in flags
+        return cls(supported_isas=isas, native_bf16="avx512_bf16" in flags or "amx_bf16" in flags,
+                   onednn_bf16=onednn_bf16)
 
 
 def isa_supported(isa: str, flags: frozenset[str] | set[str]) -> bool:
