@@ -68,6 +68,33 @@ def test_router_tokenizes_like_the_server(replicas, prompt_tokenizer):
     assert prompt_tokenizer.token_ids("/v1/chat/completions", {"messages": msgs}) == srv
 
 
+_TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+def test_router_renders_tools_like_the_server(replicas, prompt_tokenizer):
+    """A request with tools (and a second turn carrying a call and its result) hashes the tokens the backend
+    prompts with: the tools' system text, the call in the fallback syntax, the result as a tool response."""
+    url = replicas[0].url
+    msgs = [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 21}'}]
+    body = {"messages": msgs, "tools": _TOOLS}
+    srv = httpx.post(url + "/tokenize", json=body).json()["tokens"]
+    ids = prompt_tokenizer.token_ids("/v1/chat/completions", body)
+    assert ids == srv
+    assert ids != prompt_tokenizer.token_ids("/v1/chat/completions", {"messages": msgs})   # the tools count
+    # tool_choice "required" adds its instructions: the prompt the chat endpoint runs, counted by its usage
+    body = {"model": _model(url), "messages": msgs[:1], "tools": _TOOLS, "tool_choice": "required",
+            "max_tokens": 1, "temperature": 0}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(prompt_tokenizer.token_ids("/v1/chat/completions", body)) == r.json()["usage"]["prompt_tokens"]
+
+
 def test_kv_aware_sends_a_repeated_prefix_to_the_replica_that_holds_it(replicas, prompt_tokenizer, tmp_path):
     log = tmp_path / "decisions.jsonl"
     router = RouterThread(RouterConfig(backends=[r.spec for r in replicas], policy="kv_aware",

@@ -120,7 +120,8 @@ def run_router(config: RouterConfig) -> None:
     tok = None
     if config.policy == "kv_aware":
         t0 = time.perf_counter()
-        tok = PromptTokenizer.load(config.tokenizer)
+        tok = PromptTokenizer.load(config.tokenizer, config.tool_call_parser,
+                                   config.exclude_tools_when_tool_choice_none)
         logger.info("router tokenizer loaded in %.1fs", time.perf_counter() - t0)
     router = Router(config, tok)
     logger.info("tokenmill router on http://%s:%d, policy %s, %d backends%s", config.host, config.port,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tokenmill.config import TOOL_CALL_PARSERS
 from tokenmill.router.backends import BackendSpec, load_backend_file
 from tokenmill.router.policies import POLICIES
 
@@ -99,6 +100,13 @@ def add_router_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParse
     g.add_argument("--tokenizer", default=None, metavar="PATH",
                    help="Tokenizer of the served model (GGUF or HF folder), to hash prompts as the backends do "
                         "[default: the packaged SmolLM2-135M-Instruct].")
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="The backends' --tool-call-parser: a chat template without tool support shows the tools "
+                        "and earlier calls in its syntax, so the router must render tools the same way to hash "
+                        "the blocks the backends cache [default: none, as the backends' default].")
+    g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="The backends' --exclude-tools-when-tool-choice-none (tool_choice 'none' leaves the tools "
+                        "out of the prompt).")
     g.add_argument("--kv-events-topic", default="", help="Topic to subscribe to [default: all].")
     g = p.add_argument_group("health and retries")
     g.add_argument("--health-check-interval", type=float, default=1.0,
@@ -174,7 +182,8 @@ def config_from_args(args: argparse.Namespace):
         kv_eviction_weight=args.kv_eviction_weight, kv_recompute_weight=args.kv_recompute_weight,
         kv_tier_weight=args.kv_tier_weight,
         router_temperature=args.router_temperature, block_size=args.block_size, tokenizer=args.tokenizer,
-        kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
+        tool_call_parser=args.tool_call_parser,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none, kv_events_topic=args.kv_events_topic, health_check_interval=args.health_check_interval,
         health_check_timeout=args.health_check_timeout, health_failure_threshold=args.health_failure_threshold,
         max_request_body_bytes=args.max_request_body_bytes,
         max_retries=args.max_retries, seed=args.seed,

@@ -4,7 +4,8 @@
 it tokenizes a prompt exactly as ``tokenmill serve`` does: completions
 ``encode(prompt, add_special_tokens=body.add_special_tokens (default true))``;
 chat renders the messages with the model's chat template
-(``add_generation_prompt`` default true, ``continue_final_message``) and then
+(``add_generation_prompt`` default true, ``continue_final_message``; ``tools``, ``tool_calls`` and ``tool``
+turns through the server's own :mod:`tokenmill.server.chat_prompt`) and then
 ``encode(text, add_special_tokens=body.add_special_tokens (default false))``.
 The hashes are :func:`tokenmill.core.prefix_cache.hash_block_tokens` chained
 over full blocks, with the request's ``cache_salt`` on the first block, then a LoRA adapter's key
@@ -18,7 +19,10 @@ import importlib.util
 import os
 from typing import Any
 
+from tokenmill.config import TOOL_CALL_PARSERS
 from tokenmill.core.prefix_cache import BlockHash, hash_block_tokens
+from tokenmill.server.chat_prompt import render_chat_text, tool_prompt
+from tokenmill.server.protocol import ChatCompletionRequest
 from tokenmill.tokenizer import load_tokenizer
 
 
@@ -86,37 +90,55 @@ def default_tokenizer_path() -> str:
 class PromptTokenizer:
     """Tokenizes request bodies the way ``tokenmill serve`` does (see module docstring).
 
+    A chat body is validated as the server validates it and rendered through the server's own
+    :mod:`tokenmill.server.chat_prompt` (messages, ``tool_calls``, ``tool`` turns and ``tools``), so a request
+    with tools hashes the blocks its backend will cache.
+
     Args:
         tokenizer: a Hugging Face tokenizer (``encode``, ``apply_chat_template``).
+        tool_call_parser: the backends' ``--tool-call-parser`` (how a template without tool support is
+            shown the tools and earlier calls); None: the server's default (Hermes' syntax).
+        exclude_tools_when_tool_choice_none: the backends' ``--exclude-tools-when-tool-choice-none``.
+
+    Raises:
+        ValueError: an unknown ``tool_call_parser``.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, tool_call_parser: str | None = None,
+                 exclude_tools_when_tool_choice_none: bool = False) -> None:
+        if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"unknown --tool-call-parser {tool_call_parser!r}; choose one of "
+                             f"{', '.join(sorted(TOOL_CALL_PARSERS))}")
         self.tokenizer = tokenizer
         t = getattr(tokenizer, "chat_template", None)
         self.chat_template = t if isinstance(t, str) else None
+        self.tool_call_parser = tool_call_parser
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
 
     @classmethod
-    def load(cls, path: str | None) -> "PromptTokenizer":
+    def load(cls, path: str | None, tool_call_parser: str | None = None,
+             exclude_tools_when_tool_choice_none: bool = False) -> "PromptTokenizer":
         """Load from a GGUF file or a Hugging Face folder (default: the packaged model)."""
-        return cls(load_tokenizer(path or default_tokenizer_path()))
+        return cls(load_tokenizer(path or default_tokenizer_path()), tool_call_parser,
+                   exclude_tools_when_tool_choice_none)
+
+    def chat_text(self, body: dict[str, Any]) -> str | None:
+        """A chat body's prompt text as the server renders it, or None when the server would refuse it."""
+        req = ChatCompletionRequest.model_validate(body)
+        if not req.messages:
+            return None
+        tools, fmt, instructions = tool_prompt(req, self.tool_call_parser, self.exclude_tools_when_tool_choice_none)
+        return render_chat_text(self.tokenizer, req.chat_template or self.chat_template, req.messages,
+                                req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs,
+                                tools, fmt, instructions)
 
     def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt's token ids, or None when the body has no usable prompt (the backend will say why)."""
         try:
             if path.endswith("/chat/completions"):
-                msgs = []
-                for m in body.get("messages") or []:
-                    d = {"role": m.get("role"), "content": _content_text(m.get("content"))}
-                    if m.get("name"):
-                        d["name"] = m["name"]
-                    msgs.append(d)
-                template = body.get("chat_template") or self.chat_template
-                if not msgs or not template:
+                text = self.chat_text(body)
+                if text is None:
                     return None
-                text = self.tokenizer.apply_chat_template(
-                    msgs, chat_template=template, add_generation_prompt=body.get("add_generation_prompt", True),
-                    continue_final_message=body.get("continue_final_message", False), tokenize=False,
-                    **(body.get("chat_template_kwargs") or {}))
                 return list(self.tokenizer.encode(str(text), add_special_tokens=bool(body.get("add_special_tokens", False))))
             p = body.get("prompt")
             if isinstance(p, list) and p and all(isinstance(x, int) for x in p):

@@ -64,6 +64,8 @@ class RouterConfig:
     router_temperature: float = 0.0
     block_size: int = 16
     tokenizer: str | None = None
+    tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False
     kv_events_topic: str = ""
     health_check_interval: float = 1.0
     health_check_timeout: float = 2.0

@@ -13,7 +13,6 @@ build on it; the routes live in :mod:`~tokenmill.server.app`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -25,11 +24,11 @@ from tokenmill.metrics.log_stats import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.outputs import RequestOutput, TokenLogprobs
 from tokenmill.server.admission import AdmissionController, SLOAdmission
+from tokenmill.server.chat_prompt import render_chat_text
 from tokenmill.server.protocol import APIError, ChatMessage
 from tokenmill.server.slo_predictor import InflightWork, Prediction
 from tokenmill.server.tool_parsers.base import ToolParser
-from tokenmill.server.tool_parsers.hermes import HermesToolParser
-from tokenmill.tokenizer import TokenStrings, template_accepts_tools
+from tokenmill.tokenizer import TokenStrings
 
 # JSON cannot carry -inf; vLLM clamps log-probabilities the same way.
 MIN_LOGPROB = -9999.0
@@ -310,28 +309,9 @@ class OpenAIServing:
         Raises:
             APIError: 400 when there is no template or it fails on these messages.
         """
-        template = chat_template or self.state.chat_template
-        if not template:
-            raise APIError("this model has no chat template; use /v1/completions", param="messages")
-        native = template_accepts_tools(template)
-        fmt = tool_format or HermesToolParser()
-        msgs = [chat_message_dict(m, native, fmt) for m in messages]
-        kwargs = dict(chat_template_kwargs or {})
-        if tools:
-            if native:
-                kwargs.setdefault("tools", tools)
-            else:
-                add_system_text(msgs, tools_system_text(tools, tool_instructions or fmt.instructions()))
-        try:
-            out = self.state.tokenizer.apply_chat_template(
-                msgs, chat_template=template, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, tokenize=False, **kwargs)
-        except APIError:
-            raise
-        except Exception as e:  # noqa: BLE001 - jinja2 errors, bad kwargs
-            raise APIError(f"chat template could not be applied: {type(e).__name__}: {e}",
-                           param="messages") from None
-        return out if isinstance(out, str) else str(out)
+        return render_chat_text(self.state.tokenizer, chat_template or self.state.chat_template,
+                                messages, add_generation_prompt,
+                                continue_final_message, chat_template_kwargs, tools, tool_format, tool_instructions)
 
     # -- logprobs shared by both dialects ------------------------------------
     def vllm_prompt_logprobs(self, prompt_ids: list[int], plps: list[TokenLogprobs | None] | None
@@ -354,67 +334,6 @@ class OpenAIServing:
         return out
 
 
-
-def _arguments_text(args: Any) -> str:
-    return args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-
-
-def chat_message_dict(m: ChatMessage, native: bool, fmt: ToolParser) -> dict[str, Any]:
-    """One request message as the dict a chat template renders.
-
-    ``native`` (the template reads ``tools``): ``tool_calls`` with their arguments parsed into objects
-    (templates write them with ``tojson``) and ``tool_call_id`` are passed on. Otherwise the calls are
-    appended to the content in ``fmt``'s syntax, and a ``tool`` (or legacy ``function``) message becomes a
-    user message holding ``<tool_response>`` ... ``</tool_response>``.
-    """
-    d: dict[str, Any] = {"role": m.role, "content": m.text()}
-    if m.name:
-        d["name"] = m.name
-    if m.tool_calls:
-        if native:
-            calls = []
-            for tc in m.tool_calls:
-                args: Any = tc.function.arguments
-                if isinstance(args, str):
-                    try:
-                        args = json.loads(args)
-                    except ValueError:
-                        pass
-                call: dict[str, Any] = {"type": "function", "function": {"name": tc.function.name, "arguments": args}}
-                if tc.id is not None:
-                    call["id"] = tc.id
-                calls.append(call)
-            d["tool_calls"] = calls
-        else:
-            text = fmt.format_calls([(tc.function.name, _arguments_text(tc.function.arguments))
-                                     for tc in m.tool_calls])
-            d["content"] = f"{d['content']}\n{text}" if d["content"] else text
-    if m.role in ("tool", "function"):
-        if native:
-            if m.tool_call_id is not None:
-                d["tool_call_id"] = m.tool_call_id
-        else:
-            d = {"role": "user", "content": f"<tool_response>\n{d['content']}\n</tool_response>"}
-    return d
-
-
-def tools_system_text(tools: list[dict[str, Any]], instructions: str) -> str:
-    """The system-message description of ``tools`` for a template without tool support."""
-    lines = ["You may call one or more functions to answer. The available functions, as JSON Schema "
-             "definitions:"]
-    for t in tools:
-        lines.append(json.dumps(t.get("function", t), ensure_ascii=False))
-    lines.append("")
-    lines.append(instructions)
-    return "\n".join(lines)
-
-
-def add_system_text(msgs: list[dict[str, Any]], text: str) -> None:
-    """Append ``text`` to the first system (or developer) message, or put a system message in front."""
-    if msgs and msgs[0]["role"] in ("system", "developer"):
-        msgs[0]["content"] = f"{msgs[0]['content']}\n\n{text}" if msgs[0]["content"] else text
-    else:
-        msgs.insert(0, {"role": "system", "content": text})
 
 
 class Usage:

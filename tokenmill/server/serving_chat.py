@@ -8,6 +8,7 @@ from typing import Any
 from fastapi.responses import JSONResponse
 
 from tokenmill.outputs import RequestOutput, TokenLogprobs
+from tokenmill.server.chat_prompt import tool_prompt
 from tokenmill.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice
 from tokenmill.server.serving import OpenAIServing, Usage, clamp_logprob, collect, first_or_error, merge_streams, request_id
 from tokenmill.server.streaming import stream_response
@@ -52,22 +53,10 @@ class OpenAIServingChat(OpenAIServing):
 
     def tool_prompt(self, body: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, ToolParser | None,
                                                                str | None]:
-        """``(tools the template sees, the call syntax, the fallback's instructions)`` for rendering."""
-        if not body.tools:
-            return None, None, None
+        """``(tools the template sees, the call syntax, the fallback's instructions)`` for rendering
+        (:func:`tokenmill.server.chat_prompt.tool_prompt` under this server's config)."""
         cfg = self.state.config.server
-        tc = body.effective_tool_choice
-        if tc == "none" and cfg.exclude_tools_when_tool_choice_none:
-            return None, None, None
-        fmt = get_tool_parser(cfg.tool_call_parser)() if cfg.tool_call_parser else None
-        instructions = None
-        if isinstance(tc, NamedToolChoice):
-            instructions = (f"Call the function {tc.function.name}: reply with only its arguments, as a JSON "
-                            "object that follows its parameters' schema.")
-        elif tc == "required":
-            instructions = ('Reply with only a JSON array of one or more calls, each {"name": <function-name>, '
-                            '"parameters": <args-json-object>}.')
-        return [t.model_dump(exclude_none=True) for t in body.tools], fmt, instructions
+        return tool_prompt(body, cfg.tool_call_parser, cfg.exclude_tools_when_tool_choice_none)
 
     def strip_special(self, text: str) -> str:
         """``text`` without a trailing end-of-sequence token (present when special tokens are kept)."""
