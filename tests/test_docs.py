@@ -57,3 +57,17 @@ def test_readme_dependency_table_is_the_pyproject_list():
     assert not missing, f"README.md's dependency table does not name {missing} (pyproject.toml declares them)"
     extra = sorted(listed - declared)
     assert not extra, f"README.md's dependency table names {extra}, which pyproject.toml does not declare"
+
+
+# A repository path written in backticks (not a link) in the README or a guide: it must exist too (a module
+# turned into a package left `tokenmill/distributed/eplb.py` in two docs). Paths in other projects are listed.
+CODE_PATH = re.compile(r"`((?:tokenmill|tests|benchmarks|scripts|docs|deploy)/[A-Za-z0-9_./-]*[A-Za-z0-9_/])`")
+OTHER_PROJECTS_PATHS = {"tests/v1/core/test_prefix_caching.py"}   # vLLM's, in architecture.md's examples
+
+
+@pytest.mark.parametrize("doc", [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_backticked_repository_paths_exist(doc):
+    missing = [m.group(1) for m in CODE_PATH.finditer(doc.read_text())
+               if m.group(1) not in OTHER_PROJECTS_PATHS and not (ROOT / m.group(1)).exists()]
+    assert not missing, f"{doc.relative_to(ROOT)} names missing paths: {missing}"

@@ -164,6 +164,23 @@ def _error(r: httpx.Response, status: int) -> dict:
     return err
 
 
+async def test_body_that_is_not_a_json_object_says_what_to_send(server):
+    """curl's -d without -H sends application/x-www-form-urlencoded: the 400 says to send JSON with its content
+    type (it read "body: Input should be a valid dictionary or object to extract fields from")."""
+    _, _, client = server
+    good = json.dumps({"model": MODEL, "prompt": "abc", "max_tokens": 2})
+    for ctype in ("application/x-www-form-urlencoded", "text/plain"):
+        err = _error(await client.post("/v1/completions", content=good, headers={"content-type": ctype}), 400)
+        assert "Content-Type: application/json" in err["message"] and ctype in err["message"], (ctype, err)
+        assert err["param"] is None
+    err = _error(await client.post("/v1/completions", content=b"", headers={"content-type": "application/json"}), 400)
+    assert "empty" in err["message"], err
+    err = _error(await client.post("/v1/chat/completions", json=[1, 2]), 400)
+    assert "JSON object" in err["message"], err
+    assert (await client.post("/v1/completions", content=good, headers={"content-type": "application/json"})
+            ).status_code == 200
+
+
 async def test_errors_then_normal_request(server):
     _, _, client = server
     ok = {"model": MODEL, "prompt": "abc", "max_tokens": 2}

@@ -250,3 +250,36 @@ def parse_final_names(parser, text: str) -> list[str]:
     from tokenmill.server.tool_parsers import parse_final
 
     return [c["function"]["name"] for c in parse_final(parser, text)[1]]
+
+
+def test_slow_constraint_checks_leave_the_default_executor_to_tokenization(monkeypatch):
+    """A constraint that takes long to check (``structured_outputs.regex: "a{1000000}"``: about a minute in
+    xgrammar) runs in a thread that a timed-out wait cannot stop. The checks get their own bounded pool, so a
+    burst of them cannot take every thread of the event loop's default executor, where the server tokenizes
+    prompts (``asyncio.to_thread``): before, 8 such requests on a 2-core machine (6 default threads) left every
+    other request waiting for its tokenization."""
+    import threading
+
+    import tokenmill.server.structured as structured
+
+    release = threading.Event()
+    started: list[int] = []
+
+    def blocked(params, config):
+        started.append(1)
+        release.wait(60)
+
+    monkeypatch.setattr(structured, "_validator", lambda so_config: blocked)
+    c = constraint_for(CompletionRequest(prompt="x", structured_outputs={"regex": "a"}))
+
+    async def main():
+        checks = [asyncio.create_task(check_constraint(c, EngineConfig().model)) for _ in range(40)]
+        await asyncio.sleep(0.2)
+        try:   # a tokenization-like call on the default executor still runs while every check is blocked
+            assert await asyncio.wait_for(asyncio.to_thread(lambda: "tokenized"), 10) == "tokenized"
+            assert 1 <= len(started) <= structured.CHECK_THREADS
+        finally:
+            release.set()
+        await asyncio.gather(*checks)
+
+    asyncio.run(main())

@@ -40,6 +40,22 @@ def test_out_of_range_values_name_the_field(field, value):
     assert error_param_from_loc(e.value.errors()[0]["loc"]) == field
 
 
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                   "frequency_penalty", "logit_bias"])
+@pytest.mark.parametrize("request_cls", [CompletionRequest, ChatCompletionRequest])
+def test_nan_and_infinity_are_refused_as_not_finite(request_cls, field, value):
+    """Python's JSON parser reads ``NaN`` / ``Infinity``: they are refused while parsing, naming the field and
+    saying why (a NaN compared with a range read "should be less than or equal to 1", and an infinity within a
+    one-sided range passed parsing)."""
+    body = {"messages": [{"role": "user", "content": "x"}]} if request_cls is ChatCompletionRequest else {"prompt": "x"}
+    body[field] = {"5": value} if field == "logit_bias" else value
+    with pytest.raises(ValidationError) as e:
+        request_cls(**body)
+    err = e.value.errors()[0]
+    assert error_param_from_loc(err["loc"]).startswith(field) and "finite" in err["msg"], err
+
+
 def test_completion_checks():
     for kw, param in [({"best_of": 3}, "best_of"), ({"stream_options": {"include_usage": True}}, "stream_options"),
                       ({"max_tokens": 0}, "max_tokens")]:   # cross-field rules: checked after parsing

@@ -48,6 +48,17 @@ from tokenmill.server.streaming import with_disconnect
 logger = logging.getLogger("tokenmill.server")
 
 
+def _whole_body_message(content_type: str, error: dict[str, Any]) -> str:
+    """The 400 message when the request body as a whole fails validation. FastAPI parses JSON only under a JSON
+    ``Content-Type`` (or none), so a body sent as curl's ``-d`` default (form-urlencoded) or as text reaches
+    validation as bytes; an empty body is "missing"."""
+    if content_type and "json" not in content_type.lower():
+        return f"send the request body as JSON with Content-Type: application/json (got {content_type!r})"
+    if error.get("type") == "missing":
+        return "request body is empty: send a JSON object"
+    return f"request body must be a JSON object: {error.get('msg')}"
+
+
 def add_error_handlers(app: FastAPI) -> None:
     """Map every error to OpenAI-shaped JSON with its HTTP status (validation errors are 400, not 422)."""
 
@@ -64,6 +75,9 @@ def add_error_handlers(app: FastAPI) -> None:
         for e in errs:
             if e.get("type") == "json_invalid":
                 parts.append(f"invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg'))}")
+                break
+            if tuple(e.get("loc", ())) == ("body",):   # the body as a whole: not JSON, empty, or not an object
+                parts.append(_whole_body_message(request.headers.get("content-type", ""), e))
                 break
             p = error_param_from_loc(e.get("loc", ()))
             if p in seen:  # one message per field (a union reports one error per branch)

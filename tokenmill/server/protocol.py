@@ -53,7 +53,9 @@ class APIError(Exception):
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # allow_inf_nan=False: Python's JSON parser reads NaN and Infinity; every float field refuses them while
+    # parsing with "Input should be a finite number" (inherited by the subclasses' own model_config)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 # A token id: ``x-token-id`` marks it so the served OpenAPI schema gets ``maximum: vocab_size - 1``

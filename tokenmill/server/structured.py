@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +34,19 @@ from tokenmill.structured_output.backend import StructuredOutputError
 # A grammar that takes longer than this to check in the API process is refused (the engine compiles
 # it again, with its own --structured-outputs-config compile_timeout_s).
 CHECK_TIMEOUT_S = 20.0
+# Threads that check constraints: their own pool, not the event loop's default executor (where prompts are
+# tokenized): a check that times out keeps running in its thread (xgrammar cannot be interrupted; a regex such
+# as "a{1000000}" takes about a minute), so a burst of slow ones would otherwise hold every default thread and
+# stall every request's tokenization. Checks beyond these wait in the pool's queue (within CHECK_TIMEOUT_S).
+CHECK_THREADS = 2
+_check_pool: ThreadPoolExecutor | None = None
+
+
+def _check_executor() -> ThreadPoolExecutor:
+    global _check_pool
+    if _check_pool is None:
+        _check_pool = ThreadPoolExecutor(max_workers=CHECK_THREADS, thread_name_prefix="constraint-check")
+    return _check_pool
 
 
 @dataclass
@@ -221,7 +235,8 @@ def _rename(message: str, kind: str, param: str) -> str:
 
 
 async def check_constraint(constraint: Constraint, model_config: Any) -> None:
-    """Check the constraint's syntax with the configured backend, off the event loop.
+    """Check the constraint's syntax with the configured backend, off the event loop, in a pool of
+    :data:`CHECK_THREADS` threads of its own (not the default executor, which tokenizes prompts).
 
     Args:
         constraint: from :func:`constraint_for`.
@@ -236,7 +251,8 @@ async def check_constraint(constraint: Constraint, model_config: Any) -> None:
 
     for param, params in [*constraint.checks, (constraint.param, constraint.params)]:
         try:
-            await asyncio.wait_for(asyncio.to_thread(validate, params, so_config), CHECK_TIMEOUT_S)
+            check = asyncio.get_running_loop().run_in_executor(_check_executor(), validate, params, so_config)
+            await asyncio.wait_for(check, CHECK_TIMEOUT_S)
         except StructuredOutputError as e:
             field = e.field or params.kind
             if field == "whitespace_pattern":
