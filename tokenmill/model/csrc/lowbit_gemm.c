@@ -499,7 +499,8 @@ void tm_lowbit_dequant(const void *codes, int bits, int64_t N, int64_t K, int64_
  * output row's four products:
  *   4-bit: [N/16][K/8][16 rows][4 bytes]: byte i of row r = q[r][k0 + i] | q[r][k0 + 4 + i] << 4 (q in 0..15)
  *   8-bit: [N/16][K/4][16 rows][4 bytes]: q[r][k0 + i] (int8)
- *   scale / min: the float path's [N/16][K/group][16] arrays (shared).
+ *   scale / min: the float path's [N/16][K/group][16] arrays (shared), or float16 copies of them where every
+ *   value is a float16 number (tm_lowbit_gemm_i8_h: GGUF's Q4_0/Q4_1/Q8_0; widened exactly, same bits).
  * 4-bit codes are the unsigned operand and xq the signed one: a 16-bit lane holds at most
  * 2 * 15 * 127 per multiply-add and SB / 2 <= 16 of those products... (16 * 1905 = 30480 < 2^15), so a block
  * of up to 32 columns accumulates in 16 bits. 8-bit codes are signed: |q| is the unsigned operand and xq
