@@ -154,8 +154,11 @@ def load_baseline(csrc: str, isa: str):
 
     saved = cpu_build.CSRC_DIR
     cpu_build.CSRC_DIR = os.path.abspath(csrc)
+    with open(os.path.join(csrc, "lowbit_gemm.c")) as f:       # an older source may lack newer entry points
+        src = f.read()
+    functions = {k: v for k, v in _FUNCTIONS.items() if f" {k}(" in src}
     try:
-        return cpu_build.load_library("lowbit_gemm_baseline", ["lowbit_gemm.c"], _FUNCTIONS, ENV_SWITCH, isa)
+        return cpu_build.load_library("lowbit_gemm_baseline", ["lowbit_gemm.c"], functions, ENV_SWITCH, isa)
     finally:
         cpu_build.CSRC_DIR = saved
 
@@ -187,17 +190,19 @@ def per_shape(args) -> None:
             if head and m > 256:
                 continue                                   # a prefill never runs the head on every row
             if head:
-                lb = LowBitWeight.from_codes(torch.randint(-127, 128, (n, k)), torch.rand(n, k // 32), None, 8)
+                # scales and mins float16 numbers, as the GGUF's (Q8_0 / Q4_1): the integer path's float16 copies
+                lb = LowBitWeight.from_codes(torch.randint(-127, 128, (n, k)), torch.rand(n, k // 32).half().float(),
+                                             None, 8)
             else:
-                lb = LowBitWeight.from_codes(torch.randint(0, 16, (n, k)), torch.rand(n, k // 32),
-                                             torch.randn(n, k // 32), 4)
+                lb = LowBitWeight.from_codes(torch.randint(0, 16, (n, k)), torch.rand(n, k // 32).half().float(),
+                                             torch.randn(n, k // 32).half().float(), 4)
             x = torch.randn(m, k).to(getattr(torch, args.act_dtype))
             fns = {}
             for key, lib in libs.items():
                 lb.codes_i8 = None
                 if lb.prepare_i8(lib):
                     w = LowBitWeight(lb.out_features, lb.in_features, lb.bits, lb.group, lb.codes, lb.scale,
-                                     lb.min, lb.fmt, lb.codes_i8)
+                                     lb.min, lb.fmt, lb.codes_i8, lb.scale_h, lb.min_h)
                     fns[f"ours {key}"] = (lambda w=w, lib=lib: lowbit_linear(x, w, lib=lib, int8_act=True))
                     if key in vnni_libs:       # the same library with its AVX512-VNNI switch off, then on again
                         def no_vnni(w=w, lib=lib):

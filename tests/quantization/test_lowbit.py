@@ -303,3 +303,68 @@ def test_int8_activation_path_bfloat16_rows_quantise_as_their_float32_widening(i
         got = lowbit_linear(xb, w, lib=lib, int8_act=True, out_dtype=torch.float32)
         want = lowbit_linear(xb.float(), w, lib=lib, int8_act=True)
         assert torch.equal(got, want), m
+
+
+@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bits,group,with_min,n,k", [(4, 32, True, 40, 576), (8, 32, False, 264, 576),
+                                                     (4, 32, True, 600, 1536), (4, 128, True, 40, 256),
+                                                     (8, 16, True, 40, 128)])
+def test_int8_activation_path_rows_are_batch_invariant(i8_lib, threads, bits, group, with_min, n, k):
+    """A row's bits on the integer path do not depend on how many rows share the call or where it sits: the
+    kernel runs rows in passes of different sizes (one row, the AVX2 two-halves tile for passes of <= 2 rows;
+    up to 4 or 8 rows otherwise; chunks of 64 rows; thread-private or shared quantisation by tile count), and
+    every one must give each row the bits it gets alone. Also each call against the float64 reference."""
+    lib, isa = i8_lib, i8_lib.tm_lowbit_isa().decode()
+    w = _weight(bits, n, k, group, with_min, seed=13)
+    assert w.prepare_i8(lib)
+    bias = torch.randn(n)
+    g = torch.Generator().manual_seed(17)
+    xs = _no_ties(torch.randn(140, k, generator=g) * torch.rand(140, 1, generator=g) * 4, w.i8_block)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([lowbit_linear(xs[i:i + 1], w, bias, lib=lib, int8_act=True) for i in range(len(xs))])
+        ref = _i8_reference(xs, w) + bias.double()
+        assert (alone.double() - ref).abs().max().item() <= TOL_I8_SAME * ref.abs().max().item(), isa
+        for m in list(range(2, 19)) + [31, 64, 65, 70, 129, 140]:
+            start = (7 * m) % (len(xs) - m + 1)         # different rows at different positions per m
+            got = lowbit_linear(xs[start:start + m], w, bias, lib=lib, int8_act=True)
+            assert torch.equal(got, alone[start:start + m]), (isa, m)
+        xb = xs[:70].bfloat16()                         # bfloat16 in and out: the same per-row rule
+        alone_b = torch.cat([lowbit_linear(xb[i:i + 1], w, bias, lib=lib, int8_act=True) for i in range(70)])
+        for m in (3, 9, 70):
+            assert torch.equal(lowbit_linear(xb[:m], w, bias, lib=lib, int8_act=True), alone_b[:m]), (isa, m)
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
+@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (8, 32, False), (4, 128, True), (8, 16, True)])
+def test_int8_activation_path_float16_scales_give_the_float32_bits(i8_lib, bits, group, with_min):
+    """Scales and mins that are float16 numbers (GGUF's) get float16 copies for the integer path, widened
+    exactly in the kernel: every row count gives the bits of the float32 arrays (subnormal and zero scales
+    included). Values float16 cannot hold keep the float32 arrays only."""
+    lib = i8_lib
+    n, k = 264, 256
+    g = torch.Generator().manual_seed(23)
+    codes = torch.randint(0, 16, (n, k), generator=g) if bits == 4 else torch.randint(-128, 128, (n, k), generator=g)
+    scale = (torch.rand(n, k // group, generator=g) * 0.05).half()
+    scale[0, 0], scale[1, 0], scale[2, 0] = 6e-8, 0.0, 3e-6             # subnormal, zero, subnormal
+    mn = (torch.randn(n, k // group, generator=g) * 0.1).half() if with_min else None
+    w = LowBitWeight.from_codes(codes, scale.float(), None if mn is None else mn.float(), bits)
+    assert w.prepare_i8(lib)
+    assert w.scale_h is not None and w.scale_h.dtype == torch.float16 and (w.min_h is not None) == with_min
+    assert w.i8_stream_bytes < w.codes_i8.numel() + 4 * w.scale.numel() * (2 if with_min else 1)
+    plain = LowBitWeight(w.out_features, w.in_features, w.bits, w.group, w.codes, w.scale, w.min, w.fmt,
+                         w.codes_i8)                       # the same weight without the float16 copies
+    bias = torch.randn(n)
+    for m in (1, 2, 3, 5, 64, 70):
+        x = torch.randn(m, k) * torch.logspace(-2, 2, k)
+        assert torch.equal(lowbit_linear(x, w, bias, lib=lib, int8_act=True),
+                           lowbit_linear(x, plain, bias, lib=lib, int8_act=True)), m
+        xb = x.bfloat16()
+        assert torch.equal(lowbit_linear(xb, w, lib=lib, int8_act=True),
+                           lowbit_linear(xb, plain, lib=lib, int8_act=True)), m
+    inexact = _weight(bits, n, k, group, with_min, seed=2)   # float32 random scales: not float16 numbers
+    assert inexact.prepare_i8(lib) and inexact.scale_h is None and inexact.min_h is None

@@ -193,7 +193,7 @@ class CpuStepGraph:
         ksfx = _SUFFIX[kv_caches[0].dtype]   # a float32 model may keep a bfloat16 cache
         self._kv_write = getattr(pl, f"kv_write_{sfx}_{ksfx}")
         self._decode = getattr(pl, f"paged_decode_{sfx}_{ksfx}")
-        self._gemm, self._gemm_i8 = ll.tm_lowbit_gemm, ll.tm_lowbit_gemm_i8
+        self._gemm, self._gemm_i8, self._gemm_i8_h = ll.tm_lowbit_gemm, ll.tm_lowbit_gemm_i8, ll.tm_lowbit_gemm_i8_h
         cfg = model.config
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
         a = model.model.layers[0].self_attn
@@ -285,10 +285,13 @@ class CpuStepGraph:
             self._biases.append(bias)
             b = bias.data_ptr()
         bf = int(self.dtype == torch.bfloat16)
-        fn, codes = (self._gemm, w.codes) if path == "f32" else (self._gemm_i8, w.codes_i8)
+        fn, codes, sc, mn = (self._gemm, w.codes, w.scale, w.min) if path == "f32" else \
+            (self._gemm_i8, w.codes_i8, w.scale, w.min)
+        if path != "f32" and w.scale_h is not None:  # float16 scales/mins: the same bits, fewer bytes
+            fn, sc, mn = self._gemm_i8_h, w.scale_h, w.min_h
         return (fn, (x.data_ptr(), bf, x.stride(0), m, w.in_features, w.out_features, w.bits,
-                     codes.data_ptr(), w.group, w.scale.data_ptr(),
-                     None if w.min is None else w.min.data_ptr(), b, y.data_ptr(), bf, w.out_features))
+                     codes.data_ptr(), w.group, sc.data_ptr(),
+                     None if mn is None else mn.data_ptr(), b, y.data_ptr(), bf, w.out_features))
 
     def _build(self, m: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                threads: int) -> list:
@@ -338,7 +341,7 @@ class CpuStepGraph:
         """The part of a step a prepared call belongs to: ``linear`` (weight GEMMs: low-bit kernels, oneDNN,
         a LoRA layer's base call and delta), ``attention`` (K/V write, the query copy, paged decode
         attention) or ``elementwise`` (add+RMSNorm, RoPE, SiLU-and-multiply)."""
-        if fn in (self._gemm, self._gemm_i8) or getattr(fn, "__name__", "") in ("dense", "dense_plain", "with_lora"):
+        if fn in (self._gemm, self._gemm_i8, self._gemm_i8_h) or getattr(fn, "__name__", "") in ("dense", "dense_plain", "with_lora"):
             return "linear"
         if fn in (self._kv_write, self._decode) or getattr(fn, "__name__", "") == "copy_":
             return "attention"

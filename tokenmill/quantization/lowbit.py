@@ -54,6 +54,7 @@ _FUNCTIONS = {"tm_lowbit_gemm": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P,
               "tm_lowbit_pack": (_P, _L, _L, _I, _P),
               "tm_lowbit_dequant": (_P, _I, _L, _L, _L, _P, _P, _P, _I),
               "tm_lowbit_gemm_i8": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P, _P, _I, _L),
+              "tm_lowbit_gemm_i8_h": (_P, _I, _L, _L, _L, _L, _I, _P, _L, _P, _P, _P, _P, _I, _L),
               "tm_lowbit_pack_i8": (_P, _L, _L, _I, _P)}
 
 
@@ -125,6 +126,11 @@ class LowBitWeight:
         scale: ``[ceil(N/16), K/group, 16]`` float32.
         min: like ``scale`` or None (all zero).
         fmt: the source format's name (``Q4_1``, ``int8``...), for logs.
+        codes_i8: the codes again in the integer path's layout (:meth:`prepare_i8`), or None.
+        scale_h, min_h: float16 copies of ``scale`` / ``min`` for the integer path, set by :meth:`prepare_i8`
+            where every value is a float16 number (GGUF's Q4_0/Q4_1/Q8_0 store them as float16), else None.
+            The kernel widens them exactly, so they give the same bits as the float32 arrays with a sixth
+            fewer bytes to stream per 4-bit weight with a min (0.625 instead of 0.75 byte).
     """
 
     out_features: int
@@ -136,12 +142,23 @@ class LowBitWeight:
     min: torch.Tensor | None
     fmt: str = ""
     codes_i8: torch.Tensor | None = None
+    scale_h: torch.Tensor | None = None
+    min_h: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        """Bytes held (codes + scales + mins), padding rows included."""
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min, self.codes_i8)
-                   if t is not None)
+        """Bytes held (codes + scales + mins, and the integer path's copies), padding rows included."""
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min, self.codes_i8,
+                                                          self.scale_h, self.min_h) if t is not None)
+
+    @property
+    def i8_stream_bytes(self) -> int:
+        """Bytes one integer-path call reads of this weight (codes, and the scales/mins it uses)."""
+        if self.scale_h is not None:
+            tabs = (self.scale_h, self.min_h)
+        else:
+            tabs = (self.scale, self.min)
+        return sum(t.numel() * t.element_size() for t in (self.codes, *tabs) if t is not None)
 
     @property
     def i8_block(self) -> int:
@@ -170,6 +187,7 @@ class LowBitWeight:
         out = torch.empty_like(self.codes)
         lib.tm_lowbit_pack_i8(q.data_ptr(), self.out_features, self.in_features, self.bits, out.data_ptr())
         self.codes_i8 = out
+        self.scale_h, self.min_h = _as_float16_exactly(self.scale, self.min)
         return True
 
     @classmethod
@@ -251,7 +269,26 @@ class LowBitWeight:
         """A copy with every tensor on ``device``."""
         mv = lambda t: None if t is None else t.to(device)
         return LowBitWeight(self.out_features, self.in_features, self.bits, self.group, mv(self.codes),
-                            mv(self.scale), mv(self.min), self.fmt, mv(self.codes_i8))
+                            mv(self.scale), mv(self.min), self.fmt, mv(self.codes_i8), mv(self.scale_h),
+                            mv(self.min_h))
+
+
+def _as_float16_exactly(scale: torch.Tensor, mn: torch.Tensor | None
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """float16 copies of ``scale`` and ``mn`` (any shape) when every value of both converts to float16 and
+    back unchanged (NaN never does), else ``(None, None)``: the integer path then keeps the float32 arrays."""
+    if scale.dtype != torch.float32 or (mn is not None and mn.dtype != torch.float32):
+        return None, None
+    out = []
+    for t in (scale, mn):
+        if t is None:
+            out.append(None)
+            continue
+        h = t.to(torch.float16)
+        if not torch.equal(h.to(torch.float32), t):
+            return None, None
+        out.append(h.contiguous())
+    return out[0], out[1]
 
 
 def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = None,
@@ -291,6 +328,13 @@ def lowbit_linear(x: torch.Tensor, w: LowBitWeight, bias: torch.Tensor | None = 
     if bias is not None:
         b = bias if bias.dtype == torch.float32 and bias.is_contiguous() else bias.float().contiguous()
     if int8_act and w.codes_i8 is not None:
+        fn_h = getattr(lib, "tm_lowbit_gemm_i8_h", None) if w.scale_h is not None else None
+        if fn_h is not None and fn_h.argtypes:     # float16 scales/mins (a library built before them: float32)
+            fn_h(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, w.in_features, w.out_features,
+                 w.bits, w.codes_i8.data_ptr(), w.group, w.scale_h.data_ptr(),
+                 None if w.min_h is None else w.min_h.data_ptr(), None if b is None else b.data_ptr(),
+                 y.data_ptr(), int(out_dtype == torch.bfloat16), w.out_features)
+            return y
         lib.tm_lowbit_gemm_i8(x.data_ptr(), int(x.dtype == torch.bfloat16), x.stride(0), m, w.in_features,
                               w.out_features, w.bits, w.codes_i8.data_ptr(), w.group, w.scale.data_ptr(),
                               None if w.min is None else w.min.data_ptr(), None if b is None else b.data_ptr(),

@@ -499,7 +499,8 @@ void tm_lowbit_dequant(const void *codes, int bits, int64_t N, int64_t K, int64_
  * output row's four products:
  *   4-bit: [N/16][K/8][16 rows][4 bytes]: byte i of row r = q[r][k0 + i] | q[r][k0 + 4 + i] << 4 (q in 0..15)
  *   8-bit: [N/16][K/4][16 rows][4 bytes]: q[r][k0 + i] (int8)
- *   scale / min: the float path's [N/16][K/group][16] arrays (shared).
+ *   scale / min: the float path's [N/16][K/group][16] arrays (shared), or float16 copies of them where every
+ *   value is a float16 number (tm_lowbit_gemm_i8_h: GGUF's Q4_0/Q4_1/Q8_0; widened exactly, same bits).
  * 4-bit codes are the unsigned operand and xq the signed one: a 16-bit lane holds at most
  * 2 * 15 * 127 per multiply-add and SB / 2 <= 16 of those products... (16 * 1905 = 30480 < 2^15), so a block
  * of up to 32 columns accumulates in 16 bits. 8-bit codes are signed: |q| is the unsigned operand and xq
@@ -683,6 +684,108 @@ AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn
 #endif
 
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+/* AVX2, G == SB == 32: as tile_i8_b32 with both 8-row halves of the 16-row tile in one pass (HH2). Each
+ * activation broadcast then feeds both halves (half the broadcasts per multiply-add), each 64-byte code row
+ * is read once per pass, and a pass of one row (decode) carries four independent float chains instead of two
+ * in turn. Every output lane sees the same operations in the same order as in tile_i8_b32 (exact integer
+ * block sums in any order, then acc = fma(float(sum), scale * dx, acc) and acc = fma(min, xs, acc) per
+ * block), so the bits are the same whichever of the two runs and however rows are grouped into passes. */
+#define MR_H2 2
+/* One-row passes (decode: the codes stream from memory once per step) prefetch the codes PF_DIST bytes ahead:
+ * each call streams only a few hundred KB per thread, too short for the hardware prefetcher's ramp-up alone
+ * (AVX2 EPYC, 2 threads, a decode step's 111 MB of codes: 1024-4096 ahead all helped, 2048 the best median,
+ * -13%). Prefetches never fault, so reading ahead past the last tile is harmless. */
+#define PF_DIST 2048
+AI void tile_i8_b32_h2(int bits, const uint8_t *codes, const float *sc, const float *mn, const int8_t *xq,
+                       const float *dx, const float *xs, int64_t K, int MR, float *out) {
+    const int64_t nsb = K / 32;
+    const __m256i m0f = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc0[MR_H2], acc1[MR_H2];
+    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    const uint8_t *c = codes;
+    const float *scp = sc, *mnp = mn;
+    for (int64_t s = 0; s < nsb; s++) {
+        __m256i a0[MR_H2], a1[MR_H2];
+        const int8_t *xb = xq + s * 32;
+        if (MR == 1) {
+            _mm_prefetch((const char *)c + PF_DIST, _MM_HINT_T0);
+            _mm_prefetch((const char *)c + PF_DIST + 64, _MM_HINT_T0);
+            _mm_prefetch((const char *)c + PF_DIST + 128, _MM_HINT_T0);
+            _mm_prefetch((const char *)c + PF_DIST + 192, _MM_HINT_T0);
+            if (bits == 8) {
+                _mm_prefetch((const char *)c + PF_DIST + 256, _MM_HINT_T0);
+                _mm_prefetch((const char *)c + PF_DIST + 320, _MM_HINT_T0);
+                _mm_prefetch((const char *)c + PF_DIST + 384, _MM_HINT_T0);
+                _mm_prefetch((const char *)c + PF_DIST + 448, _MM_HINT_T0);
+            }
+        }
+        if (bits == 4) {
+#pragma GCC unroll 4
+            for (int kb = 0; kb < 4; kb++) {
+                const __m256i v0 = _mm256_loadu_si256((const __m256i *)(c + kb * NT_I8 * 4));
+                const __m256i v1 = _mm256_loadu_si256((const __m256i *)(c + kb * NT_I8 * 4 + 32));
+                const __m256i lo0 = _mm256_and_si256(v0, m0f), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), m0f);
+                const __m256i lo1 = _mm256_and_si256(v1, m0f), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), m0f);
+                for (int r = 0; r < MR; r++) {
+                    const int8_t *xr = xb + r * K + kb * 8;
+                    const __m256i x0 = _mm256_set1_epi32(*(const int32_t *)xr);
+                    const __m256i x1 = _mm256_set1_epi32(*(const int32_t *)(xr + 4));
+                    const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, x0), _mm256_maddubs_epi16(hi0, x1));
+                    const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, x0), _mm256_maddubs_epi16(hi1, x1));
+                    a0[r] = kb ? _mm256_add_epi16(a0[r], p0) : p0;
+                    a1[r] = kb ? _mm256_add_epi16(a1[r], p1) : p1;
+                }
+            }
+            c += 4 * NT_I8 * 4;
+            for (int r = 0; r < MR; r++) {
+                a0[r] = _mm256_madd_epi16(a0[r], ones);
+                a1[r] = _mm256_madd_epi16(a1[r], ones);
+            }
+        } else {
+#pragma GCC unroll 2
+            for (int kb = 0; kb < 8; kb++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(c + kb * NT_I8 * 4));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(c + kb * NT_I8 * 4 + 32));
+                const __m256i aw0 = _mm256_abs_epi8(w0), aw1 = _mm256_abs_epi8(w1);
+                for (int r = 0; r < MR; r++) {
+                    const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xb + r * K + kb * 4));
+                    const __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, w0)), ones);
+                    const __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, w1)), ones);
+                    a0[r] = kb ? _mm256_add_epi32(a0[r], p0) : p0;
+                    a1[r] = kb ? _mm256_add_epi32(a1[r], p1) : p1;
+                }
+            }
+            c += 8 * NT_I8 * 4;
+        }
+        const __m256 wsc0 = _mm256_loadu_ps(scp), wsc1 = _mm256_loadu_ps(scp + 8);
+        scp += NT;
+        for (int r = 0; r < MR; r++) {
+            const __m256 d = _mm256_broadcast_ss(dx + r * nsb + s);
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(wsc0, d), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(wsc1, d), acc1[r]);
+        }
+        if (mnp) {
+            const __m256 m0 = _mm256_loadu_ps(mnp), m1 = _mm256_loadu_ps(mnp + 8);
+            mnp += NT;
+            for (int r = 0; r < MR; r++) {
+                const __m256 xsv = _mm256_broadcast_ss(xs + r * nsb + s);
+                acc0[r] = _mm256_fmadd_ps(m0, xsv, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(m1, xsv, acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out + r * NT, acc0[r]);
+        _mm256_storeu_ps(out + r * NT + 8, acc1[r]);
+    }
+}
+#define HAVE_H2 1
+#else
+#define HAVE_H2 0
+#endif
+
+
 #if defined(__AVX512F__)
 /* AVX512-VNNI (Ice Lake, Cascade Lake, Zen 4 and later; checked at run time): VPDPBUSD multiplies four
  * unsigned x signed byte pairs per 32-bit lane and adds them to the lane in one instruction, where the
@@ -807,6 +910,15 @@ static void tile_rows_i8(int bits, const uint8_t *codes, const float *sc, const 
         return;
     }
 #endif
+#if HAVE_H2
+    /* passes of 1-2 rows (decode) take both halves at once; larger passes keep one half at a time: with both,
+     * 3-4 rows' accumulators spill (AVX2, 2 threads, 64 rows: -12% vs this split, 2026-12-02); same bits */
+    if (SB == 32 && G == 32 && mr <= 2) {
+        if (mr == 1) tile_i8_b32_h2(bits, codes, sc, mn, xq, dx, xs, K, 1, out);
+        else tile_i8_b32_h2(bits, codes, sc, mn, xq, dx, xs, K, 2, out);
+        return;
+    }
+#endif
     switch (mr) {
         CASE(1) CASE(2) CASE(3) CASE(4)
 #if MR_I8 > 4
@@ -888,12 +1000,61 @@ static int8_t *i8_thread_buffer(size_t n) {
     return buf;
 }
 
-/* y[M, N] = x[M, K] . dequant(W)[N, K]^T + bias on the integer path (arguments as tm_lowbit_gemm; codes in
- * the i8 layout). K must be a multiple of group; SB = min(group, 32) (group a multiple of 32 when larger);
- * SB a multiple of 8 (4-bit) or 4 (8-bit). */
-void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
-                       const void *codes, int64_t group, const float *scale, const float *min, const float *bias,
-                       void *y, int y_bf16, int64_t ldy) {
+/* float16 -> float32, exact (normal, subnormal, zero, inf, NaN). */
+static inline float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, e = (h >> 10) & 0x1F, m = h & 0x3FF;
+    uint32_t bits;
+    if (e == 0x1F) bits = sign | 0x7F800000u | (m << 13);
+    else if (e) bits = sign | ((e + 112) << 23) | (m << 13);
+    else if (!m) bits = sign;
+    else {                                  /* subnormal: m * 2^-24, normalised */
+        int sh = 0;
+        uint32_t mm = m;
+        while (!(mm & 0x400)) { mm <<= 1; sh++; }
+        bits = sign | ((uint32_t)(113 - sh) << 23) | ((mm & 0x3FF) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* n float16 values to float32 (exactly: every float16 is a float32). */
+static void f16_row_to_f32(const uint16_t *h, float *f, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+#endif
+    for (; i < n; i++) f[i] = f16_to_f32(h[i]);
+}
+
+/* Tile t's scale and min arrays ([K/group][16] each) as float32: the float32 arrays themselves, or the
+ * float16 copies (scale_h given) widened into this thread's buffer. The widening is exact, so both give the
+ * kernel the same values and the same bits; the float16 copies are a sixth fewer bytes to stream (4-bit
+ * codes with a min: 20 instead of 24 bytes per 32 weights), which is what a one-row step is bound by. */
+static void tile_scales(const float *scale, const float *min, const uint16_t *scale_h, const uint16_t *min_h,
+                        int64_t t, int64_t ng, const float **sc, const float **mn) {
+    if (!scale_h) {
+        *sc = scale + t * ng * NT;
+        *mn = min ? min + t * ng * NT : 0;
+        return;
+    }
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (2 * ng * NT > cap) {
+        free(buf);
+        buf = (float *)malloc(sizeof(float) * (size_t)(2 * ng * NT));
+        cap = buf ? 2 * ng * NT : 0;
+    }
+    f16_row_to_f32(scale_h + t * ng * NT, buf, ng * NT);
+    *sc = buf;
+    if (min_h) f16_row_to_f32(min_h + t * ng * NT, buf + ng * NT, ng * NT);
+    *mn = min_h ? buf + ng * NT : 0;
+}
+
+/* The integer path's driver: float32 scale/min arrays, or float16 ones (scale_h, min_h; scale = min = NULL). */
+static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
+                    const void *codes, int64_t group, const float *scale, const float *min, const uint16_t *scale_h,
+                    const uint16_t *min_h, const float *bias, void *y, int y_bf16, int64_t ldy) {
     const int64_t SB = group < 32 ? group : 32;
     const int64_t ng = K / group, nsb = K / SB, ntiles = (N + NT - 1) / NT;
     const int64_t tile_bytes = bits == 4 ? K / 2 * NT : K * NT;
@@ -923,7 +1084,8 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
                 for (int64_t t = 0; t < ntiles; t++) {
                     float out[MR_I8 * NT];
                     const uint8_t *c = (const uint8_t *)codes + t * tile_bytes;
-                    const float *sc = scale + t * ng * NT, *mn = min ? min + t * ng * NT : 0;
+                    const float *sc, *mn;
+                    tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
                     const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
                     for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
                         const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
@@ -950,7 +1112,8 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
     for (int64_t t = 0; t < ntiles; t++) {
         float out[MR_I8 * NT];
         const uint8_t *c = (const uint8_t *)codes + t * tile_bytes;
-        const float *sc = scale + t * ng * NT, *mn = min ? min + t * ng * NT : 0;
+        const float *sc, *mn;
+        tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
         const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
         for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
             const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
@@ -960,6 +1123,25 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
     }
     }
     free(xq);
+}
+
+
+/* y[M, N] = x[M, K] . dequant(W)[N, K]^T + bias on the integer path (arguments as tm_lowbit_gemm; codes in
+ * the i8 layout). K must be a multiple of group; SB = min(group, 32) (group a multiple of 32 when larger);
+ * SB a multiple of 8 (4-bit) or 4 (8-bit). */
+void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
+                       const void *codes, int64_t group, const float *scale, const float *min, const float *bias,
+                       void *y, int y_bf16, int64_t ldy) {
+    gemm_i8(x, x_bf16, ldx, M, K, N, bits, codes, group, scale, min, 0, 0, bias, y, y_bf16, ldy);
+}
+
+/* As tm_lowbit_gemm_i8 with the scale and min arrays (same [N/16][K/group][16] layout) in float16: for weights
+ * whose scales and mins are float16 values (GGUF's Q4_0/Q4_1/Q8_0 store them so), widened exactly per tile,
+ * so the results are bit-identical to tm_lowbit_gemm_i8 with their float32 widening. min_h may be NULL. */
+void tm_lowbit_gemm_i8_h(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
+                         const void *codes, int64_t group, const uint16_t *scale_h, const uint16_t *min_h,
+                         const float *bias, void *y, int y_bf16, int64_t ldy) {
+    gemm_i8(x, x_bf16, ldx, M, K, N, bits, codes, group, 0, 0, scale_h, min_h, bias, y, y_bf16, ldy);
 }
 
 /* Pack row-major codes q[N, K] into the i8 layout above; rows N .. N_pad-1 are zero.
