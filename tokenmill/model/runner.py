@@ -582,7 +582,8 @@ class ModelRunner:
             if verify:
                 out = self.spec_decode.sample_and_verify(logits, sampling)
             else:
-                token_ids, logprobs = self.sampler(logits, sampling, deferred=deferred)
+                token_ids, logprobs = (self.sampler(logits, sampling) if deferred is None
+                                       else self.sampler(logits, sampling, deferred=deferred))
                 out = ModelRunnerOutput(req_ids=[r.req_id for r in sampling], sampled_token_ids=token_ids,
                                         logprobs=logprobs)
         if any(r.prompt_logprobs is not None for r in so.scheduled):
