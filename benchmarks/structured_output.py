@@ -21,8 +21,12 @@ the EngineCore the server runs):
 Greedy (temperature 0). Printed per workload and concurrency: output tok/s, p50 TPOT ((e2e - ttft) /
 (tokens - 1), vLLM's definition), the ratio to ``unconstrained``, the mask time per step (fill on the
 worker thread, and what the step waited for it + applying it), forced-draft acceptance, and how many
-outputs are valid JSON for the schema. The arms run interleaved, ``--repeat`` times, in a rotating order
-(the machine is shared: every figure comes with the load average); the table shows the median repetition.
+outputs are valid JSON for the schema. The arms run interleaved, ``--repeat`` times, the unconstrained arm
+in the middle and the order reversed every repetition (C U, U C, ...); the machine is shared, so every
+figure comes with the load average. The table shows the median repetition, the ratio of the arm's median
+tok/s to the unconstrained arm's median, and the *paired* ratio: per repetition, the arm's tok/s over the
+unconstrained arm's run right beside it (drift of the machine between repetitions cancels out of it), its
+median and range; the per-repetition paired ratios and their quartiles follow each table.
 
 Workloads: ``keyheavy`` (a flat record of 12 required keys with short enum/integer/boolean values,
 compact JSON: ``disable_any_whitespace``; most of the text is keys and punctuation) and ``person`` (a
@@ -172,6 +176,12 @@ def run_closed_loop(llm: LLM, prompts: list[list[int]], params: list[SamplingPar
             "finish": [r[6] for r in done]}
 
 
+def paired(arm: list[dict], unconstrained: list[dict]) -> list[float]:
+    """Per repetition ``i``: the arm's output tok/s over the unconstrained arm's in the same repetition (the
+    two ran back to back, so a drift of the shared machine between repetitions cancels out of the ratio)."""
+    return [a["tok_s"] / u["tok_s"] for a, u in zip(arm, unconstrained)]
+
+
 def valid_count(texts: list[str], finish: list[str], schema: dict) -> int:
     import jsonschema
 
@@ -279,10 +289,14 @@ def main() -> None:
                     help="keyheavy: keep only the first N of its 12 keys (a shorter record) [default: all]")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--forced", default="3", help="num_forced_draft_tokens of the forced arms, comma-separated "
-                                                  "(one engine each) [default: 3, the engine's]")
+                                                  "(one engine each); 'none': no forced arm [default: 3]")
+    ap.add_argument("--forced-max-batch", type=int, default=0,
+                    help="forced_draft_max_batch of the forced arms (forced drafts only in steps with at most this "
+                         "many running requests) [default: the engine's]")
     ap.add_argument("--learn", default="on", choices=["on", "off", "both"],
                     help="forced arms with learned splits (learn_forced_splits), the tokenizer's, or both [on]")
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=6,
+                    help="repetitions per arm (at least 6 to resolve a 5%% effect on a shared 2-core VM) [6]")
     ap.add_argument("--kv-cache-memory", default="512MiB")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="also write the results here")
@@ -315,11 +329,14 @@ def main() -> None:
     plain = LLM(args.model, structured_outputs_config={"num_forced_draft_tokens": 0}, **common)
     learns = {"on": [True], "off": [False], "both": [True, False]}[args.learn]
     forced_llms = {}                    # arm name -> engine
-    for k in (int(x) for x in args.forced.split(",")):
+    for k in ([] if args.forced == "none" else [int(x) for x in args.forced.split(",")]):
         for learn in learns:
             name = f"forced k={k}" + (" learned" if learn else " tokenizer")
-            forced_llms[name] = LLM(args.model, structured_outputs_config={
-                "num_forced_draft_tokens": k, "learn_forced_splits": learn}, **common)
+            cfg = {"num_forced_draft_tokens": k, "learn_forced_splits": learn}
+            if args.forced_max_batch:
+                cfg["forced_draft_max_batch"] = args.forced_max_batch
+                name += f" max_batch={args.forced_max_batch}"
+            forced_llms[name] = LLM(args.model, structured_outputs_config=cfg, **common)
     results = []
     for w in args.workloads.split(","):
         schema, compact, template = WORKLOADS[w]
@@ -329,9 +346,10 @@ def main() -> None:
         so = StructuredOutputsParams(json=schema, disable_any_whitespace=compact)
         cparams = SamplingParams(temperature=0, max_tokens=args.max_tokens, structured_outputs=so)
         print(f"\n## {w} ({'compact' if compact else 'default whitespace'} JSON)\n"
-              "| c | arm | output tok/s | TPOT p50 ms | vs unconstrained | tokens/step | ms/step | mask fill ms/step "
-              "(thread) | mask wait+apply ms/step | forced acc. | valid JSON |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+              "| c | arm | output tok/s | TPOT p50 ms | vs unconstrained (medians) | paired ratio median [min-max] "
+              "| tokens/step | ms/step | mask fill ms/step (thread) | mask wait+apply ms/step | forced acc. "
+              "| valid JSON |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
         for c in concs:
             n = args.num_prompts or max(2, c)
             ps = prompts_for(plain, template, n, args.seed + c)
@@ -342,9 +360,14 @@ def main() -> None:
             lengths = run_closed_loop(plain, ps, [cparams] * n, c)["lengths"]
             uparams = [SamplingParams(temperature=0, max_tokens=max(1, k), ignore_eos=True) for k in lengths]
             reps: dict[str, list[dict]] = {"constrained": [], **{a: [] for a in forced_llms}, "unconstrained": []}
+            others = [a for a in reps if a != "unconstrained"]
+            half = (len(others) + 1) // 2
             for rep in range(args.repeat):
-                order = list(reps)
-                for arm in order[rep % len(order):] + order[:rep % len(order)]:
+                # the unconstrained arm (every paired ratio's denominator) in the middle, beside the arms on
+                # either side of it; the order reverses every repetition (C U, U C, C U, ...: a linear drift of
+                # the machine lands on both sides of the pairs alike)
+                order = others[:half] + ["unconstrained"] + others[half:]
+                for arm in (order if rep % 2 == 0 else order[::-1]):
                     llm = forced_llms.get(arm, plain)
                     llm.engine_core.scheduler.reset_prefix_cache()
                     # learned splits start empty in every run: only the measured requests teach each other
@@ -360,15 +383,25 @@ def main() -> None:
                 acc = "-" if r["forced_acceptance"] is None else f"{r['forced_acceptance']:.2f}"
                 valid = "-" if r["valid"] is None else f"{r['valid']}/{n}"
                 ratio = statistics.median(x["tok_s"] for x in reps[arm]) / base
+                pr = paired(reps[arm], reps["unconstrained"])
                 print(f"| {c} | {arm} | {r['tok_s']:.1f} | {r['tpot_p50_ms']:.1f} | {ratio:.2f}x | "
+                      f"{statistics.median(pr):.3f}x [{min(pr):.3f}-{max(pr):.3f}] | "
                       f"{r['output_tokens'] / max(r['steps'], 1):.2f} | {1e3 * r['wall_s'] / max(r['steps'], 1):.1f} | "
                       f"{r['mask_fill_ms_per_step']:.2f} | {r['mask_wait_apply_ms_per_step']:.2f} | {acc} | {valid} |",
                       flush=True)
+            for arm in reps:
+                if arm != "unconstrained":
+                    pr = paired(reps[arm], reps["unconstrained"])
+                    print(f"#   c={c} {arm}: paired ratios per repetition "
+                          f"{' '.join(f'{x:.3f}' for x in pr)} (median {statistics.median(pr):.3f}, "
+                          f"quartiles {pct(pr, 25):.3f}-{pct(pr, 75):.3f})", flush=True)
             for arm, rs in reps.items():
+                pr = paired(rs, reps["unconstrained"])
                 for i, r in enumerate(rs):
                     results.append({k: v for k, v in r.items() if k not in ("texts", "lengths", "finish")}
                                    | {"workload": w, "concurrency": c, "arm": arm, "repetition": i, "num_prompts": n,
-                                      "ratio_vs_unconstrained_median": r["tok_s"] / base})
+                                      "ratio_vs_unconstrained_median": r["tok_s"] / base,
+                                      "paired_ratio": pr[i]})
             save(args, load0, results)      # after every concurrency: a cut-short run keeps what it measured
     load1 = os.getloadavg()
     print(f"\n# load average at the end {load1[0]:.1f} {load1[1]:.1f} {load1[2]:.1f}")

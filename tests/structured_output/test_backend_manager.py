@@ -15,7 +15,7 @@ from tokenmill.structured_output import StructuredOutputError, validate_structur
 from tokenmill.structured_output.backend import constraint_key, disallow_additional_properties
 from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.structured_output.xgrammar_backend import (
-    XgrammarBackend, apply_bitmask_torch, apply_token_bitmask, MaskPlan, row_runs,
+    XgrammarBackend, apply_bitmask_torch, apply_token_bitmask, MaskPlan, SparseRowsMask, row_runs,
 )
 
 EOS = 2
@@ -178,6 +178,100 @@ def test_apply_bitmask_sparse_rows_match_brute_force(vocab):
         assert torch.equal(got, want), rows
 
 
+def _packed(bits: torch.Tensor) -> torch.Tensor:
+    """``[R, 32 W]`` bool -> the ``[R, W]`` int32 bitmask (bit ``t % 32`` of word ``t // 32``)."""
+    rows, width = bits.shape
+    weights = torch.tensor([1 << b for b in range(32)], dtype=torch.int64)
+    full = (bits.view(rows, width // 32, 32).to(torch.int64) * weights).sum(-1)
+    return torch.where(full >= 2**31, full - 2**32, full).to(torch.int32)
+
+
+def _sched(i, **kw):
+    from tokenmill.core.sched_output import ScheduledRequest
+
+    return ScheduledRequest(req_id=f"r{i}", token_ids=[0], num_computed_tokens=0, block_ids=[0], sample=True,
+                            sampling_params=SamplingParams(**kw), prompt_token_ids=[5, 6], output_token_ids=[7, 9])
+
+
+@pytest.mark.parametrize("vocab", [200, 170])       # exact width; padding inside the last word
+def test_deferred_sparse_rows_sample_the_masked_tokens(vocab):
+    """Greedy rows whose sparse mask is left unwritten (``defer_sparse``) get the token the written mask gives:
+    ties (the lowest allowed id), penalties and logit bias, a NaN or only ``-inf`` among a row's allowed
+    logits (the sampler writes the mask and takes the full path), rows that are not deferred between them,
+    and a sampled or logprobs row in the batch (the mask is written first)."""
+    from tokenmill.model.sampler import Sampler
+
+    g = torch.Generator().manual_seed(3)
+    width = 32 * ((vocab + 31) // 32)
+    bits = torch.rand(9, width, generator=g) < 0.6                                  # dense rows
+    for r, n in ((0, 3), (1, 1), (3, 5), (4, 4), (6, 2), (7, 6)):                    # sparse rows
+        bits[r] = False
+        bits[r, torch.randperm(vocab, generator=g)[:n]] = True
+    full = _packed(bits)
+    rows = list(range(9))
+    base = torch.randn(9, vocab, generator=g) * 3
+    a0 = torch.nonzero(bits[0]).flatten()
+    base[0, a0] = 5.0                                    # a tie: the lowest allowed id wins
+    base[0, (a0.max() + 1) % vocab] = 9.0               # above the tie, refused
+    a4 = torch.nonzero(bits[4]).flatten()
+    cases = {"plain": base}
+    nan = base.clone()
+    nan[3, torch.nonzero(bits[3]).flatten()[1]] = float("nan")
+    cases["nan allowed"] = nan
+    ninf = base.clone()
+    ninf[6, torch.nonzero(bits[6]).flatten()] = float("-inf")
+    cases["all allowed -inf"] = ninf
+    refused_nan = base.clone()
+    refused_nan[4, int(torch.nonzero(~bits[4, :vocab]).flatten()[0])] = float("nan")
+    cases["nan refused"] = refused_nan
+    params = {"greedy": [dict(temperature=0)] * 9,
+              "penalties and bias": [dict(temperature=0, repetition_penalty=1.3, frequency_penalty=0.5,
+                                          logit_bias={int(a4[0]): 2.5, 7: -1.0})] * 9,
+              "one sampled row": [dict(temperature=0)] * 8 + [dict(temperature=0.8, seed=4)],
+              "one logprobs row": [dict(temperature=0, logprobs=2)] + [dict(temperature=0)] * 8}
+    sampler = Sampler(seed=0)
+    deferred_any = False
+    for name, logits in cases.items():
+        for pname, kws in params.items():
+            reqs = [_sched(i, **kw) for i, kw in enumerate(kws)]
+            masked = logits.clone()
+            apply_token_bitmask(masked, full, rows)
+            want = sampler(masked, reqs)
+            got_logits = logits.clone()
+            deferred = apply_token_bitmask(got_logits, full, rows, MaskPlan(full, rows), defer_sparse=True)
+            assert isinstance(deferred, SparseRowsMask) and deferred.rows == [0, 1, 3, 4, 6, 7]
+            dense = [2, 5, 8]
+            assert torch.equal(got_logits[dense], masked[dense])            # dense rows written
+            assert torch.equal(got_logits[deferred.rows], logits[deferred.rows]) or name.startswith("nan")
+            got = sampler(got_logits, reqs, deferred=deferred)
+            assert got[0] == want[0], (name, pname)
+            assert got[1] == want[1], (name, pname)                        # logprobs of the masked rows
+            if pname == "greedy" and name == "plain":
+                assert got[0][0] == int(a0.min())
+                deferred_any = True
+    assert deferred_any
+    # a row allowing nothing is never deferred (the written mask makes the sampler's full path decide)
+    bits[1] = False
+    deferred = apply_token_bitmask(base.clone(), _packed(bits), rows, defer_sparse=True)
+    assert deferred is None
+
+
+def test_sparse_rows_mask_argmax_and_write():
+    """``SparseRowsMask.argmax`` is the argmax of the masked row (first maximum); ``write`` is the mask."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 7.0], [2.0, -1.0, 2.0, 0.5, 9.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    row = np.array([0, 0, 0, 2, 2], dtype=np.int64)
+    ids = np.array([1, 2, 3, 2, 4], dtype=np.int64)
+    m = SparseRowsMask([0, 2], row, ids)
+    got, best = m.argmax(logits)
+    assert got.tolist() == [1, 2] and best.tolist() == [3.0, 1.0]
+    w = logits.clone()
+    m.write(w)
+    ninf = float("-inf")
+    assert torch.equal(w, torch.tensor([[ninf, 3.0, 1.0, 3.0, ninf], [2.0, -1.0, 2.0, 0.5, 9.0],
+                                        [ninf, ninf, 1.0, ninf, 1.0]]))
+    assert w.argmax(dim=-1)[[0, 2]].tolist() == got.tolist()
+
+
 def test_batched_fill_equals_one_by_one(backend, tokenizer):
     """xgrammar's batched fill gives every row what the request's own fill gives."""
     params = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
@@ -226,7 +320,13 @@ def test_manager_cache_bitmask_rows_drafts_and_rebuild(tokenizer):
     so = type("SO", (), {"scheduled": [_SR("x", [5]), _SR("y", sample=False), _SR("a", drafts), _SR("b")]})()
     gb = mgr.grammar_bitmask(so)
     assert gb.rows == list(range(2, 2 + len(drafts) + 1)) + [2 + len(drafts) + 1]
+    # the fill waits for the runner's start (the forward), not the schedule: nothing filled yet
+    time.sleep(0.05)
+    assert mgr.stats.mask_steps == 0
+    gb.start()
+    gb.start()                                              # idempotent
     bm = gb.result()
+    assert mgr.stats.mask_steps == 1
     assert bm.shape[0] == 2 + len(drafts) + 2 and torch.all(bm[:2] == -1)    # x's rows allow everything
     # row j of a allows draft j (the state after drafts[:j]); b's row equals a's first row (same state)
     for j, t in enumerate(drafts):

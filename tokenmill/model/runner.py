@@ -544,6 +544,8 @@ class ModelRunner:
                                         np.fromiter((len(r.token_ids) for r in so.scheduled), dtype=np.int64,
                                                     count=len(so.scheduled)), input_ids.shape[0])
         t1 = time.perf_counter()
+        if so.grammar_bitmask is not None:      # structured outputs: the mask fills beside the forward
+            so.grammar_bitmask.start()
         graph = self.step_graph
         if graph is not None and graph.accepts(md.num_tokens, md.max_query_len, input_ids.shape[0], md.query_lens,
                                                md.seq_lens_list):
@@ -566,15 +568,22 @@ class ModelRunner:
             self.buffers.np["logits_indices"][:n] = logits_indices
             idx = self.buffers.to_device("logits_indices", n)
             logits = self.model.compute_logits(hidden.index_select(0, idx)).float()
+            verify = self.spec_decode is not None and (self.config.speculative is not None
+                                                       or any(r.spec_token_ids for r in sampling))
+            deferred = None
             if so.grammar_bitmask is not None:      # structured outputs: disallowed tokens -> -inf
                 t_mask = time.perf_counter()
-                so.grammar_bitmask.apply(logits)     # waits for the fill that overlapped the forward
+                # greedy rows without logprobs (the sampler's argmax): a row that allows few tokens is not
+                # written, the sampler takes the argmax over its allowed ids (same token, no [rows, V] write)
+                defer = not verify and all(r.sampling_params.greedy and r.sampling_params.logprobs is None
+                                           for r in sampling)
+                deferred = so.grammar_bitmask.apply(logits, defer_sparse=defer)   # waits for the fill
                 mask_t = time.perf_counter() - t_mask
-            if self.spec_decode is not None and (self.config.speculative is not None
-                                                 or any(r.spec_token_ids for r in sampling)):
+            if verify:
                 out = self.spec_decode.sample_and_verify(logits, sampling)
             else:
-                token_ids, logprobs = self.sampler(logits, sampling)
+                token_ids, logprobs = (self.sampler(logits, sampling) if deferred is None
+                                       else self.sampler(logits, sampling, deferred=deferred))
                 out = ModelRunnerOutput(req_ids=[r.req_id for r in sampling], sampled_token_ids=token_ids,
                                         logprobs=logprobs)
         if any(r.prompt_logprobs is not None for r in so.scheduled):

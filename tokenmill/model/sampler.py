@@ -30,6 +30,7 @@ CPU cores at ``[32, 49152]`` it took 17.5 ms against 1.0 ms for this.)
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -122,16 +123,24 @@ class Sampler:
 
     # -- main entry ---------------------------------------------------------
     def __call__(
-        self, logits: torch.Tensor, reqs: list[ScheduledRequest]
+        self, logits: torch.Tensor, reqs: list[ScheduledRequest], deferred: Any = None
     ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sample one token per row.
 
         Args:
             logits: ``[num_reqs, vocab]`` float (float32 preferred; other
                 dtypes are upcast), one row per sampling request in the order
-                of ``reqs``; not modified.
+                of ``reqs``; not modified (except where ``deferred``'s mask is
+                written into it).
             reqs: the sampling requests (``sample`` set), giving
                 ``sampling_params``, ``prompt_token_ids`` and ``output_token_ids``.
+            deferred: the structured-outputs mask of some rows, not yet written
+                into ``logits`` (a :class:`~tokenmill.structured_output.xgrammar_backend.SparseRowsMask`:
+                ``rows``, ``argmax(logits)``, ``write(logits)``; float32 CPU
+                logits). On the all-greedy path without logprobs such a row's
+                token is the argmax over its allowed ids (the first maximum, as
+                ``argmax`` of the masked row); otherwise the mask is written
+                first. Either way the tokens are those of the masked logits.
         Returns:
             ``(token_ids, logprobs)``, each of length ``num_reqs``.
         Raises:
@@ -146,6 +155,9 @@ class Sampler:
         params = [r.sampling_params for r in reqs]
         logits = logits.float()
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if deferred is not None and (want_lp or not all(p.greedy for p in params)):
+            deferred.write(logits)      # the full masked rows are needed (logprobs, sampling)
+            deferred = None
         raw_mode = self.logprobs_mode.startswith("raw")
         # raw modes report the model's own distribution, before any sampling parameter touches it
         lp_logits = self.keep_neg_inf(torch.nan_to_num(logits[want_lp], nan=-1e30, posinf=1e30, neginf=-1e30),
@@ -158,6 +170,12 @@ class Sampler:
             # Equal to the path below whenever every row's maximum is finite and above -1e30: argmax returns a
             # NaN's or +inf's index if the row has one (then the check fails), and nan_to_num only raises -inf
             # to -1e30, below such a maximum. Rows failing the check take the full path.
+            if deferred is not None:
+                ids = self._argmax_deferred(logits, deferred)
+                if ids is not None:
+                    return ids, [None] * len(reqs)
+                deferred.write(logits)      # a row's best allowed logit is not finite: the full path decides
+                deferred = None
             token_ids = logits.argmax(dim=-1)
             best = logits.gather(1, token_ids.unsqueeze(1))
             if bool((torch.isfinite(best) & (best > -1e30)).all()):
@@ -220,6 +238,31 @@ class Sampler:
         return values.masked_fill(neg, float("-inf"))
 
     # -- steps ----------------------------------------------------------------
+    @staticmethod
+    def _argmax_deferred(logits: torch.Tensor, deferred: Any) -> list[int] | None:
+        """The all-greedy fast path's tokens with ``deferred``'s rows unmasked in ``logits`` (``[B, V]``
+        float32 CPU, after penalties and bias): the argmax over each deferred row's allowed ids, and the
+        plain argmax of the other rows (one pass over each run of them, no copy). None when a row's best
+        logit fails the fast path's check (finite, above -1e30): the caller writes the mask and takes the
+        full path."""
+        import numpy as np
+
+        out = np.empty(logits.shape[0], dtype=np.int64)
+        best = np.empty(logits.shape[0], dtype=np.float32)
+        rows = deferred.rows
+        out[rows], best[rows] = deferred.argmax(logits)
+        start = 0
+        for a, b, _ in deferred.runs + [(logits.shape[0], logits.shape[0], 0)]:
+            if a > start:       # rows start .. a-1 are not deferred
+                part = logits[start:a]
+                t = part.argmax(dim=-1)
+                out[start:a] = t.numpy()
+                best[start:a] = part.gather(1, t.unsqueeze(1)).squeeze(1).numpy()
+            start = b
+        if not bool((np.isfinite(best) & (best > -1e30)).all()):
+            return None
+        return out.tolist()
+
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, reqs: list[ScheduledRequest]) -> torch.Tensor:
         """Repetition, frequency and presence penalties, batched.
