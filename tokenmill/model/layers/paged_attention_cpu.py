@@ -70,6 +70,7 @@ _KV_WRITE_ARGTYPES = [_P, _P, _P, _I, _I, _I, _I, _P, _P, _F, _F]
 _FUNCTIONS = {**{f"paged_decode_{qs}_{ks}": _DECODE_ARGTYPES for qs, ks in _COMBOS},
               **{f"kv_write_{qs}_{ks}": _KV_WRITE_ARGTYPES for qs, ks in _COMBOS},
               **{f"paged_prefill_{qs}_{ks}": _PREFILL_ARGTYPES for qs, ks in _COMBOS},
+              **{f"paged_rows_{qs}_{ks}": _PREFILL_ARGTYPES for qs, ks in _COMBOS},
               "paged_attention_isa": [_P]}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
 
