@@ -358,7 +358,7 @@ def test_rows_bit_check_sees_a_different_reduction_order(isa):
 def test_rows_kernel_serves_verify_and_invariant_prefill_requests():
     """The backend sends a short query after cached context (a verify step) and, under batch invariance,
     every multi-token request to the rows kernel; one-token requests stay in the decode group."""
-    md, _ = build_attention_metadata([300, 0, 40], [5, 12, 1], [list(range(19)), [19], [20, 21, 22]], 16)
+    md, _ = build_attention_metadata([300, 0, 40], [5, 12, 1], [list(range(20)), [20], [21, 22, 23]], 16)
     plan = TorchAttentionBackend._plan(md, 9, 3, torch.device("cpu"), use_kernel=True, use_prefill_kernel=True)
     dec, pre, n, rows = plan
     assert n == 18 and rows.q_len.tolist() == [5] and rows.q_start.tolist() == [0]
