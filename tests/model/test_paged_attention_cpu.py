@@ -273,3 +273,98 @@ def test_decode_rows_are_bit_identical_alone_and_batched(kv_dtype, heads, kv_hea
         alone = run(torch.tensor([j]), 1)
         assert torch.equal(bits(alone[0]), bits(batched[j])), j
     assert torch.equal(bits(shuffled), bits(batched[perm]))
+
+
+def _rows_case(seed, reqs, heads, kv_heads, d, block, kv_dtype):
+    """Random paged K/V on shuffled blocks for requests ``reqs`` = [(new tokens, context after the step)]."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = [-(-sl // block) for _, sl in reqs]
+    perm = torch.randperm(sum(nblk) + 2, generator=g).to(torch.int32)
+    cache = torch.randn(2, sum(nblk) + 2, block, kv_heads, d, generator=g) * 2
+    cache = (cache * 30).round().clamp(-127, 127).to(kv_dtype) if kv_dtype == torch.int8 else cache.to(kv_dtype)
+    q_dtype = torch.bfloat16 if kv_dtype == torch.bfloat16 and seed % 2 else torch.float32
+    q = torch.randn(sum(n for n, _ in reqs), heads, d, generator=g).to(q_dtype)
+    table = torch.zeros(len(reqs), max(nblk), dtype=torch.int32)
+    first = 0
+    for r, nb in enumerate(nblk):
+        table[r, :nb] = perm[first:first + nb]
+        first += nb
+    q_len = torch.tensor([n for n, _ in reqs], dtype=torch.int32)
+    seq_lens = torch.tensor([sl for _, sl in reqs], dtype=torch.int32)
+    q_start = (torch.cumsum(q_len, 0) - q_len).to(torch.int32)
+    return q, cache, table, q_start, q_len, seq_lens
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
+                                                    (12, 3, 64, 32), (5, 1, 24, 16)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_kernel_has_the_decode_kernels_bits_per_row(kv_dtype, heads, kv_heads, d, block, isa):
+    """paged_rows (several rows of a request per work item, the context read once per tile) gives every row
+    the bits paged_decode gives it as one row per token with its own context (seq_len - q_len + j + 1
+    positions): prompts from scratch, chunks after a cached prefix, verify-step-sized queries and one-token
+    rows, in one call, with 2 threads and 1; contexts cross every partial group of keys and tile boundary
+    (tiles of 16 tokens). Every variant built explicitly; the scalar one and head_dim 24 run the decode
+    items themselves."""
+    reqs = [(45, 45), (5, 262), (1, 17), (33, 40), (9, 9), (17, 300), (2, 3)]
+    q, cache, table, q_start, q_len, seq_lens = _rows_case(len(reqs) + d + heads, reqs, heads, kv_heads, d,
+                                                           block, kv_dtype)
+    # main's way: one decode row per token, per-token block tables and context lengths
+    row_table = table.repeat_interleave(q_len.long(), 0).contiguous()
+    row_lens = torch.tensor([sl - n + j + 1 for n, sl in reqs for j in range(n)], dtype=torch.int32)
+    want = paged_attention_cpu.paged_decode(q, cache, row_table, row_lens, d ** -0.5, 0.9, 1.1, isa)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            got = torch.full_like(q, float("nan"))
+            paged_attention_cpu.paged_rows(q, cache, table, q_start, q_len, seq_lens, d ** -0.5, got, 0.9, 1.1, isa)
+            assert torch.equal(_bits(got), _bits(want)), threads
+            # each request alone, and a later chunk of the 45-token prompt alone: the same rows
+            for r in (0, 5):
+                alone = torch.zeros_like(q)
+                paged_attention_cpu.paged_rows(q, cache, table[r:r + 1], q_start[r:r + 1], q_len[r:r + 1],
+                                               seq_lens[r:r + 1], d ** -0.5, alone, 0.9, 1.1, isa)
+                s, n = int(q_start[r]), int(q_len[r])
+                assert torch.equal(_bits(alone[s:s + n]), _bits(want[s:s + n])), r
+            chunk = torch.zeros_like(q)   # tokens 20..44 of request 0 after its first 20 (cached) positions
+            paged_attention_cpu.paged_rows(q, cache, table[:1], torch.tensor([20], dtype=torch.int32),
+                                           torch.tensor([25], dtype=torch.int32), seq_lens[:1], d ** -0.5, chunk,
+                                           0.9, 1.1, isa)
+            assert torch.equal(_bits(chunk[20:45]), _bits(want[20:45]))
+    finally:
+        torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_bit_check_sees_a_different_reduction_order(isa):
+    """The check above can fail: the FlashAttention-style prefill kernel (online softmax over 16-key tiles,
+    scores reduced along head_dim in order) computes the same attention within float32 rounding but with
+    other bits than the decode kernel's rows, which the rows kernel must reproduce."""
+    reqs = [(45, 45), (17, 300)]
+    q, cache, table, q_start, q_len, seq_lens = _rows_case(3, reqs, 9, 3, 64, 16, torch.float32)
+    rows = torch.zeros_like(q)
+    paged_attention_cpu.paged_rows(q, cache, table, q_start, q_len, seq_lens, 0.125, rows, isa=isa)
+    flash = torch.zeros_like(q)
+    paged_attention_cpu.paged_prefill(q, cache, table, q_start, q_len, seq_lens, 0.125, flash, isa=isa)
+    torch.testing.assert_close(flash, rows, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(_bits(flash), _bits(rows))
+
+
+def test_rows_kernel_serves_verify_and_invariant_prefill_requests():
+    """The backend sends a short query after cached context (a verify step) and, under batch invariance,
+    every multi-token request to the rows kernel; one-token requests stay in the decode group."""
+    md, _ = build_attention_metadata([300, 0, 40], [5, 12, 1], [list(range(20)), [20], [21, 22, 23]], 16)
+    plan = TorchAttentionBackend._plan(md, 9, 3, torch.device("cpu"), use_kernel=True, use_prefill_kernel=True)
+    dec, pre, n, rows = plan
+    assert n == 18 and rows.q_len.tolist() == [5] and rows.q_start.tolist() == [0]
+    assert dec.rows.tolist() == [17] and type(pre).__name__ == "_KernelPrefillPlan"
+    md.cache.clear()
+    dec, pre, n, rows = TorchAttentionBackend._plan(md, 9, 3, torch.device("cpu"), use_kernel=True,
+                                                    use_prefill_kernel=True, batch_invariant=True)
+    assert rows.q_len.tolist() == [5, 12] and rows.q_start.tolist() == [0, 5] and not pre
+    assert dec.rows.tolist() == [17]

@@ -40,14 +40,17 @@ last token plus its ``k`` drafts. The eager attention already serves a query
 of at most :data:`~tokenmill.model.layers.attention.SHORT_QUERY_AS_DECODE`
 tokens after cached context as that many decode rows, row ``j`` over
 ``seq_len - query_len + j + 1`` positions of the request's block table
-(``TorchAttentionBackend._plan``); every other call of the step is per row
-already. So such a step is an ``M``-row step of the same calls: the graph
-expands the step's block tables and context lengths to one row per token in
-persistent buffers of its own (:meth:`CpuStepGraph.run` with ``query_lens``)
-and runs the prepared calls of ``M = sum(query_lens)`` rows -- the ones a
-decode step of ``M`` requests uses. A verify step of 5 rows then costs about
-a 5-request decode step instead of an eager forward (measured in
-``docs/benchmarks/2026-12-02-structured-output-avx2.md``).
+(``TorchAttentionBackend._plan``), with the rows kernel
+(:func:`~tokenmill.model.layers.paged_attention_cpu.paged_rows`: the decode
+kernel's bits per row, each request's context read once for all its rows);
+every other call of the step is per row already. So such a step is an
+``M``-row step of the same calls, ``M = sum(query_lens)``, whose attention is
+one rows-kernel call over the step's requests (their first rows and counts in
+persistent buffers of the graph's own, :meth:`CpuStepGraph.run` with
+``query_lens``). Before the rows kernel the graph expanded the step to one
+decode row per token, whose attention read each request's context once per
+row (a verify step cost 1.5-1.8x a decode step,
+``docs/benchmarks/2026-12-02-roofline-avx2.md``).
 
 Where it does not apply the runner keeps the eager forward: prefills and
 chunks (a query longer than ``SHORT_QUERY_AS_DECODE``, or one with no cached
@@ -193,6 +196,7 @@ class CpuStepGraph:
         ksfx = _SUFFIX[kv_caches[0].dtype]   # a float32 model may keep a bfloat16 cache
         self._kv_write = getattr(pl, f"kv_write_{sfx}_{ksfx}")
         self._decode = getattr(pl, f"paged_decode_{sfx}_{ksfx}")
+        self._rows = getattr(pl, f"paged_rows_{sfx}_{ksfx}")
         self._gemm, self._gemm_i8, self._gemm_i8_h = ll.tm_lowbit_gemm, ll.tm_lowbit_gemm_i8, ll.tm_lowbit_gemm_i8_h
         cfg = model.config
         self.hidden, self.inter = cfg.hidden_size, cfg.intermediate_size
@@ -208,9 +212,9 @@ class CpuStepGraph:
         lin = model.model.layers[0].self_attn.qkv_proj
         self._lora_mod = lin if _lora_base(lin) is not lin else None
         self._lora_on, self._threads = False, 1
-        # per-token block tables and context lengths of multi-token-query steps (:meth:`_row_tables`)
-        self._row_bt: torch.Tensor | None = None
-        self._row_sl: torch.Tensor | None = None
+        # first rows and token counts of a multi-token-query step's requests (:meth:`_row_starts`)
+        self._q_start: torch.Tensor | None = None
+        self._q_len: torch.Tensor | None = None
         #: None, or a dict that :meth:`run` adds each part's seconds to (:meth:`call_kind` names the parts,
         #: plus ``embedding``): ``benchmarks/roofline.py --breakdown`` reads it. Off in serving.
         self.profile: dict[str, float] | None = None
@@ -294,8 +298,9 @@ class CpuStepGraph:
                      None if mn is None else mn.data_ptr(), b, y.data_ptr(), bf, w.out_features))
 
     def _build(self, m: int, slot_mapping: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               threads: int) -> list:
-        """The calls of an ``m``-token step, in the eager forward's order, with every argument resolved."""
+               threads: int, rows: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> list:
+        """The calls of an ``m``-token step, in the eager forward's order, with every argument resolved
+        (``rows``: a multi-token-query step's ``(q_start, q_len, R)``, attention by the rows kernel)."""
         calls: list = []
         nt = threads
         h, inter = self.hidden, self.inter
@@ -324,9 +329,15 @@ class CpuStepGraph:
             if copy_q is not None:
                 calls.append(copy_q)
             bs = kv.shape[2]
-            calls.append((self._decode, (p(qkv) if m == 1 else p(q), kv[0].data_ptr(), kv[1].data_ptr(), p(attn),
-                                         p(block_tables), block_tables.stride(0), p(seq_lens), m, nh, kvh, d, bs,
-                                         float(a.scale), 1.0, 1.0, nt)))
+            if rows is not None:
+                q_start, q_len, nreq = rows
+                calls.append((self._rows, (p(q), kv[0].data_ptr(), kv[1].data_ptr(), p(attn), p(block_tables),
+                                           block_tables.stride(0), p(q_start), p(q_len), p(seq_lens), nreq, nh, kvh,
+                                           d, bs, float(a.scale), 1.0, 1.0, nt)))
+            else:
+                calls.append((self._decode, (p(qkv) if m == 1 else p(q), kv[0].data_ptr(), kv[1].data_ptr(),
+                                             p(attn), p(block_tables), block_tables.stride(0), p(seq_lens), m, nh,
+                                             kvh, d, bs, float(a.scale), 1.0, 1.0, nt)))
             calls.append(self._gemm_args(a.o_proj, attn, o, m))
             n2 = layer.post_attention_layernorm
             calls.append((self._norm, (p(o), p(res), p(res), p(n2.weight), p(hn), m, h, float(n2.eps), nt)))
@@ -340,10 +351,10 @@ class CpuStepGraph:
     def call_kind(self, fn) -> str:
         """The part of a step a prepared call belongs to: ``linear`` (weight GEMMs: low-bit kernels, oneDNN,
         a LoRA layer's base call and delta), ``attention`` (K/V write, the query copy, paged decode
-        attention) or ``elementwise`` (add+RMSNorm, RoPE, SiLU-and-multiply)."""
+        attention or the rows kernel) or ``elementwise`` (add+RMSNorm, RoPE, SiLU-and-multiply)."""
         if fn in (self._gemm, self._gemm_i8, self._gemm_i8_h) or getattr(fn, "__name__", "") in ("dense", "dense_plain", "with_lora"):
             return "linear"
-        if fn in (self._kv_write, self._decode) or getattr(fn, "__name__", "") == "copy_":
+        if fn in (self._kv_write, self._decode, self._rows) or getattr(fn, "__name__", "") == "copy_":
             return "attention"
         if fn in (self._norm, self._rope, self._silu):
             return "elementwise"
@@ -379,37 +390,26 @@ class CpuStepGraph:
             return False
         return all(ql == 1 or sl > ql for ql, sl in zip(query_lens, seq_lens, strict=True))
 
-    def _row_tables(self, m: int, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                    query_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One block-table row and context length per token of a multi-token-query step.
+    def _row_starts(self, query_lens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A multi-token-query step's per-request first rows and token counts, for the rows kernel.
 
-        Token ``j`` of a request with ``q`` new tokens and context ``s`` after the step sees
-        ``s - q + j + 1`` positions through its request's block table (the causal mask), as
-        ``TorchAttentionBackend._plan`` serves a short query with the decode kernel.
-
-        Args:
-            m: tokens in the step (``sum(query_lens)``).
-            block_tables: ``[R, W]`` int32, the requests' tables.
-            seq_lens: ``[R]`` int32, context after this step.
-            query_lens: ``R`` new-token counts.
+        Request ``r`` owns rows ``q_start[r] : q_start[r] + q_len[r]`` of the step; its token ``j`` sees
+        ``seq_len - q_len + j + 1`` positions through the request's block table (the causal mask), as
+        ``TorchAttentionBackend._plan`` serves a short query.
 
         Returns:
-            ``([m, W]`` int32, ``[m]`` int32) views of persistent buffers (same storage every call until
-            a wider table grows them), which the prepared calls of the step read.
+            ``([R]`` int32, ``[R]`` int32) views of persistent buffers (same storage every call until a
+            step with more requests grows them), which the prepared calls of the step read.
         """
-        n, w = block_tables.shape
-        if self._row_bt is None or self._row_bt.shape[1] < w or self._row_bt.shape[0] < m:
-            rows = max(m, self.max_tokens)
-            width = max(w, block_tables.stride(0), 0 if self._row_bt is None else self._row_bt.shape[1])
-            self._row_bt = torch.zeros(rows, width, dtype=torch.int32)
-            self._row_sl = torch.zeros(rows, dtype=torch.int32)
+        n = len(query_lens)
+        if self._q_start is None or self._q_start.shape[0] < n:
+            size = max(n, self.max_tokens)
+            self._q_start = torch.zeros(size, dtype=torch.int32)
+            self._q_len = torch.zeros(size, dtype=torch.int32)
         qls = np.fromiter(query_lens, dtype=np.int64, count=n)
-        req = np.repeat(np.arange(n), qls)
-        j = np.arange(m) - np.repeat(np.cumsum(qls) - qls, qls)
-        bt = self._row_bt.numpy()
-        bt[:m, :w] = block_tables.numpy()[req]
-        self._row_sl.numpy()[:m] = seq_lens.numpy()[req] - qls[req] + j + 1
-        return self._row_bt[:m, :w], self._row_sl[:m]
+        self._q_len.numpy()[:n] = qls
+        self._q_start.numpy()[:n] = np.cumsum(qls) - qls
+        return self._q_start[:n], self._q_len[:n]
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -433,11 +433,15 @@ class CpuStepGraph:
             ``[m, hidden_size]`` final-norm hidden states (a view of a buffer the next call overwrites).
         """
         m = input_ids.shape[0]
-        if query_lens is not None and len(query_lens) != m:     # per-token tables for the decode kernel
-            block_tables, seq_lens = self._row_tables(m, block_tables, seq_lens, query_lens)
+        rows = None
+        if query_lens is not None and len(query_lens) != m:     # several tokens for some request: rows kernel
+            q_start, q_len = self._row_starts(query_lens)
+            rows = (q_start, q_len, len(query_lens))
         threads = torch.get_num_threads()
         key = (m, slot_mapping.data_ptr(), block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
                threads)
+        if rows is not None:
+            key += ("rows", rows[0].data_ptr(), rows[1].data_ptr(), rows[2])
         lora = self._lora_mod
         if lora is not None:    # adapter rows or not, the delta's form, the address of the step's segment index
             b = lora.batch
@@ -450,7 +454,7 @@ class CpuStepGraph:
             if len(self._calls) >= 4 * self.max_tokens + 64:
                 self._calls.clear()
                 self._biases.clear()
-            calls = self._calls[key] = self._build(m, slot_mapping, block_tables, seq_lens, threads)
+            calls = self._calls[key] = self._build(m, slot_mapping, block_tables, seq_lens, threads, rows)
         t0 = time.perf_counter() if self.profile is not None else 0.0
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=self.res[:m])
         cos, sin = self.model.rotary_emb.cos_sin(positions, self.dtype)

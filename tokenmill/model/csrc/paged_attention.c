@@ -346,8 +346,211 @@ void paged_prefill_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, c
     free(items);                                                                                      \
 }
 
-/* Exported: paged_{decode,prefill}_<query/output type>_<cache type>. */
-#define DEFINE_ALL(QS, KS, QT, KT, RAWMUL) DEFINE_DECODE(QS, KS, QT, KT, RAWMUL) DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL)
+/* ================================================================ rows (batch-invariant, several rows per request)
+ * Request r's q_len[r] new tokens over its paged context, token t seeing the first
+ * seq_len - q_len + t + 1 positions (the causal mask), every row with the decode kernel's arithmetic
+ * for its own context: the same bits as paged_decode_* over one row per token (a decode step, a
+ * speculative-decoding verify step, a prompt or chunk under batch invariance), whatever the tile,
+ * the item split, the thread count or the other rows. What is shared is the memory traffic, not the
+ * arithmetic: a work item (request, tile of up to RT tokens, KV head) widens each K/V vector of the
+ * tile's context once for its tq * G query rows, instead of once per token.
+ *
+ * Per row, exactly as DEFINE_VEC_ITEM: q scaled by qscale (one vmul); score of key l = vtsum over VW
+ * keys of (q_0 k_0, then fma over the NC chunks in order); max over the row's scores (NaN ignored:
+ * the value does not depend on the grouping); p_l = expf(s_l - max) and their sum in one loop over
+ * l < L (the same loop text, which the compiler vectorises as in DEFINE_VEC_ITEM); out = v_scale / sum
+ * times (fma(p_l, v_l, acc) over l in order, per output vector). Registers: pass 1 one row x VW keys,
+ * pass 2 up to RRB query heads of one token x RCW output vectors, the V rows of a block widened once.
+ * The scalar variant, and head sizes other than 64 / 128, run DEFINE_VEC_ITEM / DEFINE_SCALAR_ITEM
+ * themselves once per token (the decode kernel's own code, so the bits hold by construction). */
+#define RT 16
+#define RRB 3
+#if VW == 16
+#define RCW 4
+#else
+#define RCW 2
+#endif
+
+#define DEFINE_ROWS_ITEM(NAME, QT, QLDV, KT, KLDV, ST, NC)                                            \
+static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* bt, int64_t q0,       \
+                 int64_t n, int64_t L, int64_t t0, int64_t tq, int64_t h, int64_t H, int64_t KVH,       \
+                 int64_t bs, float qscale, float vscale, int64_t Ls, float* qf, float* s, float* mxv,  \
+                 float* mx, float* o, float* kf, float* vt) {                                          \
+    const int64_t D = VW * NC, G = H / KVH, row = KVH * D, c0 = L - n, rows = tq * G;                  \
+    const int64_t Lmax = c0 + t0 + tq, nblk = (Lmax + bs - 1) / bs;                                    \
+    for (int64_t ri = 0; ri < rows; ri++) {                                                            \
+        for (int c = 0; c < NC; c++)                                                                   \
+            vst(qf + ri * D + VW * c,                                                                  \
+                vmul(QLDV(q + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D + VW * c), vset1(qscale))); \
+        vst(mxv + ri * VW, vset1(-INFINITY));                                                          \
+        mx[ri] = -INFINITY;                                                                            \
+    }                                                                                                  \
+    /* pass 1: scores, VW keys at a time, every row that sees the group */                             \
+    for (int64_t j = 0; j < nblk; j++) {                                                               \
+        const int64_t l0 = j * bs, nb = Lmax - l0 < bs ? Lmax - l0 : bs;                               \
+        const KT* kb = k + (int64_t)bt[j] * bs * row + h * D;                                          \
+        for (int64_t o0 = 0; o0 < nb; o0 += VW) {                                                      \
+            const int64_t m = nb - o0 < VW ? nb - o0 : VW, p0 = l0 + o0;                               \
+            for (int64_t u = 0; u < VW; u++)                                                           \
+                for (int c = 0; c < NC; c++)                                                           \
+                    vst(kf + u * D + VW * c, u < m ? KLDV(kb + (o0 + u) * row + VW * c) : vzero());    \
+            const int64_t tf = p0 - c0 - t0 > 0 ? p0 - c0 - t0 : 0;   /* first token that sees p0 */     \
+            for (int64_t ri = tf * G; ri < rows; ri++) {                                               \
+                int64_t nv = c0 + t0 + ri / G + 1 - p0; nv = nv < m ? nv : m;                          \
+                const float* qr = qf + ri * D;                                                         \
+                vf a[VW];                                                                              \
+                for (int u = 0; u < VW; u++) {                                                         \
+                    const float* kp = kf + u * D;                                                      \
+                    vf t = vmul(vld_f32(qr), vld_f32(kp));                                             \
+                    for (int c = 1; c < NC; c++) t = vfma(vld_f32(qr + VW * c), vld_f32(kp + VW * c), t); \
+                    a[u] = t;                                                                          \
+                }                                                                                      \
+                const vf sv = vtsum(a);                                                                \
+                float* sp = s + ri * Ls + p0;                                                          \
+                vst(sp, sv);                                                                           \
+                if (nv == VW) {                                                                        \
+                    vst(mxv + ri * VW, vmax(sv, vld_f32(mxv + ri * VW)));                              \
+                } else {                                                                               \
+                    for (int64_t u = 0; u < nv; u++) mx[ri] = sp[u] > mx[ri] ? sp[u] : mx[ri];         \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+    /* softmax numerators and 1 / sum, per row over its own context */                                 \
+    for (int64_t ri = 0; ri < rows; ri++) {                                                            \
+        const float vm = vhmax(vld_f32(mxv + ri * VW));                                                \
+        const float mr = vm > mx[ri] ? vm : mx[ri];                                                    \
+        const int64_t Lr = c0 + t0 + ri / G + 1;                                                       \
+        float sum = 0.f; float* sg = s + ri * Ls; const float m = mr;                                  \
+        for (int64_t l = 0; l < Lr; l++) { const float e = expf(sg[l] - m); sg[l] = e; sum += e; }     \
+        mx[ri] = vscale / sum;                                                                         \
+    }                                                                                                  \
+    /* pass 2: out = sum_l p_l v_l, each block's V rows widened once for every row that sees them */   \
+    memset(o, 0, sizeof(float) * rows * D);                                                            \
+    for (int64_t j = 0; j < nblk; j++) {                                                               \
+        const int64_t l0 = j * bs, nb = Lmax - l0 < bs ? Lmax - l0 : bs;                               \
+        const KT* vb = v + (int64_t)bt[j] * bs * row + h * D;                                          \
+        for (int64_t u = 0; u < nb; u++)                                                               \
+            for (int c = 0; c < NC; c++) vst(vt + u * D + VW * c, KLDV(vb + u * row + VW * c));        \
+        const int64_t tf = l0 - c0 - t0 > 0 ? l0 - c0 - t0 : 0;                                        \
+        for (int64_t ti = tf; ti < tq; ti++) {                                                         \
+            int64_t nv = c0 + t0 + ti + 1 - l0; nv = nv < nb ? nv : nb;                                \
+            for (int64_t g0 = 0; g0 < G; g0 += RRB) {                                                  \
+                const int64_t gc = G - g0 < RRB ? G - g0 : RRB, r0 = ti * G + g0;                      \
+                const float* sr = s + r0 * Ls + l0;                                                    \
+                for (int cv = 0; cv < NC; cv += RCW) {                                                 \
+                    vf acc[RRB][RCW];                                                                  \
+                    float* op = o + r0 * D + VW * cv;                                                  \
+                    if (gc == RRB) {                                                                   \
+                        for (int i = 0; i < RRB; i++)                                                  \
+                            for (int x = 0; x < RCW; x++) acc[i][x] = vld_f32(op + i * D + VW * x);    \
+                        for (int64_t u = 0; u < nv; u++) {                                             \
+                            const float* vp = vt + u * D + VW * cv;                                    \
+                            vf vv[RCW];                                                                \
+                            for (int x = 0; x < RCW; x++) vv[x] = vld_f32(vp + VW * x);                \
+                            for (int i = 0; i < RRB; i++) {                                            \
+                                const vf p = vset1(sr[i * Ls + u]);                                    \
+                                for (int x = 0; x < RCW; x++) acc[i][x] = vfma(p, vv[x], acc[i][x]);   \
+                            }                                                                          \
+                        }                                                                              \
+                        for (int i = 0; i < RRB; i++)                                                  \
+                            for (int x = 0; x < RCW; x++) vst(op + i * D + VW * x, acc[i][x]);         \
+                    } else {                                                                           \
+                        for (int64_t i = 0; i < gc; i++) {                                             \
+                            for (int x = 0; x < RCW; x++) acc[0][x] = vld_f32(op + i * D + VW * x);    \
+                            for (int64_t u = 0; u < nv; u++) {                                         \
+                                const vf p = vset1(sr[i * Ls + u]);                                    \
+                                for (int x = 0; x < RCW; x++)                                          \
+                                    acc[0][x] = vfma(p, vld_f32(vt + u * D + VW * (cv + x)), acc[0][x]); \
+                            }                                                                          \
+                            for (int x = 0; x < RCW; x++) vst(op + i * D + VW * x, acc[0][x]);         \
+                        }                                                                              \
+                    }                                                                                  \
+                }                                                                                      \
+            }                                                                                          \
+        }                                                                                              \
+    }                                                                                                  \
+    for (int64_t ri = 0; ri < rows; ri++) {                                                            \
+        float ob[VW];                                                                                  \
+        QT* op = out + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D;                                  \
+        for (int c = 0; c < NC; c++) {                                                                 \
+            vst(ob, vmul(vld_f32(o + ri * D + VW * c), vset1(mx[ri])));                                \
+            for (int e = 0; e < VW; e++) ST(op + VW * c + e, ob[e]);                                   \
+        }                                                                                              \
+    }                                                                                                  \
+}
+
+/* q, out: [num_tokens, H, D]; k, v: [num_slots, KVH, D]; block_tables: [R, bt_stride] int32 (row r:
+ * request r's blocks); q_start, q_len, seq_lens: [R] int32 (first row in q, new tokens, context length
+ * after this step; q_len <= seq_len). Any head_dim. Work items (request, tile of tokens, KV head) are
+ * handed out longest context first; a tile has RT tokens, fewer where a long context would make its score
+ * rows (tokens x G x context floats) exceed 4 MiB. Scalar variant / other head sizes: items (request,
+ * token), the decode kernel's item functions. */
+#define DEFINE_ROWS(QS, KS, QT, KT, RAWMUL)                                                           \
+DEFINE_ROWS_ITEM(rows64_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 64 / VW)                  \
+DEFINE_ROWS_ITEM(rows128_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 128 / VW)                \
+void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* block_tables, \
+                            int64_t bt_stride, const int32_t* q_start, const int32_t* q_len,          \
+                            const int32_t* seq_lens, int64_t R, int64_t H, int64_t KVH, int64_t D,     \
+                            int64_t bs, float scale, float k_scale, float v_scale, int num_threads) {  \
+    const float qscale = scale * k_scale * (RAWMUL), vscale = v_scale * (RAWMUL);                     \
+    const int64_t G = H / KVH;                                                                        \
+    const int vec = VW > 1 && (D == 64 || D == 128);                                                  \
+    int64_t maxL = 1;                                                                                 \
+    for (int64_t r = 0; r < R; r++) maxL = seq_lens[r] > maxL ? seq_lens[r] : maxL;                   \
+    const int64_t Ls = (maxL + VW - 1) / VW * VW + VW;                                                \
+    int64_t pt = vec ? RT : 1;                                                                        \
+    while (pt > 1 && pt * G * Ls > ((int64_t)1 << 20)) pt /= 2;                                       \
+    const int64_t nh = vec ? KVH : 1;                                                                 \
+    int64_t total = 0;                                                                                \
+    for (int64_t r = 0; r < R; r++) total += (q_len[r] + pt - 1) / pt * nh;                           \
+    int64_t* items = (int64_t*)malloc(sizeof(int64_t) * 3 * (total > 0 ? total : 1));                 \
+    int64_t w = 0;                                                                                    \
+    for (int64_t r = 0; r < R; r++)                                                                   \
+        for (int64_t t = (q_len[r] + pt - 1) / pt - 1; t >= 0; t--)                                   \
+            for (int64_t h = 0; h < nh; h++) { items[w++] = r; items[w++] = t * pt; items[w++] = h; } \
+    _Pragma("omp parallel num_threads(num_threads)")                                                  \
+    {                                                                                                 \
+        const int64_t rows = pt * G;                                                                  \
+        float* buf = vec ? (float*)malloc(sizeof(float) * (rows * (2 * D + Ls + VW + 1) + VW * D + bs * D)) \
+                         : (float*)malloc(sizeof(float) * (maxL * (G > GT64 ? G : GT64) + 2 * G * D)); \
+        _Pragma("omp for schedule(dynamic, 1)")                                                       \
+        for (int64_t it = 0; it < total; it++) {                                                      \
+            const int64_t r = items[3 * it], t0 = items[3 * it + 1], h = items[3 * it + 2];           \
+            const int32_t* bt = block_tables + r * bt_stride;                                         \
+            const int64_t n = q_len[r], L = seq_lens[r];                                              \
+            if (vec) {                                                                                \
+                const int64_t tq = n - t0 < pt ? n - t0 : pt;                                         \
+                float* qf = buf; float* s = qf + rows * D; float* mxv = s + rows * Ls;                \
+                float* mx = mxv + rows * VW; float* o = mx + rows; float* kf = o + rows * D;          \
+                float* vt = kf + VW * D;                                                              \
+                if (D == 64)                                                                          \
+                    rows64_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, H, KVH, bs, qscale, \
+                                       vscale, Ls, qf, s, mxv, mx, o, kf, vt);                        \
+                else                                                                                  \
+                    rows128_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, H, KVH, bs, qscale, \
+                                        vscale, Ls, qf, s, mxv, mx, o, kf, vt);                       \
+            } else {                    /* one token: paged_decode_*'s own item for its context */    \
+                const int64_t b = q_start[r] + t0, Lr = L - n + t0 + 1;                               \
+                float* s = buf; float* work = s + maxL * (G > GT64 ? G : GT64);                       \
+                if (D == 64)                                                                          \
+                    dec_vec64_##QS##_##KS(q, k, v, out, bt, Lr, b, 0, KVH, H, KVH, G, bs, qscale, vscale, s); \
+                else if (D == 128)                                                                    \
+                    dec_vec128_##QS##_##KS(q, k, v, out, bt, Lr, b, 0, KVH, H, KVH, G, bs, qscale, vscale, s); \
+                else                                                                                  \
+                    for (int64_t hh = 0; hh < KVH; hh++)                                              \
+                        dec_scalar_##QS##_##KS(q, k, v, out, bt, Lr, b, hh, H, KVH, G, D, bs, qscale, vscale, \
+                                               s, work);                                              \
+            }                                                                                         \
+        }                                                                                             \
+        free(buf);                                                                                    \
+    }                                                                                                 \
+    free(items);                                                                                      \
+}
+
+/* Exported: paged_{decode,prefill,rows}_<query/output type>_<cache type>. */
+#define DEFINE_ALL(QS, KS, QT, KT, RAWMUL) DEFINE_DECODE(QS, KS, QT, KT, RAWMUL) DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL) \
+    DEFINE_ROWS(QS, KS, QT, KT, RAWMUL)
 DEFINE_ALL(f32, f32, float, float, 1.f)
 DEFINE_ALL(bf16, bf16, uint16_t, uint16_t, 1.f)
 DEFINE_ALL(f32, bf16, float, uint16_t, 1.f)   /* float32 model, bfloat16 KV cache (AVX2 low-bit default) */

@@ -207,6 +207,17 @@ class _KernelPrefillPlan:
 
 
 @dataclass
+class _RowsPlan:
+    """Requests served as decode rows with several tokens (a verify step, a batch-invariant prompt or chunk):
+    one call of the CPU rows kernel, each request's context read once per tile of its rows."""
+
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    q_start: torch.Tensor       # [R] int32 first token row of each request
+    q_len: torch.Tensor         # [R] int32 new tokens
+    seq_lens: torch.Tensor      # [R] int32 context after this step
+
+
+@dataclass
 class _PrefillPlan:
     """One prefill/chunk request: its token rows and (with a cached prefix) gather indices."""
 
@@ -254,10 +265,12 @@ class TorchAttentionBackend(AttentionBackend):
     layer, 9/3 heads, bfloat16): 1.7x for a 512-token prompt, 1.1-1.2x for
     a 256-token chunk after a 768-token prefix and for a 2048-token prompt.
     A request with at most :data:`SHORT_QUERY_AS_DECODE` new tokens after
-    cached context (a speculative-decoding verify step) joins the decode group as one row per
-    token (row ``j`` sees ``seq_len - query_len + j + 1`` positions), so the
-    decode kernel serves it and each row is computed exactly as a one-token
-    step computes it. ``use_cpu_kernel=False`` (or a failed kernel build) keeps the torch
+    cached context (a speculative-decoding verify step) is served as decode rows, one per
+    token (row ``j`` sees ``seq_len - query_len + j + 1`` positions), each computed exactly as
+    a one-token step computes it: by the rows kernel
+    (:func:`~tokenmill.model.layers.paged_attention_cpu.paged_rows`, the decode kernel's
+    per-row arithmetic with each request's context read once per tile of rows; main expanded
+    such a request into per-token decode rows, which read the context once per row). ``use_cpu_kernel=False`` (or a failed kernel build) keeps the torch
     path; CUDA always takes the torch path until a fused GPU kernel is added
     behind :class:`AttentionBackend`.
 
@@ -276,7 +289,8 @@ class TorchAttentionBackend(AttentionBackend):
         prefill_kernel: use the CPU prefill kernel (None: where it beats SDPA, see
             :func:`~tokenmill.model.layers.paged_attention_cpu.prefill_preferred`).
         batch_invariant: with the CPU kernels, every query row (a decode token, a prompt or chunk token,
-            a verify row) runs the decode kernel as its own row over its own context
+            a verify row) is computed with the decode kernel's arithmetic as its own row over its own context
+            (one-token requests by the decode kernel, longer ones by the rows kernel, same bits)
             (``seq_len - query_len + j + 1`` positions), so a token's attention output has the same bits
             whether it was computed in a decode step, in a prefill or chunk of any size, after a
             prefix-cache hit or in a recompute after preemption, and whatever else is in the batch or the
@@ -341,20 +355,24 @@ class TorchAttentionBackend(AttentionBackend):
             paged_attention_cpu.write_kv(kv_cache, k, v, md.slot_mapping, ks, vs, self.cpu_isa)
         else:
             write_kv(kv_cache, k, v, md.slot_mapping, ks, vs)
-        dec, prefills, num_tokens = plan
+        dec, prefills, num_tokens, rows = plan
         if q.shape[0] != num_tokens:
             out = q.new_zeros(q.shape)
             out[:num_tokens] = self._forward(q[:num_tokens], k[:num_tokens], v[:num_tokens], kv_cache,
-                                             dec, prefills, scale, ks, vs)
+                                             dec, prefills, scale, ks, vs, rows)
             return out
-        return self._forward(q, k, v, kv_cache, dec, prefills, scale, ks, vs)
+        return self._forward(q, k, v, kv_cache, dec, prefills, scale, ks, vs, rows)
 
-    def _forward(self, q, k, v, kv_cache, dec, prefills, scale, ks: float = 1.0, vs: float = 1.0) -> torch.Tensor:
-        if not prefills:
+    def _forward(self, q, k, v, kv_cache, dec, prefills, scale, ks: float = 1.0, vs: float = 1.0,
+                 rows: _RowsPlan | None = None) -> torch.Tensor:
+        if not prefills and rows is None:
             return self._decode(q, kv_cache, dec, scale, ks, vs)
         out = torch.empty_like(q)
         if dec is not None:
             out[dec.rows] = self._decode(q[dec.rows], kv_cache, dec, scale, ks, vs)
+        if rows is not None:
+            paged_attention_cpu.paged_rows(q.contiguous(), kv_cache, rows.block_tables, rows.q_start, rows.q_len,
+                                           rows.seq_lens, scale, out, ks, vs, self.cpu_isa)
         if isinstance(prefills, _KernelPrefillPlan):
             paged_attention_cpu.paged_prefill(q.contiguous(), kv_cache, prefills.block_tables, prefills.q_start,
                                               prefills.q_len, prefills.seq_lens, scale, out, ks, vs, self.cpu_isa)
@@ -371,7 +389,9 @@ class TorchAttentionBackend(AttentionBackend):
 
         With ``use_prefill_kernel`` the prefills are one :class:`_KernelPrefillPlan`
         (no gather indices); otherwise a list of :class:`_PrefillPlan`. With ``batch_invariant`` and
-        ``use_kernel`` every request joins the decode group, one row per new token.
+        ``use_kernel`` every request is served as decode rows, one per new token: one-token requests in the
+        decode group, longer ones in one :class:`_RowsPlan` (the rows kernel). Returns
+        ``(decode plan or None, prefills, num_tokens, rows plan or None)``.
         """
         bs = md.block_size
         starts = np.zeros(md.num_reqs + 1, dtype=np.int64)
@@ -385,7 +405,16 @@ class TorchAttentionBackend(AttentionBackend):
         sl_list = md.seq_lens_list
         as_dec = [ql == 1 or (ql <= short and sl_list[i] > ql) or (batch_invariant and use_kernel)
                   for i, ql in enumerate(md.query_lens)]
-        dec = [i for i, d in enumerate(as_dec) if d]
+        rows_plan = None
+        multi = [i for i, d in enumerate(as_dec) if d and md.query_lens[i] > 1]
+        if multi:   # as_dec admits a multi-token query only with the kernel: the rows kernel serves them
+            idx = torch.tensor(multi, device=device)
+            rows_plan = _RowsPlan(
+                block_tables=md.block_tables[idx].contiguous(),
+                q_start=torch.tensor(starts[multi], dtype=torch.int32, device=device),
+                q_len=torch.tensor([md.query_lens[i] for i in multi], dtype=torch.int32, device=device),
+                seq_lens=md.seq_lens[idx].contiguous())
+        dec = [i for i, d in enumerate(as_dec) if d and md.query_lens[i] == 1]
         prefills = []
         pre = [i for i, d in enumerate(as_dec) if not d]
         if use_prefill_kernel and pre:
@@ -407,17 +436,7 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.ones(ql, ctx, dtype=torch.bool, device=device).tril(ctx - ql)
             prefills.append(_PrefillPlan(i, s, e, rows, mask))
         dplan = None
-        if dec and md.max_query_len > 1 and any(md.query_lens[i] > 1 for i in dec):
-            qls = np.array([md.query_lens[i] for i in dec], dtype=np.int64)
-            req = np.repeat(np.array(dec, dtype=np.int64), qls)                          # request of each row
-            j = np.arange(len(req)) - np.repeat(np.cumsum(qls) - qls, qls)             # index within its query
-            seq = np.array(md.seq_lens_list, dtype=np.int64)
-            row_lens = seq[req] - np.repeat(qls, qls) + j + 1
-            bt = md.block_tables[torch.from_numpy(req).to(device)]
-            sl = torch.from_numpy(row_lens.astype(np.int32)).to(device)
-            rows = torch.from_numpy(starts[req] + j).to(device)
-            dplan = _DecodePlan(rows, bt, sl, int(row_lens.max()), kernel=True)
-        elif dec:
+        if dec:
             whole = len(dec) == md.num_reqs   # no prefill in the step: the decode group is the batch
             bt = md.block_tables if whole else md.block_tables[torch.tensor(dec, device=device)]
             sl = md.seq_lens if whole else md.seq_lens[torch.tensor(dec, device=device)]
@@ -431,7 +450,7 @@ class TorchAttentionBackend(AttentionBackend):
                 dplan.kv_rows = (slots[:, None, :] * num_kv_heads + kvh[None, :, None]).reshape(-1)  # [B*KVH*L]
                 dplan.pad = (pos[None, :] >= sl[:, None].to(torch.long))[:, None, None, :]
                 dplan.has_pad = min(md.seq_lens_list[i] for i in dec) < length
-        return dplan, prefills, int(starts[-1])
+        return dplan, prefills, int(starts[-1]), rows_plan
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, plan: _DecodePlan, scale: float,
                 ks: float = 1.0, vs: float = 1.0) -> torch.Tensor:

@@ -16,7 +16,10 @@ This kernel reads K and V once, straight from the block pool:
 
 with ``slot(b, l) = block_tables[b, l // block_size] · block_size + l % block_size``
 and ``G = H / KVH`` query heads sharing a KV head (GQA, arXiv 2305.13245).
-The prefill kernel (:func:`paged_prefill`) is FlashAttention-2's online
+:func:`paged_rows` serves several query rows of a request (a verify step's
+last token and drafts, a batch-invariant prompt's tokens) with the decode
+kernel's per-row arithmetic, reading each request's context once per tile of
+rows instead of once per row. The prefill kernel (:func:`paged_prefill`) is FlashAttention-2's online
 softmax (Dao, arXiv 2307.08691, Algorithm 1) over 16-key tiles of the paged
 cache, for every prefill/chunk request of a step in one call.
 
@@ -70,6 +73,7 @@ _KV_WRITE_ARGTYPES = [_P, _P, _P, _I, _I, _I, _I, _P, _P, _F, _F]
 _FUNCTIONS = {**{f"paged_decode_{qs}_{ks}": _DECODE_ARGTYPES for qs, ks in _COMBOS},
               **{f"kv_write_{qs}_{ks}": _KV_WRITE_ARGTYPES for qs, ks in _COMBOS},
               **{f"paged_prefill_{qs}_{ks}": _PREFILL_ARGTYPES for qs, ks in _COMBOS},
+              **{f"paged_rows_{qs}_{ks}": _PREFILL_ARGTYPES for qs, ks in _COMBOS},
               "paged_attention_isa": [_P]}
 _ISA_NAMES = {1: "scalar", 2: "avx2", 3: "avx512"}
 
@@ -194,6 +198,53 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     q_start, q_len, seq_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_len, seq_lens))
     qs, ks = _suffixes(q, kv_cache)
     getattr(load(isa), f"paged_prefill_{qs}_{ks}")(
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
+        d, bs, float(scale), float(k_scale), float(v_scale), torch.get_num_threads())
+
+
+def paged_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
+               q_len: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+               k_scale: float = 1.0, v_scale: float = 1.0, isa: str | None = None) -> None:
+    """Several query rows per request with the decode kernel's bits, each request's context read once per tile.
+
+    Request ``r`` owns rows ``q_start[r] : q_start[r] + q_len[r]`` of ``q``; new token ``i`` attends to the
+    first ``seq_lens[r] - q_len[r] + i + 1`` positions of its block table (causal). Every row is computed
+    with exactly :func:`paged_decode`'s arithmetic for that context (two passes: scores with the kernel's
+    per-key reduction, ``exp(s - max)`` and their sum in order, then ``sum_l p_l v_l`` in order), so its
+    bits equal ``paged_decode`` over one row per token -- a decode step, a speculative-decoding verify step,
+    a batch-invariant prompt or chunk, whatever the tiling, the other rows or the thread count
+    (``tests/model/test_paged_attention_cpu.py``). What is shared is the memory traffic: a work item
+    (request, up to 16 tokens, KV head) widens each K/V vector of the tile's context once for all its
+    rows (PagedAttention's decode, Kwon et al., arXiv 2309.06180 §4.1, over a tile of query rows). On the
+    scalar variant and for head sizes other than 64 / 128 it runs the decode kernel's own per-token items.
+    Rows of ``out`` that belong to no listed request are not touched.
+
+    Args:
+        q: ``[num_tokens, H, D]`` contiguous, float32 or bfloat16, any ``D``.
+        kv_cache: ``[2, num_blocks, block_size, KVH, D]`` contiguous (see :func:`paged_decode`).
+        block_tables: ``[R, >= ceil(max(seq_lens) / block_size)]`` int32, last dim contiguous.
+        q_start, q_len, seq_lens: ``[R]`` int32 (``1 <= q_len[r] <= seq_lens[r]``).
+        scale: softmax scale.
+        out: ``[num_tokens, H, D]`` contiguous, same dtype as ``q``; written in place.
+        k_scale, v_scale: the cache's dequantisation scales.
+        isa: kernel variant (None: this CPU's best).
+
+    Raises:
+        RuntimeError: the kernel cannot serve the call (check :func:`supports`), or ``q``/``out`` are not
+            contiguous tensors of one shape and dtype.
+    """
+    if not supports(q, kv_cache, isa):
+        raise RuntimeError("CPU paged rows kernel unavailable for this call")
+    if not (q.is_contiguous() and out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype):
+        raise RuntimeError("paged_rows needs contiguous q and out of the same shape and dtype")
+    _, h, d = q.shape
+    _, _, bs, kvh, _ = kv_cache.shape
+    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
+        block_tables = block_tables.to(torch.int32).contiguous()
+    q_start, q_len, seq_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_len, seq_lens))
+    qs, ks = _suffixes(q, kv_cache)
+    getattr(load(isa), f"paged_rows_{qs}_{ks}")(
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
         d, bs, float(scale), float(k_scale), float(v_scale), torch.get_num_threads())
