@@ -293,18 +293,8 @@ class OpenAIServing:
                     chat_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None,
                     tools: list[dict[str, Any]] | None = None, tool_format: ToolParser | None = None,
                     tool_instructions: str | None = None) -> str:
-        """The prompt text of a conversation, from the request's or the model's chat template.
-
-        A template that reads ``tools`` gets them (and earlier turns' ``tool_calls`` / ``tool_call_id``)
-        as Hugging Face's ``apply_chat_template`` passes them. Any other template gets the tools described
-        in a system message (appended to the first system message, or a new one in front), earlier
-        tool calls written into the assistant's text in ``tool_format``'s syntax (Hermes'
-        ``<tool_call>`` blocks by default), and tool results as user turns in ``<tool_response>`` blocks.
-
-        Args:
-            tools: the request's ``tools`` as dicts (None: the template sees none).
-            tool_format: the syntax of calls in the fallback (the configured ``--tool-call-parser``).
-            tool_instructions: how to call, for the fallback's system message (default: the format's).
+        """The prompt text of a conversation, from the request's or else the model's chat template: see
+        :func:`tokenmill.server.chat_prompt.render_chat_text` (tools, earlier calls, tool results).
 
         Raises:
             APIError: 400 when there is no template or it fails on these messages.

@@ -217,6 +217,15 @@ class _RowsPlan:
     seq_lens: torch.Tensor      # [R] int32 context after this step
 
 
+def _ragged_plan_args(md, starts, which: list[int], device) -> tuple[torch.Tensor, ...]:
+    """``(block_tables, q_start, q_len, seq_lens)`` of the step's requests ``which``, for a ragged-query kernel
+    plan (:class:`_KernelPrefillPlan`, :class:`_RowsPlan`)."""
+    idx = torch.tensor(which, device=device)
+    return (md.block_tables[idx].contiguous(), torch.tensor(starts[which], dtype=torch.int32, device=device),
+            torch.tensor([md.query_lens[i] for i in which], dtype=torch.int32, device=device),
+            md.seq_lens[idx].contiguous())
+
+
 @dataclass
 class _PrefillPlan:
     """One prefill/chunk request: its token rows and (with a cached prefix) gather indices."""
@@ -408,22 +417,12 @@ class TorchAttentionBackend(AttentionBackend):
         rows_plan = None
         multi = [i for i, d in enumerate(as_dec) if d and md.query_lens[i] > 1]
         if multi:   # as_dec admits a multi-token query only with the kernel: the rows kernel serves them
-            idx = torch.tensor(multi, device=device)
-            rows_plan = _RowsPlan(
-                block_tables=md.block_tables[idx].contiguous(),
-                q_start=torch.tensor(starts[multi], dtype=torch.int32, device=device),
-                q_len=torch.tensor([md.query_lens[i] for i in multi], dtype=torch.int32, device=device),
-                seq_lens=md.seq_lens[idx].contiguous())
+            rows_plan = _RowsPlan(*_ragged_plan_args(md, starts, multi, device))
         dec = [i for i, d in enumerate(as_dec) if d and md.query_lens[i] == 1]
         prefills = []
         pre = [i for i, d in enumerate(as_dec) if not d]
         if use_prefill_kernel and pre:
-            idx = torch.tensor(pre, device=device)
-            prefills = _KernelPrefillPlan(
-                block_tables=md.block_tables[idx].contiguous(),
-                q_start=torch.tensor(starts[pre], dtype=torch.int32, device=device),
-                q_len=torch.tensor([md.query_lens[i] for i in pre], dtype=torch.int32, device=device),
-                seq_lens=md.seq_lens[idx].contiguous())
+            prefills = _KernelPrefillPlan(*_ragged_plan_args(md, starts, pre, device))
             pre = []
         for i in pre:
             ql, ctx, s, e = md.query_lens[i], md.seq_lens_list[i], int(starts[i]), int(starts[i + 1])

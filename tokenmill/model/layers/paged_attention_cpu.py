@@ -191,16 +191,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         raise RuntimeError("CPU paged prefill kernel unavailable for this call")
     if not (q.is_contiguous() and out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype):
         raise RuntimeError("paged_prefill needs contiguous q and out of the same shape and dtype")
-    _, h, d = q.shape
-    _, _, bs, kvh, _ = kv_cache.shape
-    if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
-        block_tables = block_tables.to(torch.int32).contiguous()
-    q_start, q_len, seq_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_len, seq_lens))
-    qs, ks = _suffixes(q, kv_cache)
-    getattr(load(isa), f"paged_prefill_{qs}_{ks}")(
-        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
-        d, bs, float(scale), float(k_scale), float(v_scale), torch.get_num_threads())
+    _run_ragged("paged_prefill", q, kv_cache, block_tables, q_start, q_len, seq_lens, scale, out, k_scale, v_scale,
+                isa)
 
 
 def paged_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, q_start: torch.Tensor,
@@ -238,13 +230,21 @@ def paged_rows(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tens
         raise RuntimeError("CPU paged rows kernel unavailable for this call")
     if not (q.is_contiguous() and out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype):
         raise RuntimeError("paged_rows needs contiguous q and out of the same shape and dtype")
+    _run_ragged("paged_rows", q, kv_cache, block_tables, q_start, q_len, seq_lens, scale, out, k_scale, v_scale, isa)
+
+
+def _run_ragged(kernel: str, q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                q_start: torch.Tensor, q_len: torch.Tensor, seq_lens: torch.Tensor, scale: float, out: torch.Tensor,
+                k_scale: float, v_scale: float, isa: str | None) -> None:
+    """Call ``{kernel}_{q dtype}_{kv dtype}`` (``paged_prefill`` or ``paged_rows``: the same ragged-query
+    signature) after putting the index tensors in the int32 contiguous form the C code reads."""
     _, h, d = q.shape
     _, _, bs, kvh, _ = kv_cache.shape
     if block_tables.dtype != torch.int32 or block_tables.stride(-1) != 1:
         block_tables = block_tables.to(torch.int32).contiguous()
     q_start, q_len, seq_lens = (t.to(torch.int32).contiguous() for t in (q_start, q_len, seq_lens))
     qs, ks = _suffixes(q, kv_cache)
-    getattr(load(isa), f"paged_rows_{qs}_{ks}")(
+    getattr(load(isa), f"{kernel}_{qs}_{ks}")(
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), out.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), q_len.shape[0], h, kvh,
         d, bs, float(scale), float(k_scale), float(v_scale), torch.get_num_threads())
