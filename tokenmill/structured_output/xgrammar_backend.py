@@ -400,13 +400,7 @@ class SparseRowsMask:
     def write(self, logits: Any) -> None:
         """``logits[r, t] = -inf`` for every row ``r`` of :attr:`rows` and every token ``t`` it refuses; in
         place (``[N, V]`` contiguous float32 CPU tensor): what :func:`apply_token_bitmask` writes there."""
-        ln = logits.numpy()
-        flat = ln.reshape(-1)
-        at = self.row * ln.shape[1] + self.ids
-        kept = flat[at]
-        for a, b, _ in self.runs:
-            ln[a:b].fill(float("-inf"))
-        flat[at] = kept
+        _write_sparse_rows(logits.numpy(), self.row, self.ids, self.runs)
 
     def argmax(self, logits: Any) -> tuple[Any, Any]:
         """Per row of :attr:`rows`: the allowed token with the largest logit (the lowest id among equal
@@ -432,6 +426,18 @@ class SparseRowsMask:
         ok = (pos >= self._starts) & (pos < self._starts + counts)
         pos = np.where(ok, pos, self._starts)
         return self.ids[pos], best
+
+
+def _write_sparse_rows(ln: Any, row: Any, ids: Any, runs: list[tuple[int, int, int]]) -> None:
+    """Sparse rows' mask into ``ln`` (``[N, V]`` contiguous float32 numpy view of the logits), in place: every
+    row of ``runs`` to ``-inf`` except its allowed ``(row, ids)`` entries -- one gather of the allowed values,
+    one fill per run of consecutive rows, one scatter back."""
+    flat = ln.reshape(-1)                       # a view (contiguous)
+    at = row * ln.shape[1] + ids
+    kept = flat[at]
+    for a, b, _ in runs:
+        ln[a:b].fill(float("-inf"))
+    flat[at] = kept
 
 
 def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], plan: MaskPlan | None = None,
@@ -481,12 +487,7 @@ def apply_token_bitmask(logits: Any, bitmask: Any, rows: list[int], plan: MaskPl
         if defer_sparse and len(np.unique(row)) == len(plan.sparse_rows):   # every row allows a token
             deferred = SparseRowsMask(plan.sparse_rows, row, ids)
     if deferred is None and plan.sparse_rows:
-        flat = ln.reshape(-1)                   # a view (contiguous)
-        at = row * vocab + ids
-        kept = flat[at]
-        for a, b, _ in plan.sparse_runs:
-            ln[a:b].fill(ninf)
-        flat[at] = kept
+        _write_sparse_rows(ln, row, ids, plan.sparse_runs)
     covered = min(vocab, plan.width)
     for a, b, j in plan.dense_runs:
         np.copyto(ln[a:b, :covered], ninf, where=plan.dense[j:j + b - a, :covered])
