@@ -83,6 +83,82 @@ def gemm_args(w: LowBitWeight, x: torch.Tensor, y: torch.Tensor) -> tuple:
             w.out_features)
 
 
+def model_step(args) -> None:
+    """Whole decode steps (B=``--batch``, ``--context`` cached tokens) of the packaged model through the CPU step
+    graph, its prepared calls in this tree's form (ctypes values made once, :meth:`CpuStepGraph._fast_calls`) and
+    in the plain form (each call converting its Python ints through ``argtypes``, as before), the two swapped per
+    repetition in one process; each arm's final hidden states are compared bit for bit."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from roofline import synthetic_step
+    from tokenmill.config import EngineConfig
+    from tokenmill.model.process_tuning import configure_threads
+    from tokenmill.model.runner import ModelRunner
+    from tokenmill.model.step_graph import CpuStepGraph
+
+    threads = configure_threads(torch.device("cpu"))
+    cfg = EngineConfig.from_kwargs(dtype="float32", num_kv_blocks=args.batch * (args.context // 16 + 2) + 8,
+                                   max_model_len=1024, enforce_eager=True, max_num_seqs=max(args.batch, 8),
+                                   enable_prefix_caching=False)
+    runner = ModelRunner.from_config(cfg)
+    from tokenmill.model.layers.linear import wait_for_packing
+    wait_for_packing(runner.model)
+    g = runner.step_graph
+    assert isinstance(g, CpuStepGraph), "the step graph does not serve this model here"
+    so = synthetic_step(runner, [1] * args.batch, [args.context] * args.batch)
+    torch.manual_seed(0)
+    for kv in runner.kv_caches:          # a context to attend over (the synthetic step never wrote one)
+        kv.copy_(torch.randn(kv.shape) * 0.5)
+    fast = CpuStepGraph._fast_calls
+    forms = {"plain calls": lambda calls: [(fn, a, fn) for fn, a in calls], "prepared calls": fast}
+    tables, finals = {}, {}
+    for name, form in forms.items():
+        g._calls.clear()
+        g._fast_calls = form
+        runner.execute_model(so)
+        runner.execute_model(so)
+        tables[name] = dict(g._calls)
+        finals[name] = g.final[:args.batch].clone()
+    g._fast_calls = fast
+    same = torch.equal(finals["plain calls"].view(torch.int32), finals["prepared calls"].view(torch.int32)) and \
+        bool(finals["plain calls"].isfinite().all())
+    times = {k: [] for k in forms}
+    a0 = _cpu_snap()
+    for _ in range(args.reps):
+        for name in forms:
+            g._calls = tables[name]
+            t0 = time.perf_counter()
+            runner.execute_model(so)
+            times[name].append(time.perf_counter() - t0)
+    others = _cpu_others(a0)
+    med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    print(f"decode B={args.batch} ctx {args.context}, float32, {threads} threads, step graph, medians of {args.reps} "
+          f"(arms alternating); final hidden states bit-equal: {same}; other processes' CPU during the runs: "
+          f"{others:.2f} s")
+    for k, v in med.items():
+        print(f"  {k:<16} {v * 1e3:7.2f} ms (min {min(times[k]) * 1e3:7.2f})")
+    print(f"  plain / prepared: {med['plain calls'] / med['prepared calls']:.3f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"batch": args.batch, "context": args.context, "threads": threads, "bits_equal": same,
+                       "other_cpu_s": others, "median_ms": {k: v * 1e3 for k, v in med.items()},
+                       "all_ms": {k: [x * 1e3 for x in v] for k, v in times.items()}}, f, indent=1)
+
+
+def _cpu_snap() -> tuple[int, int]:
+    """(busy jiffies of the machine, of this process) from /proc."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    with open("/proc/self/stat") as f:
+        st = f.read().rsplit(")", 1)[1].split()
+    return sum(v[:3]) + sum(v[5:7]), int(st[11]) + int(st[12])
+
+
+def _cpu_others(a: tuple[int, int]) -> float:
+    """CPU-seconds other processes used since snapshot ``a`` (steal time excluded): a quiet run reads ~0."""
+    b = _cpu_snap()
+    return ((b[0] - a[0]) - (b[1] - a[1])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=2)
@@ -90,7 +166,13 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--baseline-csrc", default="", help="also time the kernel built from this csrc directory")
     ap.add_argument("--json", default="")
+    ap.add_argument("--model-step", action="store_true", help="time whole step-graph decode steps instead")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
     args = ap.parse_args()
+    if args.model_step:
+        model_step(args)
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     probe = build_probe()
@@ -152,6 +234,7 @@ def main() -> None:
     shape_t = {name: {s: [] for s in [x[0] for x in LAYER] + ["head"]} for name in libs}
     for f in arms.values():
         f()
+    a0 = _cpu_snap()
     for _ in range(args.reps):
         for k, f in arms.items():
             times[k].append(f())
@@ -163,12 +246,14 @@ def main() -> None:
                 acc[s] += time.perf_counter() - t0
             for s, v in acc.items():
                 shape_t[name][s].append(v)
+    others = _cpu_others(a0)
     med = lambda v: sorted(v)[len(v) // 2]
     hot_bytes = step_bytes - head.i8_stream_bytes
     res = {"threads": args.threads, "reps": args.reps, "step_bytes": step_bytes,
            "load_average_before": os.getloadavg(), "arms": {}, "per_shape": {}}
     print(f"threads {args.threads}, {n} calls, {step_bytes / 1e6:.1f} MB per step, medians of {args.reps}; "
-          f"load average {os.getloadavg()[0]:.2f}")
+          f"load average {os.getloadavg()[0]:.2f}; other processes' CPU during the runs {others:.2f} s")
+    res["other_cpu_s"] = others
     for k, v in times.items():
         b = hot_bytes if k.endswith("/hot") else step_bytes
         m = med(v)
