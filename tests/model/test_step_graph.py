@@ -303,3 +303,59 @@ def test_graph_accepts_verify_steps_the_eager_attention_serves_as_decode_rows(mo
     monkeypatch.setenv("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "8")
     capped = build("llama", torch.float32, graph=True, monkeypatch=monkeypatch)[0].step_graph
     assert capped.accepts(8, 4, 8, [4, 4], [9, 9]) and not capped.accepts(9, 5, 9, [5, 4], [9, 9])  # > max
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prepared_calls_are_the_same_c_calls_with_the_same_values(dtype, monkeypatch):
+    """:meth:`CpuStepGraph._fast_calls`: each C kernel call keeps its function's address and passes every
+    argument as an instance of the C type the library declares, holding the value ``argtypes`` would convert
+    to (a wrong type, a dropped argument or a float narrowed twice fails here); the graph's step with the
+    prepared calls equals the step with the plain ones bit for bit."""
+    import ctypes
+
+    needs_lowbit(dtype)
+    runner, model, arch = build("qwen2", dtype, graph=True, monkeypatch=monkeypatch)   # qwen2: biases
+    g = runner.step_graph
+    bufs = [runner.buffers.to_device(k, 3) for k in ("slot_mapping", "block_tables", "seq_lens")]
+    plain = g._build(3, *bufs, 2)
+    fast = CpuStepGraph._fast_calls(plain)
+    assert len(fast) == len(plain)
+    n_c = 0
+    for (fn, args), (ffn, fargs, orig) in zip(plain, fast):
+        assert orig is fn
+        if not isinstance(fn, ctypes._CFuncPtr):
+            assert ffn is fn and fargs is args
+            continue
+        n_c += 1
+        assert ffn is not fn and ffn.argtypes is None and ffn.restype is fn.restype
+        assert ctypes.cast(ffn, ctypes.c_void_p).value == ctypes.cast(fn, ctypes.c_void_p).value
+        assert len(fargs) == len(args) == len(fn.argtypes)
+        for t, v, fv in zip(fn.argtypes, args, fargs):
+            if v is None:
+                assert fv is None
+                continue
+            assert type(fv) is t
+            assert fv.value == t(v).value and (t in (ctypes.c_float, ctypes.c_double) or fv.value == v or
+                                               (t is ctypes.c_void_p and fv.value == v))
+    assert n_c >= 10 * len(model.model.layers)           # every kernel call of every layer is prepared
+    assert g.call_kind(fast[1][2]) == "linear"           # the profile still books calls by their original function
+
+    # the same step through both forms: bit-equal final hidden states
+    ids = torch.tensor([5, 9, 17])
+    pos = torch.tensor([3, 4, 5])
+    slots, tables, lens = bufs
+    for r, p in enumerate(pos.tolist()):      # request r: blocks 8r.., its token at position p
+        tables[r].copy_(torch.arange(8 * r, 8 * r + tables.shape[1]).to(tables.dtype))
+        lens[r] = p + 1
+        slots[r] = (8 * r + p // BLOCK) * BLOCK + p % BLOCK
+    gen = torch.Generator().manual_seed(0)
+    for kv in g.kv_caches:                    # a context to attend over
+        kv.copy_(torch.randn(kv.shape, generator=gen).to(kv.dtype))
+    out = {}
+    for name, form in (("plain", lambda calls: [(f, a, f) for f, a in calls]), ("fast", CpuStepGraph._fast_calls)):
+        g._calls.clear()
+        monkeypatch.setattr(g, "_fast_calls", form)
+        out[name] = g.run(ids, pos, *bufs).clone()
+    assert out["plain"].isfinite().all()
+    assert torch.equal(out["plain"].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       out["fast"].view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
