@@ -1051,16 +1051,6 @@ static void tile_scales(const float *scale, const float *min, const uint16_t *sc
     *mn = min_h ? buf + ng * NT : 0;
 }
 
-/* One- and two-row row chunks (decode) prefetch the first PF_START bytes of each thread's first tile before
- * reading it: every call starts on weights the hardware prefetcher has not seen, and the one-row kernel's own
- * prefetch (PF_DIST ahead) only covers what follows, so each call's first 2 KB per thread were serial demand
- * misses (AVX2 EPYC, 2 threads, DRAM-streamed 576->3072 Q4_1 at one row: ~+20% GB/s; a decode step makes 121
- * such calls of 0.2-1.1 MB). Prefetches never fault and change no bits. */
-#define PF_START 2048
-static inline void prefetch_first_tile(const uint8_t *c, int64_t tile_bytes) {
-    for (int64_t o = 0; o < tile_bytes && o < PF_START; o += 64) __builtin_prefetch(c + o, 0, 3);
-}
-
 /* The integer path's driver: float32 scale/min arrays, or float16 ones (scale_h, min_h; scale = min = NULL). */
 static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
                     const void *codes, int64_t group, const float *scale, const float *min, const uint16_t *scale_h,
@@ -1090,16 +1080,11 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
                 for (int64_t r = c0; r < c1; r++)
                     quantize_row_i8((const char *)x + (size_t)(r * ldx) * esz, x_bf16, K, group, SB,
                                     xq + (r - c0) * K, dx + (r - c0) * nsb, xs + (r - c0) * ng);
-                int first = c1 - c0 <= 2;
 #pragma omp for schedule(static) nowait
                 for (int64_t t = 0; t < ntiles; t++) {
                     float out[MR_I8 * NT];
                     const uint8_t *c = (const uint8_t *)codes + t * tile_bytes;
                     const float *sc, *mn;
-                    if (first) {
-                        prefetch_first_tile(c, tile_bytes);
-                        first = 0;
-                    }
                     tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
                     const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
                     for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
@@ -1123,16 +1108,11 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
 #pragma omp parallel
     for (int64_t c0 = 0; c0 < M; c0 += MC) {
     const int64_t c1 = M - c0 < MC ? M : c0 + MC;
-    int first = c1 - c0 <= 2;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntiles; t++) {
         float out[MR_I8 * NT];
         const uint8_t *c = (const uint8_t *)codes + t * tile_bytes;
         const float *sc, *mn;
-        if (first) {
-            prefetch_first_tile(c, tile_bytes);
-            first = 0;
-        }
         tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
         const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
         for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
