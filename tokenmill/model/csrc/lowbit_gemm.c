@@ -808,7 +808,7 @@ static void unpack4_tile(const uint8_t *codes, int64_t K, uint8_t *u) {
     }
 }
 
-AI void tile_i8_b32_u4(const uint8_t *u, const float *sc, const float *mn, const int8_t *xq, const float *dx,
+AI void tile_i8_b32_u(int bits, const uint8_t *u, const float *sc, const float *mn, const int8_t *xq, const float *dx,
                        const float *xs, int64_t K, int MR, float *out) {
     const int64_t nsb = K / 32;
     const __m256i ones = _mm256_set1_epi16(1);
@@ -819,7 +819,47 @@ AI void tile_i8_b32_u4(const uint8_t *u, const float *sc, const float *mn, const
         for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm256_setzero_si256();
         const int8_t *xb = xq + s * 32;
         const uint8_t *c = u + s * 8 * NT_I8 * 4;
-        if (MR == 4) {  /* GCC keeps 8 products and 8 accumulators live at once here (spills): the step by hand */
+        if (bits == 8 && MR == 4) {    /* 8-bit: |q| unsigned x (x with q's sign), pairs widened at once */
+            const int64_t K3 = 3 * K;
+#pragma GCC unroll 1
+            for (int j = 0; j < 8; j++) {
+                __m256i w0, w1, t, v, p;
+                __asm__("vpabsb (%[c]), %[w0]\n\t"
+                        "vpabsb 32(%[c]), %[w1]\n\t"
+#define U8_ROW(X, A0, A1) \
+                        "vpbroadcastd " X ", %[t]\n\t" \
+                        "vpsignb (%[c]), %[t], %[v]\n\t" \
+                        "vpmaddubsw %[v], %[w0], %[p]\n\t" \
+                        "vpmaddwd %[ones], %[p], %[p]\n\t" \
+                        "vpaddd %[p], %[" A0 "], %[" A0 "]\n\t" \
+                        "vpsignb 32(%[c]), %[t], %[v]\n\t" \
+                        "vpmaddubsw %[v], %[w1], %[p]\n\t" \
+                        "vpmaddwd %[ones], %[p], %[p]\n\t" \
+                        "vpaddd %[p], %[" A1 "], %[" A1 "]\n\t"
+                        U8_ROW("(%[x])", "a00", "a10")
+                        U8_ROW("(%[x],%[k1])", "a01", "a11")
+                        U8_ROW("(%[x],%[k1],2)", "a02", "a12")
+                        U8_ROW("(%[x],%[k3])", "a03", "a13")
+#undef U8_ROW
+                        : [a00] "+x"(a0[0]), [a01] "+x"(a0[1]), [a02] "+x"(a0[2]), [a03] "+x"(a0[3]),
+                          [a10] "+x"(a1[0]), [a11] "+x"(a1[1]), [a12] "+x"(a1[2]), [a13] "+x"(a1[3]),
+                          [w0] "=&x"(w0), [w1] "=&x"(w1), [t] "=&x"(t), [v] "=&x"(v), [p] "=&x"(p)
+                        : [c] "r"(c + j * NT_I8 * 4), [x] "r"(xb + 4 * j), [k1] "r"(K), [k3] "r"(K3), [ones] "x"(ones)
+                        : "memory");
+            }
+        } else if (bits == 8) {
+#pragma GCC unroll 1
+            for (int j = 0; j < 8; j++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(c + j * NT_I8 * 4));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(c + j * NT_I8 * 4 + 32));
+                const __m256i aw0 = _mm256_abs_epi8(w0), aw1 = _mm256_abs_epi8(w1);
+                for (int r = 0; r < MR; r++) {
+                    const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xb + r * K + 4 * j));
+                    a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, w0)), ones));
+                    a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, w1)), ones));
+                }
+            }
+        } else if (MR == 4) {  /* GCC keeps 8 products and 8 accumulators live at once here (spills): the step by hand */
             const int64_t K3 = 3 * K;
 #pragma GCC unroll 1
             for (int j = 0; j < 8; j++) {
@@ -866,8 +906,12 @@ AI void tile_i8_b32_u4(const uint8_t *u, const float *sc, const float *mn, const
         const __m256 wsc0 = _mm256_loadu_ps(sc + s * NT), wsc1 = _mm256_loadu_ps(sc + s * NT + 8);
         for (int r = 0; r < MR; r++) {
             const __m256 d = _mm256_broadcast_ss(dx + r * nsb + s);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a0[r], ones)), _mm256_mul_ps(wsc0, d), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(a1[r], ones)), _mm256_mul_ps(wsc1, d), acc1[r]);
+            if (bits == 4) {
+                a0[r] = _mm256_madd_epi16(a0[r], ones);
+                a1[r] = _mm256_madd_epi16(a1[r], ones);
+            }
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(wsc0, d), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(wsc1, d), acc1[r]);
         }
         if (mn) {
             const __m256 m0 = _mm256_loadu_ps(mn + s * NT), m1 = _mm256_loadu_ps(mn + s * NT + 8);
@@ -884,14 +928,15 @@ AI void tile_i8_b32_u4(const uint8_t *u, const float *sc, const float *mn, const
     }
 }
 
-static void tile_rows_i8_u4(const uint8_t *u, const float *sc, const float *mn, const int8_t *xq, const float *dx,
-                            const float *xs, int64_t K, int mr, float *out) {
-    switch (mr) {
-        case 1: tile_i8_b32_u4(u, sc, mn, xq, dx, xs, K, 1, out); break;
-        case 2: tile_i8_b32_u4(u, sc, mn, xq, dx, xs, K, 2, out); break;
-        case 3: tile_i8_b32_u4(u, sc, mn, xq, dx, xs, K, 3, out); break;
-        default: tile_i8_b32_u4(u, sc, mn, xq, dx, xs, K, 4, out); break;
-    }
+static void tile_rows_i8_u(int bits, const uint8_t *u, const float *sc, const float *mn, const int8_t *xq,
+                           const float *dx, const float *xs, int64_t K, int mr, float *out) {
+#define U_CASES(B) switch (mr) { \
+        case 1: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 1, out); break; \
+        case 2: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 2, out); break; \
+        case 3: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 3, out); break; \
+        default: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 4, out); break; }
+    if (bits == 4) U_CASES(4) else U_CASES(8)
+#undef U_CASES
 }
 
 /* This thread's buffer for a tile's unpacked codes (K * 16 bytes, 32-byte aligned), kept across calls. */
@@ -1182,7 +1227,8 @@ static void tile_scales(const float *scale, const float *min, const uint16_t *sc
  * them (AVX2, 4-bit, group 32, >= U4_MIN_ROWS rows), else NULL (the packed passes above). Same bits either way. */
 static const uint8_t *many_rows_codes(int bits, const uint8_t *c, int64_t K, int64_t group, int64_t rows) {
 #if HAVE_U4
-    if (bits == 4 && group == 32 && rows >= U4_MIN_ROWS) {
+    if (group == 32 && rows >= U4_MIN_ROWS) {
+        if (bits == 8) return c;     /* the 8-bit i8 layout already is one byte per code in that order */
         uint8_t *u = u4_thread_buffer(K);
         if (u) unpack4_tile(c, K, u);
         return u;
@@ -1233,8 +1279,8 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
                     for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
                         const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
 #if HAVE_U4
-                        if (u) tile_rows_i8_u4(u, sc, mn, xq + (r0 - c0) * K, dx + (r0 - c0) * nsb,
-                                               xs + (r0 - c0) * ng, K, mr, out);
+                        if (u) tile_rows_i8_u(bits, u, sc, mn, xq + (r0 - c0) * K, dx + (r0 - c0) * nsb,
+                                              xs + (r0 - c0) * ng, K, mr, out);
                         else
 #endif
                         tile_rows_i8(bits, c, sc, mn, xq + (r0 - c0) * K, dx + (r0 - c0) * nsb,
@@ -1267,7 +1313,7 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
         for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
             const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
 #if HAVE_U4
-            if (u) tile_rows_i8_u4(u, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, mr, out);
+            if (u) tile_rows_i8_u(bits, u, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, mr, out);
             else
 #endif
             tile_rows_i8(bits, c, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, group, SB, mr, out);
