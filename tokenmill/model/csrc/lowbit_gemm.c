@@ -950,11 +950,23 @@ static uint8_t *u4_thread_buffer(int64_t K) {
     }
     return buf;
 }
+
+/* The many-row passes' codes for tile c when a row chunk of `rows` rows takes them (4- or 8-bit, group 32,
+ * >= U4_MIN_ROWS rows): 4-bit codes unpacked into this thread's buffer, 8-bit ones as they are (the i8 layout
+ * already is one byte per code in that order); else NULL (tile_rows_i8's passes). Same bits either way. */
+static const uint8_t *many_rows_codes(int bits, const uint8_t *c, int64_t K, int64_t group, int64_t rows) {
+    if (group != 32 || rows < U4_MIN_ROWS) return 0;
+    if (bits == 8) return c;
+    uint8_t *u = u4_thread_buffer(K);
+    if (u) unpack4_tile(c, K, u);
+    return u;
+}
 #define HAVE_U4 1
 #define HAVE_H2 1
 #else
 #define HAVE_H2 0
 #define HAVE_U4 0
+#define many_rows_codes(bits, c, K, group, rows) ((const uint8_t *)0)
 #endif
 
 
@@ -1221,22 +1233,6 @@ static void tile_scales(const float *scale, const float *min, const uint16_t *sc
     *sc = buf;
     if (min_h) f16_row_to_f32(min_h + t * ng * NT, buf + ng * NT, ng * NT);
     *mn = min_h ? buf + ng * NT : 0;
-}
-
-/* The many-row passes' unpacked codes of tile c (this thread's buffer) when a row chunk of `rows` rows takes
- * them (AVX2, 4-bit, group 32, >= U4_MIN_ROWS rows), else NULL (the packed passes above). Same bits either way. */
-static const uint8_t *many_rows_codes(int bits, const uint8_t *c, int64_t K, int64_t group, int64_t rows) {
-#if HAVE_U4
-    if (group == 32 && rows >= U4_MIN_ROWS) {
-        if (bits == 8) return c;     /* the 8-bit i8 layout already is one byte per code in that order */
-        uint8_t *u = u4_thread_buffer(K);
-        if (u) unpack4_tile(c, K, u);
-        return u;
-    }
-#else
-    (void)bits; (void)c; (void)K; (void)group; (void)rows;
-#endif
-    return 0;
 }
 
 /* The integer path's driver: float32 scale/min arrays, or float16 ones (scale_h, min_h; scale = min = NULL). */
