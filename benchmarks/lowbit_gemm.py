@@ -135,12 +135,15 @@ def model_step(args) -> None:
 
 def bench_interleaved(fns: dict, reps: int) -> dict:
     """Median seconds per call of each of ``fns`` (name -> callable), the arms interleaved per repetition so
-    that a shared machine's load changes hit them alike."""
+    that a shared machine's load changes hit them alike, and their order rotated each repetition so that no arm
+    always runs right after the same one (whose cache footprint and OpenMP thread state it inherits)."""
     for f in fns.values():
         f()
     times = {k: [] for k in fns}
-    for _ in range(reps):
-        for k, f in fns.items():
+    names = list(fns)
+    for rep in range(reps):
+        for k in names[rep % len(names):] + names[:rep % len(names)]:
+            f = fns[k]
             t = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t)

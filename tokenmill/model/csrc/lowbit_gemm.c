@@ -780,9 +780,193 @@ AI void tile_i8_b32_h2(int bits, const uint8_t *codes, const float *sc, const fl
         _mm256_storeu_ps(out + r * NT + 8, acc1[r]);
     }
 }
+
+/* Many-row passes (a batched decode step or a prefill chunk: >= U4_MIN_ROWS rows per row chunk), AVX2, 4-bit,
+ * G == SB == 32. The tile's codes are unpacked once per tile into this thread's L1-resident buffer, one byte
+ * per code in the order the multiply-adds consume them: u[K/4][16 rows][4 bytes], byte i of row r in step j
+ * = q[r][4j + i] (0..15). Every pass of up to 4 activation rows then takes both 8-row halves of the tile at
+ * once without the nibble unpack: per 4 columns and row, one activation broadcast feeds two VPMADDUBSW over
+ * the 16 output rows (the packed loop above needs two broadcasts and the unpack per 8 columns and half), and
+ * the two code vectors of a step are the only ones live, so 4 rows x 2 halves of 16-bit accumulators fit the
+ * 16 ymm registers (the float accumulators, touched once per block, live in L1 between blocks). The unpack
+ * costs about one pass's worth of loads and stores per tile, shared by every row of the chunk.
+ * Bits: each 16-bit lane sums the same 16 products (|q x| <= 15 * 127) as tile_i8_b32's, exactly; the block's
+ * int32 sum is the same number, and the float epilogue is the same operations in the same order
+ * (acc = fma(float(sum), scale * dx, acc), then acc = fma(min, xs, acc), per block), so every output's bits
+ * equal tile_i8_b32's and tile_i8_b32_h2's for any grouping of rows into passes. */
+#define U4_MIN_ROWS 8
+static void unpack4_tile(const uint8_t *codes, int64_t K, uint8_t *u) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    for (int64_t kb = 0; kb < K / 8; kb++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + kb * NT_I8 * 4));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + kb * NT_I8 * 4 + 32));
+        uint8_t *o = u + 2 * kb * NT_I8 * 4;
+        _mm256_store_si256((__m256i *)o, _mm256_and_si256(v0, m0f));
+        _mm256_store_si256((__m256i *)(o + 32), _mm256_and_si256(v1, m0f));
+        _mm256_store_si256((__m256i *)(o + 64), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m0f));
+        _mm256_store_si256((__m256i *)(o + 96), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m0f));
+    }
+}
+
+AI void tile_i8_b32_u(int bits, const uint8_t *u, const float *sc, const float *mn, const int8_t *xq, const float *dx,
+                       const float *xs, int64_t K, int MR, float *out) {
+    const int64_t nsb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc0[MR_I8], acc1[MR_I8];
+    for (int r = 0; r < MR; r++) acc0[r] = acc1[r] = _mm256_setzero_ps();
+    for (int64_t s = 0; s < nsb; s++) {
+        __m256i a0[MR_I8], a1[MR_I8];
+        for (int r = 0; r < MR; r++) a0[r] = a1[r] = _mm256_setzero_si256();
+        const int8_t *xb = xq + s * 32;
+        const uint8_t *c = u + s * 8 * NT_I8 * 4;
+        if (bits == 8 && MR == 4) {    /* 8-bit: |q| unsigned x (x with q's sign), pairs widened at once */
+            const int64_t K3 = 3 * K;
+#pragma GCC unroll 1
+            for (int j = 0; j < 8; j++) {
+                __m256i w0, w1, t, v, p;
+                __asm__("vpabsb (%[c]), %[w0]\n\t"
+                        "vpabsb 32(%[c]), %[w1]\n\t"
+#define U8_ROW(X, A0, A1) \
+                        "vpbroadcastd " X ", %[t]\n\t" \
+                        "vpsignb (%[c]), %[t], %[v]\n\t" \
+                        "vpmaddubsw %[v], %[w0], %[p]\n\t" \
+                        "vpmaddwd %[ones], %[p], %[p]\n\t" \
+                        "vpaddd %[p], %[" A0 "], %[" A0 "]\n\t" \
+                        "vpsignb 32(%[c]), %[t], %[v]\n\t" \
+                        "vpmaddubsw %[v], %[w1], %[p]\n\t" \
+                        "vpmaddwd %[ones], %[p], %[p]\n\t" \
+                        "vpaddd %[p], %[" A1 "], %[" A1 "]\n\t"
+                        U8_ROW("(%[x])", "a00", "a10")
+                        U8_ROW("(%[x],%[k1])", "a01", "a11")
+                        U8_ROW("(%[x],%[k1],2)", "a02", "a12")
+                        U8_ROW("(%[x],%[k3])", "a03", "a13")
+#undef U8_ROW
+                        : [a00] "+x"(a0[0]), [a01] "+x"(a0[1]), [a02] "+x"(a0[2]), [a03] "+x"(a0[3]),
+                          [a10] "+x"(a1[0]), [a11] "+x"(a1[1]), [a12] "+x"(a1[2]), [a13] "+x"(a1[3]),
+                          [w0] "=&x"(w0), [w1] "=&x"(w1), [t] "=&x"(t), [v] "=&x"(v), [p] "=&x"(p)
+                        : [c] "r"(c + j * NT_I8 * 4), [x] "r"(xb + 4 * j), [k1] "r"(K), [k3] "r"(K3), [ones] "x"(ones)
+                        : "memory");
+            }
+        } else if (bits == 8) {
+#pragma GCC unroll 1
+            for (int j = 0; j < 8; j++) {
+                const __m256i w0 = _mm256_loadu_si256((const __m256i *)(c + j * NT_I8 * 4));
+                const __m256i w1 = _mm256_loadu_si256((const __m256i *)(c + j * NT_I8 * 4 + 32));
+                const __m256i aw0 = _mm256_abs_epi8(w0), aw1 = _mm256_abs_epi8(w1);
+                for (int r = 0; r < MR; r++) {
+                    const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xb + r * K + 4 * j));
+                    a0[r] = _mm256_add_epi32(a0[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xv, w0)), ones));
+                    a1[r] = _mm256_add_epi32(a1[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xv, w1)), ones));
+                }
+            }
+        } else if (MR == 4) {  /* GCC keeps 8 products and 8 accumulators live at once here (spills): the step by hand */
+            const int64_t K3 = 3 * K;
+#pragma GCC unroll 1
+            for (int j = 0; j < 8; j++) {
+                __m256i w0, w1, t, p;
+                __asm__("vmovdqa (%[c]), %[w0]\n\t"
+                        "vmovdqa 32(%[c]), %[w1]\n\t"
+                        "vpbroadcastd (%[x]), %[t]\n\t"
+                        "vpmaddubsw %[t], %[w0], %[p]\n\t"
+                        "vpaddw %[p], %[a00], %[a00]\n\t"
+                        "vpmaddubsw %[t], %[w1], %[p]\n\t"
+                        "vpaddw %[p], %[a10], %[a10]\n\t"
+                        "vpbroadcastd (%[x],%[k1]), %[t]\n\t"
+                        "vpmaddubsw %[t], %[w0], %[p]\n\t"
+                        "vpaddw %[p], %[a01], %[a01]\n\t"
+                        "vpmaddubsw %[t], %[w1], %[p]\n\t"
+                        "vpaddw %[p], %[a11], %[a11]\n\t"
+                        "vpbroadcastd (%[x],%[k1],2), %[t]\n\t"
+                        "vpmaddubsw %[t], %[w0], %[p]\n\t"
+                        "vpaddw %[p], %[a02], %[a02]\n\t"
+                        "vpmaddubsw %[t], %[w1], %[p]\n\t"
+                        "vpaddw %[p], %[a12], %[a12]\n\t"
+                        "vpbroadcastd (%[x],%[k3]), %[t]\n\t"
+                        "vpmaddubsw %[t], %[w0], %[p]\n\t"
+                        "vpaddw %[p], %[a03], %[a03]\n\t"
+                        "vpmaddubsw %[t], %[w1], %[p]\n\t"
+                        "vpaddw %[p], %[a13], %[a13]"
+                        : [a00] "+x"(a0[0]), [a01] "+x"(a0[1]), [a02] "+x"(a0[2]), [a03] "+x"(a0[3]),
+                          [a10] "+x"(a1[0]), [a11] "+x"(a1[1]), [a12] "+x"(a1[2]), [a13] "+x"(a1[3]),
+                          [w0] "=&x"(w0), [w1] "=&x"(w1), [t] "=&x"(t), [p] "=&x"(p)
+                        : [c] "r"(c + j * NT_I8 * 4), [x] "r"(xb + 4 * j), [k1] "r"(K), [k3] "r"(K3)
+                        : "memory");
+            }
+        } else
+#pragma GCC unroll 1
+        for (int j = 0; j < 8; j++) {
+            const __m256i w0 = _mm256_load_si256((const __m256i *)(c + j * NT_I8 * 4));
+            const __m256i w1 = _mm256_load_si256((const __m256i *)(c + j * NT_I8 * 4 + 32));
+            for (int r = 0; r < MR; r++) {
+                const __m256i xv = _mm256_set1_epi32(*(const int32_t *)(xb + r * K + 4 * j));
+                a0[r] = _mm256_add_epi16(a0[r], _mm256_maddubs_epi16(w0, xv));
+                a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(w1, xv));
+            }
+        }
+        const __m256 wsc0 = _mm256_loadu_ps(sc + s * NT), wsc1 = _mm256_loadu_ps(sc + s * NT + 8);
+        for (int r = 0; r < MR; r++) {
+            const __m256 d = _mm256_broadcast_ss(dx + r * nsb + s);
+            if (bits == 4) {
+                a0[r] = _mm256_madd_epi16(a0[r], ones);
+                a1[r] = _mm256_madd_epi16(a1[r], ones);
+            }
+            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(wsc0, d), acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(wsc1, d), acc1[r]);
+        }
+        if (mn) {
+            const __m256 m0 = _mm256_loadu_ps(mn + s * NT), m1 = _mm256_loadu_ps(mn + s * NT + 8);
+            for (int r = 0; r < MR; r++) {
+                const __m256 xsv = _mm256_broadcast_ss(xs + r * nsb + s);
+                acc0[r] = _mm256_fmadd_ps(m0, xsv, acc0[r]);
+                acc1[r] = _mm256_fmadd_ps(m1, xsv, acc1[r]);
+            }
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out + r * NT, acc0[r]);
+        _mm256_storeu_ps(out + r * NT + 8, acc1[r]);
+    }
+}
+
+static void tile_rows_i8_u(int bits, const uint8_t *u, const float *sc, const float *mn, const int8_t *xq,
+                           const float *dx, const float *xs, int64_t K, int mr, float *out) {
+#define U_CASES(B) switch (mr) { \
+        case 1: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 1, out); break; \
+        case 2: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 2, out); break; \
+        case 3: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 3, out); break; \
+        default: tile_i8_b32_u(B, u, sc, mn, xq, dx, xs, K, 4, out); break; }
+    if (bits == 4) U_CASES(4) else U_CASES(8)
+#undef U_CASES
+}
+
+/* This thread's buffer for a tile's unpacked codes (K * 16 bytes, 32-byte aligned), kept across calls. */
+static uint8_t *u4_thread_buffer(int64_t K) {
+    static __thread uint8_t *buf;
+    static __thread int64_t cap;
+    if (K * NT_I8 > cap) {
+        free(buf);
+        buf = (uint8_t *)aligned_alloc(64, (size_t)(K * NT_I8 + 63) / 64 * 64);
+        cap = buf ? K * NT_I8 : 0;
+    }
+    return buf;
+}
+
+/* The many-row passes' codes for tile c when a row chunk of `rows` rows takes them (4- or 8-bit, group 32,
+ * >= U4_MIN_ROWS rows): 4-bit codes unpacked into this thread's buffer, 8-bit ones as they are (the i8 layout
+ * already is one byte per code in that order); else NULL (tile_rows_i8's passes). Same bits either way. */
+static const uint8_t *many_rows_codes(int bits, const uint8_t *c, int64_t K, int64_t group, int64_t rows) {
+    if (group != 32 || rows < U4_MIN_ROWS) return 0;
+    if (bits == 8) return c;
+    uint8_t *u = u4_thread_buffer(K);
+    if (u) unpack4_tile(c, K, u);
+    return u;
+}
+#define HAVE_U4 1
 #define HAVE_H2 1
 #else
 #define HAVE_H2 0
+#define HAVE_U4 0
+#define many_rows_codes(bits, c, K, group, rows) ((const uint8_t *)0)
 #endif
 
 
@@ -1087,8 +1271,14 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
                     const float *sc, *mn;
                     tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
                     const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
+                    const uint8_t *u = many_rows_codes(bits, c, K, group, c1 - c0);
                     for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
                         const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
+#if HAVE_U4
+                        if (u) tile_rows_i8_u(bits, u, sc, mn, xq + (r0 - c0) * K, dx + (r0 - c0) * nsb,
+                                              xs + (r0 - c0) * ng, K, mr, out);
+                        else
+#endif
                         tile_rows_i8(bits, c, sc, mn, xq + (r0 - c0) * K, dx + (r0 - c0) * nsb,
                                      xs + (r0 - c0) * ng, K, group, SB, mr, out);
                         store_tile(out, mr, nn, bias, n0, y, y_bf16, ldy, r0);
@@ -1115,8 +1305,13 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
         const float *sc, *mn;
         tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
         const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
+        const uint8_t *u = many_rows_codes(bits, c, K, group, c1 - c0);
         for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
             const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
+#if HAVE_U4
+            if (u) tile_rows_i8_u(bits, u, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, mr, out);
+            else
+#endif
             tile_rows_i8(bits, c, sc, mn, xq + r0 * K, dx + r0 * nsb, xs + r0 * ng, K, group, SB, mr, out);
             store_tile(out, mr, nn, bias, n0, y, y_bf16, ldy, r0);
         }
