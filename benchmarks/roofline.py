@@ -453,6 +453,14 @@ def main() -> None:
           + (f"; block linears read int4 codes ({'at every step size' if runner.batch_invariant else f'in steps of <= {runner.lowbit_max_tokens} tokens'};"
              f" the bound uses their bytes)" if runner.lowbit_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
+    # The pool is allocated without zeroing and the synthetic decode steps attend over cached positions no prefill
+    # wrote: garbage there gave NaN logits (every row), so the timed steps took the sampler's NaN path (nan_to_num
+    # copy + a second argmax: "sampling" 10 ms at B=64 instead of ~4) and attention ran on garbage (denormals).
+    # Finite values, as a served request's cache holds.
+    g = torch.Generator().manual_seed(0)
+    for kv in runner.kv_caches:
+        if kv.is_floating_point():
+            kv.copy_(torch.randn(kv.shape, generator=g, dtype=torch.float32).to(kv.dtype))
 
     report: dict = {"steps": {}, "breakdown": {}}
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
