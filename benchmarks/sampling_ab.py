@@ -46,9 +46,8 @@ def main() -> None:
                                    enforce_eager=True, max_num_seqs=max(batches), enable_prefix_caching=False)
     runner = ModelRunner.from_config(cfg)
     wait_for_packing(runner.model)
+    rl.fill_kv_pool(runner)
     g = torch.Generator().manual_seed(0)
-    for kv in runner.kv_caches:
-        kv.copy_(torch.randn(kv.shape, generator=g).to(kv.dtype))
     kernel = fused_cpu.argmax_rows
     arms = {"torch": lambda x: None, "kernel": kernel}
     clock = time.perf_counter

@@ -48,7 +48,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import synthetic_step  # noqa: E402
+from roofline import fill_kv_pool, synthetic_step  # noqa: E402
 
 from tokenmill import envs  # noqa: E402
 
@@ -329,6 +329,7 @@ def main() -> None:
                                    max_num_seqs=max(batches), enable_prefix_caching=False)
     runner = ModelRunner.from_config(cfg)
     wait_for_packing(runner.model)
+    fill_kv_pool(runner)   # synthetic steps attend over unwritten positions: finite values, not garbage
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {threads} threads, kernels {cpu_build.cpu_isa()}, dtype {args.dtype}, "
           f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '-')}, "
