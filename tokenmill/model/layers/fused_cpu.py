@@ -131,23 +131,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Row-wise ``torch.argmax`` and maximum of ``x`` in one pass (the greedy sampler's argmax).
+    """Row-wise ``torch.argmax`` of ``x`` and the values there (the greedy sampler's argmax).
 
     Args:
         x: ``[R, V]`` float32 CPU tensor (``V >= 1``) with a contiguous last dimension.
 
     Returns:
-        ``(ids, best)``: ``[R]`` int64, ``[R]`` float32, the values of ``x.argmax(dim=-1)`` and
-        ``x.max(dim=-1).values`` bit for bit: the first index of a row's maximum (ties: the lowest index;
-        ``-0.0`` equals ``+0.0``), and where the row holds a NaN the index of its first NaN and that NaN
+        ``(ids, best)``: ``[R]`` int64, ``[R]`` float32, equal to ``x.argmax(dim=-1)`` and
+        ``x.gather(1, ids[:, None])[:, 0]`` bit for bit: the first index of a row's maximum (ties: the lowest
+        index; ``-0.0`` equals ``+0.0``), and where the row holds a NaN the index of its first NaN and that NaN
         (torch ranks NaN above every number). None where the kernel cannot serve ``x`` (another dtype or
         device, a strided last dimension, an empty dimension, autograd, the library off or unavailable):
         the caller then runs the torch ops.
 
     Why: ``torch.argmax`` over ``[64, 49152]`` float32 logits took 4.0 ms on 2 AVX2 cores (0.12 ms for one
-    row), ``numpy.argmax`` 1.6 ms; this is one AVX2 pass per row (8 lanes x 2 accumulators, each lane's first
-    maximum kept by a strict compare, lanes merged by value then by the lower index), rows split over the
-    threads. Source: ``csrc/fused_ops.c`` ``argmax_rows_f32``.
+    row), ``numpy.argmax`` 1.6 ms; the sampler with this kernel took 1.1-1.2 ms at 64 rows
+    (``benchmarks/sampling_ab.py``). Algorithm (``csrc/fused_ops.c`` ``argmax_rows_f32``), per row: pass 1 the
+    maximum (4 x 8 lanes of ``vmaxps``) and the largest ``|bits|`` (a NaN is above ``0x7f800000``), pass 2 the
+    first index equal to that maximum (the row is in L2 by then); rows split over the threads.
     """
     if (x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[1] == 0
             or x.stride(1) != 1 or x.requires_grad or torch.compiler.is_compiling()):
