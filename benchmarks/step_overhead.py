@@ -78,6 +78,7 @@ def kernel_timers():
                 _fn(*a)
                 acc[_l] = acc.get(_l, 0.0) + time.perf_counter() - t0
                 acc[_l + "#"] = acc.get(_l + "#", 0) + 1
+            w.argtypes = obj.argtypes   # callers read the declared signature (lowbit_linear: float16-scale entry)
             setattr(lib, fname, w)
             wrapped.append((lib, fname, obj))
     # step graphs hold function objects: rebuild their prepared calls with the wrapped ones
