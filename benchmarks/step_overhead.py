@@ -48,7 +48,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import synthetic_step  # noqa: E402
+from roofline import fill_kv_pool, synthetic_step  # noqa: E402
 
 from tokenmill import envs  # noqa: E402
 
@@ -78,6 +78,7 @@ def kernel_timers():
                 _fn(*a)
                 acc[_l] = acc.get(_l, 0.0) + time.perf_counter() - t0
                 acc[_l + "#"] = acc.get(_l + "#", 0) + 1
+            w.argtypes = obj.argtypes   # callers read the declared signature (lowbit_linear: float16-scale entry)
             setattr(lib, fname, w)
             wrapped.append((lib, fname, obj))
     # step graphs hold function objects: rebuild their prepared calls with the wrapped ones
@@ -329,6 +330,7 @@ def main() -> None:
                                    max_num_seqs=max(batches), enable_prefix_caching=False)
     runner = ModelRunner.from_config(cfg)
     wait_for_packing(runner.model)
+    fill_kv_pool(runner)   # synthetic steps attend over unwritten positions: finite values, not garbage
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {threads} threads, kernels {cpu_build.cpu_isa()}, dtype {args.dtype}, "
           f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '-')}, "

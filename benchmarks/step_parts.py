@@ -41,7 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from roofline import synthetic_step  # noqa: E402
+from roofline import fill_kv_pool, synthetic_step  # noqa: E402
 from step_overhead import kernel_timers  # noqa: E402
 
 PARTS = ("linear", "head", "attention", "attn_glue", "norm", "rope", "silu", "embed", "cos_sin", "glue", "prepare",
@@ -182,6 +182,7 @@ def main() -> None:
                                    max_num_batched_tokens=max(2048, args.prefill_reqs * args.prefill_len))
     runner = ModelRunner.from_config(cfg)
     wait_for_packing(runner.model)
+    fill_kv_pool(runner)   # synthetic steps attend over unwritten positions: finite values, not garbage
     cases = []
     for b in batches:
         so = synthetic_step(runner, [1] * b, [ctx] * b)

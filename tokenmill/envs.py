@@ -151,7 +151,8 @@ _DECLARED = [
     EnvVar("TOKENMILL_CPU_ATTENTION_KERNEL", "bool", True, "0: paged attention in torch (SDPA) instead of the "
            "C decode/prefill kernels.", _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_FUSED_OPS", "bool", True, "0: add+RMSNorm, RoPE and SiLU-and-multiply as torch ops "
-           "instead of the fused C kernels.", _on_unless_zero, _CPU),
+           "instead of the fused C kernels, and the greedy sampler's argmax as torch.argmax (same ids).",
+           _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_LORA_KERNEL", "bool", True, "0: the multi-LoRA delta as batched torch ops instead of "
            "the grouped C kernel.", _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_LOWBIT_KERNEL", "bool", True, "0: no low-bit GEMM kernel (the GGUF's codes are not "

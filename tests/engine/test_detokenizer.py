@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import os
 import random
@@ -220,3 +221,31 @@ def test_child_params_split_seeds_and_keep_prompt_logprobs_on_every_choice():
     assert [k.prompt_logprobs for k in kids] == [2, 2, 2]
     one = SamplingParams(prompt_logprobs=1)
     assert child_params(one, 0) is one
+
+
+def test_backend_decode_shortcut_equals_the_wrapper(tok):
+    """Where the tokenizer is transformers' own fast class, the detokenizer calls the Rust backend's decode
+    directly; its text equals ``tok.decode(..., clean_up_tokenization_spaces=False)`` for random ids (special
+    tokens among them, both ``skip_special_tokens`` settings). A subclass that overrides ``decode`` keeps it."""
+    from tokenmill.engine.detokenizer import _backend_decode
+
+    fn = _backend_decode(tok)
+    assert fn is not None      # the packaged tokenizer takes the shortcut (so the other tests here exercise it)
+    rng = random.Random(1)
+    specials = list(tok.all_special_ids)
+    for _ in range(200):
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randint(0, 12))] + rng.sample(specials, 1)
+        rng.shuffle(ids)
+        for skip in (True, False):
+            assert fn(ids, skip_special_tokens=skip) == decode(tok, ids, skip)
+
+    class Upper(type(tok)):
+        def decode(self, ids, **kw):
+            return super().decode(ids, **kw).upper()
+
+    upper = copy.copy(tok)
+    upper.__class__ = Upper
+    assert _backend_decode(upper) is None
+    _, deltas = stream(upper, tok.encode("hi there"))
+    assert "".join(deltas) == "HI THERE"
+    assert _backend_decode(object()) is None

@@ -138,3 +138,68 @@ def test_not_used_under_autograd_or_for_other_dtypes():
     assert not fused_cpu.usable(x.half(), w.detach().half())
     with torch.no_grad():
         assert fused_cpu.usable(x, w)
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    """Rows the sampler's argmax must answer as torch does: ties (the lowest index wins) inside a vector, across
+    the 8-lane and 32-element blocks and in the scalar tail, -0.0 tied with +0.0, rows of only -inf, +inf
+    maxima, NaN (first, last, several, a whole row), lengths around the vector widths, a real vocabulary."""
+    g = torch.Generator().manual_seed(0)
+    inf, nan = float("inf"), float("nan")
+    out = []
+    for rows, n in [(1, 1), (1, 5), (3, 8), (2, 16), (4, 17), (5, 31), (3, 32), (7, 33), (2, 95), (3, 1000),
+                    (2, 49152)]:
+        x = torch.randn(rows, n, generator=g)
+        out += [x, x.round(), torch.randint(0, 3, (rows, n), generator=g).float(), torch.full((rows, n), 1.0),
+                torch.full((rows, n), -inf), torch.full((rows, n), -1e30), torch.full((rows, n), nan)]
+        z = torch.zeros(rows, n)
+        z[:, n // 2:] = -0.0
+        out += [z, -z.flip(1)]           # +0.0 then -0.0, and -0.0 then +0.0
+        y = x.clone()
+        y[:, -1] = y.max() + 1           # the maximum in the last element (the tail, when there is one)
+        out.append(y)
+        y = x.clone()
+        y[:, n // 3] = inf
+        y[:, -1] = inf
+        out.append(y)
+        y = x.clone()
+        y[0, n // 2] = nan
+        y[-1, 0] = nan
+        y[-1, -1] = nan
+        out.append(y)
+        if n >= 40:                      # the same maximum in several lanes and blocks: the first one wins
+            y = x.clone()
+            for j in (n - 1, 37, 9, n // 2):
+                y[:, j] = 7.5
+            out.append(y)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_argmax_rows_equals_torch_argmax(threads):
+    """ids == torch.argmax(dim=-1) and best == the values there, bit for bit, on every variant; row-strided
+    input (a slice of wider rows) too."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for x in _argmax_cases():
+            for t in (x, x[:, 1:]) if x.shape[1] > 1 else (x,):
+                ids, best = fused_cpu.argmax_rows(t)
+                want = t.argmax(dim=-1)
+                assert torch.equal(ids, want), (t.shape, ids, want)
+                want_v = t.gather(1, want.unsqueeze(1)).squeeze(1)
+                assert torch.equal(best.view(torch.int32), want_v.view(torch.int32))
+        big = torch.randn(70, 3000, generator=torch.Generator().manual_seed(1)).round()  # the OpenMP split
+        assert torch.equal(fused_cpu.argmax_rows(big)[0], big.argmax(dim=-1))
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_argmax_rows_declines_what_it_cannot_serve():
+    x = torch.randn(3, 40)
+    assert fused_cpu.argmax_rows(x.to(torch.bfloat16)) is None
+    assert fused_cpu.argmax_rows(x.t()) is None                 # strided last dimension
+    assert fused_cpu.argmax_rows(x[0]) is None                  # not 2-D
+    assert fused_cpu.argmax_rows(torch.empty(2, 0)) is None
+    ids, best = fused_cpu.argmax_rows(torch.empty(0, 5))
+    assert ids.shape == best.shape == (0,)

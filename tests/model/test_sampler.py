@@ -55,6 +55,39 @@ def test_all_greedy_fast_path_equals_nan_to_num_then_argmax():
         assert one == [ids[r]]
 
 
+@pytest.mark.parametrize("vocab", [6, 33, 49152])
+def test_greedy_c_argmax_gives_the_torch_argmax_tokens(vocab, monkeypatch):
+    """The float32 CPU argmax kernel (``fused_cpu.argmax_rows``) serves the all-greedy path and the greedy rows
+    of a mixed batch; the tokens are the torch ops' (``argmax_rows`` switched off) on ties (the lowest id),
+    -0.0/+0.0, NaN, +inf, all -inf and <= -1e30 rows, alone and in batches."""
+    from tokenmill.model.layers import fused_cpu
+
+    if fused_cpu.load() is None:
+        pytest.skip("no C compiler for the fused CPU kernels")
+    inf, nan = float("inf"), float("nan")
+    logits = rand_logits(12, vocab=vocab, seed=3).round()          # rounded: many tied maxima
+    logits[1, vocab // 2] = nan
+    logits[2, [1, vocab - 1]] = inf
+    logits[3] = -inf
+    logits[4] = -1e30
+    logits[5] = 0.0
+    logits[5, 1::2] = -0.0
+    logits[6, :] = 2.0
+    logits[7, vocab - 1] = 99.0
+    calls = []
+    real = fused_cpu.argmax_rows
+    monkeypatch.setattr(fused_cpu, "argmax_rows", lambda x: calls.append(x.shape) or real(x))
+    batches = [[req(i, temperature=0.0) for i in range(12)],
+               [req(i, temperature=0.0 if i % 3 else 0.8, seed=i) for i in range(12)]]
+    got = [Sampler(seed=0)(logits.clone(), reqs)[0] for reqs in batches]
+    alone = [Sampler(seed=0)(logits[r:r + 1].clone(), batches[0][:1])[0][0] for r in range(12)]
+    assert calls     # the kernel ran
+    monkeypatch.setattr(fused_cpu, "argmax_rows", lambda x: None)
+    want = [Sampler(seed=0)(logits.clone(), reqs)[0] for reqs in batches]
+    assert got == want and alone == want[0]
+    assert want[0][6] == 0 and want[0][7] == vocab - 1 and want[0][3] == 0
+
+
 def test_top_k_1_and_tiny_top_p_are_argmax():
     logits = rand_logits(6, seed=1)
     reqs = [req(i, temperature=1.5, top_k=1) for i in range(3)] + [req(i + 3, temperature=1.5, top_p=1e-6) for i in range(3)]

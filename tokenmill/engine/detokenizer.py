@@ -26,6 +26,29 @@ from tokenmill.sampling_params import SamplingParams
 _REPLACEMENT = "\ufffd"
 
 
+def _backend_decode(tokenizer: Any):
+    """The Rust ``tokenizers.Tokenizer.decode`` behind a transformers fast tokenizer, where
+    ``tokenizer.decode(ids, skip_special_tokens=s, clean_up_tokenization_spaces=False)`` is exactly
+    ``backend.decode(ids, skip_special_tokens=s)`` for a list of ints: the class uses transformers' own
+    ``decode`` and ``_decode`` (no subclass override), which convert the ids (a no-op for a list), call the
+    backend and, with the clean-up off, return its text. Else None (any other tokenizer keeps its ``decode``).
+
+    Why: two decodes per output token; transformers' Python wrapper around each took ~3/4 of the API
+    process's detokenisation time (in-process cProfile, 64 streams, AVX2 2-core: ~2.7 ms per step)."""
+    try:
+        from tokenizers import Tokenizer
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (isinstance(tokenizer, TokenizersBackend) and isinstance(backend, Tokenizer)
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode):
+        return backend.decode
+    return None
+
+
 class IncrementalDetokenizer:
     """Stream the text of one completion, token by token.
 
@@ -56,6 +79,7 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._backend_decode = _backend_decode(tokenizer)
         self.tokenizer = tokenizer
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -140,6 +164,8 @@ class IncrementalDetokenizer:
 
     # -- internals ------------------------------------------------------------------
     def _decode(self, ids: list[int]) -> str:
+        if self._backend_decode is not None:
+            return self._backend_decode(ids, skip_special_tokens=self.skip_special_tokens)
         return self.tokenizer.decode(
             ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
         )

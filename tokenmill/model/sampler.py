@@ -32,9 +32,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 from tokenmill.core.sched_output import ScheduledRequest
+from tokenmill.model.layers import fused_cpu
 from tokenmill.outputs import TokenLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -176,9 +178,13 @@ class Sampler:
                     return ids, [None] * len(reqs)
                 deferred.write(logits)      # a row's best allowed logit is not finite: the full path decides
                 deferred = None
-            token_ids = logits.argmax(dim=-1)
-            best = logits.gather(1, token_ids.unsqueeze(1))
-            if bool((torch.isfinite(best) & (best > -1e30)).all()):
+            token_ids, best = self._argmax_rows(logits)
+            if best.device.type == "cpu":     # numpy: one call instead of five torch ops on [B] (~20 us at B=1)
+                b = best.numpy()
+                ok = bool(np.isfinite(b).all() and (b > -1e30).all())
+            else:
+                ok = bool((torch.isfinite(best) & (best > -1e30)).all())
+            if ok:
                 return token_ids.tolist(), [None] * len(reqs)
         # Extreme penalties or a numerically broken model can give inf/NaN logits: keep every row a valid
         # distribution so a bad request can never produce an out-of-vocabulary id.
@@ -193,7 +199,7 @@ class Sampler:
         processed = logits.clone() if want_lp and not raw_mode else None
 
         if not sampled_rows:
-            token_ids = logits.argmax(dim=-1)
+            token_ids = self._argmax_rows(logits)[0]
         else:
             all_sampled = len(sampled_rows) == len(reqs)
             sub_params = params if all_sampled else [params[i] for i in sampled_rows]
@@ -210,7 +216,7 @@ class Sampler:
             if all_sampled:
                 token_ids = choice
             else:
-                token_ids = logits.argmax(dim=-1)
+                token_ids = self._argmax_rows(logits)[0]
                 token_ids[idx] = choice
 
         ids = token_ids.clamp_(0, logits.shape[1] - 1).tolist()
@@ -239,14 +245,25 @@ class Sampler:
 
     # -- steps ----------------------------------------------------------------
     @staticmethod
+    def _argmax_rows(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``logits.argmax(dim=-1)`` of ``[B, V]`` logits and the values there (``[B]`` int64, ``[B]``):
+        the first maximum of each row (ties: the lowest id), a NaN's index where the row holds one.
+        Float32 CPU rows take one C pass per row (:func:`~tokenmill.model.layers.fused_cpu.argmax_rows`,
+        the same ids and values bit for bit; 64 x 49152 logits: ~1 ms instead of 4 on 2 AVX2 cores);
+        other tensors the torch ops."""
+        fast = fused_cpu.argmax_rows(logits)
+        if fast is not None:
+            return fast
+        ids = logits.argmax(dim=-1)
+        return ids, logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+
+    @staticmethod
     def _argmax_deferred(logits: torch.Tensor, deferred: Any) -> list[int] | None:
         """The all-greedy fast path's tokens with ``deferred``'s rows unmasked in ``logits`` (``[B, V]``
         float32 CPU, after penalties and bias): the argmax over each deferred row's allowed ids, and the
         plain argmax of the other rows (one pass over each run of them, no copy). None when a row's best
         logit fails the fast path's check (finite, above -1e30): the caller writes the mask and takes the
         full path."""
-        import numpy as np
-
         out = np.empty(logits.shape[0], dtype=np.int64)
         best = np.empty(logits.shape[0], dtype=np.float32)
         rows = deferred.rows
@@ -254,10 +271,9 @@ class Sampler:
         start = 0
         for a, b, _ in deferred.runs + [(logits.shape[0], logits.shape[0], 0)]:
             if a > start:       # rows start .. a-1 are not deferred
-                part = logits[start:a]
-                t = part.argmax(dim=-1)
+                t, v = Sampler._argmax_rows(logits[start:a])
                 out[start:a] = t.numpy()
-                best[start:a] = part.gather(1, t.unsqueeze(1)).squeeze(1).numpy()
+                best[start:a] = v.numpy()
             start = b
         if not bool((np.isfinite(best) & (best > -1e30)).all()):
             return None
