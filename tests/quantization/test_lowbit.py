@@ -28,8 +28,18 @@ def _lib(isa: str):
 #: The integer path's variants: every ISA build, the avx512 one with its AVX-512BW multiply-adds and with
 #: AVX512-VNNI (VPDPBUSD, chosen at run time where the CPU has it); on a CPU without AVX-512, the emulated
 #: avx512 build both ways (tests/kernel_variants.py).
-I8_VARIANTS = ["avx512-vnni", "avx512", "avx2", "scalar",
-               emulated_param(EMU + "-vnni", id="avx512-vnni-emulated"), emulated_param(EMU)]
+I8_REAL = ["avx512-vnni", "avx512", "avx2", "scalar"]
+I8_VARIANTS = I8_REAL + [emulated_param(EMU + "-vnni", id="avx512-vnni-emulated"), emulated_param(EMU)]
+
+
+def _i8_cases(cases, emulated):
+    """``i8_lib, *case`` parameter sets: every real :data:`I8_REAL` variant with every case, and the emulated
+    ones ({variant: cases}) with a few (the emulation runs the same paths; their every shape would cost
+    minutes of test time)."""
+    params = [pytest.param(v, *c, id="-".join(map(str, (*c, v)))) for v in I8_REAL for c in cases]
+    names = {EMU: "avx512-emulated", EMU + "-vnni": "avx512-vnni-emulated"}
+    return params + [emulated_param(v, *c, id="-".join(map(str, (*c, names[v])))) for v, cs in emulated.items()
+                     for c in cs]
 #: The avx512 builds that carry the AVX512-BF16 / -VNNI run-time paths: the real one, and the emulated one on a
 #: CPU without AVX-512.
 AVX512_BUILDS = [real_param("avx512"), emulated_param(EMU)]
@@ -197,9 +207,11 @@ def _no_ties(x: torch.Tensor, sb: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
-@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 32, False), (4, 128, True), (4, 16, False),
-                                                 (8, 32, False), (8, 32, True), (8, 16, True), (8, 64, True)])
+@pytest.mark.parametrize("i8_lib,bits,group,with_min", _i8_cases(
+    [(4, 32, True), (4, 32, False), (4, 128, True), (4, 16, False), (8, 32, False), (8, 32, True), (8, 16, True),
+     (8, 64, True)],
+    {EMU + "-vnni": [(4, 32, True), (8, 32, False)], EMU: [(4, 32, False), (8, 16, True), (4, 128, True)]}),
+    indirect=["i8_lib"])
 def test_int8_activation_path_matches_its_reference(i8_lib, bits, group, with_min):
     """Every variant's integer path (AVX2 VPMADDUBSW, AVX-512BW, AVX512-VNNI, scalar C) against the same
     quantisation in float64, and within the stated tolerance of the dequantised float32 GEMM."""
@@ -313,11 +325,12 @@ def test_int8_activation_path_bfloat16_rows_quantise_as_their_float32_widening(i
         assert torch.equal(got, want), m
 
 
-@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("bits,group,with_min,n,k", [(4, 32, True, 40, 576), (8, 32, False, 264, 576),
-                                                     (4, 32, True, 600, 1536), (4, 128, True, 40, 256),
-                                                     (8, 16, True, 40, 128)])
+@pytest.mark.parametrize("i8_lib,threads,bits,group,with_min,n,k", _i8_cases(
+    [(t, *c) for t in (1, 2) for c in [(4, 32, True, 40, 576), (8, 32, False, 264, 576), (4, 32, True, 600, 1536),
+                                       (4, 128, True, 40, 256), (8, 16, True, 40, 128)]],
+    {EMU + "-vnni": [(2, 4, 32, True, 40, 576), (2, 8, 32, False, 264, 576)],
+     EMU: [(1, 8, 16, True, 40, 128), (2, 4, 128, True, 40, 256)]}),
+    indirect=["i8_lib"])
 def test_int8_activation_path_rows_are_batch_invariant(i8_lib, threads, bits, group, with_min, n, k):
     """A row's bits on the integer path do not depend on how many rows share the call or where it sits: the
     kernel runs rows in passes of different sizes (one row, the AVX2 two-halves tile for passes of <= 2 rows;
