@@ -5,8 +5,8 @@
  * DQ, VL), so every ``#if defined(__AVX512F__)`` path of the sources is compiled, and maps each AVX-512
  * intrinsic those paths use to a function written here with the instruction's semantics, so the AVX-512 code
  * paths (lane order, masks, shuffles, tails, row-count dispatch, the AVX512-BF16 / AVX512-VNNI run-time
- * paths) run on a CPU with AVX2 only. It is slow (the point is correctness, not speed) and never chosen on its
- * own: tests select it explicitly where the CPU lacks AVX-512 (docs/cpu_kernels.md, "Emulated AVX-512").
+ * paths) run on a CPU with AVX2 only.  It is not tuned for speed (the point is correctness) and never chosen on its
+ * own: tests select it explicitly where the CPU lacks AVX-512 (docs/guide/cpu_kernels.md, "Emulated AVX-512").
  *
  * How each intrinsic is emulated:
  *   - GCC's <immintrin.h> declares the AVX-512 types (__m512, __m512i, __m512bh, __mmask16, __mmask64) even

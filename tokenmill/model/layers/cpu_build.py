@@ -29,7 +29,7 @@ plan, only by an explicit ``load_library(..., isa="avx512emu")``:
 * ``avx512emu``: the ``avx2`` flags plus the force-included ``csrc/emu512.h``, which defines ``__AVX512F__``
   (and BW/CD/DQ/VL) and maps every AVX-512 intrinsic the sources use (the AVX512-BF16 and -VNNI ones
   included) to C with the instruction's semantics: the ``avx512`` code paths, run on any AVX2 CPU. Slow;
-  for correctness tests where the CPU lacks AVX-512 (docs/cpu_kernels.md, "Emulated AVX-512").
+  for correctness tests where the CPU lacks AVX-512 (docs/guide/cpu_kernels.md, "Emulated AVX-512").
 """
 
 from __future__ import annotations
