@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.kernel_variants import variants
 from tokenmill.model.layers import cpu_build
 from tokenmill.model.layers.lora import LoRABatch, LoRALinear, load_kernel
 
@@ -76,7 +77,7 @@ def _reference(lin: LoRALinear, x: torch.Tensor, row_slot) -> torch.Tensor:
     return y
 
 
-@pytest.mark.parametrize("isa", cpu_build.ISAS)
+@pytest.mark.parametrize("isa", variants())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_equals_reference_and_torch_forms(isa, dtype):
     _kernel_or_skip(isa)
@@ -100,7 +101,7 @@ def test_kernel_equals_reference_and_torch_forms(isa, dtype):
                                    atol=2 * atol, rtol=2 * rtol)
 
 
-@pytest.mark.parametrize("isa", cpu_build.ISAS)
+@pytest.mark.parametrize("isa", variants())
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_kernel_rows_do_not_depend_on_the_batch(isa, dtype):
     """Row ``i`` of an ``M``-row step (random slots, M in 1..40, 1 and 2 threads) is bit-identical to the row
@@ -166,7 +167,7 @@ def test_set_slot_validates_and_clears():
     assert torch.equal(_run(lin, x, [1], [3], "kernel" if load_kernel() else "loop"), lin.base(x))
 
 
-@pytest.mark.parametrize("isa", cpu_build.ISAS)
+@pytest.mark.parametrize("isa", variants())
 def test_bfloat16_output_rounding_matches_torch(isa):
     """The bfloat16 kernel adds the float32 delta to ``y`` and rounds once to nearest even, as torch's
     ``(y.float() + delta).to(bfloat16)`` (the vector rounding of the AVX-512 variant and the scalar tail alike),

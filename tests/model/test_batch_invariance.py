@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.kernel_variants import variants
 from tokenmill.model.layers import cpu_build
 from tokenmill.model.layers.attention import TorchAttentionBackend, build_attention_metadata
 from tokenmill.model.layers.kv_quant import KVScales
@@ -53,7 +54,7 @@ def _weight(n: int, k: int, bits: int, seed: int) -> LowBitWeight:
 ROW_COUNTS = (1, 2, 3, 5, 8, 9, 16, 17, 33, 70)
 
 
-@pytest.mark.parametrize("isa", cpu_build.ISAS)
+@pytest.mark.parametrize("isa", variants())
 @pytest.mark.parametrize("act", ["float32", "bfloat16", "bfloat16-dot", "int8", "int8-bfloat16", "int8-vnni",
                                  "int8-vnni-bfloat16"])
 @pytest.mark.parametrize("bits", [4, 8])
@@ -117,7 +118,7 @@ def _attention_rows(backend, q, k, v, pool, scales, reqs) -> dict[int, torch.Ten
     return rows
 
 
-@pytest.mark.parametrize("isa", cpu_build.ISAS)
+@pytest.mark.parametrize("isa", variants())
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kv", ["model", "int8"])
 def test_attention_rows_do_not_depend_on_the_step(isa, dtype, kv):

@@ -8,10 +8,11 @@ import textwrap
 
 import pytest
 
+from tests.kernel_variants import variants
 from tokenmill.model.layers import cpu_build
 
 
-@pytest.mark.parametrize("isa", cpu_build.ISAS)
+@pytest.mark.parametrize("isa", variants())
 def test_loading_kernels_keeps_subnormals(isa: str) -> None:
     if not cpu_build.isa_supported(isa):
         pytest.skip(f"this CPU cannot run the {isa} variant")

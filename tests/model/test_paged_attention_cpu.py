@@ -11,22 +11,21 @@ import torch
 from tokenmill.model.layers import cpu_build, paged_attention_cpu
 from tokenmill.model.layers.attention import TorchAttentionBackend, build_attention_metadata
 from tokenmill.model.layers.kv_quant import KVScales
+from tests.kernel_variants import variants
 
 pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler for the CPU kernel")
 
 
-def _isa_param(isa):
-    why = f"this CPU cannot run the {isa} variant"
-    return pytest.param(isa, id=isa, marks=pytest.mark.skipif(not cpu_build.isa_supported(isa), reason=why))
 
 
-#: every kernel variant, each built explicitly (avx512: -march=x86-64-v4, avx2: -march=x86-64-v3)
-ISAS = [_isa_param(i) for i in cpu_build.ISAS]
+#: every kernel variant, each built explicitly (avx512: -march=x86-64-v4, avx2: -march=x86-64-v3), and the
+#: emulated avx512 one on CPUs without AVX-512 (tests/kernel_variants.py)
+ISAS = variants()
 
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_each_variant_is_compiled_for_its_isa(isa):
-    assert paged_attention_cpu.compiled_isa(isa) == isa
+    assert paged_attention_cpu.compiled_isa(isa) == cpu_build.code_path(isa)     # avx512emu: the avx512 paths
     assert paged_attention_cpu.prefill_preferred(isa) == (isa != "scalar")   # scalar prefill is slower than SDPA
 
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from tokenmill.model.layers.cpu_build import ISAS, isa_supported
+from tests.kernel_variants import EMU, emulated_param, real_param, variants
+from tokenmill.model.layers.cpu_build import code_path, isa_supported
 from tokenmill.quantization.lowbit import LowBitWeight, cpu_flags, load_kernel, lowbit_linear, set_bf16_dot, set_vnni
 
 # Tolerances (relative to the output's largest magnitude): float32 activations differ from the dequantised
@@ -20,13 +21,28 @@ def _lib(isa: str):
     lib = load_kernel(isa)
     if lib is None:
         pytest.skip("no C compiler: the low-bit kernel cannot be built here")
-    assert lib.tm_lowbit_isa().decode() == isa          # the variant really has that ISA's path compiled in
+    assert lib.tm_lowbit_isa().decode() == code_path(isa)   # the variant has that ISA's path compiled in
     return lib
 
 
 #: The integer path's variants: every ISA build, the avx512 one with its AVX-512BW multiply-adds and with
-#: AVX512-VNNI (VPDPBUSD, chosen at run time where the CPU has it).
-I8_VARIANTS = ("avx512-vnni", "avx512", "avx2", "scalar")
+#: AVX512-VNNI (VPDPBUSD, chosen at run time where the CPU has it); on a CPU without AVX-512, the emulated
+#: avx512 build both ways (tests/kernel_variants.py).
+I8_REAL = ["avx512-vnni", "avx512", "avx2", "scalar"]
+I8_VARIANTS = I8_REAL + [emulated_param(EMU + "-vnni", id="avx512-vnni-emulated"), emulated_param(EMU)]
+
+
+def _i8_cases(cases, emulated):
+    """``i8_lib, *case`` parameter sets: every real :data:`I8_REAL` variant with every case, and the emulated
+    ones ({variant: cases}) with a few (the emulation runs the same paths; their every shape would cost
+    minutes of test time)."""
+    params = [pytest.param(v, *c, id="-".join(map(str, (*c, v)))) for v in I8_REAL for c in cases]
+    names = {EMU: "avx512-emulated", EMU + "-vnni": "avx512-vnni-emulated"}
+    return params + [emulated_param(v, *c, id="-".join(map(str, (*c, names[v])))) for v, cs in emulated.items()
+                     for c in cs]
+#: The avx512 builds that carry the AVX512-BF16 / -VNNI run-time paths: the real one, and the emulated one on a
+#: CPU without AVX-512.
+AVX512_BUILDS = [real_param("avx512"), emulated_param(EMU)]
 
 
 @pytest.fixture
@@ -51,7 +67,7 @@ def _weight(bits: int, n: int, k: int, group: int, with_min: bool, seed: int = 0
     return LowBitWeight.from_codes(codes, scale, mn, bits, fmt=f"test{bits}")
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("isa", variants())
 @pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 128, True), (8, 32, False), (8, 16, True),
                                                  (8, 96, False)])
 def test_kernel_matches_dequantised_reference(isa, bits, group, with_min):
@@ -76,11 +92,12 @@ def test_kernel_matches_dequantised_reference(isa, bits, group, with_min):
         assert (got_f - want_b).abs().max().item() <= TOL_F32 * scale
 
 
+@pytest.mark.parametrize("isa", AVX512_BUILDS)
 @pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 4, False), (8, 32, False), (8, 96, True)])
-def test_bf16_dot_path_matches_the_fma_path_and_the_reference(bits, group, with_min):
+def test_bf16_dot_path_matches_the_fma_path_and_the_reference(isa, bits, group, with_min):
     """avx512's AVX512-BF16 path (VDPBF16PS) for bfloat16 activations: same sums as the float32 FMA path."""
-    lib = _lib("avx512")
-    if "avx512_bf16" not in cpu_flags():
+    lib = _lib(isa)
+    if isa == "avx512" and "avx512_bf16" not in cpu_flags():
         pytest.skip("this CPU has no AVX512-BF16: the dot-product path cannot run (the FMA path serves bfloat16)")
     n, k = 40, 192
     w = _weight(bits, n, k, group, with_min, seed=5)
@@ -111,7 +128,7 @@ def test_bf16_dot_is_never_on_without_its_instructions():
             assert not set_bf16_dot(lib, True)
 
 
-@pytest.mark.parametrize("isa", list(ISAS))
+@pytest.mark.parametrize("isa", variants())
 def test_kernel_reads_strided_rows_and_no_bias(isa):
     lib = _lib(isa)
     w = _weight(4, 16, 64, 32, True, seed=3)
@@ -190,9 +207,11 @@ def _no_ties(x: torch.Tensor, sb: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
-@pytest.mark.parametrize("bits,group,with_min", [(4, 32, True), (4, 32, False), (4, 128, True), (4, 16, False),
-                                                 (8, 32, False), (8, 32, True), (8, 16, True), (8, 64, True)])
+@pytest.mark.parametrize("i8_lib,bits,group,with_min", _i8_cases(
+    [(4, 32, True), (4, 32, False), (4, 128, True), (4, 16, False), (8, 32, False), (8, 32, True), (8, 16, True),
+     (8, 64, True)],
+    {EMU + "-vnni": [(4, 32, True), (8, 32, False)], EMU: [(4, 32, False), (8, 16, True), (4, 128, True)]}),
+    indirect=["i8_lib"])
 def test_int8_activation_path_matches_its_reference(i8_lib, bits, group, with_min):
     """Every variant's integer path (AVX2 VPMADDUBSW, AVX-512BW, AVX512-VNNI, scalar C) against the same
     quantisation in float64, and within the stated tolerance of the dequantised float32 GEMM."""
@@ -248,12 +267,13 @@ def test_int8_activation_path_thread_private_quantisation(i8_lib, threads, bits,
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("isa", AVX512_BUILDS)
 @pytest.mark.parametrize("bits,with_min", [(4, True), (4, False), (8, False), (8, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_vnni_integer_path_is_bit_identical_to_avx512bw(bits, with_min, dtype):
+def test_vnni_integer_path_is_bit_identical_to_avx512bw(isa, bits, with_min, dtype):
     """VPDPBUSD and VPMADDUBSW + VPMADDWD give the same exact integer sums and share the float epilogue, so
     the VNNI switch changes no bit (8-bit codes of -128 and extreme activations included)."""
-    lib = _lib("avx512")
+    lib = _lib(isa)
     if not set_vnni(lib, True):
         pytest.skip("no AVX512-VNNI on this CPU: the VNNI path cannot run here")
     try:
@@ -305,11 +325,12 @@ def test_int8_activation_path_bfloat16_rows_quantise_as_their_float32_widening(i
         assert torch.equal(got, want), m
 
 
-@pytest.mark.parametrize("i8_lib", I8_VARIANTS, indirect=True)
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("bits,group,with_min,n,k", [(4, 32, True, 40, 576), (8, 32, False, 264, 576),
-                                                     (4, 32, True, 600, 1536), (4, 128, True, 40, 256),
-                                                     (8, 16, True, 40, 128)])
+@pytest.mark.parametrize("i8_lib,threads,bits,group,with_min,n,k", _i8_cases(
+    [(t, *c) for t in (1, 2) for c in [(4, 32, True, 40, 576), (8, 32, False, 264, 576), (4, 32, True, 600, 1536),
+                                       (4, 128, True, 40, 256), (8, 16, True, 40, 128)]],
+    {EMU + "-vnni": [(2, 4, 32, True, 40, 576), (2, 8, 32, False, 264, 576)],
+     EMU: [(1, 8, 16, True, 40, 128), (2, 4, 128, True, 40, 256)]}),
+    indirect=["i8_lib"])
 def test_int8_activation_path_rows_are_batch_invariant(i8_lib, threads, bits, group, with_min, n, k):
     """A row's bits on the integer path do not depend on how many rows share the call or where it sits: the
     kernel runs rows in passes of different sizes (one row, the AVX2 two-halves tile for passes of <= 2 rows;

@@ -22,6 +22,14 @@ time :func:`cpu_isa` chooses the best variant this CPU can run (from
 variant the CPU supports explicitly (``load_library(..., isa=...)``).
 When no compiler is available or the build fails, :func:`load_library`
 returns None (logged once) and callers keep their torch path.
+
+Test-only variant (:data:`TEST_ISAS`), never chosen by :func:`cpu_isa`, :func:`use_isa` or an engine's kernel
+plan, only by an explicit ``load_library(..., isa="avx512emu")``:
+
+* ``avx512emu``: the ``avx2`` flags plus the force-included ``csrc/emu512.h``, which defines ``__AVX512F__``
+  (and BW/CD/DQ/VL) and maps every AVX-512 intrinsic the sources use (the AVX512-BF16 and -VNNI ones
+  included) to C with the instruction's semantics: the ``avx512`` code paths, run on any AVX2 CPU. Slow;
+  for correctness tests where the CPU lacks AVX-512 (docs/guide/cpu_kernels.md, "Emulated AVX-512").
 """
 
 from __future__ import annotations
@@ -58,9 +66,15 @@ _X86_V3, _X86_V4 = kernel_plan.X86_V3, kernel_plan.X86_V4
 _isa_override: str | None = None
 # Library switches an engine's config set for this process where they differ from the environment (configure).
 _switch_overrides: dict[str, bool] = {}
+#: Test-only variants (never chosen on their own; see the module docstring) -> the variant whose code paths
+#: they run, emulated: load them with ``load_library(..., isa=...)``.
+TEST_ISAS = {"avx512emu": "avx512"}
+#: The header that makes the ``avx2`` build compile and run the ``avx512`` paths (``-include``).
+EMU512_HEADER = os.path.join(CSRC_DIR, "emu512.h")
 _ISA_FLAGS = {"avx512": ["-march=x86-64-v4", "-mtune=generic"],
               "avx2": ["-march=x86-64-v3", "-mtune=generic"],
-              "scalar": []}
+              "scalar": [],
+              "avx512emu": ["-march=x86-64-v3", "-mtune=generic", "-include", EMU512_HEADER, "-Wno-psabi"]}
 
 
 def cache_dir() -> str:
@@ -76,12 +90,21 @@ def _cpu_flags() -> frozenset[str]:
 
 
 def isa_supported(isa: str) -> bool:
-    """True when this CPU can run the ``isa`` variant (``scalar`` always can)."""
+    """True when this CPU can run the ``isa`` variant (``scalar`` always can; a :data:`TEST_ISAS` one where
+    ``avx2`` runs)."""
     if isa == "scalar":
         return True
+    if isa in TEST_ISAS:
+        return isa_supported("avx2")
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False
     return kernel_plan.isa_supported(isa, _cpu_flags())
+
+
+def code_path(isa: str) -> str:
+    """The variant whose code paths the ``isa`` build runs: itself, or the one a :data:`TEST_ISAS` variant
+    emulates (``avx512emu`` -> ``avx512``)."""
+    return TEST_ISAS.get(isa, isa)
 
 
 def supported_isas() -> tuple[str, ...]:
@@ -147,10 +170,13 @@ def configure(isa: str | None, switches: "kernel_plan.CpuKernelSwitches") -> Non
             _switch_overrides[name] = on
 
 
-def _sources_digest(sources: Sequence[str]) -> str:
-    """Hash of the named sources and every header in :data:`CSRC_DIR`."""
+def _sources_digest(sources: Sequence[str], isa: str = "") -> str:
+    """Hash of the named sources and every header in :data:`CSRC_DIR` (the emulation header only for the
+    variants that include it, so editing it rebuilds no real variant)."""
     h = hashlib.sha256()
-    names = list(sources) + sorted(n for n in os.listdir(CSRC_DIR) if n.endswith(".h"))
+    emu = os.path.basename(EMU512_HEADER)
+    names = list(sources) + sorted(n for n in os.listdir(CSRC_DIR)
+                                   if n.endswith(".h") and (n != emu or isa in TEST_ISAS))
     for n in names:
         with open(os.path.join(CSRC_DIR, n), "rb") as f:
             h.update(n.encode() + b"\0" + f.read())
@@ -200,7 +226,7 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         functions: exported function name -> ctypes argument types (all return void).
         env_switch: the switch that disables the library when off (:func:`switch`: the engine config's,
             else the environment variable's ``"0"``).
-        isa: a variant of :data:`ISAS`; None: :func:`cpu_isa`.
+        isa: a variant of :data:`ISAS` or :data:`TEST_ISAS`; None: :func:`cpu_isa`.
 
     Returns:
         The loaded library, or None (disabled, no compiler, build or load
@@ -220,7 +246,7 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         elif not isa_supported(isa):
             logger.warning("CPU %s kernels: this CPU cannot run the %s variant", name, isa)
         else:
-            key_text = _sources_digest(sources) + " ".join(_ISA_FLAGS[isa]) + torch.__version__ + _BUILD_RECIPE
+            key_text = _sources_digest(sources, isa) + " ".join(_ISA_FLAGS[isa]) + torch.__version__ + _BUILD_RECIPE
             digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
             path = os.path.join(cache_dir(), f"{name}_{isa}_{digest}.so")
             try:
