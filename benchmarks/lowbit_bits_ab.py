@@ -1,7 +1,7 @@
 """This tree's low-bit integer kernel against another checkout's build, bit for bit (every variant the CPU runs).
 
 Random weights of several shapes (4/8-bit, with and without mins, groups 16/32/64, N up to 1100 with partial
-tiles), M = 1..20, 31, 64, 65, 100, 130 rows, float32 and bfloat16 activations and outputs, 1 and 2 threads,
+tiles), M = 1..20, 31, 64, 65, 100, 130 and 512 rows (the many-row passes), float32 and bfloat16 activations and outputs, 1 and 2 threads,
 the float32-scale entry point (``tm_lowbit_gemm_i8``) and the float16 one (``tm_lowbit_gemm_i8_h``, where the
 scales are float16 numbers). Prints the number of comparisons and of differing ones per variant; exits 1 on
 any difference. Not a timing: run it under ``/work/bin/shared``.
@@ -26,7 +26,7 @@ from tokenmill.quantization.lowbit import LowBitWeight, load_kernel  # noqa: E40
 # (bits, N, K, group, with_min)
 SHAPES = [(4, 960, 576, 32, True), (4, 40, 192, 32, True), (8, 1100, 576, 32, False), (4, 1536, 576, 64, True),
           (8, 48, 256, 16, True), (4, 200, 1536, 32, False), (8, 33, 128, 32, True)]
-ROWS = list(range(1, 21)) + [31, 64, 65, 100, 130]
+ROWS = list(range(1, 21)) + [31, 64, 65, 100, 130, 512]
 
 
 def main() -> None:
