@@ -180,8 +180,9 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
  * h0..h0+NH-1 in one walk over its blocks): the same arithmetic per row as DEFINE_VEC_ITEM, with a
  * register plan that fits 16 ymm registers (DEFINE_VEC_ITEM keeps GT x NC query and output vectors
  * live: 32 at head_dim 64, spilled). AVX-512 (not measurable on the AVX2 machine this was written on)
- * and the scalar variant keep DEFINE_VEC_ITEM. */
-#if VW == 8
+ * and the scalar variant keep DEFINE_VEC_ITEM. -DTOKENMILL_DECODE_VEC_ITEM builds AVX2 decode on
+ * DEFINE_VEC_ITEM too (tests: the two must give the same bits). */
+#if VW == 8 && !defined(TOKENMILL_DECODE_VEC_ITEM)
 #define DECODE_AS_ROWS 1
 #else
 #define DECODE_AS_ROWS 0
