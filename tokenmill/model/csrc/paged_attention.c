@@ -384,10 +384,12 @@ void paged_prefill_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, c
  * keys of (q_0 k_0, then fma over the NC chunks in order); max over the row's scores (NaN ignored:
  * the value does not depend on the grouping); p_l = expf(s_l - max) and their sum in one loop over
  * l < L (the same loop text, which the compiler vectorises as in DEFINE_VEC_ITEM); out = v_scale / sum
- * times (fma(p_l, v_l, acc) over l in order, per output vector). Registers: pass 1 one row x VW keys,
- * pass 2 up to RRB query heads of one token x RCW output vectors, the V rows of a block widened once.
- * The scalar variant, and head sizes other than 64 / 128, run DEFINE_VEC_ITEM / DEFINE_SCALAR_ITEM
- * themselves once per token (the decode kernel's own code, so the bits hold by construction). */
+ * times (fma(p_l, v_l, acc) over l in order, per output vector). Registers: pass 1 one row x VW keys
+ * (chunks outermost, the VW keys' accumulators live), pass 2 up to RRB query heads of one token x RCW
+ * output vectors, the V rows of a block widened once. An item may cover NH consecutive KV heads (AVX2
+ * decode: a whole request per item, its K then its V rows read in order). The scalar variant, and head
+ * sizes other than 64 / 128, run DEFINE_VEC_ITEM / DEFINE_SCALAR_ITEM themselves once per token (the
+ * decode kernel's own code, so the bits hold by construction). */
 /* A rows item's float buffers for nr query rows, 64-byte aligned, each part a multiple of VW floats:
  * qf [nr, D] (scaled queries), s [nr, Ls] (scores, then p), mxv [nr, VW], mx [nr] (max, then the row's
  * v_scale / sum), o [nr, D] (output accumulators), kf [VW, D] (VW keys widened), vt [bs, D] (a block's V). */
