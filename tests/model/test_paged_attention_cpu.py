@@ -367,3 +367,46 @@ def test_rows_kernel_serves_verify_and_invariant_prefill_requests():
                                                     use_prefill_kernel=True, batch_invariant=True)
     assert rows.q_len.tolist() == [5, 12] and rows.q_start.tolist() == [0, 5] and not pre
     assert dec.rows.tolist() == [17]
+
+
+def _vec_item_decode_library(isa, monkeypatch):
+    """The paged-attention library with AVX2 decode on the tiled decode item (DEFINE_VEC_ITEM: GT query heads
+    x head_dim in registers, one KV head per walk) instead of the rows item, built with
+    ``-DTOKENMILL_DECODE_VEC_ITEM`` under its own cache name."""
+    monkeypatch.setitem(cpu_build._ISA_FLAGS, isa, [*cpu_build._ISA_FLAGS[isa], "-DTOKENMILL_DECODE_VEC_ITEM"])
+    lib = cpu_build.load_library("paged_attention_vecitem", ["paged_attention.c"], paged_attention_cpu._FUNCTIONS,
+                                 "TOKENMILL_CPU_ATTENTION_KERNEL", isa)
+    assert lib is not None
+    return lib
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
+                                                    (12, 3, 64, 32), (10, 2, 64, 16)])
+@pytest.mark.parametrize("isa", [_isa_param("avx2")])
+def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads, kv_heads, d, block, isa,
+                                                                monkeypatch):
+    """On AVX2 paged_decode runs the rows kernel's item (all of a request's KV heads per walk, a register plan
+    that fits 16 ymm registers); every row must keep the bits of the tiled decode item it replaced (the
+    arithmetic the other variants and main's decode use): the same vtsum score reduction, softmax loop and PV
+    fma chain. Both builds run the same rows (contexts crossing partial key groups and blocks) with 1 and 2
+    threads, whole-request items (batch >= 4) and per-KV-head items (batch 1)."""
+    reqs = [(1, n) for n in (1, 7, 8, 9, 16, 17, 45, 262, 300, 33)]
+    q, cache, table, _, _, seq_lens = _rows_case(d + heads + block, reqs, heads, kv_heads, d, block, kv_dtype)
+    sfx = paged_attention_cpu._suffixes(q, cache)
+    ref = _vec_item_decode_library(isa, monkeypatch)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            got = paged_attention_cpu.paged_decode(q, cache, table, seq_lens, d ** -0.5, 0.9, 1.1, isa)
+            for rows in (slice(None), slice(7, 8)):       # whole-request items; one request: per-KV-head items
+                want = torch.full_like(q[rows], float("nan"))
+                qq, tt, ll = q[rows].contiguous(), table[rows].contiguous(), seq_lens[rows].contiguous()
+                getattr(ref, f"paged_decode_{sfx[0]}_{sfx[1]}")(
+                    qq.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), want.data_ptr(), tt.data_ptr(),
+                    tt.stride(0), ll.data_ptr(), qq.shape[0], heads, kv_heads, d, block, d ** -0.5, 0.9, 1.1,
+                    threads)
+                assert torch.equal(_bits(got[rows]), _bits(want)), (threads, rows)
+    finally:
+        torch.set_num_threads(saved)

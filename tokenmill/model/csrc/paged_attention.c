@@ -176,6 +176,18 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
 #define GT64 4
 #define GT128 2
 
+/* AVX2: decode rows run the rows kernel's item (DEFINE_ROWS_ITEM, one token, the request's KV heads
+ * h0..h0+NH-1 in one walk over its blocks): the same arithmetic per row as DEFINE_VEC_ITEM, with a
+ * register plan that fits 16 ymm registers (DEFINE_VEC_ITEM keeps GT x NC query and output vectors
+ * live: 32 at head_dim 64, spilled). AVX-512 (not measurable on the AVX2 machine this was written on)
+ * and the scalar variant keep DEFINE_VEC_ITEM. -DTOKENMILL_DECODE_VEC_ITEM builds AVX2 decode on
+ * DEFINE_VEC_ITEM too (tests: the two must give the same bits). */
+#if VW == 8 && !defined(TOKENMILL_DECODE_VEC_ITEM)
+#define DECODE_AS_ROWS 1
+#else
+#define DECODE_AS_ROWS 0
+#endif
+
 /* q, out: [B, H, D]; k, v: [num_slots, KVH, D]; block_tables: [B, bt_stride] int32; seq_lens: [B] int32.
  * A work item is a whole request (all KV heads) when there are at least two requests per thread
  * (each block's contiguous [bs, KVH, D] rows are walked once and prefetched PF_DIST ahead), else
@@ -199,6 +211,19 @@ void paged_decode_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, co
         for (int64_t it = 0; it < B * hsplit; it++) {                                                \
             const int64_t b = it / hsplit, h0 = (it % hsplit) * NH, L = seq_lens[b];                 \
             const int32_t* bt = block_tables + b * bt_stride;                                        \
+            if (DECODE_AS_ROWS && (D == 64 || D == 128)) {  /* one token: paged_rows_*'s own item */  \
+                const int64_t Ls = (L + VW - 1) / VW * VW + VW, need = Ls * NH * G;                  \
+                if (need > cap) { free(s); cap = need; s = rows_buf_alloc(NH * G, D, Ls, bs); }      \
+                float *qf, *sc, *mxv, *mx, *o, *kf, *vt;                                             \
+                rows_buf_split(s, NH * G, D, Ls, &qf, &sc, &mxv, &mx, &o, &kf, &vt);                 \
+                if (D == 64)                                                                         \
+                    rows64_##QS##_##KS(q, k, v, out, bt, b, 1, L, 0, 1, h0, NH, H, KVH, bs, qscale, vscale, \
+                                       Ls, qf, sc, mxv, mx, o, kf, vt);                              \
+                else                                                                                 \
+                    rows128_##QS##_##KS(q, k, v, out, bt, b, 1, L, 0, 1, h0, NH, H, KVH, bs, qscale, vscale, \
+                                        Ls, qf, sc, mxv, mx, o, kf, vt);                             \
+                continue;                                                                            \
+            }                                                                                        \
             const int64_t need = L * (G > GT64 ? G : GT64);                                          \
             if (need > cap) { free(s); cap = need; s = (float*)malloc(sizeof(float) * cap); }        \
             if (D == 64) {                                                                           \
@@ -359,120 +384,145 @@ void paged_prefill_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, c
  * keys of (q_0 k_0, then fma over the NC chunks in order); max over the row's scores (NaN ignored:
  * the value does not depend on the grouping); p_l = expf(s_l - max) and their sum in one loop over
  * l < L (the same loop text, which the compiler vectorises as in DEFINE_VEC_ITEM); out = v_scale / sum
- * times (fma(p_l, v_l, acc) over l in order, per output vector). Registers: pass 1 one row x VW keys,
- * pass 2 up to RRB query heads of one token x RCW output vectors, the V rows of a block widened once.
- * The scalar variant, and head sizes other than 64 / 128, run DEFINE_VEC_ITEM / DEFINE_SCALAR_ITEM
- * themselves once per token (the decode kernel's own code, so the bits hold by construction). */
+ * times (fma(p_l, v_l, acc) over l in order, per output vector). Registers: pass 1 one row x VW keys
+ * (chunks outermost, the VW keys' accumulators live), pass 2 up to RRB query heads of one token x RCW
+ * output vectors, the V rows of a block widened once. An item may cover NH consecutive KV heads (AVX2
+ * decode: a whole request per item, its K then its V rows read in order). The scalar variant, and head
+ * sizes other than 64 / 128, run DEFINE_VEC_ITEM / DEFINE_SCALAR_ITEM themselves once per token (the
+ * decode kernel's own code, so the bits hold by construction). */
+/* A rows item's float buffers for nr query rows, 64-byte aligned, each part a multiple of VW floats:
+ * qf [nr, D] (scaled queries), s [nr, Ls] (scores, then p), mxv [nr, VW], mx [nr] (max, then the row's
+ * v_scale / sum), o [nr, D] (output accumulators), kf [VW, D] (VW keys widened), vt [bs, D] (a block's V). */
+static inline int64_t rows_pad(int64_t x) { return (x + 15) / 16 * 16; }
+static inline float* rows_buf_alloc(int64_t nr, int64_t D, int64_t Ls, int64_t bs) {
+    const int64_t n = rows_pad(nr * D) * 2 + rows_pad(nr * Ls) + rows_pad(nr * 16) + rows_pad(nr)
+                      + rows_pad(16 * D) + rows_pad(bs * D);
+    return (float*)aligned_alloc(64, sizeof(float) * n);
+}
+static inline void rows_buf_split(float* buf, int64_t nr, int64_t D, int64_t Ls, float** qf, float** s,
+                                  float** mxv, float** mx, float** o, float** kf, float** vt) {
+    *qf = buf; *s = *qf + rows_pad(nr * D); *mxv = *s + rows_pad(nr * Ls); *mx = *mxv + rows_pad(nr * 16);
+    *o = *mx + rows_pad(nr); *kf = *o + rows_pad(nr * D); *vt = *kf + rows_pad(16 * D);
+}
+
 #define RT 16
 #define RRB 3
-#if VW == 16
 #define RCW 4
-#else
-#define RCW 2
-#endif
 
 #define DEFINE_ROWS_ITEM(NAME, QT, QLDV, KT, KLDV, ST, NC)                                            \
 static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* bt, int64_t q0,       \
-                 int64_t n, int64_t L, int64_t t0, int64_t tq, int64_t h, int64_t H, int64_t KVH,       \
-                 int64_t bs, float qscale, float vscale, int64_t Ls, float* qf, float* s, float* mxv,  \
-                 float* mx, float* o, float* kf, float* vt) {                                          \
-    const int64_t D = VW * NC, G = H / KVH, row = KVH * D, c0 = L - n, rows = tq * G;                  \
+                 int64_t n, int64_t L, int64_t t0, int64_t tq, int64_t h0, int64_t NH, int64_t H,       \
+                 int64_t KVH, int64_t bs, float qscale, float vscale, int64_t Ls, float* qf, float* s,  \
+                 float* mxv, float* mx, float* o, float* kf, float* vt) {                              \
+    const int64_t D = VW * NC, G = H / KVH, row = KVH * D, c0 = L - n, rows = tq * G, nr = NH * rows;  \
     const int64_t Lmax = c0 + t0 + tq, nblk = (Lmax + bs - 1) / bs;                                    \
-    for (int64_t ri = 0; ri < rows; ri++) {                                                            \
+    for (int64_t ri = 0; ri < nr; ri++) {          /* row ri: KV head h0 + ri / rows, token, q head */ \
+        const int64_t hh = h0 + ri / rows, rr = ri % rows;                                             \
         for (int c = 0; c < NC; c++)                                                                   \
             vst(qf + ri * D + VW * c,                                                                  \
-                vmul(QLDV(q + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D + VW * c), vset1(qscale))); \
+                vmul(QLDV(q + ((q0 + t0 + rr / G) * H + hh * G + rr % G) * D + VW * c), vset1(qscale))); \
         vst(mxv + ri * VW, vset1(-INFINITY));                                                          \
         mx[ri] = -INFINITY;                                                                            \
     }                                                                                                  \
-    /* pass 1: scores, VW keys at a time, every row that sees the group */                             \
+    /* pass 1: scores, VW keys at a time, every row that sees the group; per row the NC chunks in     \
+     * order (c outer, the VW keys' accumulators in registers, each q chunk loaded once). No software \
+     * prefetch: PF_DIST 2/4/8 blocks ahead measured 10-30% slower than none (AVX2 EPYC, decode B=64). */ \
     for (int64_t j = 0; j < nblk; j++) {                                                               \
         const int64_t l0 = j * bs, nb = Lmax - l0 < bs ? Lmax - l0 : bs;                               \
-        const KT* kb = k + (int64_t)bt[j] * bs * row + h * D;                                          \
         for (int64_t o0 = 0; o0 < nb; o0 += VW) {                                                      \
             const int64_t m = nb - o0 < VW ? nb - o0 : VW, p0 = l0 + o0;                               \
-            for (int64_t u = 0; u < VW; u++)                                                           \
-                for (int c = 0; c < NC; c++)                                                           \
-                    vst(kf + u * D + VW * c, u < m ? KLDV(kb + (o0 + u) * row + VW * c) : vzero());    \
             const int64_t tf = p0 - c0 - t0 > 0 ? p0 - c0 - t0 : 0;   /* first token that sees p0 */     \
-            for (int64_t ri = tf * G; ri < rows; ri++) {                                               \
-                int64_t nv = c0 + t0 + ri / G + 1 - p0; nv = nv < m ? nv : m;                          \
-                const float* qr = qf + ri * D;                                                         \
-                vf a[VW];                                                                              \
-                for (int u = 0; u < VW; u++) {                                                         \
-                    const float* kp = kf + u * D;                                                      \
-                    vf t = vmul(vld_f32(qr), vld_f32(kp));                                             \
-                    for (int c = 1; c < NC; c++) t = vfma(vld_f32(qr + VW * c), vld_f32(kp + VW * c), t); \
-                    a[u] = t;                                                                          \
-                }                                                                                      \
-                const vf sv = vtsum(a);                                                                \
-                float* sp = s + ri * Ls + p0;                                                          \
-                vst(sp, sv);                                                                           \
-                if (nv == VW) {                                                                        \
-                    vst(mxv + ri * VW, vmax(sv, vld_f32(mxv + ri * VW)));                              \
-                } else {                                                                               \
-                    for (int64_t u = 0; u < nv; u++) mx[ri] = sp[u] > mx[ri] ? sp[u] : mx[ri];         \
+            for (int64_t hi = 0; hi < NH; hi++) {                                                      \
+                const KT* kb = k + (int64_t)bt[j] * bs * row + (h0 + hi) * D;                          \
+                for (int64_t u = 0; u < VW; u++)                                                       \
+                    for (int c = 0; c < NC; c++)                                                       \
+                        vst(kf + u * D + VW * c, u < m ? KLDV(kb + (o0 + u) * row + VW * c) : vzero()); \
+                for (int64_t ti = tf; ti < tq; ti++)                                                   \
+                for (int64_t ri = hi * rows + ti * G; ri < hi * rows + ti * G + G; ri++) {             \
+                    int64_t nv = c0 + t0 + ti + 1 - p0; nv = nv < m ? nv : m;                          \
+                    const float* qr = qf + ri * D;                                                     \
+                    vf a[VW];                                                                          \
+                    {                                                                                  \
+                        const vf qc = vld_f32(qr);                                                     \
+                        for (int u = 0; u < VW; u++) a[u] = vmul(qc, vld_f32(kf + u * D));             \
+                    }                                                                                  \
+                    for (int c = 1; c < NC; c++) {                                                     \
+                        const vf qc = vld_f32(qr + VW * c);                                            \
+                        for (int u = 0; u < VW; u++) a[u] = vfma(qc, vld_f32(kf + u * D + VW * c), a[u]); \
+                    }                                                                                  \
+                    const vf sv = vtsum(a);                                                            \
+                    float* sp = s + ri * Ls + p0;                                                      \
+                    vst(sp, sv);                                                                       \
+                    if (nv == VW) {                                                                    \
+                        vst(mxv + ri * VW, vmax(sv, vld_f32(mxv + ri * VW)));                          \
+                    } else {                                                                           \
+                        for (int64_t u = 0; u < nv; u++) mx[ri] = sp[u] > mx[ri] ? sp[u] : mx[ri];     \
+                    }                                                                                  \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
     /* softmax numerators and 1 / sum, per row over its own context */                                 \
-    for (int64_t ri = 0; ri < rows; ri++) {                                                            \
+    for (int64_t ri = 0; ri < nr; ri++) {                                                              \
         const float vm = vhmax(vld_f32(mxv + ri * VW));                                                \
         const float mr = vm > mx[ri] ? vm : mx[ri];                                                    \
-        const int64_t Lr = c0 + t0 + ri / G + 1;                                                       \
+        const int64_t Lr = c0 + t0 + (ri % rows) / G + 1;                                              \
         float sum = 0.f; float* sg = s + ri * Ls; const float m = mr;                                  \
         for (int64_t l = 0; l < Lr; l++) { const float e = expf(sg[l] - m); sg[l] = e; sum += e; }     \
         mx[ri] = vscale / sum;                                                                         \
     }                                                                                                  \
-    /* pass 2: out = sum_l p_l v_l, each block's V rows widened once for every row that sees them */   \
-    memset(o, 0, sizeof(float) * rows * D);                                                            \
+    /* pass 2: out = sum_l p_l v_l, each block's V rows widened once for every row that sees them;    \
+     * tiles of RRB query heads of one token x RCW output vectors, accumulators in registers */        \
+    memset(o, 0, sizeof(float) * nr * D);                                                              \
     for (int64_t j = 0; j < nblk; j++) {                                                               \
         const int64_t l0 = j * bs, nb = Lmax - l0 < bs ? Lmax - l0 : bs;                               \
-        const KT* vb = v + (int64_t)bt[j] * bs * row + h * D;                                          \
-        for (int64_t u = 0; u < nb; u++)                                                               \
-            for (int c = 0; c < NC; c++) vst(vt + u * D + VW * c, KLDV(vb + u * row + VW * c));        \
         const int64_t tf = l0 - c0 - t0 > 0 ? l0 - c0 - t0 : 0;                                        \
-        for (int64_t ti = tf; ti < tq; ti++) {                                                         \
-            int64_t nv = c0 + t0 + ti + 1 - l0; nv = nv < nb ? nv : nb;                                \
-            for (int64_t g0 = 0; g0 < G; g0 += RRB) {                                                  \
-                const int64_t gc = G - g0 < RRB ? G - g0 : RRB, r0 = ti * G + g0;                      \
-                const float* sr = s + r0 * Ls + l0;                                                    \
-                for (int cv = 0; cv < NC; cv += RCW) {                                                 \
-                    vf acc[RRB][RCW];                                                                  \
-                    float* op = o + r0 * D + VW * cv;                                                  \
-                    if (gc == RRB) {                                                                   \
-                        for (int i = 0; i < RRB; i++)                                                  \
-                            for (int x = 0; x < RCW; x++) acc[i][x] = vld_f32(op + i * D + VW * x);    \
-                        for (int64_t u = 0; u < nv; u++) {                                             \
-                            const float* vp = vt + u * D + VW * cv;                                    \
-                            vf vv[RCW];                                                                \
-                            for (int x = 0; x < RCW; x++) vv[x] = vld_f32(vp + VW * x);                \
-                            for (int i = 0; i < RRB; i++) {                                            \
-                                const vf p = vset1(sr[i * Ls + u]);                                    \
-                                for (int x = 0; x < RCW; x++) acc[i][x] = vfma(p, vv[x], acc[i][x]);   \
-                            }                                                                          \
-                        }                                                                              \
-                        for (int i = 0; i < RRB; i++)                                                  \
-                            for (int x = 0; x < RCW; x++) vst(op + i * D + VW * x, acc[i][x]);         \
-                    } else {                                                                           \
-                        for (int64_t i = 0; i < gc; i++) {                                             \
-                            for (int x = 0; x < RCW; x++) acc[0][x] = vld_f32(op + i * D + VW * x);    \
+        for (int64_t hi = 0; hi < NH; hi++) {                                                          \
+            const KT* vb = v + (int64_t)bt[j] * bs * row + (h0 + hi) * D;                              \
+            for (int64_t u = 0; u < nb; u++)                                                           \
+                for (int c = 0; c < NC; c++) vst(vt + u * D + VW * c, KLDV(vb + u * row + VW * c));    \
+            for (int64_t ti = tf; ti < tq; ti++) {                                                     \
+                int64_t nv = c0 + t0 + ti + 1 - l0; nv = nv < nb ? nv : nb;                           \
+                for (int64_t g0 = 0; g0 < G; g0 += RRB) {                                              \
+                    const int64_t gc = G - g0 < RRB ? G - g0 : RRB, r0 = hi * rows + ti * G + g0;      \
+                    const float* sr = s + r0 * Ls + l0;                                                \
+                    for (int cv = 0; cv < NC; cv += RCW) {                                             \
+                        vf acc[RRB][RCW];                                                              \
+                        float* op = o + r0 * D + VW * cv;                                              \
+                        if (gc == RRB) {                                                               \
+                            for (int i = 0; i < RRB; i++)                                              \
+                                for (int x = 0; x < RCW; x++) acc[i][x] = vld_f32(op + i * D + VW * x); \
                             for (int64_t u = 0; u < nv; u++) {                                         \
-                                const vf p = vset1(sr[i * Ls + u]);                                    \
-                                for (int x = 0; x < RCW; x++)                                          \
-                                    acc[0][x] = vfma(p, vld_f32(vt + u * D + VW * (cv + x)), acc[0][x]); \
+                                const float* vp = vt + u * D + VW * cv;                                \
+                                vf p[RRB];                                                             \
+                                for (int i = 0; i < RRB; i++) p[i] = vset1(sr[i * Ls + u]);            \
+                                for (int x = 0; x < RCW; x++) {                                        \
+                                    const vf vv = vld_f32(vp + VW * x);                                \
+                                    for (int i = 0; i < RRB; i++) acc[i][x] = vfma(p[i], vv, acc[i][x]); \
+                                }                                                                      \
                             }                                                                          \
-                            for (int x = 0; x < RCW; x++) vst(op + i * D + VW * x, acc[0][x]);         \
+                            for (int i = 0; i < RRB; i++)                                              \
+                                for (int x = 0; x < RCW; x++) vst(op + i * D + VW * x, acc[i][x]);     \
+                        } else {                                                                       \
+                            for (int64_t i = 0; i < gc; i++) {                                         \
+                                for (int x = 0; x < RCW; x++) acc[0][x] = vld_f32(op + i * D + VW * x); \
+                                for (int64_t u = 0; u < nv; u++) {                                     \
+                                    const vf p = vset1(sr[i * Ls + u]);                                \
+                                    for (int x = 0; x < RCW; x++)                                      \
+                                        acc[0][x] = vfma(p, vld_f32(vt + u * D + VW * (cv + x)), acc[0][x]); \
+                                }                                                                      \
+                                for (int x = 0; x < RCW; x++) vst(op + i * D + VW * x, acc[0][x]);     \
+                            }                                                                          \
                         }                                                                              \
                     }                                                                                  \
                 }                                                                                      \
             }                                                                                          \
         }                                                                                              \
     }                                                                                                  \
-    for (int64_t ri = 0; ri < rows; ri++) {                                                            \
+    for (int64_t ri = 0; ri < nr; ri++) {                                                              \
+        const int64_t hh = h0 + ri / rows, rr = ri % rows;                                             \
         float ob[VW];                                                                                  \
-        QT* op = out + ((q0 + t0 + ri / G) * H + h * G + ri % G) * D;                                  \
+        QT* op = out + ((q0 + t0 + rr / G) * H + hh * G + rr % G) * D;                                 \
         for (int c = 0; c < NC; c++) {                                                                 \
             vst(ob, vmul(vld_f32(o + ri * D + VW * c), vset1(mx[ri])));                                \
             for (int e = 0; e < VW; e++) ST(op + VW * c + e, ob[e]);                                   \
@@ -487,8 +537,6 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
  * rows (tokens x G x context floats) exceed 4 MiB. Scalar variant / other head sizes: items (request,
  * token), the decode kernel's item functions. */
 #define DEFINE_ROWS(QS, KS, QT, KT, RAWMUL)                                                           \
-DEFINE_ROWS_ITEM(rows64_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 64 / VW)                  \
-DEFINE_ROWS_ITEM(rows128_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 128 / VW)                \
 void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* block_tables, \
                             int64_t bt_stride, const int32_t* q_start, const int32_t* q_len,          \
                             const int32_t* seq_lens, int64_t R, int64_t H, int64_t KVH, int64_t D,     \
@@ -511,8 +559,7 @@ void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, cons
             for (int64_t h = 0; h < nh; h++) { items[w++] = r; items[w++] = t * pt; items[w++] = h; } \
     _Pragma("omp parallel num_threads(num_threads)")                                                  \
     {                                                                                                 \
-        const int64_t rows = pt * G;                                                                  \
-        float* buf = vec ? (float*)malloc(sizeof(float) * (rows * (2 * D + Ls + VW + 1) + VW * D + bs * D)) \
+        float* buf = vec ? rows_buf_alloc(pt * G, D, Ls, bs)                                          \
                          : (float*)malloc(sizeof(float) * (maxL * (G > GT64 ? G : GT64) + 2 * G * D)); \
         _Pragma("omp for schedule(dynamic, 1)")                                                       \
         for (int64_t it = 0; it < total; it++) {                                                      \
@@ -521,14 +568,13 @@ void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, cons
             const int64_t n = q_len[r], L = seq_lens[r];                                              \
             if (vec) {                                                                                \
                 const int64_t tq = n - t0 < pt ? n - t0 : pt;                                         \
-                float* qf = buf; float* s = qf + rows * D; float* mxv = s + rows * Ls;                \
-                float* mx = mxv + rows * VW; float* o = mx + rows; float* kf = o + rows * D;          \
-                float* vt = kf + VW * D;                                                              \
+                float *qf, *s, *mxv, *mx, *o, *kf, *vt;                                               \
+                rows_buf_split(buf, pt * G, D, Ls, &qf, &s, &mxv, &mx, &o, &kf, &vt);                 \
                 if (D == 64)                                                                          \
-                    rows64_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, H, KVH, bs, qscale, \
+                    rows64_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, 1, H, KVH, bs, qscale, \
                                        vscale, Ls, qf, s, mxv, mx, o, kf, vt);                        \
                 else                                                                                  \
-                    rows128_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, H, KVH, bs, qscale, \
+                    rows128_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, 1, H, KVH, bs, qscale, \
                                         vscale, Ls, qf, s, mxv, mx, o, kf, vt);                       \
             } else {                    /* one token: paged_decode_*'s own item for its context */    \
                 const int64_t b = q_start[r] + t0, Lr = L - n + t0 + 1;                               \
@@ -549,8 +595,10 @@ void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, cons
 }
 
 /* Exported: paged_{decode,prefill,rows}_<query/output type>_<cache type>. */
-#define DEFINE_ALL(QS, KS, QT, KT, RAWMUL) DEFINE_DECODE(QS, KS, QT, KT, RAWMUL) DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL) \
-    DEFINE_ROWS(QS, KS, QT, KT, RAWMUL)
+#define DEFINE_ALL(QS, KS, QT, KT, RAWMUL)                                                            \
+    DEFINE_ROWS_ITEM(rows64_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 64 / VW)              \
+    DEFINE_ROWS_ITEM(rows128_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 128 / VW)            \
+    DEFINE_DECODE(QS, KS, QT, KT, RAWMUL) DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL) DEFINE_ROWS(QS, KS, QT, KT, RAWMUL)
 DEFINE_ALL(f32, f32, float, float, 1.f)
 DEFINE_ALL(bf16, bf16, uint16_t, uint16_t, 1.f)
 DEFINE_ALL(f32, bf16, float, uint16_t, 1.f)   /* float32 model, bfloat16 KV cache (AVX2 low-bit default) */
