@@ -11,7 +11,7 @@ import torch
 from tokenmill.model.layers import cpu_build, paged_attention_cpu
 from tokenmill.model.layers.attention import TorchAttentionBackend, build_attention_metadata
 from tokenmill.model.layers.kv_quant import KVScales
-from tests.kernel_variants import variants
+from tests.kernel_variants import real_param, variants
 
 pytestmark = pytest.mark.skipif(paged_attention_cpu.load() is None, reason="no C compiler for the CPU kernel")
 
@@ -383,7 +383,7 @@ def _vec_item_decode_library(isa, monkeypatch):
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
                                                     (12, 3, 64, 32), (10, 2, 64, 16)])
-@pytest.mark.parametrize("isa", [_isa_param("avx2")])
+@pytest.mark.parametrize("isa", [real_param("avx2")])
 def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads, kv_heads, d, block, isa,
                                                                 monkeypatch):
     """On AVX2 paged_decode runs the rows kernel's item (all of a request's KV heads per walk, a register plan
