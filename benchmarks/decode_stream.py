@@ -54,7 +54,7 @@ def build_probe() -> ctypes.CDLL:
     subprocess.run(["cc", "-O3", "-march=x86-64-v3", "-mtune=generic", "-fopenmp", "-fPIC", "-shared", src, "-o",
                     out], check=True)
     lib = ctypes.CDLL(out)
-    P, L, I = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    P, I = ctypes.c_void_p, ctypes.c_int
     lib.probe_calls.argtypes = [P, P, P, I, I, I, I, P]
     lib.probe_calls.restype = ctypes.c_double
     lib.probe_forkjoin.argtypes = [I, I]
