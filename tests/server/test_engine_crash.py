@@ -8,9 +8,24 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from tests.server.live_fake import core_pid, live_fake_server
 from tokenmill.server.launch import ENGINE_DEAD_EXIT_CODE, ENGINE_DEAD_EXIT_GRACE_S
+
+
+def _wait_running(url: str, n: int, timeout: float = 20.0) -> None:
+    """Wait until the server's ``tokenmill:num_requests_running`` gauge reads ``n`` (a fixed sleep raced a
+    slow machine: a request that reached the API after the kill was answered before it streamed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(url + "/metrics", timeout=5).text
+        running = [float(line.split()[-1]) for line in text.splitlines()
+                   if line.startswith("tokenmill:num_requests_running")]
+        if running and sum(running) >= n:
+            return
+        assert time.monotonic() < deadline, f"num_requests_running never reached {n}: {running}"
+        time.sleep(0.05)
 
 
 def test_killed_core_turns_health_503_fails_requests_and_exits_nonzero():
@@ -31,7 +46,7 @@ def test_killed_core_turns_health_503_fails_requests_and_exits_nonzero():
         threads = [threading.Thread(target=non_streamed), threading.Thread(target=streamed)]
         for t in threads:
             t.start()
-        time.sleep(1.0)       # both running (400 tokens at 50 ms per step take 20 s)
+        _wait_running(url, 2)     # both in the core (400 tokens at 50 ms per step take 20 s)
         os.kill(core_pid(sp), signal.SIGKILL)
         t_kill = time.monotonic()
         while True:
@@ -69,3 +84,27 @@ def test_sigterm_stops_the_core_and_exits_zero():
         assert "Traceback" not in sp.log_tail(200), sp.log_tail(200)
         for k in kids:
             assert not k.is_running() or k.status() == "zombie"
+
+
+def test_send_to_a_core_that_is_gone_is_engine_dead_not_an_internal_error():
+    """A request sent in the window after the core died and before the monitor noticed: the PUSH socket
+    has no peer and refuses the message (zmq.Again); that is the engine being dead (503), not a 500."""
+    import zmq
+
+    from tokenmill.engine.async_engine import AsyncEngine, EngineDeadError
+    from tokenmill.engine.messages import AbortRequests
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.bind("inproc://no-core-here")         # bound, nobody connected: what a dead core leaves
+    engine = object.__new__(AsyncEngine)
+    engine._in_sock, engine._closed = sock, False
+    engine._dead, engine._proc = None, None
+    try:
+        with pytest.raises(EngineDeadError):
+            engine._send(AbortRequests(["r"]))
+    finally:
+        sock.close()
+        ctx.term()

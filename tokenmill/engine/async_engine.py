@@ -505,9 +505,19 @@ class AsyncEngine:
         self.abort_nowait(request_id)
 
     def _send(self, msg: messages.CoreInput) -> None:
+        """Send one message to the core without blocking.
+
+        Raises:
+            EngineDeadError: the engine is closed, or no core is connected to the input socket (the core
+                died and the monitor has not noticed yet: the PUSH socket, with no send limit, refuses a
+                message only when it has no peer).
+        """
         if self._in_sock is None or self._closed:
             raise EngineDeadError("engine is not running")
-        self._in_sock.send(messages.encode(msg), flags=zmq.NOBLOCK)
+        try:
+            self._in_sock.send(messages.encode(msg), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            raise EngineDeadError(self.dead_reason or "engine core is not connected (it exited)") from None
 
     # -- the output task -----------------------------------------------------
     async def _output_loop(self) -> None:
