@@ -692,6 +692,34 @@ AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn
  * block sums in any order, then acc = fma(float(sum), scale * dx, acc) and acc = fma(min, xs, acc) per
  * block), so the bits are the same whichever of the two runs and however rows are grouped into passes. */
 #define MR_H2 2
+/* The float part of one 32-column block for MR rows over both 8-column halves of a tile, the one every pass of
+ * this file keeps (the bits depend on it, not on how the exact int32 sums a0/a1 were formed):
+ * acc = fma(float(sum), scale * dx, acc), then acc = fma(min, xs, acc) where the weights have mins (mn != NULL).
+ * sc, mn: this block's 16 scales / mins; dx, xs: per row r at dx[r * nsb + s] / xs[r * nsb + s]. */
+AI void block_float_step_h(int MR, const __m256i *a0, const __m256i *a1, const float *sc, const float *mn,
+                           const float *dx, const float *xs, int64_t nsb, int64_t s, __m256 *acc0, __m256 *acc1) {
+    const __m256 wsc0 = _mm256_loadu_ps(sc), wsc1 = _mm256_loadu_ps(sc + 8);
+    for (int r = 0; r < MR; r++) {
+        const __m256 d = _mm256_broadcast_ss(dx + r * nsb + s);
+        acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(wsc0, d), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(wsc1, d), acc1[r]);
+    }
+    if (mn) {
+        const __m256 m0 = _mm256_loadu_ps(mn), m1 = _mm256_loadu_ps(mn + 8);
+        for (int r = 0; r < MR; r++) {
+            const __m256 xsv = _mm256_broadcast_ss(xs + r * nsb + s);
+            acc0[r] = _mm256_fmadd_ps(m0, xsv, acc0[r]);
+            acc1[r] = _mm256_fmadd_ps(m1, xsv, acc1[r]);
+        }
+    }
+}
+/* Store MR rows of a 16-column tile's accumulators (both halves) to out[r * NT + 0..15]. */
+AI void store_rows_h(int MR, const __m256 *acc0, const __m256 *acc1, float *out) {
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out + r * NT, acc0[r]);
+        _mm256_storeu_ps(out + r * NT + 8, acc1[r]);
+    }
+}
 /* One-row passes (decode: the codes stream from memory once per step) prefetch the codes PF_DIST bytes ahead:
  * each call streams only a few hundred KB per thread, too short for the hardware prefetcher's ramp-up alone
  * (AVX2 EPYC, 2 threads, a decode step's 111 MB of codes: 1024-4096 ahead all helped, 2048 the best median,
@@ -758,27 +786,11 @@ AI void tile_i8_b32_h2(int bits, const uint8_t *codes, const float *sc, const fl
             }
             c += 8 * NT_I8 * 4;
         }
-        const __m256 wsc0 = _mm256_loadu_ps(scp), wsc1 = _mm256_loadu_ps(scp + 8);
+        block_float_step_h(MR, a0, a1, scp, mnp, dx, xs, nsb, s, acc0, acc1);
         scp += NT;
-        for (int r = 0; r < MR; r++) {
-            const __m256 d = _mm256_broadcast_ss(dx + r * nsb + s);
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(wsc0, d), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(wsc1, d), acc1[r]);
-        }
-        if (mnp) {
-            const __m256 m0 = _mm256_loadu_ps(mnp), m1 = _mm256_loadu_ps(mnp + 8);
-            mnp += NT;
-            for (int r = 0; r < MR; r++) {
-                const __m256 xsv = _mm256_broadcast_ss(xs + r * nsb + s);
-                acc0[r] = _mm256_fmadd_ps(m0, xsv, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(m1, xsv, acc1[r]);
-            }
-        }
+        if (mnp) mnp += NT;
     }
-    for (int r = 0; r < MR; r++) {
-        _mm256_storeu_ps(out + r * NT, acc0[r]);
-        _mm256_storeu_ps(out + r * NT + 8, acc1[r]);
-    }
+    store_rows_h(MR, acc0, acc1, out);
 }
 
 /* Many-row passes (a batched decode step or a prefill chunk: >= U4_MIN_ROWS rows per row chunk), AVX2, 4-bit,
@@ -903,29 +915,14 @@ AI void tile_i8_b32_u(int bits, const uint8_t *u, const float *sc, const float *
                 a1[r] = _mm256_add_epi16(a1[r], _mm256_maddubs_epi16(w1, xv));
             }
         }
-        const __m256 wsc0 = _mm256_loadu_ps(sc + s * NT), wsc1 = _mm256_loadu_ps(sc + s * NT + 8);
-        for (int r = 0; r < MR; r++) {
-            const __m256 d = _mm256_broadcast_ss(dx + r * nsb + s);
-            if (bits == 4) {
+        if (bits == 4)
+            for (int r = 0; r < MR; r++) {
                 a0[r] = _mm256_madd_epi16(a0[r], ones);
                 a1[r] = _mm256_madd_epi16(a1[r], ones);
             }
-            acc0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a0[r]), _mm256_mul_ps(wsc0, d), acc0[r]);
-            acc1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a1[r]), _mm256_mul_ps(wsc1, d), acc1[r]);
-        }
-        if (mn) {
-            const __m256 m0 = _mm256_loadu_ps(mn + s * NT), m1 = _mm256_loadu_ps(mn + s * NT + 8);
-            for (int r = 0; r < MR; r++) {
-                const __m256 xsv = _mm256_broadcast_ss(xs + r * nsb + s);
-                acc0[r] = _mm256_fmadd_ps(m0, xsv, acc0[r]);
-                acc1[r] = _mm256_fmadd_ps(m1, xsv, acc1[r]);
-            }
-        }
+        block_float_step_h(MR, a0, a1, sc + s * NT, mn ? mn + s * NT : NULL, dx, xs, nsb, s, acc0, acc1);
     }
-    for (int r = 0; r < MR; r++) {
-        _mm256_storeu_ps(out + r * NT, acc0[r]);
-        _mm256_storeu_ps(out + r * NT + 8, acc1[r]);
-    }
+    store_rows_h(MR, acc0, acc1, out);
 }
 
 static void tile_rows_i8_u(int bits, const uint8_t *u, const float *sc, const float *mn, const int8_t *xq,
