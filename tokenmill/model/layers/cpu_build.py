@@ -246,7 +246,10 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         elif not isa_supported(isa):
             logger.warning("CPU %s kernels: this CPU cannot run the %s variant", name, isa)
         else:
-            key_text = _sources_digest(sources, isa) + " ".join(_ISA_FLAGS[isa]) + torch.__version__ + _BUILD_RECIPE
+            # the flags without the checkout's path (the emulation header's text is in the digest): a second checkout
+            # reuses the cached build
+            flags = " ".join(os.path.basename(f) if f == EMU512_HEADER else f for f in _ISA_FLAGS[isa])
+            key_text = _sources_digest(sources, isa) + flags + torch.__version__ + _BUILD_RECIPE
             digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
             path = os.path.join(cache_dir(), f"{name}_{isa}_{digest}.so")
             try:
