@@ -32,6 +32,13 @@ pytestmark = pytest.mark.slow
 WARMUP = 4
 
 
+def _timing_summary(t) -> str:
+    """The step-time model's terms in one line (a failure then says which one went wrong)."""
+    pts = ", ".join(f"B{b:.1f}: {s * 1e3:.1f} ms" for b, s in t.decode_points)
+    tp = t.prefill_seconds_per_token
+    return f"prefill {tp * 1e3:.3f} ms/token, decode [{pts}], {t.num_steps_observed} steps" if tp else f"decode [{pts}]"
+
+
 def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
     from tokenmill import LLM
 
@@ -58,6 +65,7 @@ def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
     # Steady Poisson arrivals at one request per solo service time (batching keeps the queue short);
     # on a slow (busy) machine fewer requests, so the arrivals span at most ~40 s.
     rate = 1.0 / solo
+    timing_before = _timing_summary(core.get_stats().step_timing)
     n = max(16, min(n, int(40 * rate)))
     gaps = [rng.expovariate(rate) for _ in range(n)]
     arrivals, predicted, measured = {}, {}, {}
@@ -98,7 +106,9 @@ def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
     errs, med_abs, bias, se, _ = judged(1.0)
     report = (f"median TTFT {med_ttft * 1e3:.0f} ms, median |error| {med_abs * 1e3:.0f} ms "
               f"({med_abs / med_ttft:.0%}), bias {bias:+.0%} (standard error {se:.0%}), p90 |error| "
-              f"{sorted(abs(e) for e in errs)[int(0.9 * len(errs))] * 1e3:.0f} ms")
+              f"{sorted(abs(e) for e in errs)[int(0.9 * len(errs))] * 1e3:.0f} ms; solo {solo * 1e3:.0f} ms, "
+              f"{n} arrivals; step-time model before the run: {timing_before}, after: "
+              f"{_timing_summary(core.get_stats().step_timing)}")
     print(report)
     assert med_abs <= max(0.35 * med_ttft, 0.040), report
     assert abs(bias) <= 0.30 + 3 * se, report
