@@ -382,7 +382,8 @@ def _vec_item_decode_library(isa, monkeypatch):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
-                                                    (12, 3, 64, 32), (10, 2, 64, 16)])
+                                                    (12, 3, 64, 32), (10, 2, 64, 16), (12, 4, 128, 32),
+                                                    (16, 8, 128, 16), (24, 8, 64, 16)])
 @pytest.mark.parametrize("isa", [real_param("avx2")])
 def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads, kv_heads, d, block, isa,
                                                                 monkeypatch):
@@ -390,7 +391,10 @@ def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads
     that fits 16 ymm registers); every row must keep the bits of the tiled decode item it replaced (the
     arithmetic the other variants and main's decode use): the same vtsum score reduction, softmax loop and PV
     fma chain. Both builds run the same rows (contexts crossing partial key groups and blocks) with 1 and 2
-    threads, whole-request items (batch >= 4) and per-KV-head items (batch 1)."""
+    threads, whole-request items (batch >= 4) and per-KV-head items (batch 1). The shapes cover the item's
+    copy plans: all heads' K and V rows widened in one sweep (9/3 x 64), K only (12/4 x 128, block 32: the V
+    block is over the cap, and G = 3 widens V in registers), neither (16/8 x 128), and V in registers with
+    one head per item (batch 1, G = 3)."""
     reqs = [(1, n) for n in (1, 7, 8, 9, 16, 17, 45, 262, 300, 33)]
     q, cache, table, _, _, seq_lens = _rows_case(d + heads + block, reqs, heads, kv_heads, d, block, kv_dtype)
     sfx = paged_attention_cpu._suffixes(q, cache)
