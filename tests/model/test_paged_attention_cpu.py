@@ -339,6 +339,38 @@ def test_rows_kernel_has_the_decode_kernels_bits_per_row(kv_dtype, heads, kv_hea
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
+                                                    (12, 3, 64, 32)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_short_rows_on_whole_request_items_keep_the_decode_bits(kv_dtype, heads, kv_heads, d, block, isa):
+    """A call of short rows (a verify step: a few tokens per request) with at least two tiles per thread
+    runs items that serve all KV heads of a tile (their K/V rows copied in slot order); every row must keep
+    the bits paged_decode gives it as one row per token, and the bits of the same request run alone (one
+    tile: one KV head per item)."""
+    reqs = [(5, 262), (3, 40), (1, 17), (4, 9), (2, 3), (5, 100), (5, 5), (1, 300), (4, 33)]
+    q, cache, table, q_start, q_len, seq_lens = _rows_case(len(reqs) + d + heads + 7, reqs, heads, kv_heads, d,
+                                                           block, kv_dtype)
+    row_table = table.repeat_interleave(q_len.long(), 0).contiguous()
+    row_lens = torch.tensor([sl - n + j + 1 for n, sl in reqs for j in range(n)], dtype=torch.int32)
+    want = paged_attention_cpu.paged_decode(q, cache, row_table, row_lens, d ** -0.5, 0.9, 1.1, isa)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            got = torch.full_like(q, float("nan"))
+            paged_attention_cpu.paged_rows(q, cache, table, q_start, q_len, seq_lens, d ** -0.5, got, 0.9, 1.1, isa)
+            assert torch.equal(_bits(got), _bits(want)), threads
+            for r in (0, 3):
+                alone = torch.zeros_like(q)
+                paged_attention_cpu.paged_rows(q, cache, table[r:r + 1], q_start[r:r + 1], q_len[r:r + 1],
+                                               seq_lens[r:r + 1], d ** -0.5, alone, 0.9, 1.1, isa)
+                s, n = int(q_start[r]), int(q_len[r])
+                assert torch.equal(_bits(alone[s:s + n]), _bits(want[s:s + n])), r
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_rows_bit_check_sees_a_different_reduction_order(isa):
     """The check above can fail: the FlashAttention-style prefill kernel (online softmax over 16-key tiles,

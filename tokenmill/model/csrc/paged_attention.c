@@ -588,17 +588,25 @@ void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, cons
     const int64_t Ls = (maxL + VW - 1) / VW * VW + VW;                                                \
     int64_t pt = vec ? RT : 1;                                                                        \
     while (pt > 1 && pt * G * Ls > ((int64_t)1 << 20)) pt /= 2;                                       \
-    const int64_t nh = vec ? KVH : 1;                                                                 \
+    /* short rows (a verify step's few tokens per request) with enough tiles for every thread: one item  \
+     * serves all KV heads of its tile (as AVX2 decode does), so their K/V rows are copied in slot order */ \
+    int64_t qmax = 1, tiles = 0;                                                                      \
+    for (int64_t r = 0; r < R; r++) {                                                                 \
+        qmax = q_len[r] > qmax ? q_len[r] : qmax; tiles += (q_len[r] + pt - 1) / pt;                  \
+    }                                                                                                 \
+    const int64_t ptr = qmax < pt ? qmax : pt;                                                        \
+    const int64_t hg = vec && KVH > 1 && ptr * G * KVH <= 64 && tiles >= 2 * num_threads ? KVH : 1;    \
+    const int64_t nh = vec ? KVH / hg : 1;                                                            \
     int64_t total = 0;                                                                                \
     for (int64_t r = 0; r < R; r++) total += (q_len[r] + pt - 1) / pt * nh;                           \
     int64_t* items = (int64_t*)malloc(sizeof(int64_t) * 3 * (total > 0 ? total : 1));                 \
     int64_t w = 0;                                                                                    \
     for (int64_t r = 0; r < R; r++)                                                                   \
         for (int64_t t = (q_len[r] + pt - 1) / pt - 1; t >= 0; t--)                                   \
-            for (int64_t h = 0; h < nh; h++) { items[w++] = r; items[w++] = t * pt; items[w++] = h; } \
+            for (int64_t h = 0; h < nh; h++) { items[w++] = r; items[w++] = t * pt; items[w++] = h * hg; } \
     _Pragma("omp parallel num_threads(num_threads)")                                                  \
     {                                                                                                 \
-        float* buf = vec ? rows_buf_alloc(pt * G, 1, D, Ls, bs)                                       \
+        float* buf = vec ? rows_buf_alloc(ptr * G * hg, hg, D, Ls, bs)                                \
                          : (float*)malloc(sizeof(float) * (maxL * (G > GT64 ? G : GT64) + 2 * G * D)); \
         _Pragma("omp for schedule(dynamic, 1)")                                                       \
         for (int64_t it = 0; it < total; it++) {                                                      \
@@ -608,12 +616,12 @@ void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, cons
             if (vec) {                                                                                \
                 const int64_t tq = n - t0 < pt ? n - t0 : pt;                                         \
                 float *qf, *s, *mxv, *mx, *o, *kf, *vt;                                               \
-                rows_buf_split(buf, pt * G, 1, D, Ls, &qf, &s, &mxv, &mx, &o, &kf, &vt);              \
+                rows_buf_split(buf, ptr * G * hg, hg, D, Ls, &qf, &s, &mxv, &mx, &o, &kf, &vt);       \
                 if (D == 64)                                                                          \
-                    rows64_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, 1, H, KVH, bs, qscale, \
+                    rows64_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, hg, H, KVH, bs, qscale, \
                                        vscale, Ls, qf, s, mxv, mx, o, kf, vt);                        \
                 else                                                                                  \
-                    rows128_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, 1, H, KVH, bs, qscale, \
+                    rows128_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, hg, H, KVH, bs, qscale, \
                                         vscale, Ls, qf, s, mxv, mx, o, kf, vt);                       \
             } else {                    /* one token: paged_decode_*'s own item for its context */    \
                 const int64_t b = q_start[r] + t0, Lr = L - n + t0 + 1;                               \
