@@ -5,7 +5,8 @@ exported with ``git archive <commit> tokenmill/model/csrc | tar -x -C /tmp/base`
 then calls ``paged_decode_*``, ``paged_rows_*`` and ``paged_prefill_*`` of both on the same random inputs and
 compares the outputs bit for bit. The cases draw heads / KV heads / head_dim (GQA groups 1-12, head_dim 24, 64,
 128), block sizes 8-32, 1-3 threads, decode batches of 1-64 with contexts of 1-700 keys, rows / prefill calls of
-1-5 requests with 1-200 new tokens after 0-300 cached ones, float32 / bfloat16 / int8 / fp8 caches and float32 /
+1-5 requests with 1-200 new tokens after 0-300 cached ones, verify-like rows calls of 4-20 requests with 1-5
+tokens after 0-400, float32 / bfloat16 / int8 / fp8 caches and float32 /
 bfloat16 queries, over shuffled block tables. Prints each differing case and a total; exits 1 if any differ.
 A correctness check, not a timing: run it under ``/work/bin/shared`` (or anywhere).
 
@@ -39,8 +40,13 @@ def random_case(rng: random.Random) -> dict:
     qd = rng.choice([torch.float32, torch.float32, torch.bfloat16])
     if kvd == torch.float32 and qd == torch.bfloat16:     # no kernel for a bfloat16 query on a float32 cache
         kvd = torch.bfloat16
-    kind = rng.choice(["decode", "decode", "rows", "prefill"])
-    if kind == "decode":
+    kind = rng.choice(["decode", "decode", "rows", "prefill", "verify"])
+    if kind == "verify":          # many short rows: paged_rows's items that serve every KV head of a tile
+        reqs = []
+        for _ in range(rng.choice([4, 8, 16, 20])):
+            n = rng.randint(1, 5)
+            reqs.append((n, n + rng.randint(0, 400)))
+    elif kind == "decode":
         reqs = [(1, rng.choice([1, 2, 7, 8, 9, 15, 16, 17, 33, 100, 257, 300, rng.randint(1, 700)]))
                 for _ in range(rng.choice([1, 2, 3, 5, 8, 17, 64]))]
     else:
@@ -81,7 +87,7 @@ def run_case(libs: list, case: dict, rng: random.Random) -> bool:
                 q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
                 seq_lens.data_ptr(), len(reqs), h, kvh, d, bs, d ** -0.5, k_scale, v_scale, case["threads"])
         else:
-            fn = "paged_rows" if case["kind"] == "rows" else "paged_prefill"
+            fn = "paged_prefill" if case["kind"] == "prefill" else "paged_rows"
             getattr(lib, f"{fn}_{qs}_{ks}")(
                 q.data_ptr(), kv[0].data_ptr(), kv[1].data_ptr(), out.data_ptr(), bt.data_ptr(), bt.stride(0),
                 q_start.data_ptr(), q_len.data_ptr(), seq_lens.data_ptr(), len(reqs), h, kvh, d, bs, d ** -0.5,
