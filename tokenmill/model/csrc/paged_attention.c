@@ -573,8 +573,10 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
  * request r's blocks); q_start, q_len, seq_lens: [R] int32 (first row in q, new tokens, context length
  * after this step; q_len <= seq_len). Any head_dim. Work items (request, tile of tokens, KV head) are
  * handed out longest context first; a tile has RT tokens, fewer where a long context would make its score
- * rows (tokens x G x context floats) exceed 4 MiB. Scalar variant / other head sizes: items (request,
- * token), the decode kernel's item functions. */
+ * rows (tokens x G x context floats) exceed 4 MiB. Short tiles (all KV heads' rows <= 64, e.g. a verify
+ * step) with at least two tiles per thread: items (request, tile, all KV heads), whose K/V copies run in
+ * slot order (verify 16 x 5 after 257, AVX2 EPYC: 1.18x). A row's arithmetic is the same in either item.
+ * Scalar variant / other head sizes: items (request, token), the decode kernel's item functions. */
 #define DEFINE_ROWS(QS, KS, QT, KT, RAWMUL)                                                           \
 void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* block_tables, \
                             int64_t bt_stride, const int32_t* q_start, const int32_t* q_len,          \
