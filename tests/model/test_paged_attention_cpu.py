@@ -339,6 +339,38 @@ def test_rows_kernel_has_the_decode_kernels_bits_per_row(kv_dtype, heads, kv_hea
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
+                                                    (12, 3, 64, 32)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_short_rows_on_whole_request_items_keep_the_decode_bits(kv_dtype, heads, kv_heads, d, block, isa):
+    """A call of short rows (a verify step: a few tokens per request) with at least two tiles per thread
+    runs items that serve all KV heads of a tile (their K/V rows copied in slot order); every row must keep
+    the bits paged_decode gives it as one row per token, and the bits of the same request run alone (one
+    tile: one KV head per item)."""
+    reqs = [(5, 262), (3, 40), (1, 17), (4, 9), (2, 3), (5, 100), (5, 5), (1, 300), (4, 33)]
+    q, cache, table, q_start, q_len, seq_lens = _rows_case(len(reqs) + d + heads + 7, reqs, heads, kv_heads, d,
+                                                           block, kv_dtype)
+    row_table = table.repeat_interleave(q_len.long(), 0).contiguous()
+    row_lens = torch.tensor([sl - n + j + 1 for n, sl in reqs for j in range(n)], dtype=torch.int32)
+    want = paged_attention_cpu.paged_decode(q, cache, row_table, row_lens, d ** -0.5, 0.9, 1.1, isa)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            got = torch.full_like(q, float("nan"))
+            paged_attention_cpu.paged_rows(q, cache, table, q_start, q_len, seq_lens, d ** -0.5, got, 0.9, 1.1, isa)
+            assert torch.equal(_bits(got), _bits(want)), threads
+            for r in (0, 3):
+                alone = torch.zeros_like(q)
+                paged_attention_cpu.paged_rows(q, cache, table[r:r + 1], q_start[r:r + 1], q_len[r:r + 1],
+                                               seq_lens[r:r + 1], d ** -0.5, alone, 0.9, 1.1, isa)
+                s, n = int(q_start[r]), int(q_len[r])
+                assert torch.equal(_bits(alone[s:s + n]), _bits(want[s:s + n])), r
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_rows_bit_check_sees_a_different_reduction_order(isa):
     """The check above can fail: the FlashAttention-style prefill kernel (online softmax over 16-key tiles,
@@ -382,7 +414,8 @@ def _vec_item_decode_library(isa, monkeypatch):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
-                                                    (12, 3, 64, 32), (10, 2, 64, 16)])
+                                                    (12, 3, 64, 32), (10, 2, 64, 16), (12, 4, 128, 32),
+                                                    (16, 8, 128, 16), (24, 8, 64, 16)])
 @pytest.mark.parametrize("isa", [real_param("avx2")])
 def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads, kv_heads, d, block, isa,
                                                                 monkeypatch):
@@ -390,7 +423,10 @@ def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads
     that fits 16 ymm registers); every row must keep the bits of the tiled decode item it replaced (the
     arithmetic the other variants and main's decode use): the same vtsum score reduction, softmax loop and PV
     fma chain. Both builds run the same rows (contexts crossing partial key groups and blocks) with 1 and 2
-    threads, whole-request items (batch >= 4) and per-KV-head items (batch 1)."""
+    threads, whole-request items (batch >= 4) and per-KV-head items (batch 1). The shapes cover the item's
+    copy plans: all heads' K and V rows widened in one sweep (9/3 x 64), K only (12/4 x 128, block 32: the V
+    block is over the cap, and G = 3 widens V in registers), neither (16/8 x 128), and V in registers with
+    one head per item (batch 1, G = 3)."""
     reqs = [(1, n) for n in (1, 7, 8, 9, 16, 17, 45, 262, 300, 33)]
     q, cache, table, _, _, seq_lens = _rows_case(d + heads + block, reqs, heads, kv_heads, d, block, kv_dtype)
     sfx = paged_attention_cpu._suffixes(q, cache)
