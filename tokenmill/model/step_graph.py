@@ -23,8 +23,12 @@ Each GEMM takes the path :meth:`PackedLinear.forward` takes at ``M`` rows:
 the low-bit float32 kernel up to the low-bit limit, the integer low-bit
 kernel (int8 activations) up to its limit, else oneDNN's packed GEMM (one
 torch call and a copy into the persistent buffer). A step then is one
-embedding lookup, one cos/sin computation, and a Python loop of
-``fn(*args)`` calls: ~10 calls per layer and nothing else.
+embedding lookup, one cos/sin computation, and the prepared calls: ~10 per
+layer and nothing else. The step executor (``csrc/step_exec.c``,
+:class:`ExecutorRun`) runs each run of consecutive C kernel calls in one C
+loop, so a B=1 step is one call from Python instead of ~300 (same functions,
+arguments and order; ``TOKENMILL_CPU_STEP_EXECUTOR=0``: each call from a
+Python loop, which the profiled step always uses).
 
 Same results: the calls, their arguments and their order are the eager
 path's (:meth:`LlamaForCausalLM.forward` with :class:`PackedLinear`,
