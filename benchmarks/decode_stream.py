@@ -86,8 +86,9 @@ def gemm_args(w: LowBitWeight, x: torch.Tensor, y: torch.Tensor) -> tuple:
 def model_step(args) -> None:
     """Whole decode steps (B=``--batch``, ``--context`` cached tokens) of the packaged model through the CPU step
     graph, its prepared calls in this tree's form (ctypes values made once, :meth:`CpuStepGraph._fast_calls`) and
-    in the plain form (each call converting its Python ints through ``argtypes``, as before), the two swapped per
-    repetition in one process; each arm's final hidden states are compared bit for bit."""
+    in the plain form (each call converting its Python ints through ``argtypes``, as before), and through the step
+    executor (csrc/step_exec.c: the prepared calls run by one C loop, ``TOKENMILL_CPU_STEP_EXECUTOR``), the arms
+    rotated per repetition in one process; each arm's final hidden states are compared bit for bit."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from roofline import synthetic_step
     from tokenmill.config import EngineConfig
@@ -109,23 +110,29 @@ def model_step(args) -> None:
     for kv in runner.kv_caches:          # a context to attend over (the synthetic step never wrote one)
         kv.copy_(torch.randn(kv.shape) * 0.5)
     fast = CpuStepGraph._fast_calls
-    forms = {"plain calls": lambda calls: [(fn, a, fn) for fn, a in calls], "prepared calls": fast}
-    tables, finals = {}, {}
-    for name, form in forms.items():
+    ex = g._exec
+    # name -> (call form, executor): "prepared calls" is the per-call path (TOKENMILL_CPU_STEP_EXECUTOR=0)
+    forms = {"plain calls": (lambda calls: [(fn, a, fn) for fn, a in calls], None), "prepared calls": (fast, None)}
+    if ex is not None:
+        forms["executor"] = (fast, ex)
+    tables, plans, finals = {}, {}, {}
+    for name, (form, lib) in forms.items():
         g._calls.clear()
-        g._fast_calls = form
+        g._plans.clear()
+        g._fast_calls, g._exec = form, lib
         runner.execute_model(so)
         runner.execute_model(so)
-        tables[name] = dict(g._calls)
+        tables[name], plans[name] = dict(g._calls), dict(g._plans)
         finals[name] = g.final[:args.batch].clone()
     g._fast_calls = fast
-    same = torch.equal(finals["plain calls"].view(torch.int32), finals["prepared calls"].view(torch.int32)) and \
-        bool(finals["plain calls"].isfinite().all())
+    ref = finals["plain calls"]
+    same = bool(ref.isfinite().all()) and all(torch.equal(ref.view(torch.int32), f.view(torch.int32))
+                                              for f in finals.values())
     times = {k: [] for k in forms}
     a0 = _cpu_snap()
     for _ in range(args.reps):
         for name in forms:
-            g._calls = tables[name]
+            g._calls, g._plans, g._exec = tables[name], plans[name], forms[name][1]
             t0 = time.perf_counter()
             runner.execute_model(so)
             times[name].append(time.perf_counter() - t0)
@@ -137,6 +144,8 @@ def model_step(args) -> None:
     for k, v in med.items():
         print(f"  {k:<16} {v * 1e3:7.2f} ms (min {min(times[k]) * 1e3:7.2f})")
     print(f"  plain / prepared: {med['plain calls'] / med['prepared calls']:.3f}x")
+    if "executor" in med:
+        print(f"  prepared / executor: {med['prepared calls'] / med['executor']:.3f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"batch": args.batch, "context": args.context, "threads": threads, "bits_equal": same,

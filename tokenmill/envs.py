@@ -181,6 +181,9 @@ _DECLARED = [
     EnvVar("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS", "int > 0", None, "Largest decode or verify step (tokens) the "
            "step graph serves (unset: --max-num-seqs x (1 + the most draft tokens a request verifies per step: "
            "num_speculative_tokens, num_forced_draft_tokens)).", _positive_int_or_unset("TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS"), _CPU),
+    EnvVar("TOKENMILL_CPU_STEP_EXECUTOR", "bool", True, "0: the CPU step graph calls its C kernels one by one "
+           "from Python (default: runs of them in one C loop, csrc/step_exec.c; same calls, same bits).",
+           _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_INT4_GROUP_SIZE", "int 32..128, multiple of 4", 32, "Largest group of inputs per scale "
            "for --quantization int4 (each layer takes the largest of it/128/64/32 dividing its inputs).",
            _int4_group, _CPU),

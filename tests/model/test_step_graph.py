@@ -316,6 +316,7 @@ def test_prepared_calls_are_the_same_c_calls_with_the_same_values(dtype, monkeyp
     needs_lowbit(dtype)
     runner, model, arch = build("qwen2", dtype, graph=True, monkeypatch=monkeypatch)   # qwen2: biases
     g = runner.step_graph
+    g._exec = None                            # the per-call path (the executor's own test: below)
     bufs = [runner.buffers.to_device(k, 3) for k in ("slot_mapping", "block_tables", "seq_lens")]
     plain = g._build(3, *bufs, 2)
     fast = CpuStepGraph._fast_calls(plain)

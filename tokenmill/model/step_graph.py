@@ -23,8 +23,12 @@ Each GEMM takes the path :meth:`PackedLinear.forward` takes at ``M`` rows:
 the low-bit float32 kernel up to the low-bit limit, the integer low-bit
 kernel (int8 activations) up to its limit, else oneDNN's packed GEMM (one
 torch call and a copy into the persistent buffer). A step then is one
-embedding lookup, one cos/sin computation, and a Python loop of
-``fn(*args)`` calls: ~10 calls per layer and nothing else.
+embedding lookup, one cos/sin computation, and the prepared calls: ~10 per
+layer and nothing else. The step executor (``csrc/step_exec.c``,
+:class:`ExecutorRun`) runs each run of consecutive C kernel calls in one C
+loop, so a B=1 step is one call from Python instead of ~300 (same functions,
+arguments and order; ``TOKENMILL_CPU_STEP_EXECUTOR=0``: each call from a
+Python loop, which the profiled step always uses).
 
 Same results: the calls, their arguments and their order are the eager
 path's (:meth:`LlamaForCausalLM.forward` with :class:`PackedLinear`,
@@ -83,6 +87,7 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "TOKENMILL_CPU_STEP_GRAPH"
 MAX_TOKENS_ENV = "TOKENMILL_CPU_STEP_GRAPH_MAX_TOKENS"
+EXECUTOR_ENV = "TOKENMILL_CPU_STEP_EXECUTOR"
 
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
@@ -157,6 +162,96 @@ def unsupported_reason(model: torch.nn.Module, device: torch.device, dtype: torc
     return None
 
 
+_ARG_CODES = {ctypes.c_void_p: "p", ctypes.c_int: "i", ctypes.c_int64: "l", ctypes.c_float: "f"}
+
+
+def load_executor():
+    """The step executor library (``csrc/step_exec.c``: runs a prepared list of C kernel calls in one C loop),
+    or None when ``TOKENMILL_CPU_STEP_EXECUTOR=0`` or it cannot be built (the graph then calls each kernel from
+    Python). Its build has no ISA-specific code; it calls whichever variant's functions it is given."""
+    from tokenmill.model.layers.cpu_build import load_library
+
+    lib = load_library("step_exec", ["step_exec.c"],
+                       {"tm_exec_sig": [ctypes.c_char_p], "tm_exec_row": [],
+                        "tm_exec_run": [ctypes.c_void_p, ctypes.c_int64]}, EXECUTOR_ENV)
+    if lib is not None and lib.tm_exec_run.restype is not ctypes.c_int64:
+        lib.tm_exec_sig.restype = ctypes.c_int
+        lib.tm_exec_row.restype = ctypes.c_int
+        lib.tm_exec_run.restype = ctypes.c_int64
+    return lib
+
+
+class ExecutorRun:
+    """Consecutive prepared C kernel calls as one call of the step executor (``tm_exec_run``).
+
+    Args:
+        lib: :func:`load_executor`'s library.
+        calls: ``(fn, args)`` pairs, each ``fn`` a :mod:`ctypes` function with ``argtypes`` whose type string
+            the executor knows (:meth:`encodable`), ``args`` its Python values (ints, floats, None for NULL).
+
+    Calling the object makes the same C calls with the same C-typed values in the same order on this thread
+    (the values packed once into an ``[n, row]`` int64 table: pointers and integers as their values, floats as
+    their float32 bits after ctypes' own double -> float conversion), so results are the per-call bits.
+
+    Raises:
+        ValueError: a call the executor cannot encode.
+        RuntimeError (on call): the library stopped before the last call (an unknown signature id).
+    """
+
+    def __init__(self, lib, calls: Sequence[tuple]) -> None:
+        row = lib.tm_exec_row()
+        table = np.zeros((len(calls), row), dtype=np.int64)
+        for k, (fn, args) in enumerate(calls):
+            sig = self.signature(lib, fn)
+            if sig < 0 or len(args) > row - 2:
+                raise ValueError(f"step executor cannot call {fn!r}")
+            table[k, 0] = ctypes.cast(fn, ctypes.c_void_p).value
+            table[k, 1] = sig
+            for j, (t, v) in enumerate(zip(fn.argtypes, args, strict=True)):
+                if v is None:
+                    continue
+                if t is ctypes.c_float:
+                    table[k, 2 + j] = ctypes.c_uint32.from_buffer(ctypes.c_float(v)).value
+                else:
+                    table[k, 2 + j] = t(v).value or 0
+        self.table, self.n = table, len(calls)
+        self._run = lib.tm_exec_run
+        self._ptr = table.ctypes.data
+
+    @staticmethod
+    def signature(lib, fn) -> int:
+        """The executor's signature id for the ctypes function ``fn`` (from its ``argtypes``), -1 if none."""
+        argtypes = getattr(fn, "argtypes", None)
+        if not isinstance(fn, ctypes._CFuncPtr) or not argtypes or fn.restype is not None:
+            return -1
+        codes = "".join(_ARG_CODES.get(t, "?") for t in argtypes)
+        return -1 if "?" in codes else lib.tm_exec_sig(codes.encode())
+
+    def __call__(self) -> None:
+        done = self._run(self._ptr, self.n)
+        if done != self.n:
+            raise RuntimeError(f"step executor stopped at call {done} of {self.n}")
+
+
+def executor_plan(lib, calls: Sequence[tuple]) -> list:
+    """``calls`` (``(fn, args)`` pairs) with every run of consecutive executor-encodable C calls made one
+    :class:`ExecutorRun`; other callables (torch methods, closures) stay as they are, between the runs, in
+    order. Returns ``(callable, args)`` pairs."""
+    out: list = []
+    run: list = []
+    for fn, args in calls:
+        if ExecutorRun.signature(lib, fn) >= 0:
+            run.append((fn, args))
+            continue
+        if run:
+            out.append((ExecutorRun(lib, run), ()))
+            run = []
+        out.append((fn, args))
+    if run:
+        out.append((ExecutorRun(lib, run), ()))
+    return out
+
+
 def _lora_base(lin):
     """The base layer of a LoRA-wrapped linear (``LoRALinear.base``), else ``lin`` itself."""
     from tokenmill.model.layers.lora import LoRALinear
@@ -213,6 +308,9 @@ class CpuStepGraph:
         lin = model.model.layers[0].self_attn.qkv_proj
         self._lora_mod = lin if _lora_base(lin) is not lin else None
         self._lora_on, self._threads = False, 1
+        # the step executor (one C loop over runs of calls; TOKENMILL_CPU_STEP_EXECUTOR=0: None, each call from Python)
+        self._exec = load_executor()
+        self._plans: dict[tuple, list] = {}
         # first rows and token counts of a multi-token-query step's requests (:meth:`_row_starts`)
         self._q_start: torch.Tensor | None = None
         self._q_len: torch.Tensor | None = None
@@ -222,8 +320,9 @@ class CpuStepGraph:
         self.capacity = 0
         self._ensure_capacity(min(self.max_tokens, max(lowbit_tokens, 1)))   # grows with the steps seen
         logger.info("CPU step graph: decode steps of <= %d tokens run as ~%d prepared kernel calls per step (%s; "
-                    "low-bit GEMMs up to %d tokens, %s)", self.max_tokens, 10 * len(model.model.layers) + 1, dtype,
-                    lowbit_tokens, MAX_TOKENS_ENV)
+                    "low-bit GEMMs up to %d tokens, %s; %s)", self.max_tokens, 10 * len(model.model.layers) + 1, dtype,
+                    lowbit_tokens, MAX_TOKENS_ENV,
+                    "called from one C loop" if self._exec is not None else f"called from Python, {EXECUTOR_ENV}=0")
 
     def _ensure_capacity(self, m: int) -> None:
         """Persistent activations for steps of ``m`` tokens (grown geometrically; prepared calls dropped)."""
@@ -240,6 +339,7 @@ class CpuStepGraph:
         self.cos, self.sin = z(cap, self.rotary_dim), z(cap, self.rotary_dim)
         self.capacity = cap
         self._calls.clear()
+        self._plans.clear()
         self._biases.clear()
 
     # -- building -----------------------------------------------------------
@@ -474,15 +574,22 @@ class CpuStepGraph:
             self._ensure_capacity(m)
             if len(self._calls) >= 4 * self.max_tokens + 64:
                 self._calls.clear()
+                self._plans.clear()
                 self._biases.clear()
-            calls = self._calls[key] = self._fast_calls(self._build(m, slot_mapping, block_tables, seq_lens,
-                                                                    threads, rows))
+            built = self._build(m, slot_mapping, block_tables, seq_lens, threads, rows)
+            calls = self._calls[key] = self._fast_calls(built)
+            if self._exec is not None:
+                self._plans[key] = executor_plan(self._exec, built)
         t0 = time.perf_counter() if self.profile is not None else 0.0
         torch.index_select(self.model.model.embed_tokens.weight, 0, input_ids, out=self.res[:m])
         cos, sin = self.model.rotary_emb.cos_sin(positions, self.dtype)
         self.cos[:m].copy_(cos.view(m, -1))
         self.sin[:m].copy_(sin.view(m, -1))
-        if self.profile is None:
+        plan = self._plans.get(key) if self._exec is not None else None
+        if self.profile is None and plan is not None:
+            for fn, args in plan:
+                fn(*args)
+        elif self.profile is None:
             for fn, args, _ in calls:
                 fn(*args)
         else:
