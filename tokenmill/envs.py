@@ -223,6 +223,9 @@ _DECLARED = [
            "benchmarks/soak.py and tests use).", _off_unless_one, _SERVE),
     EnvVar("TOKENMILL_TRACEMALLOC", "int >= 0", 0, "Frames per allocation site for tracemalloc (0: off); "
            "/debug/invariants then reports the top allocation sites.", _frames, _SERVE),
+    EnvVar("TOKENMILL_STEP_TRACE", "path", "", "Debugging: a file the engine core appends one JSON line per step to "
+           "(loop, step, runner parts and send times in s, decode requests, prefill tokens, running/waiting, "
+           "preemptions; benchmarks/serve_c64_profile.py reads it); empty: off.", str, _SERVE),
     EnvVar("TOKENMILL_SLO_CALIBRATION", "bool", True, "0, false or off: --slo admission uses the step-time "
            "model without its learnt margins.", lambda s: s not in ("0", "false", "off"), _SERVE),
     # --- the test suite's own knobs ---

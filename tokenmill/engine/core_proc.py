@@ -31,10 +31,12 @@ import signal
 import sys
 import time
 import traceback
+import json
 from typing import Any, Callable
 
 import zmq
 
+from tokenmill import envs
 from tokenmill.engine import messages
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.executor import create_executor
@@ -233,12 +235,64 @@ def _stop_executor(executor: Any) -> None:
             logger.exception("stopping the workers failed")
 
 
+class StepTrace:
+    """``TOKENMILL_STEP_TRACE``: one JSON line per engine-core step, for finding where a serving run's wall
+    time goes (``benchmarks/serve_c64_profile.py``).
+
+    Each line: ``loop`` (s, ``time.monotonic`` when the loop iteration began: input draining and the idle
+    wait come before ``start``), ``start`` / ``end`` (around :meth:`EngineCore.step`), ``sent`` (after the
+    outputs and stats went to the API process; equal to ``end`` when nothing was sent), ``schedule`` (s,
+    scheduling + output update inside the step), the runner's ``prepare`` / ``forward`` / ``sample`` (s,
+    where the executor reports them), ``decode`` (requests decoding), ``prefill`` (prompt tokens),
+    ``outputs`` (outputs sent), ``running``, ``waiting``, ``preemptions`` (cumulative). Lines are buffered
+    and flushed every 64 steps and when the loop ends; the file is opened for appending.
+    """
+
+    def __init__(self, path: str) -> None:
+        self._f = open(path, "a", buffering=1 << 16)
+        self._n = 0
+
+    @staticmethod
+    def from_env() -> "StepTrace | None":
+        path = envs.TOKENMILL_STEP_TRACE
+        return StepTrace(path) if path else None
+
+    def record(self, core: Any, loop: float, start: float, end: float, sent: float, num_outputs: int) -> None:
+        last = getattr(core, "_last_step", None) or (0, 0, 0.0, 0.0, 0)
+        timings = getattr(core.executor, "last_timings", None) or {}
+        s = core.scheduler
+        row = {"loop": loop, "start": start, "end": end, "sent": sent,
+               "schedule": getattr(core, "_last_schedule_time", None),
+               "decode": last[0], "prefill": last[1], "outputs": num_outputs,
+               "running": s.num_running, "waiting": s.num_waiting, "preemptions": s.num_preemptions_total}
+        for k in ("prepare", "forward", "sample"):
+            if k in timings:
+                row[k] = timings[k]
+        self._f.write(json.dumps(row) + "\n")
+        self._n += 1
+        if self._n % 64 == 0:
+            self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
 def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int,
                on_step: Callable[[], None] | None = None) -> None:
     """Schedule → execute → update until shutdown (see module docstring).
 
     ``on_step`` runs after every step (the KV event flush).
     """
+    trace = StepTrace.from_env()
+    try:
+        _core_loop_body(core, in_sock, out_sock, parent_pid, on_step, trace)
+    finally:
+        if trace is not None:
+            trace.close()
+
+
+def _core_loop_body(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int,
+                    on_step: Callable[[], None] | None, trace: StepTrace | None) -> None:
     num_adds = 0
     last_parent_check = time.monotonic()
     last_send = 0.0
@@ -247,6 +301,7 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
         return os.getppid() == parent_pid
 
     while True:
+        t_loop = time.monotonic()
         if not core.has_unfinished_requests():
             # Idle: block on the input, waking up now and then to check the parent.
             while not in_sock.poll(_PARENT_CHECK_MS):
@@ -279,7 +334,9 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
         outputs: list = []
         steps_before = core.num_steps if handled == 0 else -1   # (not get_stats(): a full snapshot a step)
         went_idle = False
-        if core.has_unfinished_requests():
+        stepped = core.has_unfinished_requests()
+        t_start = time.monotonic()
+        if stepped:
             outputs = core.step()
             if on_step is not None:
                 on_step()
@@ -292,6 +349,8 @@ def _core_loop(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid:
             # while busy (e.g. during a long chunked prefill that samples nothing).
             out_sock.send(dumps(Outputs(outputs, core.get_stats(), num_adds)))
             last_send = now
+        if trace is not None and stepped:
+            trace.record(core, t_loop, t_start, now, time.monotonic(), len(outputs))
         elif steps_before >= 0 and core.num_steps == steps_before:
             # Nothing could be scheduled and nothing arrived: wait briefly for input
             # instead of spinning.
