@@ -82,6 +82,7 @@ import torch
 
 from tokenmill import envs
 from tokenmill.model.layers.attention import SHORT_QUERY_AS_DECODE, TorchAttentionBackend
+from tokenmill.model.layers.cpu_build import load_library
 
 logger = logging.getLogger(__name__)
 
@@ -169,8 +170,6 @@ def load_executor():
     """The step executor library (``csrc/step_exec.c``: runs a prepared list of C kernel calls in one C loop),
     or None when ``TOKENMILL_CPU_STEP_EXECUTOR=0`` or it cannot be built (the graph then calls each kernel from
     Python). Its build has no ISA-specific code; it calls whichever variant's functions it is given."""
-    from tokenmill.model.layers.cpu_build import load_library
-
     lib = load_library("step_exec", ["step_exec.c"],
                        {"tm_exec_sig": [ctypes.c_char_p], "tm_exec_row": [],
                         "tm_exec_run": [ctypes.c_void_p, ctypes.c_int64]}, EXECUTOR_ENV)
