@@ -2,27 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.benchmark_module import load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-ce = _load("compare_engines")
-hf = _load("hf_server")
+ce = load_benchmark("compare_engines")
+hf = load_benchmark("hf_server")
 
 
 def _metrics(tok_s: float, ttft: float, tpot: float, goodput: float, completed: int = 8, failed: int = 0,

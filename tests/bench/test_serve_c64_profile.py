@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.benchmark_module import load_benchmark
 
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
-
-
-prof = _load("serve_c64_profile")
+prof = load_benchmark("serve_c64_profile")
 
 
 def _row(loop, start, end, sent, decode, prefill, preemptions=0, **parts):
