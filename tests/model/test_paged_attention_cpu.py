@@ -446,3 +446,54 @@ def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads
                 assert torch.equal(_bits(got[rows]), _bits(want)), (threads, rows)
     finally:
         torch.set_num_threads(saved)
+
+
+def _split_decode_library(isa, mode, monkeypatch):
+    """The paged-attention library built with ``-DTOKENMILL_DECODE_SPLIT=mode`` (0: decode never on the split
+    items, 2: always, vector variants at head_dim 64 / 128) under its own cache name."""
+    monkeypatch.setitem(cpu_build._ISA_FLAGS, isa, [*cpu_build._ISA_FLAGS[isa], f"-DTOKENMILL_DECODE_SPLIT={mode}"])
+    lib = cpu_build.load_library(f"paged_attention_split{mode}", ["paged_attention.c"],
+                                 paged_attention_cpu._FUNCTIONS, "TOKENMILL_CPU_ATTENTION_KERNEL", isa)
+    monkeypatch.undo()
+    assert lib is not None
+    return lib
+
+
+def _lib_decode(lib, q, cache, table, seq_lens, heads, kv_heads, d, block, threads):
+    sfx = paged_attention_cpu._suffixes(q, cache)
+    out = torch.full_like(q, float("nan"))       # a row left unwritten differs too
+    q, table, seq_lens = q.contiguous(), table.contiguous(), seq_lens.contiguous()
+    getattr(lib, f"paged_decode_{sfx[0]}_{sfx[1]}")(
+        q.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), out.data_ptr(), table.data_ptr(), table.stride(0),
+        seq_lens.data_ptr(), q.shape[0], heads, kv_heads, d, block, d ** -0.5, 0.9, 1.1, threads)
+    return out
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 1, 64, 8),
+                                                    (12, 4, 128, 32), (10, 5, 64, 16), (12, 3, 128, 16)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_split_decode_keeps_every_rows_bits(kv_dtype, heads, kv_heads, d, block, isa, monkeypatch):
+    """Small decode batches (fewer (request, KV head) items than twice the threads, not a multiple of them:
+    B = 1 with 3 KV heads on 2 threads) run on split items: scores by ranges of blocks, softmax per row, the
+    output by groups of vectors. Every row must keep the unsplit items' bits: the build that never splits,
+    the one that always does and the default one give the same bits for batches of 1, 2, 3 and 10 requests
+    (contexts crossing partial key groups and blocks) on 1, 2 and 3 threads, and each request alone equals
+    its row in the full batch (split or not depending on the batch). Every variant built explicitly (the
+    scalar one never splits: its items stay as they are, and the check holds trivially there)."""
+    reqs = [(1, n) for n in (1, 7, 8, 9, 16, 17, 45, 262, 300, 33)]
+    q, cache, table, _, _, seq_lens = _rows_case(d + heads + block + 1, reqs, heads, kv_heads, d, block,
+                                                 kv_dtype if kv_dtype != torch.float8_e4m3fn else torch.float32)
+    if kv_dtype == torch.float8_e4m3fn:
+        cache = (cache * 20).clamp(-448, 448).to(kv_dtype)
+    libs = [_split_decode_library(isa, 0, monkeypatch), _split_decode_library(isa, 2, monkeypatch),
+            paged_attention_cpu.load(isa)]
+    shape = (heads, kv_heads, d, block)
+    full = _lib_decode(libs[0], q, cache, table, seq_lens, *shape, 2)
+    for threads in (1, 2, 3):
+        for rows in (slice(7, 8), slice(0, 1), slice(5, 7), slice(6, 9), slice(None)):
+            want = _lib_decode(libs[0], q[rows], cache, table[rows], seq_lens[rows], *shape, threads)
+            assert torch.equal(_bits(want), _bits(full[rows])), (threads, rows)
+            for lib in libs[1:]:
+                got = _lib_decode(lib, q[rows], cache, table[rows], seq_lens[rows], *shape, threads)
+                assert torch.equal(_bits(got), _bits(want)), (threads, rows, lib is libs[2])
