@@ -203,17 +203,6 @@ void paged_decode_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, co
                               float v_scale, int num_threads) {                                      \
     const int64_t G = H / KVH, hsplit = B >= 2 * num_threads ? 1 : KVH, NH = KVH / hsplit;          \
     const float qscale = scale * k_scale * (RAWMUL), vscale = v_scale * (RAWMUL);                    \
-    const int64_t nit = B * KVH;                                                                     \
-    if (VW > 1 && (D == 64 || D == 128) && (TOKENMILL_DECODE_SPLIT == 2 || (TOKENMILL_DECODE_SPLIT == 1 \
-            && num_threads > 1 && nit < 2 * num_threads && nit % num_threads != 0))) {              \
-        if (D == 64)                                                                                 \
-            split64_##QS##_##KS(q, k, v, out, block_tables, bt_stride, seq_lens, B, H, KVH, bs, qscale, \
-                                vscale, num_threads);                                                \
-        else                                                                                         \
-            split128_##QS##_##KS(q, k, v, out, block_tables, bt_stride, seq_lens, B, H, KVH, bs, qscale, \
-                                 vscale, num_threads);                                               \
-        return;                                                                                      \
-    }                                                                                                \
     _Pragma("omp parallel num_threads(num_threads)")                                                 \
     {                                                                                                \
         int64_t cap = 0; float* s = NULL;                                                            \
@@ -654,151 +643,10 @@ void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, cons
     free(items);                                                                                      \
 }
 
-/* ================================================================ split decode (small batches)
- * Few work items for the threads (B = 1: one (request, KV head) item per KV head, e.g. 3 on 2 threads, so one
- * thread runs two and the other waits): every item is cut into pieces that keep each row's arithmetic, in
- * three phases separated by barriers. Phase 1, items (request, KV head, range of blocks): the scores of the
- * range's keys for the KV head's G query rows, each score exactly as DEFINE_ROWS_ITEM / DEFINE_VEC_ITEM
- * compute it (VW keys at a time from the block's start, q chunk 0 times k by vmul then the NC - 1 chunks by
- * vfma, vtsum), and the range's running max (vector max over whole groups of VW keys, scalar max over a
- * block's last partial group, as those items do). Phase 2, one row at a time: the row's max over its ranges
- * (max does not depend on the grouping: NaN scores are skipped and two zeros of either sign give the same
- * exp(s - max)), then the softmax numerators and sum in the items' loop text over l < L, into score rows
- * laid out as the rows item's (64-byte aligned, Ls floats apart, Ls a multiple of VW), and v_scale / sum.
- * Phase 3, items (request, KV head, group of SCW output vectors): out = (fma(p_l, v_l, acc) over l in order,
- * from zero) times v_scale / sum, the items' chain for each output element; the output vectors are
- * independent, so the groups change nothing but which thread computes them. Same bits as the unsplit items
- * for every row, whatever the split (tests: test_split_decode_keeps_every_rows_bits builds the never- /
- * always-split variants). Vector variants, head_dim 64 / 128 only (the scalar variant's items leave their
- * loops to the compiler, which -ffast-math lets reassociate: they stay unsplit). */
-#ifndef TOKENMILL_DECODE_SPLIT
-#define TOKENMILL_DECODE_SPLIT 1   /* 0: never split; 1: when items < 2 x threads and not a multiple of them; 2: always */
-#endif
-#define SCW(NC) ((NC) >= 2 * RCW ? RCW : ((NC) >= 2 ? (NC) / 2 : 1))
-
-#define DEFINE_SPLIT_DECODE(NAME, QT, QLDV, KT, KLDV, ST, NC)                                         \
-static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* block_tables,          \
-                 int64_t bt_stride, const int32_t* seq_lens, int64_t B, int64_t H, int64_t KVH,        \
-                 int64_t bs, float qscale, float vscale, int num_threads) {                            \
-    const int64_t D = VW * NC, G = H / KVH, row = KVH * D, nr = B * H, nch = num_threads;              \
-    const int64_t ncg = NC / SCW(NC);                                                                  \
-    int64_t maxL = 1;                                                                                  \
-    for (int64_t b = 0; b < B; b++) maxL = seq_lens[b] > maxL ? seq_lens[b] : maxL;                    \
-    const int64_t Ls = (maxL + VW - 1) / VW * VW + VW;                                                 \
-    float* buf = (float*)aligned_alloc(64, sizeof(float) * (rows_pad(nr * Ls) + rows_pad(nr * nch * VW) \
-                                                            + rows_pad(nr * nch) + rows_pad(nr)));     \
-    float* s = buf; float* pmv = s + rows_pad(nr * Ls); float* pm = pmv + rows_pad(nr * nch * VW);     \
-    float* inv = pm + rows_pad(nr * nch);                                                              \
-    _Pragma("omp parallel num_threads(num_threads)")                                                   \
-    {                                                                                                  \
-        float kf[VW * VW * NC] __attribute__((aligned(64)));   /* VW keys widened */                   \
-        float* qf = (float*)aligned_alloc(64, sizeof(float) * rows_pad(G * D));                        \
-        _Pragma("omp for schedule(dynamic, 1)")                                                        \
-        for (int64_t it = 0; it < B * KVH * nch; it++) {                                               \
-            const int64_t b = it / (KVH * nch), h = it / nch % KVH, ch = it % nch, L = seq_lens[b];    \
-            const int64_t nblk = (L + bs - 1) / bs, j0 = nblk * ch / nch, j1 = nblk * (ch + 1) / nch;  \
-            const int64_t r0 = b * H + h * G;                                                          \
-            const int32_t* bt = block_tables + b * bt_stride;                                          \
-            for (int64_t g = 0; g < G; g++)                                                            \
-                for (int c = 0; c < NC; c++)                                                           \
-                    vst(qf + g * D + VW * c, vmul(QLDV(q + (r0 + g) * D + VW * c), vset1(qscale)));    \
-            for (int64_t g = 0; g < G; g++) {                                                          \
-                vst(pmv + ((r0 + g) * nch + ch) * VW, vset1(-INFINITY));                               \
-                pm[(r0 + g) * nch + ch] = -INFINITY;                                                   \
-            }                                                                                          \
-            for (int64_t j = j0; j < j1; j++) {                                                        \
-                const int64_t l0 = j * bs, nb = L - l0 < bs ? L - l0 : bs;                             \
-                const KT* kb = k + (int64_t)bt[j] * bs * row + h * D;                                  \
-                for (int64_t o0 = 0; o0 < nb; o0 += VW) {                                              \
-                    const int64_t m = nb - o0 < VW ? nb - o0 : VW, p0 = l0 + o0;                       \
-                    for (int64_t u = 0; u < VW; u++)                                                   \
-                        for (int c = 0; c < NC; c++)                                                   \
-                            vst(kf + u * D + VW * c, u < m ? KLDV(kb + (o0 + u) * row + VW * c) : vzero()); \
-                    for (int64_t g = 0; g < G; g++) {                                                  \
-                        const float* qr = qf + g * D;                                                  \
-                        vf a[VW];                                                                      \
-                        {                                                                              \
-                            const vf qc = vld_f32(qr);                                                 \
-                            for (int u = 0; u < VW; u++) a[u] = vmul(qc, vld_f32(kf + u * D));         \
-                        }                                                                              \
-                        for (int c = 1; c < NC; c++) {                                                 \
-                            const vf qc = vld_f32(qr + VW * c);                                        \
-                            for (int u = 0; u < VW; u++) a[u] = vfma(qc, vld_f32(kf + u * D + VW * c), a[u]); \
-                        }                                                                              \
-                        const vf sv = vtsum(a);                                                        \
-                        float* sp = s + (r0 + g) * Ls + p0;                                            \
-                        float* mvp = pmv + ((r0 + g) * nch + ch) * VW;                                 \
-                        float* mp = pm + (r0 + g) * nch + ch;                                          \
-                        vst(sp, sv);                                                                   \
-                        if (m == VW) {                                                                 \
-                            vst(mvp, vmax(sv, vld_f32(mvp)));                                          \
-                        } else {                                                                       \
-                            for (int64_t u = 0; u < m; u++) *mp = sp[u] > *mp ? sp[u] : *mp;           \
-                        }                                                                              \
-                    }                                                                                  \
-                }                                                                                      \
-            }                                                                                          \
-        }                                                                                              \
-        /* phase 2: each row's max over its ranges, softmax numerators and v_scale / sum */            \
-        _Pragma("omp for schedule(static)")                                                            \
-        for (int64_t ri = 0; ri < nr; ri++) {                                                          \
-            vf mv = vset1(-INFINITY); float m1 = -INFINITY;                                            \
-            for (int64_t ch = 0; ch < nch; ch++) {                                                     \
-                mv = vmax(vld_f32(pmv + (ri * nch + ch) * VW), mv);                                    \
-                m1 = pm[ri * nch + ch] > m1 ? pm[ri * nch + ch] : m1;                                  \
-            }                                                                                          \
-            const float vm = vhmax(mv);                                                                \
-            const float mr = vm > m1 ? vm : m1;                                                        \
-            const int64_t Lr = seq_lens[ri / H];                                                       \
-            float sum = 0.f; float* sg = s + ri * Ls; const float m = mr;                              \
-            for (int64_t l = 0; l < Lr; l++) { const float e = expf(sg[l] - m); sg[l] = e; sum += e; } \
-            inv[ri] = vscale / sum;                                                                    \
-        }                                                                                              \
-        /* phase 3: out = v_scale / sum x (fma over l in order), SCW output vectors per item */        \
-        _Pragma("omp for schedule(dynamic, 1)")                                                        \
-        for (int64_t it = 0; it < B * KVH * ncg; it++) {                                               \
-            const int64_t b = it / (KVH * ncg), h = it / ncg % KVH, c0 = it % ncg * SCW(NC), L = seq_lens[b]; \
-            const int64_t nblk = (L + bs - 1) / bs;                                                    \
-            const int32_t* bt = block_tables + b * bt_stride;                                          \
-            for (int64_t g0 = 0; g0 < G; g0 += RRB) {                                                  \
-                const int64_t gc = G - g0 < RRB ? G - g0 : RRB, r0 = b * H + h * G + g0;               \
-                vf acc[RRB][SCW(NC)];                                                                  \
-                for (int i = 0; i < RRB; i++)                                                          \
-                    for (int x = 0; x < SCW(NC); x++) acc[i][x] = vzero();                             \
-                for (int64_t j = 0; j < nblk; j++) {                                                   \
-                    const int64_t l0 = j * bs, nb = L - l0 < bs ? L - l0 : bs;                         \
-                    const KT* vb = v + (int64_t)bt[j] * bs * row + h * D + VW * c0;                    \
-                    const float* sr = s + r0 * Ls + l0;                                                \
-                    for (int64_t u = 0; u < nb; u++) {                                                 \
-                        vf p[RRB];                                                                     \
-                        for (int i = 0; i < RRB; i++) p[i] = vset1(i < gc ? sr[i * Ls + u] : 0.f);     \
-                        for (int x = 0; x < SCW(NC); x++) {                                            \
-                            const vf vv = KLDV(vb + u * row + VW * x);                                 \
-                            for (int i = 0; i < RRB; i++) acc[i][x] = vfma(p[i], vv, acc[i][x]);       \
-                        }                                                                              \
-                    }                                                                                  \
-                }                                                                                      \
-                for (int64_t i = 0; i < gc; i++) {                                                     \
-                    float ob[VW];                                                                      \
-                    QT* op = out + (r0 + i) * D + VW * c0;                                             \
-                    for (int x = 0; x < SCW(NC); x++) {                                                \
-                        vst(ob, vmul(acc[i][x], vset1(inv[r0 + i])));                                  \
-                        for (int e = 0; e < VW; e++) ST(op + VW * x + e, ob[e]);                       \
-                    }                                                                                  \
-                }                                                                                      \
-            }                                                                                          \
-        }                                                                                              \
-        free(qf);                                                                                      \
-    }                                                                                                  \
-    free(buf);                                                                                         \
-}
-
 /* Exported: paged_{decode,prefill,rows}_<query/output type>_<cache type>. */
 #define DEFINE_ALL(QS, KS, QT, KT, RAWMUL)                                                            \
     DEFINE_ROWS_ITEM(rows64_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 64 / VW)              \
     DEFINE_ROWS_ITEM(rows128_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 128 / VW)            \
-    DEFINE_SPLIT_DECODE(split64_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 64 / VW)          \
-    DEFINE_SPLIT_DECODE(split128_##QS##_##KS, QT, vld_##QS, KT, vld_##KS, sst_##QS, 128 / VW)        \
     DEFINE_DECODE(QS, KS, QT, KT, RAWMUL) DEFINE_PREFILL(QS, KS, QT, KT, RAWMUL) DEFINE_ROWS(QS, KS, QT, KT, RAWMUL)
 DEFINE_ALL(f32, f32, float, float, 1.f)
 DEFINE_ALL(bf16, bf16, uint16_t, uint16_t, 1.f)
