@@ -11,7 +11,7 @@ bfloat16 queries, over shuffled block tables. Prints each differing case and a t
 A correctness check, not a timing: run it under ``/work/bin/shared`` (or anywhere).
 
     .venv/bin/python benchmarks/attention_bits_ab.py --baseline-csrc /tmp/base/tokenmill/model/csrc \\
-        --isas avx2,scalar,avx512emu --cases 150 [--define TOKENMILL_DECODE_SPLIT=2]
+        --isas avx2,scalar,avx512emu --cases 150 [--define TOKENMILL_DECODE_VEC_ITEM=1]
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=150, help="random cases per variant")
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
-                    help="a -D for this tree's build only (repeatable), e.g. TOKENMILL_DECODE_SPLIT=2: every decode "
-                         "call on the split items")
+                    help="a -D for this tree's build only (repeatable), e.g. TOKENMILL_DECODE_VEC_ITEM=1: AVX2 "
+                         "decode on the tiled item")
     args = ap.parse_args()
     total = differ = 0
     for isa in args.isas.split(","):
