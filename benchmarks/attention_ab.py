@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the raw timings here")
+    ap.add_argument("--only", default="", help="run only the cases whose label contains this text (e.g. decode)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -105,6 +106,7 @@ def main() -> None:
              (f"prefill {args.prefill}", [(args.prefill, args.prefill)]),
              (f"verify {args.verify}x{vt} ctx {args.context}", [(vt, args.context + vt)] * args.verify),
              (f"decode B=1 ctx {args.context}", [(1, args.context)])]
+    cases = [c for c in cases if args.only in c[0]]
     results = []
     for label, reqs in cases:
         nblks = [-(-sl // bs) for _, sl in reqs]

@@ -11,7 +11,7 @@ bfloat16 queries, over shuffled block tables. Prints each differing case and a t
 A correctness check, not a timing: run it under ``/work/bin/shared`` (or anywhere).
 
     .venv/bin/python benchmarks/attention_bits_ab.py --baseline-csrc /tmp/base/tokenmill/model/csrc \\
-        --isas avx2,scalar,avx512emu --cases 150
+        --isas avx2,scalar,avx512emu --cases 150 [--define TOKENMILL_DECODE_VEC_ITEM=1]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from attention_ab import load  # noqa: E402
-from tokenmill.model.layers import paged_attention_cpu as pac  # noqa: E402
+from tokenmill.model.layers import cpu_build, paged_attention_cpu as pac  # noqa: E402
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tokenmill", "model", "csrc")
 KV_DTYPES = [torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -102,11 +102,21 @@ def main() -> None:
     ap.add_argument("--isas", default="avx2,scalar,avx512emu", help="kernel variants, comma-separated")
     ap.add_argument("--cases", type=int, default=150, help="random cases per variant")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=VALUE",
+                    help="a -D for this tree's build only (repeatable), e.g. TOKENMILL_DECODE_VEC_ITEM=1: AVX2 "
+                         "decode on the tiled item")
     args = ap.parse_args()
     total = differ = 0
     for isa in args.isas.split(","):
         rng = random.Random(args.seed)
-        libs = [load(args.baseline_csrc, isa, "_bits_base"), load(HERE, isa, "_bits_this")]
+        saved = cpu_build._ISA_FLAGS[isa]
+        cpu_build._ISA_FLAGS[isa] = [*saved, *(f"-D{d}" for d in args.define)]
+        try:     # its own cache name per set of defines
+            tag = "_bits_this" + "".join("_" + "".join(c for c in d if c.isalnum()) for d in args.define)
+            this = load(HERE, isa, tag)
+        finally:
+            cpu_build._ISA_FLAGS[isa] = saved
+        libs = [load(args.baseline_csrc, isa, "_bits_base"), this]
         for _ in range(args.cases):
             case = random_case(rng)
             same = run_case(libs, case, rng)
