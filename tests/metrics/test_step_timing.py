@@ -162,3 +162,24 @@ def test_a_stale_slow_bucket_does_not_hold_up_the_fresher_bigger_batch():
     m.observe(8, 0, 0.400)            # now batch 8 is the fresher: the curve stays monotone by lifting 16
     pts = dict(m.snapshot().decode_points)
     assert pts[16.0] >= pts[8.0] > 0.250
+
+
+def test_a_stalled_first_step_of_a_new_batch_size_is_capped():
+    """The first step of a new decode-batch bucket has nothing of its own to clamp it: a stall there (367 ms at
+    batch 3 next to 9 ms at batch 1, seen in a full suite run) is capped at twice the smaller bucket's time
+    scaled to the batch, and later steps of that size are learnt from there."""
+    m = StepTimeModel()
+    for _ in range(2 + 6):                       # warm-up steps, then batch 1
+        m.observe(1, 0, 0.009)
+    m.observe(3, 0, 0.367)
+    assert m.snapshot().decode_step_time(3) == pytest.approx(0.054)
+    for _ in range(50):
+        m.observe(3, 0, 0.015)
+    assert m.snapshot().decode_step_time(3) == pytest.approx(0.015, rel=0.1)
+    # a genuinely slower new size is still followed (the cap only bounds the first sample)
+    m2 = StepTimeModel()
+    for _ in range(8):
+        m2.observe(1, 0, 0.009)
+    for _ in range(20):
+        m2.observe(8, 0, 0.200)
+    assert m2.snapshot().decode_step_time(8) == pytest.approx(0.200, rel=0.1)
