@@ -16,7 +16,9 @@ prefill part with a two-term model::
 The first :data:`WARMUP_STEPS` steps are ignored, the prefill rate starts
 from the median of its first :data:`PREFILL_BOOTSTRAP_SAMPLES` samples, and one step moves a
 learned time by at most :data:`MAX_STEP_RATIO` (robust to a stall of a
-shared machine). Pure-decode steps teach ``decode_step_time``; steps with prompt tokens are
+shared machine); a new decode bucket's first step is capped at twice the nearest smaller
+bucket's time scaled to the batch (or the nearest bigger bucket's, if more), so one stalled
+first step does not become its value. Pure-decode steps teach ``decode_step_time``; steps with prompt tokens are
 split with the current estimates: when the prefill part dominates the step
 (≥ half of it by the current estimate) the remainder after the decode part
 teaches the prefill rate, otherwise the remainder after the prefill part
