@@ -25,13 +25,13 @@ terminal is handled once, by the API process, which then shuts the core down.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import sys
 import time
 import traceback
-import json
 from typing import Any, Callable
 
 import zmq
