@@ -406,9 +406,11 @@ static inline int rows_seqk(int64_t nh, int64_t D) { return nh > 1 && nh * 16 * 
 static inline int rows_seqv(int64_t nh, int64_t D, int64_t bs) {
     return nh > 1 && nh * bs * D <= ROWS_VT_CAP;
 }
-/* Pass 2 of a one-KV-head item widens the V rows of ROWS_PV_SPAN keys (rows_vt_blocks whole blocks, at least
- * one) at a time, so each tile's accumulators are loaded and stored once per span instead of once per block
- * (16-key blocks: a 16-iteration inner loop). The FMAs per accumulator still run over the keys in order. */
+/* Pass 2 of an item that widens V one KV head at a time (not rows_seqv; not the register-widened one-token
+ * tile) widens the V rows of ROWS_PV_SPAN keys (rows_vt_blocks whole blocks, at least one) at a time, so each
+ * tile's accumulators are loaded and stored once per span instead of once per block (16-key blocks: a
+ * 16-iteration inner loop). The FMAs per accumulator still run over the keys in order: the same bits.
+ * Prefill 512 / 8 x 256 chunks, AVX2 EPYC float32: 1.05x / 1.04x (spans of 32 / 128 / 256 keys: less). */
 #ifndef ROWS_PV_SPAN
 #define ROWS_PV_SPAN 64
 #endif
