@@ -83,11 +83,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=257)
     ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--chunks", default="8x256", help="the mixed-chunk case: requests x new tokens per request")
+    ap.add_argument("--chunk-prefix", type=int, default=0, help="cached tokens before each request's chunk")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the raw timings here")
-    ap.add_argument("--only", default="", help="run only the cases whose label contains this text (e.g. decode)")
+    ap.add_argument("--only", default="", help="run only the cases whose label contains one of these comma-separated texts (e.g. prefill,chunks)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -101,12 +103,14 @@ def main() -> None:
     print(f"{isa}, {args.dtype} (KV {kdt}), {args.threads} threads, {args.layers} layers, heads {heads}/{kvh} x {d}, "
           f"load average {os.getloadavg()[0]:.1f}")
     vt = args.verify_tokens
+    nc, ct = (int(x) for x in args.chunks.split("x"))
     # (label, per-request (new tokens, context after the step))
     cases = [(f"decode B={args.batch} ctx {args.context}", [(1, args.context)] * args.batch),
              (f"prefill {args.prefill}", [(args.prefill, args.prefill)]),
+             (f"chunks {nc}x{ct} after {args.chunk_prefix}", [(ct, ct + args.chunk_prefix)] * nc),
              (f"verify {args.verify}x{vt} ctx {args.context}", [(vt, args.context + vt)] * args.verify),
              (f"decode B=1 ctx {args.context}", [(1, args.context)])]
-    cases = [c for c in cases if args.only in c[0]]
+    cases = [c for c in cases if any(o in c[0] for o in args.only.split(","))]
     results = []
     for label, reqs in cases:
         nblks = [-(-sl // bs) for _, sl in reqs]

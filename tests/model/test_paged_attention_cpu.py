@@ -339,6 +339,32 @@ def test_rows_kernel_has_the_decode_kernels_bits_per_row(kv_dtype, heads, kv_hea
         torch.set_num_threads(saved)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (8, 2, 128)])
+@pytest.mark.parametrize("block", [8, 24, 64, 128])
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_value_spans_of_several_blocks_keep_the_decode_bits(kv_dtype, heads, kv_heads, d, block, isa):
+    """Pass 2 of a rows item widens the V rows of a span of whole blocks (64 keys: 8 blocks of 8, 2 of 24,
+    one of 64 or 128) for its tiles: spans cut at every offset of a row's context (a 200-token prompt, a
+    70-token chunk after 263 cached positions, prompts of 64 and 129, one-token rows, five requests in one
+    call, 2 threads and 1) give every row the bits of paged_decode's one row per token."""
+    reqs = [(200, 200), (70, 333), (1, 130), (64, 64), (129, 129)]
+    q, cache, table, q_start, q_len, seq_lens = _rows_case(block + d + heads, reqs, heads, kv_heads, d, block,
+                                                           kv_dtype)
+    row_table = table.repeat_interleave(q_len.long(), 0).contiguous()
+    row_lens = torch.tensor([sl - n + j + 1 for n, sl in reqs for j in range(n)], dtype=torch.int32)
+    want = paged_attention_cpu.paged_decode(q, cache, row_table, row_lens, d ** -0.5, 1.0, 1.0, isa)
+    saved = torch.get_num_threads()
+    try:
+        for threads in (2, 1):
+            torch.set_num_threads(threads)
+            got = torch.full_like(q, float("nan"))
+            paged_attention_cpu.paged_rows(q, cache, table, q_start, q_len, seq_lens, d ** -0.5, got, 1.0, 1.0, isa)
+            assert torch.equal(_bits(got), _bits(want)), threads
+    finally:
+        torch.set_num_threads(saved)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 8),
                                                     (12, 3, 64, 32)])

@@ -406,9 +406,18 @@ static inline int rows_seqk(int64_t nh, int64_t D) { return nh > 1 && nh * 16 * 
 static inline int rows_seqv(int64_t nh, int64_t D, int64_t bs) {
     return nh > 1 && nh * bs * D <= ROWS_VT_CAP;
 }
+/* Pass 2 of an item that widens V one KV head at a time (not rows_seqv; not the register-widened one-token
+ * tile) widens the V rows of ROWS_PV_SPAN keys (rows_vt_blocks whole blocks, at least one) at a time, so each
+ * tile's accumulators are loaded and stored once per span instead of once per block (16-key blocks: a
+ * 16-iteration inner loop). The FMAs per accumulator still run over the keys in order: the same bits.
+ * Prefill 512 / 8 x 256 chunks, AVX2 EPYC float32: 1.05x / 1.04x (spans of 32 / 128 / 256 keys: less). */
+#ifndef ROWS_PV_SPAN
+#define ROWS_PV_SPAN 64
+#endif
+static inline int64_t rows_vt_blocks(int64_t bs) { return bs >= ROWS_PV_SPAN ? 1 : ROWS_PV_SPAN / bs; }
 static inline float* rows_buf_alloc(int64_t nr, int64_t nh, int64_t D, int64_t Ls, int64_t bs) {
     const int64_t n = rows_pad(nr * D) * 2 + rows_pad(nr * Ls) + rows_pad(nr * 16) + rows_pad(nr)
-                      + rows_pad(16 * D) * (rows_seqk(nh, D) ? nh : 1) + rows_pad(bs * D) * (rows_seqv(nh, D, bs) ? nh : 1);
+                      + rows_pad(16 * D) * (rows_seqk(nh, D) ? nh : 1) + rows_pad(bs * D) * (rows_seqv(nh, D, bs) ? nh : rows_vt_blocks(bs));
     return (float*)aligned_alloc(64, sizeof(float) * n);
 }
 static inline void rows_buf_split(float* buf, int64_t nr, int64_t nh, int64_t D, int64_t Ls, float** qf, float** s,
@@ -493,11 +502,13 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
         for (int64_t l = 0; l < Lr; l++) { const float e = expf(sg[l] - m); sg[l] = e; sum += e; }     \
         mx[ri] = vscale / sum;                                                                         \
     }                                                                                                  \
-    /* pass 2: out = sum_l p_l v_l, each block's V rows widened once for every row that sees them;    \
+    /* pass 2: out = sum_l p_l v_l, each span's V rows widened once for every row that sees them;     \
      * tiles of RRB query heads of one token x RCW output vectors, accumulators in registers */        \
     memset(o, 0, sizeof(float) * nr * D);                                                              \
-    for (int64_t j = 0; j < nblk; j++) {                                                               \
-        const int64_t l0 = j * bs, nb = Lmax - l0 < bs ? Lmax - l0 : bs;                               \
+    const int dv = !seqv && tq == 1 && G == RRB;   /* one tile: V widened in registers */              \
+    const int64_t nsb = seqv || dv ? 1 : rows_vt_blocks(bs);   /* blocks per span of keys */           \
+    for (int64_t j = 0; j < nblk; j += nsb) {                                                          \
+        const int64_t l0 = j * bs, nb = Lmax - l0 < nsb * bs ? Lmax - l0 : nsb * bs;                   \
         const int64_t tf = l0 - c0 - t0 > 0 ? l0 - c0 - t0 : 0;                                        \
         if (seqv)                                                                                      \
             for (int64_t u = 0; u < nb; u++)                                                           \
@@ -508,9 +519,10 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
         for (int64_t hi = 0; hi < NH; hi++) {                                                          \
             const KT* vb = v + (int64_t)bt[j] * bs * row + (h0 + hi) * D;                              \
             const float* vt_ = seqv ? vt + hi * bs * D : vt;                                           \
-            const int dv = !seqv && tq == 1 && G == RRB;   /* one tile: V widened in registers */       \
-            for (int64_t u = 0; !seqv && !dv && u < nb; u++)                                           \
-                for (int c = 0; c < NC; c++) vst(vt + u * D + VW * c, KLDV(vb + u * row + VW * c));    \
+            for (int64_t u = 0; !seqv && !dv && u < nb; u++) {   /* the span's V rows, block by block */\
+                const KT* vp = v + ((int64_t)bt[j + u / bs] * bs + u % bs) * row + (h0 + hi) * D;      \
+                for (int c = 0; c < NC; c++) vst(vt + u * D + VW * c, KLDV(vp + VW * c));              \
+            }                                                                                          \
             for (int64_t ti = tf; ti < tq; ti++) {                                                     \
                 int64_t nv = c0 + t0 + ti + 1 - l0; nv = nv < nb ? nv : nb;                           \
                 for (int64_t g0 = 0; g0 < G; g0 += RRB) {                                              \
