@@ -472,3 +472,38 @@ def test_avx2_decode_on_the_rows_item_keeps_the_tiled_items_bits(kv_dtype, heads
                 assert torch.equal(_bits(got[rows]), _bits(want)), (threads, rows)
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (12, 4, 64, 8),
+                                                    (6, 3, 24, 16)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_small_batch_decode_with_prefetch_keeps_the_rows_bits(kv_dtype, heads, kv_heads, d, block, isa):
+    """Decode calls with fewer than two requests per thread run per-KV-head items that prefetch their K/V
+    rows blocks ahead, V's first blocks during the score pass and the next item's first K blocks (AVX2; on
+    other variants the same call without). Prefetching must not touch the arithmetic: every row of a 1-, 2-
+    or 3-request call on 1-3 threads (contexts shorter than the prefetch distance, crossing blocks, shuffled
+    block tables, the next item in the same or another request) has the bits of the same row run alone
+    through paged_rows (no prefetch) and batched with enough requests for whole-request items."""
+    ctxs = (1, 5, block, block + 1, 2 * block + 3, 300)
+    reqs = [(1, n) for n in ctxs]
+    q, cache, table, _, _, seq_lens = _rows_case(d + heads + block + 1, reqs, heads, kv_heads, d, block, kv_dtype)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        batched = paged_attention_cpu.paged_decode(q, cache, table, seq_lens, d ** -0.5, 0.9, 1.1, isa)
+        one = torch.ones(1, dtype=torch.int32)
+        for r in range(len(ctxs)):
+            torch.set_num_threads(1)
+            alone = torch.full_like(q[r:r + 1], float("nan"))
+            paged_attention_cpu.paged_rows(q[r:r + 1], cache, table[r:r + 1], one * 0, one, seq_lens[r:r + 1],
+                                           d ** -0.5, alone, 0.9, 1.1, isa)
+            assert torch.equal(_bits(alone), _bits(batched[r:r + 1])), r
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for rows in ([0], [5], [4], [5, 0], [1, 5, 3], [2, 3]):
+                got = paged_attention_cpu.paged_decode(q[rows], cache, table[rows].contiguous(), seq_lens[rows],
+                                                       d ** -0.5, 0.9, 1.1, isa)
+                assert torch.equal(_bits(got), _bits(batched[rows])), (threads, rows)
+    finally:
+        torch.set_num_threads(saved)

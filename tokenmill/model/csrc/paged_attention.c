@@ -182,6 +182,17 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
  * live: 32 at head_dim 64, spilled). AVX-512 (not measurable on the AVX2 machine this was written on)
  * and the scalar variant keep DEFINE_VEC_ITEM. -DTOKENMILL_DECODE_VEC_ITEM builds AVX2 decode on
  * DEFINE_VEC_ITEM too (tests: the two must give the same bits). */
+/* Decode calls on per-KV-head items (B < 2 x threads, e.g. B = 1): the rows item prefetches its K rows
+ * DECODE_PF_BLOCKS blocks ahead in pass 1, V likewise in pass 2 (V's first blocks during pass 1's last ones),
+ * and during its last blocks the first K blocks of item it + num_threads (the thread's likely next item). One
+ * item reads one KV head's rows (D elements every KVH * D) of blocks scattered by the block table: alone the
+ * hardware prefetchers left it latency-bound (~5 GB/s per thread). Decode B=1, SmolLM2 9/3 x 64, bfloat16 KV,
+ * ctx 257, a step's worth of other reads between layers (AVX2 EPYC, 2026-12-03): 1.10-1.14x with
+ * consecutive blocks, 1.21-1.24x with shuffled ones, 1.17x at ctx 1024; 1, 4 blocks ahead or an L2 hint
+ * measured the same, the next-item prefetch +1-4%. With K/V already in cache it costs ~7% (1 us per call).
+ * docs/benchmarks/2026-12-03-decode-b1-avx2.md. Whole-request items (larger batches) keep none: their
+ * slot-order sweep is the hardware prefetchers' pattern, and prefetch measured slower there. */
+#define DECODE_PF_BLOCKS 2
 #if VW == 8 && !defined(TOKENMILL_DECODE_VEC_ITEM)
 #define DECODE_AS_ROWS 1
 #else
@@ -212,16 +223,19 @@ void paged_decode_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, co
             const int64_t b = it / hsplit, h0 = (it % hsplit) * NH, L = seq_lens[b];                 \
             const int32_t* bt = block_tables + b * bt_stride;                                        \
             if (DECODE_AS_ROWS && (D == 64 || D == 128)) {  /* one token: paged_rows_*'s own item */  \
+                const int64_t pf = hsplit > 1 ? DECODE_PF_BLOCKS : 0, nit = it + num_threads;        \
+                const int32_t* nbt = pf && nit < B * hsplit ? block_tables + nit / hsplit * bt_stride : NULL; \
+                const int64_t nh0 = (nit % hsplit) * NH, nL = nbt ? seq_lens[nit / hsplit] : 0;      \
                 const int64_t Ls = (L + VW - 1) / VW * VW + VW, need = Ls * NH * G;                  \
                 if (need > cap) { free(s); cap = need; s = rows_buf_alloc(NH * G, NH, D, Ls, bs); }  \
                 float *qf, *sc, *mxv, *mx, *o, *kf, *vt;                                             \
                 rows_buf_split(s, NH * G, NH, D, Ls, &qf, &sc, &mxv, &mx, &o, &kf, &vt);             \
                 if (D == 64)                                                                         \
                     rows64_##QS##_##KS(q, k, v, out, bt, b, 1, L, 0, 1, h0, NH, H, KVH, bs, qscale, vscale, \
-                                       Ls, qf, sc, mxv, mx, o, kf, vt);                              \
+                                       Ls, qf, sc, mxv, mx, o, kf, vt, pf, nbt, nh0, nL);          \
                 else                                                                                 \
                     rows128_##QS##_##KS(q, k, v, out, bt, b, 1, L, 0, 1, h0, NH, H, KVH, bs, qscale, vscale, \
-                                        Ls, qf, sc, mxv, mx, o, kf, vt);                             \
+                                        Ls, qf, sc, mxv, mx, o, kf, vt, pf, nbt, nh0, nL);         \
                 continue;                                                                            \
             }                                                                                        \
             const int64_t need = L * (G > GT64 ? G : GT64);                                          \
@@ -434,7 +448,7 @@ static inline void rows_buf_split(float* buf, int64_t nr, int64_t nh, int64_t D,
 static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* bt, int64_t q0,       \
                  int64_t n, int64_t L, int64_t t0, int64_t tq, int64_t h0, int64_t NH, int64_t H,       \
                  int64_t KVH, int64_t bs, float qscale, float vscale, int64_t Ls, float* qf, float* s,  \
-                 float* mxv, float* mx, float* o, float* kf, float* vt) {                              \
+                 float* mxv, float* mx, float* o, float* kf, float* vt, int64_t pf, const int32_t* nbt, int64_t nh0, int64_t nL) { \
     const int64_t D = VW * NC, G = H / KVH, row = KVH * D, c0 = L - n, rows = tq * G, nr = NH * rows;  \
     const int64_t Lmax = c0 + t0 + tq, nblk = (Lmax + bs - 1) / bs;                                    \
     const int seqk = rows_seqk(NH, D), seqv = rows_seqv(NH, D, bs);                                    \
@@ -449,9 +463,23 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
     /* pass 1: scores, VW keys at a time, every row that sees the group; per row the NC chunks in     \
      * order (c outer, the VW keys' accumulators in registers, each q chunk loaded once). No software \
      * prefetch: PF_DIST 2/4/8 blocks ahead measured 10-30% slower than none (AVX2 EPYC, decode B=64); \
-     * again on 2026-12-02 night, one block ahead (K in pass 1, V in pass 2) 3%, two 7% slower. */        \
+     * again on 2026-12-02 night, one block ahead (K in pass 1, V in pass 2) 3%, two 7% slower. Except   \
+     * pf > 0 (decode on per-KV-head items, see DECODE_PF_BLOCKS): K and V pf blocks ahead; nbt (when not \
+     * NULL): the next item's block table row, KV head nh0 and context nL, whose first K blocks are      \
+     * prefetched during pass 2's last ones. Prefetches only: the arithmetic is the same. */             \
+    const int64_t hrb = NH * D * (int64_t)sizeof(KT), rwb = row * (int64_t)sizeof(KT);                 \
+    for (int64_t j = 0; j < pf && j < nblk; j++)                                                       \
+        prefetch_rows(k + ((int64_t)bt[j] * bs) * row + h0 * D, Lmax - j * bs < bs ? Lmax - j * bs : bs, rwb, hrb); \
     for (int64_t j = 0; j < nblk; j++) {                                                               \
         const int64_t l0 = j * bs, nb = Lmax - l0 < bs ? Lmax - l0 : bs;                               \
+        if (pf && j + pf < nblk) {                                                                     \
+            const int64_t jp = j + pf, np = Lmax - jp * bs < bs ? Lmax - jp * bs : bs;                 \
+            prefetch_rows(k + ((int64_t)bt[jp] * bs) * row + h0 * D, np, rwb, hrb);                    \
+        }                                                                                              \
+        if (pf && j + pf >= nblk && j + pf - nblk < nblk) { /* the last blocks: V's first blocks */     \
+            const int64_t jp = j + pf - nblk, np = Lmax - jp * bs < bs ? Lmax - jp * bs : bs;          \
+            prefetch_rows(v + ((int64_t)bt[jp] * bs) * row + h0 * D, np, rwb, hrb);                    \
+        }                                                                                              \
         for (int64_t o0 = 0; o0 < nb; o0 += VW) {                                                      \
             const int64_t m = nb - o0 < VW ? nb - o0 : VW, p0 = l0 + o0;                               \
             const int64_t tf = p0 - c0 - t0 > 0 ? p0 - c0 - t0 : 0;   /* first token that sees p0 */     \
@@ -510,6 +538,14 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
     for (int64_t j = 0; j < nblk; j += nsb) {                                                          \
         const int64_t l0 = j * bs, nb = Lmax - l0 < nsb * bs ? Lmax - l0 : nsb * bs;                   \
         const int64_t tf = l0 - c0 - t0 > 0 ? l0 - c0 - t0 : 0;                                        \
+        if (pf && j + pf < nblk) {                                                                     \
+            const int64_t jp = j + pf, np = Lmax - jp * bs < bs ? Lmax - jp * bs : bs;                 \
+            prefetch_rows(v + ((int64_t)bt[jp] * bs) * row + h0 * D, np, rwb, hrb);                    \
+        }                                                                                              \
+        if (nbt && j + pf >= nblk && (j + pf - nblk) * bs < nL) {  /* the next item's first K blocks */ \
+            const int64_t jp = j + pf - nblk, np = nL - jp * bs < bs ? nL - jp * bs : bs;              \
+            prefetch_rows(k + ((int64_t)nbt[jp] * bs) * row + nh0 * D, np, rwb, hrb);                  \
+        }                                                                                              \
         if (seqv)                                                                                      \
             for (int64_t u = 0; u < nb; u++)                                                           \
                 for (int64_t hi = 0; hi < NH; hi++) {                                                  \
@@ -633,10 +669,10 @@ void paged_rows_##QS##_##KS(const QT* q, const KT* k, const KT* v, QT* out, cons
                 rows_buf_split(buf, ptr * G * hg, hg, D, Ls, &qf, &s, &mxv, &mx, &o, &kf, &vt);       \
                 if (D == 64)                                                                          \
                     rows64_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, hg, H, KVH, bs, qscale, \
-                                       vscale, Ls, qf, s, mxv, mx, o, kf, vt);                        \
+                                       vscale, Ls, qf, s, mxv, mx, o, kf, vt, 0, NULL, 0, 0);     \
                 else                                                                                  \
                     rows128_##QS##_##KS(q, k, v, out, bt, q_start[r], n, L, t0, tq, h, hg, H, KVH, bs, qscale, \
-                                        vscale, Ls, qf, s, mxv, mx, o, kf, vt);                       \
+                                        vscale, Ls, qf, s, mxv, mx, o, kf, vt, 0, NULL, 0, 0);    \
             } else {                    /* one token: paged_decode_*'s own item for its context */    \
                 const int64_t b = q_start[r] + t0, Lr = L - n + t0 + 1;                               \
                 float* s = buf; float* work = s + maxL * (G > GT64 ? G : GT64);                       \
