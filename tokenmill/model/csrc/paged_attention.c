@@ -429,7 +429,11 @@ static inline void rows_buf_split(float* buf, int64_t nr, int64_t nh, int64_t D,
  * block it asks for the rows of the block ROWS_PF_DIST ahead in that stream, a key group's slots at a time,
  * so the requests' first V blocks arrive during pass 1's last K blocks. A block that follows the one before
  * it in the pool (a contiguous table, e.g. a prompt's blocks from a fresh pool) is left to the hardware
- * prefetcher, which already streams it: asking again cost 5% there. Prefetches change no arithmetic. */
+ * prefetcher, which already streams it: asking again cost 5% there. Caches of 1-2 byte elements only: with
+ * float32 rows (12 KiB blocks at 3 x 64) the prefetches made scattered decode 6% slower. Measured (AVX2 EPYC,
+ * 2026-12-03, docs/benchmarks/2026-12-03-kv-block-layout-avx2.md), attention alone, 30 layers, bfloat16 cache:
+ * decode B=64 after 320 on scattered blocks 1.08x, verify 16 x 5 1.05x; one block ahead as good as 2 or 4.
+ * Prefetches change no arithmetic. -DROWS_PF_DIST=0 builds without them. */
 #ifndef ROWS_PF_DIST
 #define ROWS_PF_DIST 1
 #endif
@@ -467,7 +471,7 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
     const int64_t D = VW * NC, G = H / KVH, row = KVH * D, c0 = L - n, rows = tq * G, nr = NH * rows;  \
     const int64_t Lmax = c0 + t0 + tq, nblk = (Lmax + bs - 1) / bs;                                    \
     const int seqk = rows_seqk(NH, D), seqv = rows_seqv(NH, D, bs);                                    \
-    const int pf = NH > 1;                         /* software prefetch (see rows_prefetch) */         \
+    const int pf = NH > 1 && sizeof(KT) <= 2;      /* software prefetch (see rows_prefetch) */         \
     const int64_t rb = row * (int64_t)sizeof(KT), hb = NH * D * (int64_t)sizeof(KT);                   \
     const char* kh = (const char*)(k + h0 * D), * vh = (const char*)(v + h0 * D);                      \
     for (int64_t p = 0; pf && p < ROWS_PF_DIST; p++) rows_prefetch(kh, vh, bt, nblk, Lmax, p, 0, bs, bs, rb, hb); \
@@ -480,9 +484,9 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
         mx[ri] = -INFINITY;                                                                            \
     }                                                                                                  \
     /* pass 1: scores, VW keys at a time, every row that sees the group; per row the NC chunks in     \
-     * order (c outer, the VW keys' accumulators in registers, each q chunk loaded once). No software \
-     * prefetch: PF_DIST 2/4/8 blocks ahead measured 10-30% slower than none (AVX2 EPYC, decode B=64); \
-     * again on 2026-12-02 night, one block ahead (K in pass 1, V in pass 2) 3%, two 7% slower. */        \
+     * order (c outer, the VW keys' accumulators in registers, each q chunk loaded once). On contiguous \
+     * blocks software prefetch measured slower than none (AVX2 EPYC, 2026-12-02: PF_DIST 2/4/8 10-30%,  \
+     * one block ahead 3%); on a server's scattered blocks it pays (rows_prefetch: non-adjacent only). */ \
     for (int64_t j = 0; j < nblk; j++) {                                                               \
         const int64_t l0 = j * bs, nb = Lmax - l0 < bs ? Lmax - l0 : bs;                               \
         for (int64_t o0 = 0; o0 < nb; o0 += VW) {                                                      \
