@@ -165,7 +165,8 @@ def main() -> None:
                           for k, v in ts.items())
         ratio = statistics.median(ts["baseline"]) / statistics.median(ts["this tree"])
         print(f"{label:<26} {cells}  baseline/this {ratio:.2f}x  same bits: {same}", flush=True)
-        results.append({"case": label, "block_layout": layout, "pool_blocks": pool, "same_bits": same, **{f"{k}_ms": [round(x * 1e3, 3) for x in v]
+        results.append({"case": label, "block_layout": layout, "pool_blocks": pool, "same_bits": same,
+                        **{f"{k}_ms": [round(x * 1e3, 3) for x in v]
                                                              for k, v in ts.items()}})
     if args.json:
         with open(args.json, "w") as f:

@@ -494,7 +494,8 @@ def main() -> None:
     print(f"block layout {args.block_layout}: pool of {runner.num_kv_blocks} blocks")
     fill_kv_pool(runner)
 
-    report: dict = {"block_layout": args.block_layout, "pool_blocks": runner.num_kv_blocks, "steps": {}, "breakdown": {}}
+    report: dict = {"block_layout": args.block_layout, "pool_blocks": runner.num_kv_blocks, "steps": {},
+                    "breakdown": {}}
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
     cases.append((f"prefill {args.prefill}", [args.prefill], [0]))
     steps = [synthetic_step(runner, ql, ctx, order=order) for _, ql, ctx in cases]

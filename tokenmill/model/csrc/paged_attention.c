@@ -551,7 +551,8 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
         if (seqv)                                                                                      \
             for (int64_t u = 0; u < nb; u++) {                                                         \
                 if (pf)             /* slot u of the block ahead; the last slot: the rest */            \
-                    rows_prefetch(kh, vh, bt, nblk, Lmax, nblk + j + ROWS_PF_DIST, u, u + 1 == nb ? bs - u : 1, bs, rb, hb); \
+                    rows_prefetch(kh, vh, bt, nblk, Lmax, nblk + j + ROWS_PF_DIST, u, u + 1 == nb ? bs - u : 1, \
+                                  bs, rb, hb);                                                         \
                 for (int64_t hi = 0; hi < NH; hi++) {                                                  \
                     const KT* vp = v + ((int64_t)bt[j] * bs + u) * row + (h0 + hi) * D;               \
                     for (int c = 0; c < NC; c++) vst(vt + (hi * bs + u) * D + VW * c, KLDV(vp + VW * c)); \
