@@ -166,8 +166,7 @@ def main() -> None:
         ratio = statistics.median(ts["baseline"]) / statistics.median(ts["this tree"])
         print(f"{label:<26} {cells}  baseline/this {ratio:.2f}x  same bits: {same}", flush=True)
         results.append({"case": label, "block_layout": layout, "pool_blocks": pool, "same_bits": same,
-                        **{f"{k}_ms": [round(x * 1e3, 3) for x in v]
-                                                             for k, v in ts.items()}})
+                        **{f"{k}_ms": [round(x * 1e3, 3) for x in v] for k, v in ts.items()}})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"isa": isa, "dtype": args.dtype, "kv_dtype": str(kdt).replace("torch.", ""),
