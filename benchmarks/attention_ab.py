@@ -11,6 +11,11 @@ cached ones), with the library built from this tree's ``tokenmill/model/csrc`` a
 ``paged_decode_*`` over one row per token with per-token block tables (main's way). Prints best and median
 ms per step and whether the two produce the same bits.
 
+``--block-layout`` places each request's blocks: ``contiguous`` (request after request, block after block:
+what a fresh pool hands out) or ``scattered`` (a seeded random sample of a ``--pool-blocks`` pool, no order:
+what a long-running server's block tables look like once finished requests have returned their blocks to
+the free queue in arbitrary order); a comma list runs every case in each layout.
+
     .venv/bin/python benchmarks/attention_ab.py --baseline-csrc /path/to/main/tokenmill/model/csrc
 """
 
@@ -90,6 +95,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None, help="write the raw timings here")
     ap.add_argument("--only", default="", help="run only the cases whose label contains one of these comma-separated texts (e.g. prefill,chunks)")
+    ap.add_argument("--block-layout", default="contiguous",
+                    help="contiguous, scattered, or a comma list of both (each case runs in each layout)")
+    ap.add_argument("--pool-blocks", type=int, default=0,
+                    help="blocks per layer pool in the scattered layout (default: the engine's default pool, "
+                         "1 GiB over the model's 30 layers, for this KV dtype)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -111,14 +121,25 @@ def main() -> None:
              (f"verify {args.verify}x{vt} ctx {args.context}", [(vt, args.context + vt)] * args.verify),
              (f"decode B=1 ctx {args.context}", [(1, args.context)])]
     cases = [c for c in cases if any(o in c[0] for o in args.only.split(","))]
+    layouts = args.block_layout.split(",")
+    if any(lay not in ("contiguous", "scattered") for lay in layouts):
+        raise SystemExit(f"--block-layout: contiguous or scattered, got {args.block_layout!r}")
+    pool_default = (1 << 30) // (30 * 2 * kvh * d * torch.empty((), dtype=kdt).element_size() * bs)
+    cases = [(f"{label} {lay}" if len(layouts) > 1 else label, reqs, lay) for label, reqs in cases for lay in layouts]
     results = []
-    for label, reqs in cases:
+    for label, reqs, layout in cases:
         nblks = [-(-sl // bs) for _, sl in reqs]
-        kvs = [torch.randn(2, sum(nblks) + 1, bs, kvh, d).to(kdt) for _ in range(args.layers)]
+        pool = sum(nblks) + 1
+        if layout == "scattered":
+            pool = max(pool, args.pool_blocks or pool_default)
+            ids = torch.randperm(pool, generator=torch.Generator().manual_seed(0))[:sum(nblks)].to(torch.int32)
+        else:
+            ids = torch.arange(sum(nblks), dtype=torch.int32)
+        kvs = [torch.randn(2, pool, bs, kvh, d).to(kdt) for _ in range(args.layers)]
         bt = torch.zeros(len(reqs), max(nblks), dtype=torch.int32)
         first = 0
         for r, nb in enumerate(nblks):
-            bt[r, :nb] = torch.arange(first, first + nb, dtype=torch.int32)
+            bt[r, :nb] = ids[first:first + nb]
             first += nb
         q_len = torch.tensor([n for n, _ in reqs], dtype=torch.int32)
         seq_lens = torch.tensor([sl for _, sl in reqs], dtype=torch.int32)
@@ -148,8 +169,8 @@ def main() -> None:
                           for k, v in ts.items())
         ratio = statistics.median(ts["baseline"]) / statistics.median(ts["this tree"])
         print(f"{label:<26} {cells}  baseline/this {ratio:.2f}x  same bits: {same}", flush=True)
-        results.append({"case": label, "same_bits": same, **{f"{k}_ms": [round(x * 1e3, 3) for x in v]
-                                                             for k, v in ts.items()}})
+        results.append({"case": label, "block_layout": layout, "pool_blocks": pool, "same_bits": same,
+                        **{f"{k}_ms": [round(x * 1e3, 3) for x in v] for k, v in ts.items()}})
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"isa": isa, "dtype": args.dtype, "kv_dtype": str(kdt).replace("torch.", ""),

@@ -24,7 +24,14 @@
 3. Times :meth:`tokenmill.model.runner.ModelRunner.execute_model` on a
    synthetic :class:`SchedulerOutput` at the same sizes (greedy sampling
    included) and prints ``actual / bound``; for the prefill also the reached
-   share of the measured GEMM rate.
+   share of the measured GEMM rate. ``--block-layout scattered`` (the
+   default) gives the requests a seeded random sample of an engine-sized
+   pool (``--kv-cache-memory``'s default, 1 GiB), as a long-running server's
+   block tables are once finished requests have returned their blocks to the
+   free queue in arbitrary order; ``contiguous`` hands out blocks in id order,
+   each request's in one run (a fresh pool). On the AVX2 EPYC scattered
+   blocks made decode B=64 attention 1.4x slower than contiguous ones
+   (docs/benchmarks/2026-12-03-kv-block-layout-avx2.md).
 4. With ``--breakdown``, times the parts of each step (weight GEMMs with
    the LM head, attention, element-wise kernels, embedding, sampling, input
    preparation, the rest; a step-graph step per prepared call) and sets
@@ -199,8 +206,11 @@ def weights_read(runner, tokens: int) -> tuple[bool, float | None, str]:
 
 
 # --------------------------------------------------------------------------- tokenmill's step
-def synthetic_step(runner, query_lens: list[int], contexts: list[int], first_block: int = 0):
-    """A :class:`SchedulerOutput` with the given requests on disjoint blocks (greedy sampling)."""
+def synthetic_step(runner, query_lens: list[int], contexts: list[int], first_block: int = 0,
+                   order: list[int] | None = None):
+    """A :class:`SchedulerOutput` with the given requests on disjoint blocks (greedy sampling): blocks
+    ``first_block, first_block + 1, ...`` of ``order`` (the pool's block ids in the order handed out;
+    default: ascending ids, each request's blocks one contiguous run)."""
     from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
     from tokenmill.sampling_params import SamplingParams
 
@@ -210,7 +220,7 @@ def synthetic_step(runner, query_lens: list[int], contexts: list[int], first_blo
     g = torch.Generator().manual_seed(0)
     for r, (q, c) in enumerate(zip(query_lens, contexts)):
         nb = -(-(c + q) // bs)
-        blocks = list(range(nxt, nxt + nb))
+        blocks = list(range(nxt, nxt + nb)) if order is None else order[nxt:nxt + nb]
         nxt += nb
         toks = torch.randint(3, runner.arch.vocab_size, (q,), generator=g).tolist()
         reqs.append(ScheduledRequest(req_id=f"r{r}", token_ids=toks, num_computed_tokens=c, block_ids=blocks,
@@ -419,6 +429,9 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the parts of each eager step (weight GEMMs, attention, sampling, rest) "
                          "against each part's own bound")
+    ap.add_argument("--block-layout", default="scattered", choices=["scattered", "contiguous"],
+                    help="the synthetic steps' block tables: a seeded random sample of an engine-sized pool (what a "
+                         "long-running server's look like) or each request's blocks in one run (a fresh pool)")
     ap.add_argument("--json", default="", help="also write the measurements (rates, bounds, steps, breakdown) here")
     ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="the per-step-size kernels (default: the batch-invariant mode, as the engine's default)")
@@ -458,7 +471,8 @@ def main() -> None:
 
     max_ctx = max(args.context + 1, args.prefill) + 64
     need_blocks = max(max(batches) * (-(-(args.context + 1) // 16)), -(-args.prefill // 16)) + 8
-    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype, num_kv_blocks=need_blocks,
+    cfg = EngineConfig.from_kwargs(model=args.model, dtype=args.dtype,
+                                   num_kv_blocks=need_blocks if args.block_layout == "contiguous" else None,
                                    max_model_len=max(max_ctx, 1024), enforce_eager=True,
                                    max_num_seqs=max(batches), enable_prefix_caching=False,
                                    batch_invariant=args.batch_invariant)
@@ -472,12 +486,19 @@ def main() -> None:
           + (f"; block linears read int4 codes ({'at every step size' if runner.batch_invariant else f'in steps of <= {runner.lowbit_max_tokens} tokens'};"
              f" the bound uses their bytes)" if runner.lowbit_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
+    if runner.num_kv_blocks < need_blocks:
+        raise SystemExit(f"the engine's default pool has {runner.num_kv_blocks} blocks, the steps need {need_blocks}: "
+                         f"--block-layout contiguous sizes the pool to the steps")
+    order = None if args.block_layout == "contiguous" else \
+        torch.randperm(runner.num_kv_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    print(f"block layout {args.block_layout}: pool of {runner.num_kv_blocks} blocks")
     fill_kv_pool(runner)
 
-    report: dict = {"steps": {}, "breakdown": {}}
+    report: dict = {"block_layout": args.block_layout, "pool_blocks": runner.num_kv_blocks, "steps": {},
+                    "breakdown": {}}
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
     cases.append((f"prefill {args.prefill}", [args.prefill], [0]))
-    steps = [synthetic_step(runner, ql, ctx) for _, ql, ctx in cases]
+    steps = [synthetic_step(runner, ql, ctx, order=order) for _, ql, ctx in cases]
     eager = [time_step(runner, so, args.reps) for so in steps]
     compiled = None
     if args.compile:

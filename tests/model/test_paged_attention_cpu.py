@@ -507,3 +507,68 @@ def test_small_batch_decode_with_prefetch_keeps_the_rows_bits(kv_dtype, heads, k
                 assert torch.equal(_bits(got), _bits(batched[rows])), (threads, rows)
     finally:
         torch.set_num_threads(saved)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
+@pytest.mark.parametrize("heads,kv_heads,d,block", [(9, 3, 64, 16), (8, 2, 128, 16), (12, 3, 64, 32),
+                                                    (16, 8, 128, 16)])
+@pytest.mark.parametrize("isa", ISAS)
+def test_decode_and_verify_on_a_servers_scattered_block_tables(kv_dtype, heads, kv_heads, d, block, isa):
+    """Block tables as a long-running server has them: a random, non-monotonic sample of a pool several times
+    larger than the requests need, some requests' blocks in short adjacent runs (a prompt from a fresh part of
+    the pool) and the rest scattered, the tables' unused columns holding ids far outside the pool. The whole-
+    request items (decode batch >= 2 x threads, verify tiles), which prefetch the next block's rows through the
+    table, must give every row the bits of one-row-per-token decode calls (each request alone: per-KV-head
+    items) and match the torch reference. 8 KV heads x 128: V widened one head at a time over spans of
+    blocks (not rows_seqv), the span ahead prefetched."""
+    rng = random.Random(11 + d + block)
+    g = torch.Generator().manual_seed(5 + heads)
+    lens = [1, 16, 17, 31, 33, 100, 257, 300, 64, 7, 129, 200]
+    nblk = [-(-n // block) for n in lens]
+    pool = 4 * sum(nblk)
+    free = list(range(pool))
+    rng.shuffle(free)
+    table = torch.full((len(lens), max(nblk) + 2), 1 << 30, dtype=torch.int32)
+    for r, nb in enumerate(nblk):
+        if r % 3 == 0:                       # an adjacent run (ids not in use by the other requests)
+            start = pool + r * 40
+            ids = list(range(start, start + nb))
+        else:
+            ids = [free.pop() for _ in range(nb)]
+        table[r, :nb] = torch.tensor(ids, dtype=torch.int32)
+    size = pool + len(lens) * 40 + 40
+    cache = torch.randn(2, size, block, kv_heads, d, generator=g) * 2
+    cache = (cache * 30).round().clamp(-127, 127).to(kv_dtype) if kv_dtype == torch.int8 else cache.to(kv_dtype)
+    q_dtype = torch.bfloat16 if kv_dtype == torch.bfloat16 else torch.float32
+    q = torch.randn(len(lens), heads, d, generator=g).to(q_dtype)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    saved = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        got = paged_attention_cpu.paged_decode(q, cache, table, seq_lens, d ** -0.5, 0.9, 1.1, isa)
+        for r in range(len(lens)):
+            alone = paged_attention_cpu.paged_decode(q[r:r + 1], cache, table[r:r + 1].contiguous(), seq_lens[r:r + 1],
+                                                     d ** -0.5, 0.9, 1.1, isa)
+            assert torch.equal(_bits(got[r:r + 1]), _bits(alone)), r
+        # the torch reference: gather each request's positions through its table
+        kf, vf = cache[0].float() * 0.9, cache[1].float() * 1.1
+        for r, n in enumerate(lens):
+            slots = (table[r, :nblk[r]].long()[:, None] * block + torch.arange(block)).flatten()[:n]
+            k = kf.flatten(0, 1)[slots].repeat_interleave(heads // kv_heads, 1)      # [n, heads, d]
+            v = vf.flatten(0, 1)[slots].repeat_interleave(heads // kv_heads, 1)
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[r].float(), k) * d ** -0.5, -1)
+            tol = 2e-2 if q_dtype == torch.bfloat16 else 1e-3 if kv_dtype == torch.int8 else 1e-4   # int8: |k| ~ 100
+            torch.testing.assert_close(got[r].float(), torch.einsum("hn,nhd->hd", p, v), atol=tol, rtol=tol)
+        # a verify step on the same tables: 1-3 tokens per request, the last ones of its context
+        q_len = torch.tensor([min(n, 1 + r % 3) for r, n in enumerate(lens)], dtype=torch.int32)
+        qv = torch.randn(int(q_len.sum()), heads, d, generator=g).to(q_dtype)
+        q_start = (torch.cumsum(q_len, 0) - q_len).to(torch.int32)
+        rows = torch.full_like(qv, float("nan"))
+        paged_attention_cpu.paged_rows(qv, cache, table, q_start, q_len, seq_lens, d ** -0.5, rows, 0.9, 1.1, isa)
+        row_table = table.repeat_interleave(q_len.long(), 0).contiguous()
+        row_lens = torch.tensor([n - int(q_len[r]) + j + 1 for r, n in enumerate(lens) for j in range(int(q_len[r]))],
+                                dtype=torch.int32)
+        want = paged_attention_cpu.paged_decode(qv, cache, row_table, row_lens, d ** -0.5, 0.9, 1.1, isa)
+        assert torch.equal(_bits(rows), _bits(want))
+    finally:
+        torch.set_num_threads(saved)

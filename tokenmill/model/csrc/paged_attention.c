@@ -444,6 +444,48 @@ static inline void rows_buf_split(float* buf, int64_t nr, int64_t nh, int64_t D,
 #define RRB 3
 #define RCW 4
 
+/* Software prefetch in whole-request items (NH > 1: AVX2 decode at B >= 2 x threads, verify tiles). A served
+ * request's blocks are a random set of pool blocks (the pool hands out blocks from a free queue that finished
+ * requests leave in arbitrary order), so every block's K (V) rows, one contiguous run of bs x NH x D elements,
+ * start a new stream that the hardware prefetcher must pick up again. The item walks a stream of 2 x nblk
+ * blocks, K of blocks 0..nblk-1 (pass 1) then V of blocks 0..nblk-1 (pass 2), and while it works on one
+ * block it asks for the rows of the block ROWS_PF_DIST ahead in that stream, a key group's slots at a time,
+ * so the requests' first V blocks arrive during pass 1's last K blocks. A block that follows the one before
+ * it in the pool (a contiguous table, e.g. a prompt's blocks from a fresh pool) is left to the hardware
+ * prefetcher, which already streams it: asking again cost 5% there. Caches of 1-2 byte elements only: with
+ * float32 rows (12 KiB blocks at 3 x 64) the prefetches made scattered decode 6% slower. Measured (AVX2 EPYC,
+ * 2026-12-03, docs/benchmarks/2026-12-03-kv-block-layout-avx2.md), attention alone, 30 layers, bfloat16 cache:
+ * decode B=64 after 320 on scattered blocks 1.08x, verify 16 x 5 1.05x; one block ahead as good as 2 or 4.
+ * Prefetches change no arithmetic. -DROWS_PF_DIST=0 builds without them. */
+#ifndef ROWS_PF_DIST
+#define ROWS_PF_DIST 1
+#endif
+#ifndef ROWS_PF_SKIP_ADJ
+#define ROWS_PF_SKIP_ADJ 1
+#endif
+#ifndef ROWS_PF_HINT
+#define ROWS_PF_HINT 3
+#endif
+/* The cache lines of n rows of `bytes` bytes, `stride` bytes apart (every line a byte of a row lies on). */
+static inline void prefetch_lines(const char* p, int64_t n, int64_t stride, int64_t bytes) {
+    for (int64_t r = 0; r < n; r++, p += stride)
+        for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < (uintptr_t)p + (uintptr_t)bytes; a += 64)
+            __builtin_prefetch((const void*)a, 0, ROWS_PF_HINT);
+}
+/* Slots s0..s0+cnt-1 (heads h0.., hb bytes of each slot's rb) of stream block p: K of block p, or V of block
+ * p - nblk; nothing past the stream's end or a slot at or past position L. kh, vh: the caches offset to head
+ * h0, as bytes. */
+static inline void rows_prefetch(const char* kh, const char* vh, const int32_t* bt, int64_t nblk, int64_t L,
+                                 int64_t p, int64_t s0, int64_t cnt, int64_t bs, int64_t rb, int64_t hb) {
+    if (ROWS_PF_DIST <= 0 || p >= 2 * nblk) return;
+    const int64_t j = p < nblk ? p : p - nblk;
+    cnt = L - j * bs - s0 < cnt ? L - j * bs - s0 : cnt;
+    if (cnt <= 0 || (ROWS_PF_SKIP_ADJ && j > 0 && bt[j] == bt[j - 1] + 1)) return;   /* see above */
+    const char* a = (p < nblk ? kh : vh) + ((int64_t)bt[j] * bs + s0) * rb;
+    if (hb == rb) prefetch_lines(a, 1, 0, cnt * rb);       /* all KV heads: the slots are one run */
+    else prefetch_lines(a, cnt, rb, hb);
+}
+
 #define DEFINE_ROWS_ITEM(NAME, QT, QLDV, KT, KLDV, ST, NC)                                            \
 static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* bt, int64_t q0,       \
                  int64_t n, int64_t L, int64_t t0, int64_t tq, int64_t h0, int64_t NH, int64_t H,       \
@@ -452,6 +494,10 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
     const int64_t D = VW * NC, G = H / KVH, row = KVH * D, c0 = L - n, rows = tq * G, nr = NH * rows;  \
     const int64_t Lmax = c0 + t0 + tq, nblk = (Lmax + bs - 1) / bs;                                    \
     const int seqk = rows_seqk(NH, D), seqv = rows_seqv(NH, D, bs);                                    \
+    const int rpf = NH > 1 && sizeof(KT) <= 2;     /* software prefetch (see rows_prefetch) */         \
+    const int64_t rb = row * (int64_t)sizeof(KT), hb = NH * D * (int64_t)sizeof(KT);                   \
+    const char* kh = (const char*)(k + h0 * D), * vh = (const char*)(v + h0 * D);                      \
+    for (int64_t p = 0; rpf && p < ROWS_PF_DIST; p++) rows_prefetch(kh, vh, bt, nblk, Lmax, p, 0, bs, bs, rb, hb); \
     for (int64_t ri = 0; ri < nr; ri++) {          /* row ri: KV head h0 + ri / rows, token, q head */ \
         const int64_t hh = h0 + ri / rows, rr = ri % rows;                                             \
         for (int c = 0; c < NC; c++)                                                                   \
@@ -463,7 +509,8 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
     /* pass 1: scores, VW keys at a time, every row that sees the group; per row the NC chunks in     \
      * order (c outer, the VW keys' accumulators in registers, each q chunk loaded once). No software \
      * prefetch: PF_DIST 2/4/8 blocks ahead measured 10-30% slower than none (AVX2 EPYC, decode B=64); \
-     * again on 2026-12-02 night, one block ahead (K in pass 1, V in pass 2) 3%, two 7% slower. Except   \
+     * again on 2026-12-02 night, one block ahead (K in pass 1, V in pass 2) 3%, two 7% slower; on a     \
+     * server's scattered blocks it pays (rpf, whole-request items: see rows_prefetch). Except          \
      * pf > 0 (decode on per-KV-head items, see DECODE_PF_BLOCKS): K and V pf blocks ahead; nbt (when not \
      * NULL): the next item's block table row, KV head nh0 and context nL, whose first K blocks are      \
      * prefetched during pass 2's last ones. Prefetches only: the arithmetic is the same. */             \
@@ -483,6 +530,8 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
         for (int64_t o0 = 0; o0 < nb; o0 += VW) {                                                      \
             const int64_t m = nb - o0 < VW ? nb - o0 : VW, p0 = l0 + o0;                               \
             const int64_t tf = p0 - c0 - t0 > 0 ? p0 - c0 - t0 : 0;   /* first token that sees p0 */     \
+            if (rpf)                /* this group's slots of the block ahead; the last group: the rest */ \
+                rows_prefetch(kh, vh, bt, nblk, Lmax, j + ROWS_PF_DIST, o0, o0 + VW >= nb ? bs - o0 : VW, bs, rb, hb); \
             if (seqk)                                                                                  \
                 for (int64_t u = 0; u < VW; u++)                                                       \
                     for (int64_t hi = 0; hi < NH; hi++) {                                              \
@@ -546,12 +595,18 @@ static void NAME(const QT* q, const KT* k, const KT* v, QT* out, const int32_t* 
             const int64_t jp = j + pf - nblk, np = nL - jp * bs < bs ? nL - jp * bs : bs;              \
             prefetch_rows(k + ((int64_t)nbt[jp] * bs) * row + nh0 * D, np, rwb, hrb);                  \
         }                                                                                              \
+        for (int64_t jb = 0; rpf && !seqv && jb < nsb; jb++)  /* the span ROWS_PF_DIST spans ahead */       \
+            rows_prefetch(kh, vh, bt, nblk, Lmax, nblk + j + ROWS_PF_DIST * nsb + jb, 0, bs, bs, rb, hb);     \
         if (seqv)                                                                                      \
-            for (int64_t u = 0; u < nb; u++)                                                           \
+            for (int64_t u = 0; u < nb; u++) {                                                         \
+                if (rpf)            /* slot u of the block ahead; the last slot: the rest */            \
+                    rows_prefetch(kh, vh, bt, nblk, Lmax, nblk + j + ROWS_PF_DIST, u, u + 1 == nb ? bs - u : 1, \
+                                  bs, rb, hb);                                                         \
                 for (int64_t hi = 0; hi < NH; hi++) {                                                  \
                     const KT* vp = v + ((int64_t)bt[j] * bs + u) * row + (h0 + hi) * D;               \
                     for (int c = 0; c < NC; c++) vst(vt + (hi * bs + u) * D + VW * c, KLDV(vp + VW * c)); \
                 }                                                                                      \
+            }                                                                                          \
         for (int64_t hi = 0; hi < NH; hi++) {                                                          \
             const KT* vb = v + (int64_t)bt[j] * bs * row + (h0 + hi) * D;                              \
             const float* vt_ = seqv ? vt + hi * bs * D : vt;                                           \
