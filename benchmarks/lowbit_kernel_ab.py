@@ -11,15 +11,23 @@ the harness itself reads between two identical arms) and ``tree`` (this checkout
 weight copy (cache-warm after the first call, as in a step where the same weights come round every step they
 stream from memory; the head's 28 MB do not fit the L3). Run it under ``/work/bin/quiet``.
 
-    python benchmarks/lowbit_kernel_ab.py --baseline-csrc /tmp/base/tokenmill/model/csrc --rows 64 [--json F]
+    python benchmarks/lowbit_kernel_ab.py --baseline-csrc /tmp/base/tokenmill/model/csrc --rows 64 [--json F] [--peak]
+
+``--peak`` first measures the instruction peak of the kernel's inner mix (benchmarks/peak_probe.c: 8 independent
+chains of VPMADDUBSW + VPADDW for the 4-bit weights, VPSIGNB + VPMADDUBSW + VPMADDWD + VPADDD for the 8-bit head,
+registers only) at 1 and ``--threads`` threads, and prints each arm's GMAC/s as a share of its mix's peak at
+``--threads`` (the FBGEMM int8 rate is the other yardstick: benchmarks/roofline.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -35,6 +43,27 @@ SHAPES = [("Q4_1 576->960 (qkv)", 576, 960, 30, 4), ("Q4_1 576->576 (o)", 576, 5
           ("Q8_0 576->49152 (head)", 576, 49152, 1, 8)]
 
 
+def instruction_peak(threads: int, iters: int = 20_000_000) -> dict:
+    """GMAC/s of the inner instruction mixes (benchmarks/peak_probe.c, built with the kernels' avx2 flags) at 1 and
+    ``threads`` threads: {"4": {1: gmacs, threads: gmacs}, "8": {...}}; one VPMADDUBSW = 32 int8 MACs."""
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "peak_probe.c")
+    out = os.path.join(tempfile.mkdtemp(), "peak_probe.so")
+    subprocess.run(["cc", "-O2", "-march=x86-64-v3", "-mtune=generic", "-fopenmp", "-fPIC", "-shared", src, "-o", out],
+                   check=True)
+    lib = ctypes.CDLL(out)
+    lib.peak_probe.argtypes = [ctypes.c_int, ctypes.c_long, ctypes.c_int]
+    lib.peak_probe.restype = ctypes.c_double
+    peak = {}
+    for mix in (4, 8):
+        peak[str(mix)] = {}
+        for th in sorted({1, threads}):
+            sec = lib.peak_probe(mix, iters, th)
+            peak[str(mix)][th] = iters * 8 * 32 * th / sec / 1e9
+            print(f"instruction peak, {mix}-bit mix, {th} thread(s): {peak[str(mix)][th]:.1f} GMAC/s "
+                  f"({iters * 8 / sec / 1e9:.2f} VPMADDUBSW/ns per thread)", flush=True)
+    return peak
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline-csrc", required=True)
@@ -43,6 +72,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default="")
+    ap.add_argument("--peak", action="store_true", help="measure the inner mixes' instruction peak, print shares")
     args = ap.parse_args()
     from lowbit_gemm import load_baseline
 
@@ -52,6 +82,9 @@ def main() -> None:
     print(f"isa {args.isa}, threads {args.threads}, medians of {args.reps}; load average {os.getloadavg()[0]:.2f}; "
           f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime())} UTC")
     result = {"isa": args.isa, "threads": args.threads, "reps": args.reps, "rows": {}}
+    peak = instruction_peak(args.threads) if args.peak else None
+    if peak:
+        result["instruction_peak_gmacs"] = peak
     for m in (int(r) for r in args.rows.split(",")):
         print(f"\nM={m}\n{'shape':<26}" + "".join(f"{k + ' GMAC/s':>18}" for k in libs)
               + f"{'base/tree':>11}{'A/A':>7}")
@@ -89,6 +122,11 @@ def main() -> None:
             print(f"{name:<26}" + "".join(f"{macs / med[key] / 1e9:18.1f}" for key in names)
                   + f"{med['base'] / med['tree']:11.3f}{med['base'] / med['base again']:7.3f}", flush=True)
             rows[name] = {"count": count, "seconds": med, "gmacs": {key: macs / med[key] / 1e9 for key in names}}
+            if peak:
+                pk = peak[str(bits)][args.threads]
+                rows[name]["share_of_peak"] = {key: macs / med[key] / 1e9 / pk for key in names}
+                print(f"{'':<26}" + "".join(f"{macs / med[key] / 1e9 / pk * 100:17.1f}%" for key in names)
+                      + f"   (share of the {bits}-bit mix's instruction peak, {pk:.0f} GMAC/s)", flush=True)
         print(f"{'all GEMMs of a step, ms':<26}" + "".join(f"{tot[key] * 1e3:18.2f}" for key in libs)
               + f"{tot['base'] / tot['tree']:11.3f}{tot['base'] / tot['base again']:7.3f}")
         result["rows"][m] = {"shapes": rows, "step_seconds": tot}
