@@ -54,7 +54,7 @@ AMX_SWITCH = "TOKENMILL_CPU_AMX"
 AMX_STATUS = {0: "not in this kernel build (only the avx512 variant carries the AMX-INT8 passes)",
               1: "switched off (TOKENMILL_CPU_AMX=0)",
               2: "this CPU has no AMX-TILE / AMX-INT8",
-              3: "Linux refused the AMX tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM; a kernel before 5.16?)",
+              3: "Linux refused the AMX tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM; kernel < 5.16?)",
               4: "the AMX self-check gave other bits than the VNNI / AVX-512BW passes",
               5: "on"}
 

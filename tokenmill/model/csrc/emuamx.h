@@ -64,7 +64,8 @@ typedef struct {
 /* this thread's tile registers and configuration (one copy per translation unit: each kernel library is one) */
 static __thread tm_emu_amx_state tm_emu_amx;
 
-static void __attribute__((noreturn, unused)) tm_emu_amx_fault(const char *fault, const char *insn, const char *why) {
+static void __attribute__((noreturn, unused)) tm_emu_amx_fault(const char *fault, const char *insn,
+                                                               const char *why) {
     fprintf(stderr, "emuamx.h: %s in %s: %s\n", fault, insn, why);
     fflush(stderr);
     abort();
