@@ -15,7 +15,7 @@ import torch
 from tests.kernel_variants import AMX_EMU, amx_emulated_param, cpu_has_amx
 from tests.quantization.test_lowbit import TOL_BF16_OUT, TOL_I8_SAME, _i8_reference, _lib, _no_ties, _weight
 from tokenmill.model.layers import cpu_build
-from tokenmill.quantization.lowbit import AMX_STATUS, amx_status, load_kernel, lowbit_linear, set_amx
+from tokenmill.quantization.lowbit import AMX_STATUS, LowBitWeight, amx_status, load_kernel, lowbit_linear, set_amx
 
 #: Row counts: below the AMX threshold (8), one partial 16-row pass, exactly 16, full + partial passes, a whole
 #: 64-row chunk, two chunks (the second above / below the threshold), many chunks.
@@ -58,7 +58,6 @@ def test_amx_passes_match_the_reference_and_the_avx2_bits(amx_lib, threads, bits
     lib, avx2 = amx_lib
     w = _weight(bits, n, k, 32, with_min, seed=29)
     if bits == 8:
-        from tokenmill.quantization.lowbit import LowBitWeight
         q = w.unpacked_codes()
         q[0, :40], q[1, :40] = -128, 127
         w = LowBitWeight.from_codes(q, w._rows(w.scale), None if w.min is None else w._rows(w.min), 8)
