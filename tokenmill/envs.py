@@ -161,6 +161,9 @@ _DECLARED = [
            "stays off.", _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_LOWBIT_VNNI", "bool", True, "0: the integer low-bit path keeps AVX-512BW multiply-adds "
            "even where the CPU has AVX512-VNNI (same bits, slower; an ablation).", _on_unless_zero, _CPU),
+    EnvVar("TOKENMILL_CPU_AMX", "bool", True, "0: the integer low-bit path's many-row passes (>= 8 rows, blocks "
+           "of 32) keep VNNI / AVX-512BW even where the CPU has AMX-INT8 tiles (same bits; AMX runs only after "
+           "its first-use self-check matched those bits).", _on_unless_zero, _CPU),
     EnvVar("TOKENMILL_CPU_PACKED_LINEAR", "bool", True, "0: plain torch linears instead of oneDNN-prepacked "
            "weights.", _on_unless_zero, _CPU, in_weight_key=True),
     EnvVar("TOKENMILL_CPU_PACK_BACKGROUND", "bool", True, "0: prepack the oneDNN weights before serving instead "

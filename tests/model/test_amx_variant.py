@@ -1,8 +1,10 @@
 """AMX: what runs on Intel AMX tiles, checked against the torch reference on CPUs that have them.
 
-tokenmill builds no AMX variant of its own C kernels (``kernel_plan.ISAS``: avx512, avx2, scalar; an AMX CPU
+tokenmill builds no separate AMX variant of its C kernels (``kernel_plan.ISAS``: avx512, avx2, scalar; an AMX CPU
 runs the avx512 variant, tested in tests/model/test_paged_attention_cpu.py, tests/quantization/test_lowbit.py
-and tests/model/test_batch_invariance.py). What does run on AMX there is oneDNN's packed bfloat16 GEMM
+and tests/model/test_batch_invariance.py); that variant's integer low-bit path has AMX-INT8 tile passes behind a
+run-time gate, tested in tests/quantization/test_lowbit_amx.py (on emulated tiles where the CPU lacks AMX) and
+tests/model/test_emuamx.py. What else runs on AMX there is oneDNN's packed bfloat16 GEMM
 (``PackedLinear``'s dense path: ``--no-batch-invariant`` steps above the low-bit limit, and linears without
 low-bit codes). This checks that path against a float64 reference of the same bfloat16 operands; on a CPU
 without AMX it is skipped with the reason.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_variants import EMU, emulated_param, real_param, variants
+from tests.kernel_variants import AMX_EMU, EMU, amx_emulated_param, emulated_param, real_param, variants
 from tokenmill.model.layers.cpu_build import code_path, isa_supported
 from tokenmill.quantization.lowbit import LowBitWeight, cpu_flags, load_kernel, lowbit_linear, set_bf16_dot, set_vnni
 
@@ -36,9 +36,10 @@ def _i8_cases(cases, emulated):
     ones ({variant: cases}) with a few (the emulation runs the same paths; their every shape would cost
     minutes of test time)."""
     params = [pytest.param(v, *c, id="-".join(map(str, (*c, v)))) for v in I8_REAL for c in cases]
-    names = {EMU: "avx512-emulated", EMU + "-vnni": "avx512-vnni-emulated"}
-    return params + [emulated_param(v, *c, id="-".join(map(str, (*c, names[v])))) for v, cs in emulated.items()
-                     for c in cs]
+    names = {EMU: "avx512-emulated", EMU + "-vnni": "avx512-vnni-emulated", AMX_EMU: "amx-emulated"}
+    make = {AMX_EMU: amx_emulated_param}
+    return params + [make.get(v, emulated_param)(v, *c, id="-".join(map(str, (*c, names[v]))))
+                     for v, cs in emulated.items() for c in cs]
 #: The avx512 builds that carry the AVX512-BF16 / -VNNI run-time paths: the real one, and the emulated one on a
 #: CPU without AVX-512.
 AVX512_BUILDS = [real_param("avx512"), emulated_param(EMU)]
@@ -328,7 +329,8 @@ def test_int8_activation_path_bfloat16_rows_quantise_as_their_float32_widening(i
     [(t, *c) for t in (1, 2) for c in [(4, 32, True, 40, 576), (8, 32, False, 264, 576), (4, 32, True, 600, 1536),
                                        (4, 128, True, 40, 256), (8, 16, True, 40, 128)]],
     {EMU + "-vnni": [(2, 4, 32, True, 40, 576), (2, 8, 32, False, 264, 576)],
-     EMU: [(1, 8, 16, True, 40, 128), (2, 4, 128, True, 40, 256)]}),
+     EMU: [(1, 8, 16, True, 40, 128), (2, 4, 128, True, 40, 256)],
+     AMX_EMU: [(2, 4, 32, True, 40, 576), (1, 8, 32, False, 264, 576)]}),
     indirect=["i8_lib"])
 def test_int8_activation_path_rows_are_batch_invariant(i8_lib, threads, bits, group, with_min, n, k):
     """A row's bits on the integer path do not depend on how many rows share the call or where it sits: the

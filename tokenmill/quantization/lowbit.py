@@ -23,7 +23,9 @@ x86-64-v3, ``scalar``); the process uses the best one the CPU runs
 turns the kernel off (low-bit layers then dequantise per call with torch ops).
 The ``avx512`` variant also carries a bfloat16 dot-product path
 (``VDPBF16PS``, used for bfloat16 activations where the CPU has AVX512-BF16,
-checked at run time; :func:`set_bf16_dot`).
+checked at run time; :func:`set_bf16_dot`), and AMX-INT8 tile passes for the
+integer path's many-row steps (behind a run-time gate with a self-check; same
+bits as its VNNI / AVX-512BW passes; :func:`set_amx`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,15 @@ ENV_SWITCH = "TOKENMILL_CPU_LOWBIT_KERNEL"
 BF16_DOT_SWITCH = "TOKENMILL_CPU_LOWBIT_BF16_DOT"
 #: ``0`` keeps the integer path on AVX-512BW multiply-adds even where AVX512-VNNI exists (same bits).
 VNNI_SWITCH = "TOKENMILL_CPU_LOWBIT_VNNI"
+#: ``0`` keeps the integer path's many-row passes off AMX-INT8 tiles even where the CPU has them (same bits).
+AMX_SWITCH = "TOKENMILL_CPU_AMX"
+#: ``tm_lowbit_amx_status()`` codes -> why the AMX passes are on or off.
+AMX_STATUS = {0: "not in this kernel build (only the avx512 variant carries the AMX-INT8 passes)",
+              1: "switched off (TOKENMILL_CPU_AMX=0)",
+              2: "this CPU has no AMX-TILE / AMX-INT8",
+              3: "Linux refused the AMX tile-data permission (arch_prctl ARCH_REQ_XCOMP_PERM; kernel < 5.16?)",
+              4: "the AMX self-check gave other bits than the VNNI / AVX-512BW passes",
+              5: "on"}
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int
@@ -81,6 +92,15 @@ def load_kernel(isa: str | None = None) -> ctypes.CDLL | None:
         lib.tm_lowbit_set_vnni.restype = ctypes.c_int
         lib.tm_lowbit_set_vnni.argtypes = [ctypes.c_int]
         set_vnni(lib, switch(VNNI_SWITCH))
+        lib.tm_lowbit_set_amx.restype = ctypes.c_int
+        lib.tm_lowbit_set_amx.argtypes = [ctypes.c_int]
+        lib.tm_lowbit_amx_status.restype = ctypes.c_int
+        lib.tm_lowbit_amx_status.argtypes = []
+        lib.tm_lowbit_amx_test_corrupt.restype = None
+        lib.tm_lowbit_amx_test_corrupt.argtypes = [ctypes.c_int]
+        if not getattr(lib, "_tm_amx_gated", False):      # the gate (its self-check) once per loaded library
+            lib._tm_amx_gated = True
+            set_amx(lib, switch(AMX_SWITCH))
     return lib
 
 
@@ -96,6 +116,34 @@ def set_vnni(lib: ctypes.CDLL, on: bool) -> bool:
         whether it is on now (never on the avx2/scalar variants or a CPU without AVX512-VNNI).
     """
     return bool(lib.tm_lowbit_set_vnni(int(on)))
+
+
+def set_amx(lib: ctypes.CDLL, on: bool) -> bool:
+    """Switch the integer path's AMX-INT8 many-row passes on or off in ``lib`` (the avx512 variant).
+
+    A row chunk of at least 8 rows (prefill chunks, batched decode) with blocks of 32 columns (GGUF's Q4_0 /
+    Q4_1 / Q4_K / Q8_0) then computes each block's exact int32 sums with one ``TDPBSSD`` per 16 rows x 16
+    outputs, stores them (``TILESTORED``) and folds them into the float accumulators by the same epilogue, in
+    the same order, as the VNNI / AVX-512BW passes: the bits are the same, only the speed changes. Turning it on
+    runs the gate in ``csrc/lowbit_gemm.c``: the CPU must have AMX-TILE and AMX-INT8, Linux must grant the tile
+    data permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``), and a self-check on small random
+    problems must give the other passes' bits; where it does not, the passes stay off and a warning names why
+    (:func:`amx_status`). ``TOKENMILL_CPU_AMX=0`` keeps them off.
+
+    Returns:
+        whether they are on now (never on the avx2/scalar variants or a CPU without AMX).
+    """
+    now = bool(lib.tm_lowbit_set_amx(int(on)))
+    code = int(lib.tm_lowbit_amx_status())
+    if on and code in (3, 4):
+        logger.warning("low-bit GEMM kernel: %s; the integer path keeps the VNNI / AVX-512BW passes",
+                       AMX_STATUS[code])
+    return now
+
+
+def amx_status(lib: ctypes.CDLL) -> str:
+    """Why ``lib``'s AMX-INT8 passes are on or off (:data:`AMX_STATUS`; as the last :func:`set_amx` found)."""
+    return AMX_STATUS.get(int(lib.tm_lowbit_amx_status()), "unknown")
 
 
 def set_bf16_dot(lib: ctypes.CDLL, on: bool) -> bool:
@@ -353,9 +401,11 @@ def _default_kernel() -> ctypes.CDLL | None:
     if lib is not None:
         dot = bool(lib.tm_lowbit_set_bf16_dot(int(switch(BF16_DOT_SWITCH))))
         vnni = set_vnni(lib, switch(VNNI_SWITCH))
-        logger.info("low-bit GEMM kernel: %s path%s%s", lib.tm_lowbit_isa().decode(),
+        amx = amx_status(lib) == AMX_STATUS[5]
+        logger.info("low-bit GEMM kernel: %s path%s%s%s", lib.tm_lowbit_isa().decode(),
                     ", bfloat16 activations on AVX512-BF16 dot products" if dot else "",
-                    ", integer path on AVX512-VNNI" if vnni else "")
+                    ", integer path on AVX512-VNNI" if vnni else "",
+                    ", many-row integer passes on AMX-INT8 tiles" if amx else "")
     return lib
 
 

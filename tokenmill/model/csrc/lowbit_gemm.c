@@ -684,6 +684,36 @@ AI void tile_i8(int bits, const uint8_t *codes, const float *sc, const float *mn
 #endif
 
 
+#if defined(__AVX2__) && (!defined(__AVX512F__) || (defined(__AMX_TILE__) && defined(__AMX_INT8__)))
+/* A tile's 4-bit codes (i8 layout) unpacked to one byte per code: u[K/4][16 rows][4 bytes], byte i of row r in
+ * step j = q[r][4j + i] (0..15), the order the AVX2 many-row passes and the AMX tiles (as the B operand) read. */
+static void unpack4_tile(const uint8_t *codes, int64_t K, uint8_t *u) {
+    const __m256i m0f = _mm256_set1_epi8(0x0F);
+    for (int64_t kb = 0; kb < K / 8; kb++) {
+        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + kb * NT_I8 * 4));
+        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + kb * NT_I8 * 4 + 32));
+        uint8_t *o = u + 2 * kb * NT_I8 * 4;
+        _mm256_store_si256((__m256i *)o, _mm256_and_si256(v0, m0f));
+        _mm256_store_si256((__m256i *)(o + 32), _mm256_and_si256(v1, m0f));
+        _mm256_store_si256((__m256i *)(o + 64), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m0f));
+        _mm256_store_si256((__m256i *)(o + 96), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m0f));
+    }
+}
+
+/* This thread's buffer for a tile's unpacked codes (K * 16 bytes, 32-byte aligned), kept across calls. */
+static uint8_t *u4_thread_buffer(int64_t K) {
+    static __thread uint8_t *buf;
+    static __thread int64_t cap;
+    if (K * NT_I8 > cap) {
+        free(buf);
+        buf = (uint8_t *)aligned_alloc(64, (size_t)(K * NT_I8 + 63) / 64 * 64);
+        cap = buf ? K * NT_I8 : 0;
+    }
+    return buf;
+}
+
+#endif
+
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 /* AVX2, G == SB == 32: as tile_i8_b32 with both 8-row halves of the 16-row tile in one pass (HH2). Each
  * activation broadcast then feeds both halves (half the broadcasts per multiply-add), each 64-byte code row
@@ -807,19 +837,6 @@ AI void tile_i8_b32_h2(int bits, const uint8_t *codes, const float *sc, const fl
  * (acc = fma(float(sum), scale * dx, acc), then acc = fma(min, xs, acc), per block), so every output's bits
  * equal tile_i8_b32's and tile_i8_b32_h2's for any grouping of rows into passes. */
 #define U4_MIN_ROWS 8
-static void unpack4_tile(const uint8_t *codes, int64_t K, uint8_t *u) {
-    const __m256i m0f = _mm256_set1_epi8(0x0F);
-    for (int64_t kb = 0; kb < K / 8; kb++) {
-        const __m256i v0 = _mm256_loadu_si256((const __m256i *)(codes + kb * NT_I8 * 4));
-        const __m256i v1 = _mm256_loadu_si256((const __m256i *)(codes + kb * NT_I8 * 4 + 32));
-        uint8_t *o = u + 2 * kb * NT_I8 * 4;
-        _mm256_store_si256((__m256i *)o, _mm256_and_si256(v0, m0f));
-        _mm256_store_si256((__m256i *)(o + 32), _mm256_and_si256(v1, m0f));
-        _mm256_store_si256((__m256i *)(o + 64), _mm256_and_si256(_mm256_srli_epi16(v0, 4), m0f));
-        _mm256_store_si256((__m256i *)(o + 96), _mm256_and_si256(_mm256_srli_epi16(v1, 4), m0f));
-    }
-}
-
 AI void tile_i8_b32_u(int bits, const uint8_t *u, const float *sc, const float *mn, const int8_t *xq, const float *dx,
                        const float *xs, int64_t K, int MR, float *out) {
     const int64_t nsb = K / 32;
@@ -939,18 +956,6 @@ static void tile_rows_i8_u(int bits, const uint8_t *u, const float *sc, const fl
 #undef U_CASES
 }
 
-/* This thread's buffer for a tile's unpacked codes (K * 16 bytes, 32-byte aligned), kept across calls. */
-static uint8_t *u4_thread_buffer(int64_t K) {
-    static __thread uint8_t *buf;
-    static __thread int64_t cap;
-    if (K * NT_I8 > cap) {
-        free(buf);
-        buf = (uint8_t *)aligned_alloc(64, (size_t)(K * NT_I8 + 63) / 64 * 64);
-        cap = buf ? K * NT_I8 : 0;
-    }
-    return buf;
-}
-
 /* The many-row passes' codes for tile c when a row chunk of `rows` rows takes them (4- or 8-bit, group 32,
  * >= U4_MIN_ROWS rows): 4-bit codes unpacked into this thread's buffer, 8-bit ones as they are (the i8 layout
  * already is one byte per code in that order); else NULL (tile_rows_i8's passes). Same bits either way. */
@@ -1059,6 +1064,143 @@ static int vnni_on = -1;           /* -1: not decided yet (on where the CPU has 
 #else
 #define HAVE_VNNI 0
 static int vnni_on = 0;
+#endif
+
+#if defined(__AVX512F__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+/* AMX-INT8 many-row passes (Sapphire Rapids and later Xeons; compiled into the avx512 variant with -mamx-tile
+ * -mamx-int8, used only where the run-time gate below lets them: the CPU has AMX-TILE and AMX-INT8, Linux
+ * granted this process the tile data state, TOKENMILL_CPU_AMX is on, and a first-use self-check gave the
+ * bits of the VNNI / AVX-512BW passes). A row chunk of >= AMX_MIN_ROWS rows takes a 16-output-row tile in
+ * passes of up to 16 activation rows. Per 32-column block s one TDPBSSD (signed x signed bytes, exact int32
+ * sums) multiplies
+ *     A = the pass's int8 activation rows, 16 x 32 bytes (xq rows K apart: the rows themselves, no copy) by
+ *     B = the block's codes in the i8 layout, 8 x 64 bytes (row j = columns 4j..4j+3 of the 16 output rows,
+ *         4 bytes each: the i8 layout of 8-bit codes as it is, 4-bit codes unpacked to one byte per code),
+ * into C = 16 x 16 int32 (row m, column n: sum over the block's 32 columns of xq[m][k] q[n][k]), which is
+ * stored (TILESTORED) and folded into the float accumulators by the epilogue every pass of this file keeps,
+ * per block and in this order: acc = fma(float(sum), scale * dx, acc), then acc = fma(min, xs, acc). The
+ * integer sums are the same numbers as VPDPBUSD's / VPMADDUBSW's (8-bit codes: q x xq directly instead of
+ * |q| x (xq with q's sign); exact either way: |sum| <= 32 * 128 * 127), so every output's bits equal those
+ * passes', whatever the grouping of rows. Tiles: a full pass alternates two sets (C tmm0 / A tmm1 / B tmm2
+ * and C tmm7 / A tmm6 / B tmm5) over consecutive blocks; the chunk's last pass of fewer than 16 rows uses
+ * C tmm3 / A tmm4 / B tmm2, configured for its row count. */
+#define AMX_MIN_ROWS 8
+#define AMX_ROWS 16
+#define HAVE_AMX 1
+static int amx_on = -1;            /* -1: not decided yet (the gate runs at the first many-row call) */
+static int amx_corrupt = 0;        /* test hook (tm_lowbit_amx_test_corrupt): spoil the AMX sums */
+int tm_lowbit_set_amx(int on);
+
+/* The tile configuration for a row chunk of `rows` rows (LDTILECFG's 64-byte format: palette, then each
+ * tile's bytes per row at 16 + 2i and rows at 48 + i). */
+static void amx_configure(int rows) {
+    uint8_t cfg[64] __attribute__((aligned(64)));
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1;
+#define TILE_SHAPE(i, r, colsb) do { cfg[16 + 2 * (i)] = (uint8_t)(colsb); cfg[48 + (i)] = (uint8_t)(r); } while (0)
+    const int full = rows >= AMX_ROWS, rem = rows % AMX_ROWS;
+    if (full) {
+        TILE_SHAPE(0, AMX_ROWS, 64); TILE_SHAPE(1, AMX_ROWS, 32);
+        TILE_SHAPE(7, AMX_ROWS, 64); TILE_SHAPE(6, AMX_ROWS, 32); TILE_SHAPE(5, 8, 64);
+    }
+    TILE_SHAPE(2, 8, 64);
+    if (rem) { TILE_SHAPE(3, rem, 64); TILE_SHAPE(4, rem, 32); }
+#undef TILE_SHAPE
+    /* GCC's _tile_loadconfig names only the first 8 bytes of cfg as read: the barrier keeps every store above */
+    __asm__ volatile("" ::: "memory");
+    _tile_loadconfig(cfg);
+}
+
+/* The float epilogue of one block for MR rows: o[r][0..15] = fma(float(c[r][0..15]), sc * dx[r], o[r]), then
+ * + min * xs[r] (mn != NULL); dx, xs: per row r at [r * nsb + s]. */
+static inline void amx_block_epilogue(int MR, const int32_t *c, const float *sc, const float *mn, const float *dx,
+                                      const float *xs, int64_t nsb, int64_t s, float *o) {
+    const __m512 wsc = _mm512_loadu_ps(sc);
+    if (mn) {
+        const __m512 m = _mm512_loadu_ps(mn);
+        for (int r = 0; r < MR; r++) {
+            __m512 acc = _mm512_loadu_ps(o + r * NT);
+            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(c + r * NT))),
+                                  _mm512_mul_ps(wsc, _mm512_set1_ps(dx[r * nsb + s])), acc);
+            _mm512_storeu_ps(o + r * NT, _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nsb + s]), acc));
+        }
+    } else {
+        for (int r = 0; r < MR; r++) {
+            const __m512 acc = _mm512_loadu_ps(o + r * NT);
+            _mm512_storeu_ps(o + r * NT,
+                             _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_loadu_si512((const void *)(c + r * NT))),
+                                             _mm512_mul_ps(wsc, _mm512_set1_ps(dx[r * nsb + s])), acc));
+        }
+    }
+}
+
+/* out[r][0..15] for the R rows of a chunk (R <= 64; tiles configured by amx_configure(R) in this thread):
+ * b: the tile's codes one byte per code ([K/4][16][4]); xq rows K apart, dx / xs rows K/32 apart. */
+static void tile_chunk_amx(const uint8_t *b, const float *sc, const float *mn, const int8_t *xq, const float *dx,
+                           const float *xs, int64_t K, int R, float *out) {
+    const int64_t nsb = K / 32;
+    int32_t cb[2][AMX_ROWS * NT] __attribute__((aligned(64)));
+    /* the codes and activation rows were written by plain stores: the tile loads (asm without a memory
+     * operand in GCC's intrinsics) must not be scheduled above them */
+    __asm__ volatile("" ::: "memory");
+    for (int r0 = 0; r0 < R; r0 += AMX_ROWS) {
+        const int mr = R - r0 < AMX_ROWS ? R - r0 : AMX_ROWS;
+        float *o = out + r0 * NT;
+        memset(o, 0, sizeof(float) * (size_t)(mr * NT));
+        const int8_t *a = xq + r0 * K;
+        const float *dxr = dx + r0 * nsb, *xsr = xs + r0 * nsb;
+        int64_t s = 0;
+        if (mr == AMX_ROWS) {
+            for (; s + 2 <= nsb; s += 2) {
+                _tile_loadd(2, b + s * 8 * NT_I8 * 4, NT_I8 * 4);
+                _tile_loadd(1, a + s * 32, K);
+                _tile_zero(0);
+                _tile_dpbssd(0, 1, 2);
+                _tile_loadd(5, b + (s + 1) * 8 * NT_I8 * 4, NT_I8 * 4);
+                _tile_loadd(6, a + (s + 1) * 32, K);
+                _tile_zero(7);
+                _tile_dpbssd(7, 6, 5);
+                _tile_stored(0, cb[0], NT * 4);
+                _tile_stored(7, cb[1], NT * 4);
+                if (amx_corrupt) cb[0][0] += 1, cb[1][NT + 1] -= 1;
+                amx_block_epilogue(AMX_ROWS, cb[0], sc + s * NT, mn ? mn + s * NT : 0, dxr, xsr, nsb, s, o);
+                amx_block_epilogue(AMX_ROWS, cb[1], sc + (s + 1) * NT, mn ? mn + (s + 1) * NT : 0, dxr, xsr, nsb,
+                                   s + 1, o);
+            }
+            for (; s < nsb; s++) {
+                _tile_loadd(2, b + s * 8 * NT_I8 * 4, NT_I8 * 4);
+                _tile_loadd(1, a + s * 32, K);
+                _tile_zero(0);
+                _tile_dpbssd(0, 1, 2);
+                _tile_stored(0, cb[0], NT * 4);
+                if (amx_corrupt) cb[0][0] += 1;
+                amx_block_epilogue(AMX_ROWS, cb[0], sc + s * NT, mn ? mn + s * NT : 0, dxr, xsr, nsb, s, o);
+            }
+        } else {
+            for (; s < nsb; s++) {
+                _tile_loadd(2, b + s * 8 * NT_I8 * 4, NT_I8 * 4);
+                _tile_loadd(4, a + s * 32, K);
+                _tile_zero(3);
+                _tile_dpbssd(3, 4, 2);
+                _tile_stored(3, cb[0], NT * 4);
+                if (amx_corrupt) cb[0][0] += 1;
+                amx_block_epilogue(mr, cb[0], sc + s * NT, mn ? mn + s * NT : 0, dxr, xsr, nsb, s, o);
+            }
+        }
+    }
+}
+
+/* The AMX passes' codes for tile c: 8-bit as they are, 4-bit unpacked into this thread's buffer (NULL: no
+ * memory; the caller keeps the other passes). */
+static const uint8_t *amx_codes(int bits, const uint8_t *c, int64_t K) {
+    if (bits == 8) return c;
+    uint8_t *u = u4_thread_buffer(K);
+    if (u) unpack4_tile(c, K, u);
+    return u;
+}
+#else
+#define HAVE_AMX 0
+static int amx_on = 0;
 #endif
 
 /* Switch the AVX512-VNNI integer dot products on (1) or off (0) for this process; returns whether they are
@@ -1238,12 +1380,22 @@ static void tile_scales(const float *scale, const float *min, const uint16_t *sc
 /* The integer path's driver: float32 scale/min arrays, or float16 ones (scale_h, min_h; scale = min = NULL). */
 static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
                     const void *codes, int64_t group, const float *scale, const float *min, const uint16_t *scale_h,
-                    const uint16_t *min_h, const float *bias, void *y, int y_bf16, int64_t ldy) {
+                    const uint16_t *min_h, const float *bias, void *y, int y_bf16, int64_t ldy, int use_amx) {
     const int64_t SB = group < 32 ? group : 32;
     const int64_t ng = K / group, nsb = K / SB, ntiles = (N + NT - 1) / NT;
     const int64_t tile_bytes = bits == 4 ? K / 2 * NT : K * NT;
     const size_t esz = x_bf16 ? 2 : 4;
     if (vnni_on < 0) tm_lowbit_set_vnni(1);
+#if HAVE_AMX
+    if (use_amx < 0) {
+        if (amx_on < 0 && group == 32 && M >= AMX_MIN_ROWS) tm_lowbit_set_amx(1);
+        use_amx = amx_on > 0;
+    }
+    /* a row chunk of c rows takes the AMX passes (same bits as the others) */
+#define AMX_CHUNK(c) (use_amx && group == 32 && (c) >= AMX_MIN_ROWS)
+#else
+    (void)use_amx;
+#endif
     /* Rows in chunks of MC (their int8 rows stay in each core's L2 while the threads split the tiles):
      * without them a 2048-row prefill chunk streamed all its rows from L3 once per tile (-28% at 2048 rows). */
     const int64_t MC = 64;
@@ -1264,6 +1416,10 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
                 for (int64_t r = c0; r < c1; r++)
                     quantize_row_i8((const char *)x + (size_t)(r * ldx) * esz, x_bf16, K, group, SB,
                                     xq + (r - c0) * K, dx + (r - c0) * nsb, xs + (r - c0) * ng);
+#if HAVE_AMX
+                const int amx = AMX_CHUNK(c1 - c0);
+                if (amx) amx_configure((int)(c1 - c0));
+#endif
 #pragma omp for schedule(static) nowait
                 for (int64_t t = 0; t < ntiles; t++) {
                     float out[MR_I8 * NT];
@@ -1271,6 +1427,15 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
                     const float *sc, *mn;
                     tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
                     const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
+#if HAVE_AMX
+                    const uint8_t *b = amx ? amx_codes(bits, c, K) : 0;
+                    if (b) {
+                        float outc[MC * NT];
+                        tile_chunk_amx(b, sc, mn, xq, dx, xs, K, (int)(c1 - c0), outc);
+                        store_tile(outc, (int)(c1 - c0), nn, bias, n0, y, y_bf16, ldy, c0);
+                        continue;
+                    }
+#endif
                     const uint8_t *u = many_rows_codes(bits, c, K, group, c1 - c0);
                     for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
                         const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
@@ -1284,6 +1449,9 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
                         store_tile(out, mr, nn, bias, n0, y, y_bf16, ldy, r0);
                     }
                 }
+#if HAVE_AMX
+                if (amx) _tile_release();
+#endif
             }
         }
         return;
@@ -1298,6 +1466,10 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
 #pragma omp parallel
     for (int64_t c0 = 0; c0 < M; c0 += MC) {
     const int64_t c1 = M - c0 < MC ? M : c0 + MC;
+#if HAVE_AMX
+    const int amx = AMX_CHUNK(c1 - c0);
+    if (amx) amx_configure((int)(c1 - c0));
+#endif
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < ntiles; t++) {
         float out[MR_I8 * NT];
@@ -1305,6 +1477,15 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
         const float *sc, *mn;
         tile_scales(scale, min, scale_h, min_h, t, ng, &sc, &mn);
         const int64_t n0 = t * NT, nn = N - n0 < NT ? N - n0 : NT;
+#if HAVE_AMX
+        const uint8_t *b = amx ? amx_codes(bits, c, K) : 0;
+        if (b) {
+            float outc[MC * NT];
+            tile_chunk_amx(b, sc, mn, xq + c0 * K, dx + c0 * nsb, xs + c0 * ng, K, (int)(c1 - c0), outc);
+            store_tile(outc, (int)(c1 - c0), nn, bias, n0, y, y_bf16, ldy, c0);
+            continue;
+        }
+#endif
         const uint8_t *u = many_rows_codes(bits, c, K, group, c1 - c0);
         for (int64_t r0 = c0; r0 < c1; r0 += MR_I8) {
             const int mr = (int)(c1 - r0 < MR_I8 ? c1 - r0 : MR_I8);
@@ -1316,8 +1497,14 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
             store_tile(out, mr, nn, bias, n0, y, y_bf16, ldy, r0);
         }
     }
+#if HAVE_AMX
+    if (amx) _tile_release();
+#endif
     }
     free(xq);
+#if HAVE_AMX
+#undef AMX_CHUNK
+#endif
 }
 
 
@@ -1327,7 +1514,7 @@ static void gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
 void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
                        const void *codes, int64_t group, const float *scale, const float *min, const float *bias,
                        void *y, int y_bf16, int64_t ldy) {
-    gemm_i8(x, x_bf16, ldx, M, K, N, bits, codes, group, scale, min, 0, 0, bias, y, y_bf16, ldy);
+    gemm_i8(x, x_bf16, ldx, M, K, N, bits, codes, group, scale, min, 0, 0, bias, y, y_bf16, ldy, -1);
 }
 
 /* As tm_lowbit_gemm_i8 with the scale and min arrays (same [N/16][K/group][16] layout) in float16: for weights
@@ -1336,7 +1523,7 @@ void tm_lowbit_gemm_i8(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
 void tm_lowbit_gemm_i8_h(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t N, int bits,
                          const void *codes, int64_t group, const uint16_t *scale_h, const uint16_t *min_h,
                          const float *bias, void *y, int y_bf16, int64_t ldy) {
-    gemm_i8(x, x_bf16, ldx, M, K, N, bits, codes, group, 0, 0, scale_h, min_h, bias, y, y_bf16, ldy);
+    gemm_i8(x, x_bf16, ldx, M, K, N, bits, codes, group, 0, 0, scale_h, min_h, bias, y, y_bf16, ldy, -1);
 }
 
 /* Pack row-major codes q[N, K] into the i8 layout above; rows N .. N_pad-1 are zero.
@@ -1360,4 +1547,114 @@ void tm_lowbit_pack_i8(const uint8_t *q, int64_t N, int64_t K, int bits, uint8_t
             }
         }
     }
+}
+
+/* ====================================================================================================
+ * The AMX gate. AMX runs only where (1) CPUID reports AMX-TILE and AMX-INT8, (2) Linux granted this process the
+ * tile data state (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): without it the first tile instruction
+ * faults), (3) the switch allows it (tm_lowbit_set_amx(1); TOKENMILL_CPU_AMX), and (4) a self-check on a small
+ * random problem gives the bits of the VNNI / AVX-512BW passes (both 4-bit codes with mins and 8-bit codes
+ * without, full and partial 16-row passes, an odd and an even block count, two row chunks). A CPU whose AMX
+ * passes disagreed would otherwise give other tokens than every other CPU kind: it keeps the other passes
+ * (tm_lowbit_amx_status says why). */
+enum { AMX_NOT_BUILT = 0, AMX_OFF = 1, AMX_NO_CPU = 2, AMX_NO_PERMISSION = 3, AMX_SELF_CHECK_FAILED = 4,
+       AMX_ON = 5 };
+static int amx_status = AMX_NOT_BUILT;
+
+#if HAVE_AMX
+#if defined(TOKENMILL_EMUAMX)
+/* the amxemu test variant (csrc/emuamx.h): the emulated tiles need neither the instructions nor the kernel */
+static int amx_cpu_has(void) { return 1; }
+static int amx_permission(void) { return 1; }
+#else
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+/* CPUID.(EAX=7, ECX=0):EDX bit 24 AMX-TILE, bit 25 AMX-INT8 */
+static int amx_cpu_has(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    return ((d >> 24) & 1) && ((d >> 25) & 1);
+}
+/* Linux >= 5.16 enables the tile data state (XCR0 bit 18) per process on request; asked once per process. */
+static int amx_permission(void) {
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return granted;
+#else
+    return 0;
+#endif
+}
+#endif
+
+/* One self-check problem: y with the AMX passes (forced) and without them, compared bit for bit. */
+static int amx_self_check_case(int bits, int with_min, int64_t M, int64_t K, int64_t N, uint32_t seed) {
+    const int64_t ntiles = (N + NT - 1) / NT, ng = K / 32;
+    uint8_t *q = (uint8_t *)malloc((size_t)(N * K));
+    uint8_t *packed = (uint8_t *)calloc((size_t)(ntiles * NT * K), 1);
+    float *x = (float *)malloc(sizeof(float) * (size_t)(M * K));
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(ntiles * ng * NT));
+    float *mn = (float *)malloc(sizeof(float) * (size_t)(ntiles * ng * NT));
+    float *y0 = (float *)malloc(sizeof(float) * (size_t)(M * N));
+    float *y1 = (float *)malloc(sizeof(float) * (size_t)(M * N));
+    int same = 0;
+    if (q && packed && x && sc && mn && y0 && y1) {
+        uint32_t r = seed;
+#define NEXT() (r = r * 1664525u + 1013904223u, r >> 8)
+        for (int64_t i = 0; i < N * K; i++) q[i] = (uint8_t)(bits == 4 ? NEXT() & 0xF : NEXT() & 0xFF);
+        for (int64_t i = 0; i < M * K; i++)     /* blocks of very different magnitudes, some all zero */
+            x[i] = ((int64_t)(i / 32) % 7 == 3) ? 0.f
+                   : ((float)(NEXT() & 0xFFFF) / 32768.f - 1.f) * (float)(1 << ((i / 32) % 9));
+        for (int64_t i = 0; i < ntiles * ng * NT; i++) {
+            sc[i] = (float)(NEXT() & 0xFFFF) / 65536.f * 0.05f;
+            mn[i] = ((float)(NEXT() & 0xFFFF) / 32768.f - 1.f) * 0.1f;
+        }
+#undef NEXT
+        tm_lowbit_pack_i8(q, N, K, bits, packed);
+        gemm_i8(x, 0, K, M, K, N, bits, packed, 32, sc, with_min ? mn : 0, 0, 0, 0, y1, 0, N, 1);
+        gemm_i8(x, 0, K, M, K, N, bits, packed, 32, sc, with_min ? mn : 0, 0, 0, 0, y0, 0, N, 0);
+        same = memcmp(y0, y1, sizeof(float) * (size_t)(M * N)) == 0;
+    }
+    free(q); free(packed); free(x); free(sc); free(mn); free(y0); free(y1);
+    return same;
+}
+
+static int amx_self_check(void) {
+    return amx_self_check_case(4, 1, 45, 96, 40, 1u) && amx_self_check_case(8, 0, 77, 128, 24, 2u) &&
+           amx_self_check_case(4, 0, 16, 64, 16, 3u) && amx_self_check_case(8, 1, 9, 32, 40, 4u);
+}
+#endif
+
+/* Switch the AMX-INT8 many-row passes on (1) or off (0) for this process, through the gate above (on: the
+ * CPU check, the permission request and the self-check run now); returns whether they are on now (never on
+ * a variant without them). Bits are the same either way. */
+int tm_lowbit_set_amx(int on) {
+#if HAVE_AMX
+    if (!on) amx_status = AMX_OFF;
+    else if (!amx_cpu_has()) amx_status = AMX_NO_CPU;
+    else if (!amx_permission()) amx_status = AMX_NO_PERMISSION;
+    else amx_status = amx_self_check() ? AMX_ON : AMX_SELF_CHECK_FAILED;
+    amx_on = amx_status == AMX_ON;
+#else
+    (void)on;
+#endif
+    return amx_on;
+}
+
+/* Why the AMX passes are on or off: 0 not in this build, 1 switched off, 2 the CPU has no AMX-TILE/AMX-INT8,
+ * 3 Linux refused the tile data permission, 4 the self-check found other bits than the VNNI/AVX-512BW passes,
+ * 5 on. */
+int tm_lowbit_amx_status(void) { return amx_status; }
+
+/* Test hook: nonzero makes the AMX passes add an error to the tiles' integer sums (the next
+ * tm_lowbit_set_amx(1) must then find it and keep AMX off); 0 restores them. */
+void tm_lowbit_amx_test_corrupt(int on) {
+#if HAVE_AMX
+    amx_corrupt = on;
+#else
+    (void)on;
+#endif
 }

@@ -23,13 +23,21 @@ variant the CPU supports explicitly (``load_library(..., isa=...)``).
 When no compiler is available or the build fails, :func:`load_library`
 returns None (logged once) and callers keep their torch path.
 
-Test-only variant (:data:`TEST_ISAS`), never chosen by :func:`cpu_isa`, :func:`use_isa` or an engine's kernel
-plan, only by an explicit ``load_library(..., isa="avx512emu")``:
+Test-only variants (:data:`TEST_ISAS`), never chosen by :func:`cpu_isa`, :func:`use_isa` or an engine's kernel
+plan, only by an explicit ``load_library(..., isa="avx512emu")`` (or ``"amxemu"``):
 
 * ``avx512emu``: the ``avx2`` flags plus the force-included ``csrc/emu512.h``, which defines ``__AVX512F__``
   (and BW/CD/DQ/VL) and maps every AVX-512 intrinsic the sources use (the AVX512-BF16 and -VNNI ones
   included) to C with the instruction's semantics: the ``avx512`` code paths, run on any AVX2 CPU. Slow;
   for correctness tests where the CPU lacks AVX-512 (docs/guide/cpu_kernels.md, "Emulated AVX-512").
+* ``amxemu``: the ``avx512emu`` build plus the force-included ``csrc/emuamx.h``, which defines ``__AMX_TILE__``
+  and ``__AMX_INT8__`` and emulates the tile instructions (per-thread tile state, the SDM's semantics and
+  faults): the ``avx512`` variant's AMX-INT8 paths, their run-time gate always open (docs/guide/cpu_kernels.md,
+  "AMX-INT8").
+
+The ``avx512`` variant is also compiled with ``-mamx-tile -mamx-int8``: that only compiles the sources' AMX
+paths (compilers emit no AMX instruction on their own); they run behind a run-time gate (CPUID, Linux's
+permission request, ``TOKENMILL_CPU_AMX``, a self-check against the other paths' bits).
 """
 
 from __future__ import annotations
@@ -68,13 +76,22 @@ _isa_override: str | None = None
 _switch_overrides: dict[str, bool] = {}
 #: Test-only variants (never chosen on their own; see the module docstring) -> the variant whose code paths
 #: they run, emulated: load them with ``load_library(..., isa=...)``.
-TEST_ISAS = {"avx512emu": "avx512"}
+TEST_ISAS = {"avx512emu": "avx512", "amxemu": "avx512"}
 #: The header that makes the ``avx2`` build compile and run the ``avx512`` paths (``-include``).
 EMU512_HEADER = os.path.join(CSRC_DIR, "emu512.h")
-_ISA_FLAGS = {"avx512": ["-march=x86-64-v4", "-mtune=generic"],
+#: The header that adds the AMX-INT8 paths to the ``avx512emu`` build (``-include``, after :data:`EMU512_HEADER`).
+EMUAMX_HEADER = os.path.join(CSRC_DIR, "emuamx.h")
+_EMU_HEADERS = (EMU512_HEADER, EMUAMX_HEADER)
+_EMU_NAMES = {os.path.basename(f) for f in _EMU_HEADERS}
+# avx512: -mamx-tile / -mamx-int8 only let the sources' AMX paths (#if __AMX_TILE__ && __AMX_INT8__) compile;
+# compilers never emit AMX instructions on their own, and those paths run only behind a run-time gate
+# (csrc/lowbit_gemm.c), so the build still runs on every AVX-512 CPU.
+_ISA_FLAGS = {"avx512": ["-march=x86-64-v4", "-mtune=generic", "-mamx-tile", "-mamx-int8"],
               "avx2": ["-march=x86-64-v3", "-mtune=generic"],
               "scalar": [],
-              "avx512emu": ["-march=x86-64-v3", "-mtune=generic", "-include", EMU512_HEADER, "-Wno-psabi"]}
+              "avx512emu": ["-march=x86-64-v3", "-mtune=generic", "-include", EMU512_HEADER, "-Wno-psabi"],
+              "amxemu": ["-march=x86-64-v3", "-mtune=generic", "-include", EMU512_HEADER, "-include", EMUAMX_HEADER,
+                         "-Wno-psabi"]}
 
 
 def cache_dir() -> str:
@@ -103,7 +120,7 @@ def isa_supported(isa: str) -> bool:
 
 def code_path(isa: str) -> str:
     """The variant whose code paths the ``isa`` build runs: itself, or the one a :data:`TEST_ISAS` variant
-    emulates (``avx512emu`` -> ``avx512``)."""
+    emulates (``avx512emu``, ``amxemu`` -> ``avx512``)."""
     return TEST_ISAS.get(isa, isa)
 
 
@@ -171,12 +188,12 @@ def configure(isa: str | None, switches: "kernel_plan.CpuKernelSwitches") -> Non
 
 
 def _sources_digest(sources: Sequence[str], isa: str = "") -> str:
-    """Hash of the named sources and every header in :data:`CSRC_DIR` (the emulation header only for the
-    variants that include it, so editing it rebuilds no real variant)."""
+    """Hash of the named sources and every header in :data:`CSRC_DIR` (the emulation headers only for the
+    variants that include them, so editing them rebuilds no real variant)."""
     h = hashlib.sha256()
-    emu = os.path.basename(EMU512_HEADER)
+    emu = {os.path.basename(f) for f in _EMU_HEADERS if f in _ISA_FLAGS.get(isa, ())}
     names = list(sources) + sorted(n for n in os.listdir(CSRC_DIR)
-                                   if n.endswith(".h") and (n != emu or isa in TEST_ISAS))
+                                   if n.endswith(".h") and (n not in _EMU_NAMES or n in emu))
     for n in names:
         with open(os.path.join(CSRC_DIR, n), "rb") as f:
             h.update(n.encode() + b"\0" + f.read())
@@ -248,7 +265,7 @@ def load_library(name: str, sources: Sequence[str], functions: dict[str, Sequenc
         else:
             # the flags without the checkout's path (the emulation header's text is in the digest): a second checkout
             # reuses the cached build
-            flags = " ".join(os.path.basename(f) if f == EMU512_HEADER else f for f in _ISA_FLAGS[isa])
+            flags = " ".join(os.path.basename(f) if f in _EMU_HEADERS else f for f in _ISA_FLAGS[isa])
             key_text = _sources_digest(sources, isa) + flags + torch.__version__ + _BUILD_RECIPE
             digest = hashlib.sha256(key_text.encode()).hexdigest()[:16]
             path = os.path.join(cache_dir(), f"{name}_{isa}_{digest}.so")
