@@ -70,6 +70,7 @@ from tokenmill.core.prefix_cache import PrefixCacheStats, update_block_hashes
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import FCFSQueue, LanedQueue, PriorityQueue
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
+from tokenmill.core.step_budget import StepBudget, plan_step
 from tokenmill.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -169,6 +170,13 @@ class Scheduler:
         # prompt tokens one request may take per step (0: the whole budget); only with chunked prefill
         self.long_prefill_cap = scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         self.policy = scheduler_config.scheduling_policy
+        # step-latency budget (tokenmill.core.step_budget): the engine core sets ``step_timing`` to its step-time
+        # model's snapshot function; None (or a target of 0) schedules by the token budget and seats alone
+        self.target_step_latency_ms = scheduler_config.target_step_latency_ms
+        self.step_timing: Any = None
+        self.last_step_budget: StepBudget | None = None
+        self._max_running = self.max_num_seqs
+        self._prompt_left = -1          # prompt tokens the step being built may still carry (-1: no limit)
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}
@@ -410,6 +418,7 @@ class Scheduler:
         self._forced_k_step = self._forced_k if len(self.running) <= self._forced_max_batch else 0
         # batch lane: while interactive requests wait, running batch prefills only get what is left
         defer = len(self.waiting.interactive) > 0
+        self._plan_step_budget()
         budget = self._schedule_running(out, self.max_num_batched_tokens, defer_batch_prefill=defer)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
@@ -421,6 +430,18 @@ class Scheduler:
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return out
+
+    def _plan_step_budget(self) -> None:
+        """Seat and prompt-token limits of the step being built from the step-latency target
+        (:func:`~tokenmill.core.step_budget.plan_step`); no limits when it is off or nothing was measured.
+        The prompt-token limit applies with chunked prefill only (without it a prompt runs whole)."""
+        plan = None
+        if self.step_timing is not None and self.target_step_latency_ms > 0:
+            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
+            plan = plan_step(self.step_timing(), self.target_step_latency_ms, decoding, self.max_num_seqs)
+        self.last_step_budget = plan
+        self._max_running = min(plan.max_running, self.max_num_seqs) if plan else self.max_num_seqs
+        self._prompt_left = plan.prompt_tokens if plan is not None and self.enable_chunked_prefill else -1
 
     def _poll_grammars(self) -> None:
         """Move requests whose grammar compiled to the waiting queue; fail those whose compile failed."""
@@ -476,6 +497,9 @@ class Scheduler:
                 i += 1
                 continue
             n = self._capped(min(left, budget))
+            prompt = left > 1 and self._prompt_left >= 0     # a prompt chunk (or recompute) under the step budget
+            if prompt:
+                n = min(n, self._prompt_left)
             if n <= 0:
                 i += 1
                 continue
@@ -499,6 +523,8 @@ class Scheduler:
             scheduled[req.request_id] = sr
             out.scheduled.append(sr)
             budget -= n + k
+            if prompt:
+                self._prompt_left -= n
             i += 1
         return budget
 
@@ -539,7 +565,7 @@ class Scheduler:
                     else:
                         skipped.append(req)
                     continue
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self._max_running:     # max_num_seqs, or fewer under the step budget
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break
@@ -565,6 +591,10 @@ class Scheduler:
                     if started:
                         continue
             n = self._capped(req.num_tokens - num_hit)
+            if self._prompt_left >= 0:
+                if self._prompt_left <= 0:
+                    break       # the step's prompt tokens are spent: it waits for the next step
+                n = min(n, self._prompt_left)
             if n > budget:
                 # Without chunked prefill, a request wider than the whole budget (only possible
                 # after preemption, since add_request rejects such prompts) is chunked anyway.
@@ -597,6 +627,8 @@ class Scheduler:
             self._step_scheduled[req.request_id] = sr
             out.scheduled.append(sr)
             budget -= n
+            if self._prompt_left >= 0:
+                self._prompt_left -= n
             if lora is not None:
                 lora.admitted(req)
         for req in reversed(skipped):     # back in front, in their order: they keep their age

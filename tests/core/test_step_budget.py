@@ -1,0 +1,115 @@
+"""Step-latency budget (tokenmill.core.step_budget) and the scheduler under it: seats and prompt tokens
+follow the step-time model; off (target 0, or no model) is the token-budget-only schedule."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill.config import CacheConfig, SchedulerConfig
+from tokenmill.core.step_budget import MIN_PROMPT_TOKENS, MIN_TARGET_FACTOR, plan_step
+from tokenmill.core.scheduler import Scheduler
+from tokenmill.metrics.step_timing import StepTimingSnapshot
+
+from tests.core.test_scheduler import FakeRunner, make_req
+
+# A CPU-like model: decode step 9 ms + 1.4 ms per request (linear from 8 on, flat below), 0.9 ms per prompt token.
+POINTS = [(1.0, 0.016), (8.0, 0.0202), (32.0, 0.0538), (64.0, 0.0986), (128.0, 0.1882)]
+SNAP = StepTimingSnapshot(decode_points=POINTS, prefill_seconds_per_token=0.0009, num_steps_observed=100)
+
+
+def test_plan_step_off_or_unmeasured_is_none():
+    assert plan_step(SNAP, 0.0, 10, 128) is None
+    assert plan_step(None, 85.0, 10, 128) is None
+    assert plan_step(StepTimingSnapshot(decode_points=POINTS), 85.0, 10, 128) is None   # no prefill rate yet
+
+
+def test_plan_step_seats_and_prompt_tokens_from_the_model():
+    b = plan_step(SNAP, 85.0, 20, 128)
+    # largest B with decode_step_time(B) <= 85 ms: 32 + (85 - 53.8) / 1.4 = 54.3 -> 54
+    assert b.max_running == 54
+    assert SNAP.decode_step_time(54) <= 0.085 < SNAP.decode_step_time(55)
+    # prompt tokens: (85 ms - decode(20)) / 0.9 ms
+    assert b.prompt_tokens == int((0.085 - SNAP.decode_step_time(20)) / 0.0009) > MIN_PROMPT_TOKENS
+    assert plan_step(SNAP, 85.0, 20, 20).max_running == 20                  # never above max_num_seqs
+    # decodes alone over the target: prompts still progress
+    assert plan_step(SNAP, 85.0, 100, 128).prompt_tokens == MIN_PROMPT_TOKENS
+    # nothing decoding: the whole target is prompt time
+    assert plan_step(SNAP, 85.0, 0, 128).prompt_tokens == int(0.085 / 0.0009)
+
+
+def test_plan_step_target_at_least_a_few_single_steps():
+    slow = StepTimingSnapshot(decode_points=[(1.0, 0.2), (16.0, 0.4)], prefill_seconds_per_token=0.01)
+    b = plan_step(slow, 85.0, 0, 128)
+    assert b.target_s == pytest.approx(MIN_TARGET_FACTOR * 0.2)
+    assert b.max_running > 16           # batches up to ~4 single steps, not one request at a time
+
+
+def make_sched(target_ms: float, snap: StepTimingSnapshot | None = SNAP, max_num_seqs=128, chunked=True):
+    s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
+                                  enable_chunked_prefill=chunked, target_step_latency_ms=target_ms),
+                  CacheConfig(block_size=16, enable_prefix_caching=False), max_model_len=1024, num_kv_blocks=4096)
+    if snap is not None:
+        s.step_timing = lambda: snap
+    return s
+
+
+def run(s: Scheduler, steps: int) -> tuple[int, list[tuple[int, int]]]:
+    """Most running requests seen, and (decodes, prompt tokens) of every step."""
+    most, shapes = 0, []
+    runner = FakeRunner()
+    for _ in range(steps):
+        so = s.schedule()
+        if so.is_empty:
+            break
+        dec = sum(1 for r in so.scheduled if len(r.token_ids) == 1 and not r.new)
+        shapes.append((dec, so.total_num_scheduled_tokens - dec))
+        s.update_from_output(so, runner(so))
+        most = max(most, s.num_running)
+    return most, shapes
+
+
+def add(s: Scheduler, n: int, prompt: int = 40, max_tokens: int = 30) -> None:
+    for i in range(n):
+        s.add_request(make_req(f"r{i}", prompt, arrival=float(i), max_tokens=max_tokens))
+
+
+def test_seats_capped_by_predicted_decode_step():
+    old = make_sched(0.0)                  # off: every request runs at once (the old default)
+    add(old, 80, max_tokens=300)
+    assert run(old, 1000)[0] == 80
+    new = make_sched(85.0)
+    add(new, 80, max_tokens=300)
+    most, shapes = run(new, 2000)
+    assert most == 54
+    assert not new.has_unfinished_requests()   # the excess waited, then ran: everything finished
+
+
+def test_prompt_tokens_per_step_within_the_slack():
+    s = make_sched(85.0)
+    add(s, 10, prompt=600, max_tokens=40)
+    _, shapes = run(s, 400)
+    for dec, prompt in shapes:
+        allowed = max(MIN_PROMPT_TOKENS, int((0.085 - (SNAP.decode_step_time(dec) if dec else 0.0)) / 0.0009))
+        assert prompt <= allowed
+    assert max(p for _, p in shapes) == int(0.085 / 0.0009)     # the first step: no decodes, 94 prompt tokens
+    old = make_sched(0.0)
+    add(old, 10, prompt=600, max_tokens=40)
+    _, old_shapes = run(old, 400)
+    assert max(p for _, p in old_shapes) > 1000      # the token budget alone: 2048-token mixed steps
+
+
+def test_no_model_or_no_chunking_keeps_the_token_budget_schedule():
+    s = make_sched(85.0, snap=None)
+    add(s, 80, max_tokens=300)
+    assert run(s, 1000)[0] == 80
+    s = make_sched(85.0, chunked=False)    # seats still capped; prompts are never cut without chunked prefill
+    add(s, 80, prompt=200, max_tokens=300)
+    most, shapes = run(s, 2000)
+    assert most == 54 and max(p for _, p in shapes) >= 200
+
+
+def test_target_must_be_finite_and_non_negative():
+    with pytest.raises(ValueError):
+        SchedulerConfig(target_step_latency_ms=-1.0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(target_step_latency_ms=float("nan"))

@@ -1,0 +1,100 @@
+"""Step-latency budget: how many requests may run and how many prompt tokens a step may carry.
+
+The token budget (``max_num_batched_tokens``) and the seat cap (``max_num_seqs``) bound a step's size;
+neither bounds its *time*. On a CPU the decode step grows linearly with the batch past a few requests
+(2-core AVX2 EPYC, SmolLM2-135M float32 with int8 GEMMs: ≈ 9 ms + 1.4 ms per decoding request), so
+a server admitting up to ``max_num_seqs`` = 128 lets a Poisson burst grow the batch to ~100 and every
+running request's time per output token to ~140 ms, while the throughput bought by the bigger batch is
+a few percent (the fixed part of the step is already amortised). A prompt chunk in the same step adds
+its own time on top (≈ 0.9 ms per prompt token there).
+
+:func:`plan_step` reads the engine's online step-time model
+(:class:`~tokenmill.metrics.step_timing.StepTimingSnapshot`: decode step time per batch size, prefill
+seconds per token) and returns a :class:`StepBudget` for the next step, so that its predicted time stays
+within ``target_step_latency_ms``:
+
+- ``max_running``: the largest batch ``B ≤ max_num_seqs`` whose predicted decode step
+  ``decode_step_time(B)`` is within the target. New requests are admitted only below it; the excess
+  waits in the queue (its time to first token has slack that its time per output token does not:
+  the queue wait is paid once, a slow step by every token of every running request);
+- ``prompt_tokens``: prompt (and recompute) tokens the step may carry beside its decodes,
+  ``(target − decode_step_time(decoding)) / prefill_seconds_per_token``, at least
+  :data:`MIN_PROMPT_TOKENS` so prompts always progress. This is Sarathi-Serve's stall-free batching
+  (Agrawal et al., arXiv 2403.02310, §4.2-4.3: a token budget per step chosen from the TBT target,
+  decodes first, then prompt chunks) with the budget derived per step from the measured model
+  instead of profiled once.
+
+The target is at least :data:`MIN_TARGET_FACTOR` × the single-request decode step: on a machine (or a
+model) where one decode step alone takes most of the target, no batch could meet it, and the batch
+then still grows to where batching stops being nearly free (a step at most that factor above the
+single-request one: ≥ 75% of the linear model's asymptotic throughput).
+
+Scheduling never changes a request's tokens (batch-invariant kernels: the batch, its composition and
+the chunking do not change any row's bits); the budget only decides *when* tokens are computed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tokenmill.metrics.step_timing import StepTimingSnapshot
+
+#: A step may always carry this many prompt tokens, whatever the model predicts (prompts progress).
+MIN_PROMPT_TOKENS = 32
+#: The effective target is at least this many single-request decode steps (see the module docstring).
+MIN_TARGET_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class StepBudget:
+    """Limits of one step from the step-latency target.
+
+    Attributes:
+        max_running: requests that may be running after admissions (≤ ``max_num_seqs``, ≥ 1).
+        prompt_tokens: prompt / recompute tokens the step may schedule (≥ :data:`MIN_PROMPT_TOKENS`).
+        target_s: the effective target, seconds.
+    """
+
+    max_running: int
+    prompt_tokens: int
+    target_s: float
+
+
+def plan_step(snapshot: StepTimingSnapshot | None, target_ms: float, num_decoding: int,
+              max_num_seqs: int) -> StepBudget | None:
+    """The step's seat and prompt-token limits for a predicted step time within ``target_ms``.
+
+    Args:
+        snapshot: the engine's step-time model now (None, or not yet :attr:`~StepTimingSnapshot.ready`:
+            nothing measured, no limit).
+        target_ms: step-latency target, ms (≤ 0: off, no limit).
+        num_decoding: running requests that decode (one token) in the step.
+        max_num_seqs: the seat cap (upper bound of ``max_running``).
+
+    Returns:
+        the :class:`StepBudget`, or None when off or the model is not ready.
+
+    Algorithm: ``decode_step_time`` is non-decreasing in the batch (the snapshot keeps its points
+    monotone and extrapolates with a slope ≥ 0), so ``max_running`` is found by bisection over
+    ``[1, max_num_seqs]``; ``prompt_tokens`` is the target's slack over the decode part divided by the
+    prefill seconds per token (floored, at least :data:`MIN_PROMPT_TOKENS`).
+    """
+    if target_ms <= 0 or snapshot is None or not snapshot.ready:
+        return None
+    s1 = snapshot.decode_step_time(1)
+    tp = snapshot.prefill_seconds_per_token
+    if s1 is None or tp is None or tp <= 0:
+        return None
+    target = max(target_ms / 1e3, MIN_TARGET_FACTOR * s1)
+    lo, hi = 1, max(1, max_num_seqs)
+    while lo < hi:                       # largest B with decode_step_time(B) <= target (at least 1)
+        mid = (lo + hi + 1) // 2
+        if (snapshot.decode_step_time(mid) or 0.0) <= target:
+            lo = mid
+        else:
+            hi = mid - 1
+    d = snapshot.decode_step_time(num_decoding) if num_decoding > 0 else 0.0
+    slack = target - (d or 0.0)
+    prompt = int(math.floor(slack / tp)) if slack > 0 else 0
+    return StepBudget(max_running=lo, prompt_tokens=max(MIN_PROMPT_TOKENS, prompt), target_s=target)
