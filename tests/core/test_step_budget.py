@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.step_budget import MIN_PROMPT_TOKENS, MIN_TARGET_FACTOR, plan_step
+from tokenmill.core.step_budget import MIN_PROMPT_TOKENS, MIN_TARGET_FACTOR, decode_time_bound, plan_step
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.metrics.step_timing import StepTimingSnapshot
 
@@ -44,6 +44,17 @@ def test_plan_step_target_at_least_a_few_single_steps():
     assert b.max_running > 16           # batches up to ~4 single steps, not one request at a time
 
 
+def test_a_stalled_bucket_does_not_hold_the_batch():
+    """A bucket that kept a stall's time (756 ms at batch 3 beside 7 ms at 2: seen in a loaded suite run) is
+    capped proportionally from the smaller points, so the batch still grows into it and the EWMA corrects it."""
+    stalled = StepTimingSnapshot(decode_points=[(1.0, 0.0071), (2.0, 0.0071), (3.2, 0.7564)],
+                                 prefill_seconds_per_token=0.0012)
+    assert stalled.decode_step_time(3) > 0.085           # the raw model would stop at 2
+    b = plan_step(stalled, 85.0, 2, 128)
+    assert b.max_running >= 20                            # 7.1 ms x 24 / 2 = 85 ms
+    assert decode_time_bound(stalled, 3) == pytest.approx(0.0071 * 3 / 2)
+
+
 def make_sched(target_ms: float, snap: StepTimingSnapshot | None = SNAP, max_num_seqs=128, chunked=True):
     s = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=2048,
                                   enable_chunked_prefill=chunked, target_step_latency_ms=target_ms),
@@ -79,6 +90,10 @@ def test_seats_capped_by_predicted_decode_step():
     assert run(old, 1000)[0] == 80
     new = make_sched(85.0)
     add(new, 80, max_tokens=300)
+    for _ in range(60):
+        new.update_from_output(so := new.schedule(), FakeRunner()(so))
+    q = new.queue_state()     # the seats and prompt tokens of the step budget, for --slo's predictions
+    assert q.max_num_seqs == 54 and q.max_num_batched_tokens < 2048
     most, shapes = run(new, 2000)
     assert most == 54
     assert not new.has_unfinished_requests()   # the excess waited, then ran: everything finished

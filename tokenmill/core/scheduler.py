@@ -275,11 +275,18 @@ class Scheduler:
             if r.max_tokens is not None:
                 remaining.append(max(0, r.max_tokens - r.num_output_tokens))
         remaining.sort()
+        # under the step-latency budget the last step's limits are the ones requests meet (seats and prompt
+        # tokens per step beside the decodes); otherwise the configured ones
+        plan = self.last_step_budget
+        seats = min(self.max_num_seqs, plan.max_running) if plan is not None else self.max_num_seqs
+        tokens = self.max_num_batched_tokens
+        if plan is not None and self.enable_chunked_prefill:
+            tokens = max(1, min(tokens, decoding + plan.prompt_tokens))
         return QueueState(waiting_by_priority=by_prio, batch_waiting=(batch_waiting[0], batch_waiting[1]),
                           running_prefill=(pf[0], pf[1]), batch_running_prefill=(bpf[0], bpf[1]),
                           num_decoding=decoding, num_batch_running=num_batch,
                           remaining_output_tokens=remaining[:MAX_REMAINING_REPORTED],
-                          max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+                          max_num_seqs=seats, max_num_batched_tokens=tokens)
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run, or outputs of finished ones are still to be returned."""

@@ -37,8 +37,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
-from tokenmill.metrics.step_timing import StepTimingSnapshot
+
+class StepTiming(Protocol):
+    """What the budget reads of the step-time model (duck-typed: ``core`` imports no ``metrics``;
+    :class:`tokenmill.metrics.step_timing.StepTimingSnapshot` is the one the engine hands over)."""
+
+    prefill_seconds_per_token: float | None
+    decode_points: list[tuple[float, float]]
+
+    @property
+    def ready(self) -> bool: ...
+
+    def decode_step_time(self, batch_size: float) -> float | None: ...
 
 #: A step may always carry this many prompt tokens, whatever the model predicts (prompts progress).
 MIN_PROMPT_TOKENS = 32
@@ -61,12 +73,29 @@ class StepBudget:
     target_s: float
 
 
-def plan_step(snapshot: StepTimingSnapshot | None, target_ms: float, num_decoding: int,
+def decode_time_bound(snapshot: StepTiming, batch: int) -> float:
+    """Predicted decode step seconds at ``batch``, at most proportional to every smaller measured point.
+
+    ``decode_step_time`` reads per-bucket EWMAs; a bucket visited once during a stall of a shared machine
+    keeps that time (and the snapshot lifts every bigger bucket to it), and a budget that trusted it
+    would never grow the batch into the bucket again to correct it (a full test-suite run: batch 3's
+    bucket at 756 ms beside 7 ms at batch 2 held the batch at 2). A decode step costs at most
+    proportionally more for a bigger batch (the weights are read once for all rows), so the prediction
+    is capped at ``t_i × batch / b_i`` for each measured point ``(b_i, t_i)`` with ``b_i ≤ batch``.
+    """
+    t = snapshot.decode_step_time(batch) or 0.0
+    for b_i, t_i in snapshot.decode_points:
+        if b_i <= batch:
+            t = min(t, t_i * batch / max(b_i, 1.0))
+    return t
+
+
+def plan_step(snapshot: StepTiming | None, target_ms: float, num_decoding: int,
               max_num_seqs: int) -> StepBudget | None:
     """The step's seat and prompt-token limits for a predicted step time within ``target_ms``.
 
     Args:
-        snapshot: the engine's step-time model now (None, or not yet :attr:`~StepTimingSnapshot.ready`:
+        snapshot: the engine's step-time model now (a ``StepTimingSnapshot``; None, or not yet ``ready``:
             nothing measured, no limit).
         target_ms: step-latency target, ms (≤ 0: off, no limit).
         num_decoding: running requests that decode (one token) in the step.
@@ -75,26 +104,26 @@ def plan_step(snapshot: StepTimingSnapshot | None, target_ms: float, num_decodin
     Returns:
         the :class:`StepBudget`, or None when off or the model is not ready.
 
-    Algorithm: ``decode_step_time`` is non-decreasing in the batch (the snapshot keeps its points
-    monotone and extrapolates with a slope ≥ 0), so ``max_running`` is found by bisection over
+    Algorithm: the decode step time (:func:`decode_time_bound`) is non-decreasing in the batch (the
+    snapshot keeps its points monotone and extrapolates with a slope ≥ 0; each proportional cap grows
+    with the batch), so ``max_running`` is found by bisection over
     ``[1, max_num_seqs]``; ``prompt_tokens`` is the target's slack over the decode part divided by the
     prefill seconds per token (floored, at least :data:`MIN_PROMPT_TOKENS`).
     """
     if target_ms <= 0 or snapshot is None or not snapshot.ready:
         return None
-    s1 = snapshot.decode_step_time(1)
     tp = snapshot.prefill_seconds_per_token
-    if s1 is None or tp is None or tp <= 0:
+    if snapshot.decode_step_time(1) is None or tp is None or tp <= 0:
         return None
+    s1 = decode_time_bound(snapshot, 1)
     target = max(target_ms / 1e3, MIN_TARGET_FACTOR * s1)
     lo, hi = 1, max(1, max_num_seqs)
     while lo < hi:                       # largest B with decode_step_time(B) <= target (at least 1)
         mid = (lo + hi + 1) // 2
-        if (snapshot.decode_step_time(mid) or 0.0) <= target:
+        if decode_time_bound(snapshot, mid) <= target:
             lo = mid
         else:
             hi = mid - 1
-    d = snapshot.decode_step_time(num_decoding) if num_decoding > 0 else 0.0
-    slack = target - (d or 0.0)
+    slack = target - (decode_time_bound(snapshot, num_decoding) if num_decoding > 0 else 0.0)
     prompt = int(math.floor(slack / tp)) if slack > 0 else 0
     return StepBudget(max_running=lo, prompt_tokens=max(MIN_PROMPT_TOKENS, prompt), target_s=target)
