@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.config import CacheConfig, SchedulerConfig
-from tokenmill.core.step_budget import MIN_PROMPT_TOKENS, MIN_TARGET_FACTOR, decode_time_bound, plan_step
+from tokenmill.core.step_budget import (MAX_HOLD_S, MIN_PROMPT_TOKENS, MIN_TARGET_FACTOR, decode_time_bound,
+                                         plan_step)
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.metrics.step_timing import StepTimingSnapshot
 
@@ -61,6 +62,7 @@ def make_sched(target_ms: float, snap: StepTimingSnapshot | None = SNAP, max_num
                   CacheConfig(block_size=16, enable_prefix_caching=False), max_model_len=1024, num_kv_blocks=4096)
     if snap is not None:
         s.step_timing = lambda: snap
+    s._clock = lambda: 0.0        # a still clock: no request is ever held back past MAX_HOLD_S (see the hold test)
     return s
 
 
@@ -121,6 +123,27 @@ def test_no_model_or_no_chunking_keeps_the_token_budget_schedule():
     add(s, 80, prompt=200, max_tokens=300)
     most, shapes = run(s, 2000)
     assert most == 54 and max(p for _, p in shapes) >= 200
+
+
+def test_a_request_is_held_back_at_most_max_hold_s():
+    clock = [0.0]
+    s = make_sched(85.0)
+    s._clock = lambda: clock[0]
+    add(s, 80, max_tokens=300)
+    most, _ = run(s, 200)
+    assert most == 54 and s.num_waiting == 26          # the budget holds 26 back
+    clock[0] = MAX_HOLD_S / 2
+    assert run(s, 5)[0] == 54                          # not yet held long enough
+    clock[0] = MAX_HOLD_S + 0.01
+    most, _ = run(s, 200)
+    assert most == 80                                  # held longer than MAX_HOLD_S: admitted anyway
+    s2 = make_sched(85.0, max_num_seqs=60)
+    s2._clock = lambda: clock[0]
+    clock[0] = 0.0
+    add(s2, 80, max_tokens=300)
+    run(s2, 200)
+    clock[0] = 10.0
+    assert run(s2, 200)[0] == 60                       # never past max_num_seqs
 
 
 def test_target_must_be_finite_and_non_negative():

@@ -70,7 +70,7 @@ from tokenmill.core.prefix_cache import PrefixCacheStats, update_block_hashes
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import FCFSQueue, LanedQueue, PriorityQueue
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
-from tokenmill.core.step_budget import StepBudget, plan_step
+from tokenmill.core.step_budget import MAX_HOLD_S, StepBudget, plan_step
 from tokenmill.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -177,6 +177,8 @@ class Scheduler:
         self.last_step_budget: StepBudget | None = None
         self._max_running = self.max_num_seqs
         self._prompt_left = -1          # prompt tokens the step being built may still carry (-1: no limit)
+        self._clock = time.monotonic
+        self._queued_at: dict[str, float] = {}   # request id -> when it was added (until first admitted)
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}
@@ -347,6 +349,7 @@ class Scheduler:
             request.error = str(e)
             raise
         self._seq_of[request.request_id] = next(self._seq_counter)
+        self._queued_at[request.request_id] = self._clock()
         if request.max_tokens == 0:
             request.status = RequestStatus.FINISHED_LENGTH
             request.num_cached_tokens = 0
@@ -449,6 +452,12 @@ class Scheduler:
         self.last_step_budget = plan
         self._max_running = min(plan.max_running, self.max_num_seqs) if plan else self.max_num_seqs
         self._prompt_left = plan.prompt_tokens if plan is not None and self.enable_chunked_prefill else -1
+
+    def _held_too_long(self, req: Request) -> bool:
+        """True when the step budget's seat cap has held ``req`` back longer than :data:`MAX_HOLD_S` since it
+        was added (a preempted request, admitted before, is never held: True)."""
+        t = self._queued_at.get(req.request_id)
+        return t is None or self._clock() - t > MAX_HOLD_S
 
     def _poll_grammars(self) -> None:
         """Move requests whose grammar compiled to the waiting queue; fail those whose compile failed."""
@@ -572,7 +581,9 @@ class Scheduler:
                     else:
                         skipped.append(req)
                     continue
-            if len(self.running) >= self._max_running:     # max_num_seqs, or fewer under the step budget
+            if len(self.running) >= self._max_running and not (
+                    len(self.running) < self.max_num_seqs and self._held_too_long(req)):
+                # max_num_seqs, or fewer under the step budget (which holds a request back MAX_HOLD_S at most)
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break
@@ -622,6 +633,7 @@ class Scheduler:
                 continue
             self.waiting.pop()
             self._num_waiting_tokens -= req.num_prompt_tokens
+            self._queued_at.pop(req.request_id, None)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
@@ -979,6 +991,7 @@ class Scheduler:
             self.structured_output.free(req.request_id)
         self.requests.pop(req.request_id, None)
         self._seq_of.pop(req.request_id, None)
+        self._queued_at.pop(req.request_id, None)
         self._finished_req_ids.add(req.request_id)
 
     def _make_output(self, req: Request, tokens: list[int], lps: list | None = None) -> EngineCoreOutput:
