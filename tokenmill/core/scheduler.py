@@ -176,7 +176,6 @@ class Scheduler:
         self.step_timing: Any = None
         self.last_step_budget: StepBudget | None = None
         self._max_running = self.max_num_seqs
-        self._prompt_left = -1          # prompt tokens the step being built may still carry (-1: no limit)
         self._clock = time.monotonic
         self._queued_at: dict[str, float] = {}   # request id -> when it was added (until first admitted)
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, cache_config.enable_prefix_caching)
@@ -277,18 +276,14 @@ class Scheduler:
             if r.max_tokens is not None:
                 remaining.append(max(0, r.max_tokens - r.num_output_tokens))
         remaining.sort()
-        # under the step-latency budget the last step's limits are the ones requests meet (seats and prompt
-        # tokens per step beside the decodes); otherwise the configured ones
+        # under the step-latency budget the last step's seat cap is the one requests meet
         plan = self.last_step_budget
         seats = min(self.max_num_seqs, plan.max_running) if plan is not None else self.max_num_seqs
-        tokens = self.max_num_batched_tokens
-        if plan is not None and self.enable_chunked_prefill:
-            tokens = max(1, min(tokens, decoding + plan.prompt_tokens))
         return QueueState(waiting_by_priority=by_prio, batch_waiting=(batch_waiting[0], batch_waiting[1]),
                           running_prefill=(pf[0], pf[1]), batch_running_prefill=(bpf[0], bpf[1]),
                           num_decoding=decoding, num_batch_running=num_batch,
                           remaining_output_tokens=remaining[:MAX_REMAINING_REPORTED],
-                          max_num_seqs=seats, max_num_batched_tokens=tokens)
+                          max_num_seqs=seats, max_num_batched_tokens=self.max_num_batched_tokens)
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run, or outputs of finished ones are still to be returned."""
@@ -442,16 +437,13 @@ class Scheduler:
         return out
 
     def _plan_step_budget(self) -> None:
-        """Seat and prompt-token limits of the step being built from the step-latency target
-        (:func:`~tokenmill.core.step_budget.plan_step`); no limits when it is off or nothing was measured.
-        The prompt-token limit applies with chunked prefill only (without it a prompt runs whole)."""
+        """Seat limit of the step being built from the step-latency target
+        (:func:`~tokenmill.core.step_budget.plan_step`); ``max_num_seqs`` when it is off or nothing was measured."""
         plan = None
         if self.step_timing is not None and self.target_step_latency_ms > 0:
-            decoding = sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens <= 1)
-            plan = plan_step(self.step_timing(), self.target_step_latency_ms, decoding, self.max_num_seqs)
+            plan = plan_step(self.step_timing(), self.target_step_latency_ms, self.max_num_seqs)
         self.last_step_budget = plan
         self._max_running = min(plan.max_running, self.max_num_seqs) if plan else self.max_num_seqs
-        self._prompt_left = plan.prompt_tokens if plan is not None and self.enable_chunked_prefill else -1
 
     def _held_too_long(self, req: Request) -> bool:
         """True when the step budget's seat cap has held ``req`` back longer than :data:`MAX_HOLD_S` since it
@@ -513,9 +505,6 @@ class Scheduler:
                 i += 1
                 continue
             n = self._capped(min(left, budget))
-            prompt = left > 1 and self._prompt_left >= 0     # a prompt chunk (or recompute) under the step budget
-            if prompt:
-                n = min(n, self._prompt_left)
             if n <= 0:
                 i += 1
                 continue
@@ -539,8 +528,6 @@ class Scheduler:
             scheduled[req.request_id] = sr
             out.scheduled.append(sr)
             budget -= n + k
-            if prompt:
-                self._prompt_left -= n
             i += 1
         return budget
 
@@ -609,10 +596,6 @@ class Scheduler:
                     if started:
                         continue
             n = self._capped(req.num_tokens - num_hit)
-            if self._prompt_left >= 0:
-                if self._prompt_left <= 0:
-                    break       # the step's prompt tokens are spent: it waits for the next step
-                n = min(n, self._prompt_left)
             if n > budget:
                 # Without chunked prefill, a request wider than the whole budget (only possible
                 # after preemption, since add_request rejects such prompts) is chunked anyway.
@@ -646,8 +629,6 @@ class Scheduler:
             self._step_scheduled[req.request_id] = sr
             out.scheduled.append(sr)
             budget -= n
-            if self._prompt_left >= 0:
-                self._prompt_left -= n
             if lora is not None:
                 lora.admitted(req)
         for req in reversed(skipped):     # back in front, in their order: they keep their age

@@ -1,4 +1,4 @@
-"""Step-latency budget: how many requests may run and how many prompt tokens a step may carry.
+"""Step-latency budget: how many requests may run, from the measured decode step time.
 
 The token budget (``max_num_batched_tokens``) and the seat cap (``max_num_seqs``) bound a step's size;
 neither bounds its *time*. On a CPU the decode step grows linearly with the batch past a few requests
@@ -9,24 +9,22 @@ a few percent (the fixed part of the step is already amortised). A prompt chunk 
 its own time on top (≈ 0.9 ms per prompt token there).
 
 :func:`plan_step` reads the engine's online step-time model
-(:class:`~tokenmill.metrics.step_timing.StepTimingSnapshot`: decode step time per batch size, prefill
-seconds per token) and returns a :class:`StepBudget` for the next step, so that its predicted time stays
-within ``target_step_latency_ms``:
+(:class:`~tokenmill.metrics.step_timing.StepTimingSnapshot`: decode step time per batch size, learnt from
+every step) and returns a :class:`StepBudget` for the next step: ``max_running``, the largest batch
+``B ≤ max_num_seqs`` whose predicted decode step is within ``target_step_latency_ms``. New requests are
+admitted only below it; the excess waits in the queue (the queue wait is paid once, by one request; a
+slower step by every token of every running request), but at most :data:`MAX_HOLD_S`: a request that
+waited longer is admitted anyway (up to ``max_num_seqs``), so under sustained overload the wait stays
+bounded and the batch grows as it would without the budget, instead of the queue growing without end (the
+first A/B: at 6.56 req/s MT-bench, where the unbudgeted batch still met the TPOT limit, an unbounded hold
+let the queue reach 5 s).
 
-- ``max_running``: the largest batch ``B ≤ max_num_seqs`` whose predicted decode step
-  ``decode_step_time(B)`` is within the target. New requests are admitted only below it; the excess
-  waits in the queue (the queue wait is paid once, by one request; a slower step by every token of
-  every running request), but at most :data:`MAX_HOLD_S`: a request that waited longer is admitted
-  anyway (up to ``max_num_seqs``), so under sustained overload the wait stays bounded and the batch
-  grows as it would without the budget, instead of the queue growing without end (the first A/B:
-  at 6.56 req/s MT-bench, where the unbudgeted batch still met the TPOT limit, an unbounded hold let
-  the queue reach 5 s);
-- ``prompt_tokens``: prompt (and recompute) tokens the step may carry beside its decodes,
-  ``(target − decode_step_time(decoding)) / prefill_seconds_per_token``, at least
-  :data:`MIN_PROMPT_TOKENS` so prompts always progress. This is Sarathi-Serve's stall-free batching
-  (Agrawal et al., arXiv 2403.02310, §4.2-4.3: a token budget per step chosen from the TBT target,
-  decodes first, then prompt chunks) with the budget derived per step from the measured model
-  instead of profiled once.
+Prompt tokens per step are *not* limited by the budget (the token budget ``max_num_batched_tokens`` and
+``long_prefill_token_threshold`` still apply). A first version also cut each step's prompt tokens to the
+target's slack over its decodes (Sarathi-Serve's stall-free batching, arXiv 2403.02310 §4.3), at least 32:
+on this CPU that cost 29% of the random-workload c=64 throughput and 14% on MT-bench (2-core AVX2 EPYC,
+2026-12-03): prompt rows in 32-token trickles cost more per token than in large chunks, and MT-bench's
+TPOT misses came from the batch size, not from prompt chunks (docs/benchmarks/2026-12-03-goodput-avx2.md).
 
 The target is at least :data:`MIN_TARGET_FACTOR` × the single-request decode step: on a machine (or a
 model) where one decode step alone takes most of the target, no batch could meet it, and the batch
@@ -39,7 +37,6 @@ the chunking do not change any row's bits); the budget only decides *when* token
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -56,8 +53,6 @@ class StepTiming(Protocol):
 
     def decode_step_time(self, batch_size: float) -> float | None: ...
 
-#: A step may always carry this many prompt tokens, whatever the model predicts (prompts progress).
-MIN_PROMPT_TOKENS = 32
 #: The effective target is at least this many single-request decode steps (see the module docstring).
 MIN_TARGET_FACTOR = 4.0
 #: The seat cap holds a waiting request back at most this long (s); then it is admitted (up to max_num_seqs).
@@ -70,12 +65,10 @@ class StepBudget:
 
     Attributes:
         max_running: requests that may be running after admissions (≤ ``max_num_seqs``, ≥ 1).
-        prompt_tokens: prompt / recompute tokens the step may schedule (≥ :data:`MIN_PROMPT_TOKENS`).
         target_s: the effective target, seconds.
     """
 
     max_running: int
-    prompt_tokens: int
     target_s: float
 
 
@@ -96,15 +89,13 @@ def decode_time_bound(snapshot: StepTiming, batch: int) -> float:
     return t
 
 
-def plan_step(snapshot: StepTiming | None, target_ms: float, num_decoding: int,
-              max_num_seqs: int) -> StepBudget | None:
-    """The step's seat and prompt-token limits for a predicted step time within ``target_ms``.
+def plan_step(snapshot: StepTiming | None, target_ms: float, max_num_seqs: int) -> StepBudget | None:
+    """The step's seat limit for a predicted decode step within ``target_ms``.
 
     Args:
         snapshot: the engine's step-time model now (a ``StepTimingSnapshot``; None, or not yet ``ready``:
             nothing measured, no limit).
         target_ms: step-latency target, ms (≤ 0: off, no limit).
-        num_decoding: running requests that decode (one token) in the step.
         max_num_seqs: the seat cap (upper bound of ``max_running``).
 
     Returns:
@@ -112,24 +103,18 @@ def plan_step(snapshot: StepTiming | None, target_ms: float, num_decoding: int,
 
     Algorithm: the decode step time (:func:`decode_time_bound`) is non-decreasing in the batch (the
     snapshot keeps its points monotone and extrapolates with a slope ≥ 0; each proportional cap grows
-    with the batch), so ``max_running`` is found by bisection over
-    ``[1, max_num_seqs]``; ``prompt_tokens`` is the target's slack over the decode part divided by the
-    prefill seconds per token (floored, at least :data:`MIN_PROMPT_TOKENS`).
+    with the batch), so ``max_running`` is found by bisection over ``[1, max_num_seqs]``.
     """
     if target_ms <= 0 or snapshot is None or not snapshot.ready:
         return None
-    tp = snapshot.prefill_seconds_per_token
-    if snapshot.decode_step_time(1) is None or tp is None or tp <= 0:
+    if snapshot.decode_step_time(1) is None:
         return None
-    s1 = decode_time_bound(snapshot, 1)
-    target = max(target_ms / 1e3, MIN_TARGET_FACTOR * s1)
+    target = max(target_ms / 1e3, MIN_TARGET_FACTOR * decode_time_bound(snapshot, 1))
     lo, hi = 1, max(1, max_num_seqs)
-    while lo < hi:                       # largest B with decode_step_time(B) <= target (at least 1)
+    while lo < hi:                       # largest B with decode_time_bound(B) <= target (at least 1)
         mid = (lo + hi + 1) // 2
         if decode_time_bound(snapshot, mid) <= target:
             lo = mid
         else:
             hi = mid - 1
-    slack = target - (decode_time_bound(snapshot, num_decoding) if num_decoding > 0 else 0.0)
-    prompt = int(math.floor(slack / tp)) if slack > 0 else 0
-    return StepBudget(max_running=lo, prompt_tokens=max(MIN_PROMPT_TOKENS, prompt), target_s=target)
+    return StepBudget(max_running=lo, target_s=target)
