@@ -586,12 +586,17 @@ def warm_up(engine: str, server: Server, model: str, wl: Workload, tokenizer: An
 
 
 def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokenizer: Any,
-                   slo: dict[str, float], args: argparse.Namespace) -> dict[str, Any]:
+                   slo: dict[str, float], args: argparse.Namespace,
+                   raw_dir: Path | None = None) -> dict[str, Any]:
     """DistServe goodput of one engine on ``wl``: ``search_goodput`` over Poisson-arrival probes.
 
     Each probe at ``rate`` req/s sends ``n = max(--goodput-min-prompts, rate × --goodput-probe-s)``
-    requests of the workload (``samples_for(wl, n)``: the same list for every
-    engine at a given ``n``) with Poisson arrivals (seed 0).
+    requests of the workload (``samples_for(wl, n, seed)``: the same list for every
+    engine at a given ``n`` and seed) with Poisson arrivals; ``--goodput-seed`` seeds both the
+    arrival process and the prompt sample (0, the default, is the sample and arrivals every search
+    used before the flag), so a policy tuned on one seed family can be checked on held-out seeds.
+    Each probe's per-request results (TTFT, TPOT, ITLs, lengths, which SLO each request missed) go to
+    ``raw/ENGINE-goodput-seedS-rateR.json`` when ``raw_dir`` is given.
 
     Returns:
         ``goodput_req_s`` (req/s), ``lowest_failing_rate`` (req/s or None),
@@ -603,9 +608,16 @@ def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokeni
 
     def probe(rate: float):
         n = max(args.goodput_min_prompts, math.ceil(rate * args.goodput_probe_s))
-        load = LoadConfig(request_rate=rate, burstiness=1.0, seed=0, num_warmups=0, disable_tqdm=True,
+        seed = args.goodput_seed
+        load = LoadConfig(request_rate=rate, burstiness=1.0, seed=seed, num_warmups=0, disable_tqdm=True,
                           percentiles=[50.0, 90.0, 99.0], goodput=dict(slo))
-        res = asyncio.run(run_benchmark(samples_for(wl, n), cfg, load, tokenizer))
+        res = asyncio.run(run_benchmark(samples_for(wl, n, seed), cfg, load, tokenizer))
+        if raw_dir is not None:
+            from tokenmill.bench.report import result_json, save_json
+            save_json(raw_dir / f"{engine}-goodput-seed{seed}-rate{rate:.3f}.json", result_json(
+                res.metrics, res.records, res.t0, {
+                    "engine": engine, "workload": wl.name, "request_rate": rate, "goodput_seed": seed,
+                    "endpoint_type": wl.endpoint, "date": res.date, "num_prompts": n, "slo_ms": slo}))
         return probe_from_metrics(rate, res.metrics.to_dict())
 
     def report(p) -> None:
@@ -615,7 +627,7 @@ def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokeni
 
     res = search_goodput(probe, target=args.attainment, initial_rate=args.goodput_initial_rate,
                          precision=args.goodput_precision, max_probes=args.goodput_max_probes, on_probe=report)
-    doc = {"engine": engine, "workload": wl.name, "goodput_req_s": res.goodput,
+    doc = {"engine": engine, "workload": wl.name, "goodput_seed": args.goodput_seed, "goodput_req_s": res.goodput,
            "lowest_failing_rate": res.lowest_failing_rate, "note": res.note, "attainment_target": args.attainment,
            "slo_ms": slo, "curve": res.curve()}
     print(f"    {engine} goodput on {wl.name}: {res.goodput:.3f} req/s ({res.note})", flush=True)
@@ -800,6 +812,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-initial-rate", type=float, default=1.0, help="First probed rate, req/s (default 1).")
     p.add_argument("--goodput-precision", type=float, default=0.15,
                    help="Stop bisecting when the bracket is narrower than this × the passing rate (default 0.15).")
+    p.add_argument("--goodput-seed", type=int, default=0,
+                   help="Seed of the goodput probes' Poisson arrivals and of their prompt sample (default 0, "
+                        "the sample every earlier search used). Tune on some seeds, report held-out ones.")
     p.add_argument("--goodput-max-probes", type=int, default=8, help="Probes per engine at most (default 8).")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds to wait for /health.")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
@@ -902,14 +917,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The same requests for every engine: one sample list per (workload, size).
     samples_cache: dict[tuple[str, int], list] = {}
 
-    def samples_for(wl: Workload, n: int) -> list:
-        key = (wl.name, n)
+    def samples_for(wl: Workload, n: int, seed: int = 0) -> list:
+        key = (wl.name, n, seed)
         if key not in samples_cache:
             if wl.dataset == "random":
                 samples_cache[key] = build_dataset("random", tokenizer, n, input_len=args.input_len,
-                                                   output_len=args.output_len, seed=0)
+                                                   output_len=args.output_len, seed=seed)
             else:
-                samples_cache[key] = build_dataset(wl.dataset, tokenizer, n, output_len=args.output_len, seed=0)
+                samples_cache[key] = build_dataset(wl.dataset, tokenizer, n, output_len=args.output_len,
+                                                   seed=seed)
         return samples_cache[key]
 
     meta: dict[str, Any] = {
@@ -918,6 +934,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "engines": engines, "skipped_engines": skipped, "workloads": args.workload_list,
         "concurrency": args.concurrency, "input_len": args.input_len, "output_len": args.output_len,
         "num_prompts": args.num_prompts, "slo_ms": slo, "temperature": 0.0,
+        "goodput_seed": args.goodput_seed,
         "load_average_start": load_average(), "engine_runs": {},
         # tokenmill's batch-invariant inference is on unless its flags turn it off
         "tokenmill_batch_invariant": "--no-batch-invariant" not in args.tokenmill_args,
@@ -969,7 +986,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"model id {model!r}", flush=True)
                     cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
                     if search:
-                        searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args)
+                        searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args,
+                                                          raw_dir=out_dir / "raw")
                         save(build_report(cells, meta), out_dir)
                         continue
                     n = args.num_prompts or default_num_prompts(conc, args.min_prompts, args.prompts_per_slot)

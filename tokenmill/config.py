@@ -246,6 +246,7 @@ class SchedulerConfig:
     scheduling_policy: str = _f("fcfs", "Waiting-queue order: fcfs (arrival) or priority (request 'priority', lower first, then arrival).")
     enable_chunked_prefill: bool = _f(True, "Split long prompts into chunks across steps so decodes are not stalled.")
     long_prefill_token_threshold: int = _f(0, "With chunked prefill: the most prompt tokens one request gets in a step (0: no cap), so a long prompt shares each step with the requests queued behind it and their time to first token drops.")
+    target_step_latency_ms: float = _f(0.0, "Step-latency budget, ms (e.g. 85; default 0: off): from the engine's measured decode step time per batch size, new requests join the running batch only while the predicted decode step of the grown batch stays within this; the excess waits in the queue (at most 1 s, then it is admitted up to --max-num-seqs) instead of slowing every running request's time per output token. At least 4x the single-request decode step (a machine that cannot meet it still batches). Prompt chunks are not cut (--max-num-batched-tokens decides). Off under --slo (its admission sizes the batch against the SLO). 0 (the default): off, admit up to --max-num-seqs. Off by default because at 85 ms it cost 14-21% of the MT-bench c=64 throughput on a 2-core AVX2 EPYC while raising MT-bench goodput one search step (docs/benchmarks/2026-12-03-goodput-avx2.md). Never changes a request's tokens.")
     max_num_waiting_requests: int | None = _f(None, "Admission control: requests waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
     max_num_waiting_tokens: int | None = _f(None, "Admission control: prompt tokens waiting beyond this number are refused (HTTP 429). Default: unlimited.", server_only=True)
     slo: str | None = _f(None, "SLO-aware admission control: latency targets in ms, the syntax of bench --goodput, e.g. --slo ttft:500 tpot:50 (either part optional). A request predicted (from the queued work and the engine's measured step times) to miss them is refused with HTTP 429 and a Retry-After; batch-lane requests (service_tier 'batch') are never refused. Default: off.", server_only=True, nargs="+", metavar="KEY:MS")
@@ -258,6 +259,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_seqs must be > 0, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be > 0, got {self.max_num_batched_tokens}")
+        if not self.target_step_latency_ms >= 0 or self.target_step_latency_ms == float("inf"):
+            raise ValueError(f"target_step_latency_ms must be a finite number >= 0, got {self.target_step_latency_ms}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.slo_calibration not in ("cache", "profile", "off"):

@@ -188,8 +188,9 @@ def test_goodput_search_args_and_table():
     assert "0.500" in row and "0.625" in row and "3.00×" in row
 
 
-def test_goodput_search_against_fake_server():
-    """One engine's search end to end on the fake server (TTFT 50 ms, ITL 10 ms): every probe passes."""
+def test_goodput_search_against_fake_server(tmp_path):
+    """One engine's search end to end on the fake server (TTFT 50 ms, ITL 10 ms): every probe passes; the
+    probes use --goodput-seed for their prompt sample and arrivals, and each probe's per-request results are saved."""
     from tokenmill.bench.datasets import build_dataset
     from tokenmill.bench.tokenizer import default_gguf_path, get_tokenizer
 
@@ -200,22 +201,31 @@ def test_goodput_search_against_fake_server():
     try:
         args = ce.parse_args(["--engines", "tokenmill", "--goodput-search", "tokenmill", "--output-len", "4",
                               "--goodput-min-prompts", "6", "--goodput-probe-s", "1",
-                              "--goodput-initial-rate", "8", "--goodput-max-probes", "2"])
+                              "--goodput-initial-rate", "8", "--goodput-max-probes", "2", "--goodput-seed", "7"])
         wl = ce.WORKLOADS["random"]
         cfg = ce.endpoint_for("tokenmill", wl, srv.base_url, "fake", 30.0)
         tok = get_tokenizer(str(default_gguf_path()))
 
-        def samples_for(w, n):
-            return build_dataset("random", tok, n, input_len=16, output_len=4, seed=0)
+        seeds = []
+
+        def samples_for(w, n, seed=0):
+            seeds.append(seed)
+            return build_dataset("random", tok, n, input_len=16, output_len=4, seed=seed)
 
         # SLO limits far above the fake service (TTFT 50 ms, ITL 10 ms): a starved test process (TPOT > 100 ms
         # at load 20) must not fail a test of the search logic
-        doc = ce.goodput_search("tokenmill", cfg, wl, samples_for, tok, {"ttft": 5000.0, "tpot": 1000.0}, args)
+        doc = ce.goodput_search("tokenmill", cfg, wl, samples_for, tok, {"ttft": 5000.0, "tpot": 1000.0}, args,
+                                raw_dir=tmp_path)
     finally:
         srv.stop()
     assert [p["request_rate"] for p in doc["curve"]] == [8.0, 16.0]
     assert all(p["passed"] and p["slo_attainment"] == 1.0 and p["completed"] >= 6 for p in doc["curve"])
     assert doc["goodput_req_s"] == 16.0 and doc["lowest_failing_rate"] is None
+    assert seeds == [7, 7] and doc["goodput_seed"] == 7
+    raw = json.loads((tmp_path / "tokenmill-goodput-seed7-rate16.000.json").read_text())
+    assert raw["goodput_seed"] == 7 and raw["request_rate"] == 16.0
+    assert len(raw["ttfts"]) == len(raw["tpots"]) == raw["num_prompts"] >= 6
+    assert ce.parse_args([]).goodput_seed == 0     # the default: the sample and arrivals of earlier searches
 
 
 def test_quick_mode_defaults_and_isa_engines():

@@ -58,7 +58,8 @@ MIN_MEASURED = 24         # ... but not before this many can be scored (past the
 def test_predicted_tpot_tracks_measured_tpot_on_a_full_batch():
     from tokenmill import LLM
 
-    llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512)
+    # the step-latency budget off, as under --slo (whose predictor this is): the token-budget schedule
+    llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512, target_step_latency_ms=0)
     core = llm.engine_core
     rng = random.Random(1)
     lens = [rng.choice([24, 32, 48, 64, 200, 300]) for _ in range(200)]

@@ -42,7 +42,8 @@ def _timing_summary(t) -> str:
 def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
     from tokenmill import LLM
 
-    llm = LLM(max_num_seqs=32, max_num_batched_tokens=512)     # the default (batch-invariant) paths
+    # the default (batch-invariant) paths; the step-latency budget off, as under --slo (whose predictor this is)
+    llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, target_step_latency_ms=0)
     core = llm.engine_core
     rng = random.Random(0)
     lens = [rng.choice([24, 48, 96, 200, 400]) for _ in range(40)]

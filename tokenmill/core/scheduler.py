@@ -70,6 +70,7 @@ from tokenmill.core.prefix_cache import PrefixCacheStats, update_block_hashes
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.request_queue import FCFSQueue, LanedQueue, PriorityQueue
 from tokenmill.core.spec_decode_stats import SpecDecodingStats
+from tokenmill.core.step_budget import MAX_HOLD_S, StepBudget, plan_step
 from tokenmill.core.sched_output import (
     EngineCoreOutput,
     ModelRunnerOutput,
@@ -169,6 +170,14 @@ class Scheduler:
         # prompt tokens one request may take per step (0: the whole budget); only with chunked prefill
         self.long_prefill_cap = scheduler_config.long_prefill_token_threshold if self.enable_chunked_prefill else 0
         self.policy = scheduler_config.scheduling_policy
+        # step-latency budget (tokenmill.core.step_budget): the engine core sets ``step_timing`` to its step-time
+        # model's snapshot function; None (or a target of 0) schedules by the token budget and seats alone
+        self.target_step_latency_ms = scheduler_config.target_step_latency_ms
+        self.step_timing: Any = None
+        self.last_step_budget: StepBudget | None = None
+        self._max_running = self.max_num_seqs
+        self._clock = time.monotonic
+        self._queued_at: dict[str, float] = {}   # request id -> when it was added (until first admitted)
         self.kv_cache_manager = KVCacheManager(num_kv_blocks, self.block_size, cache_config.enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}
@@ -267,11 +276,14 @@ class Scheduler:
             if r.max_tokens is not None:
                 remaining.append(max(0, r.max_tokens - r.num_output_tokens))
         remaining.sort()
+        # under the step-latency budget the last step's seat cap is the one requests meet
+        plan = self.last_step_budget
+        seats = min(self.max_num_seqs, plan.max_running) if plan is not None else self.max_num_seqs
         return QueueState(waiting_by_priority=by_prio, batch_waiting=(batch_waiting[0], batch_waiting[1]),
                           running_prefill=(pf[0], pf[1]), batch_running_prefill=(bpf[0], bpf[1]),
                           num_decoding=decoding, num_batch_running=num_batch,
                           remaining_output_tokens=remaining[:MAX_REMAINING_REPORTED],
-                          max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)
+                          max_num_seqs=seats, max_num_batched_tokens=self.max_num_batched_tokens)
 
     def has_unfinished_requests(self) -> bool:
         """True while requests wait or run, or outputs of finished ones are still to be returned."""
@@ -332,6 +344,7 @@ class Scheduler:
             request.error = str(e)
             raise
         self._seq_of[request.request_id] = next(self._seq_counter)
+        self._queued_at[request.request_id] = self._clock()
         if request.max_tokens == 0:
             request.status = RequestStatus.FINISHED_LENGTH
             request.num_cached_tokens = 0
@@ -410,6 +423,7 @@ class Scheduler:
         self._forced_k_step = self._forced_k if len(self.running) <= self._forced_max_batch else 0
         # batch lane: while interactive requests wait, running batch prefills only get what is left
         defer = len(self.waiting.interactive) > 0
+        self._plan_step_budget()
         budget = self._schedule_running(out, self.max_num_batched_tokens, defer_batch_prefill=defer)
         if not out.preempted_req_ids:
             budget = self._schedule_waiting(out, budget)
@@ -421,6 +435,21 @@ class Scheduler:
         if self.kv_connector is not None:
             out.kv_connector_metadata = self.kv_connector.build_connector_meta()
         return out
+
+    def _plan_step_budget(self) -> None:
+        """Seat limit of the step being built from the step-latency target
+        (:func:`~tokenmill.core.step_budget.plan_step`); ``max_num_seqs`` when it is off or nothing was measured."""
+        plan = None
+        if self.step_timing is not None and self.target_step_latency_ms > 0:
+            plan = plan_step(self.step_timing(), self.target_step_latency_ms, self.max_num_seqs)
+        self.last_step_budget = plan
+        self._max_running = min(plan.max_running, self.max_num_seqs) if plan else self.max_num_seqs
+
+    def _held_too_long(self, req: Request) -> bool:
+        """True when the step budget's seat cap has held ``req`` back longer than :data:`MAX_HOLD_S` since it
+        was added (a preempted request, admitted before, is never held: True)."""
+        t = self._queued_at.get(req.request_id)
+        return t is None or self._clock() - t > MAX_HOLD_S
 
     def _poll_grammars(self) -> None:
         """Move requests whose grammar compiled to the waiting queue; fail those whose compile failed."""
@@ -539,7 +568,9 @@ class Scheduler:
                     else:
                         skipped.append(req)
                     continue
-            if len(self.running) >= self.max_num_seqs:
+            if len(self.running) >= self._max_running and not (
+                    len(self.running) < self.max_num_seqs and self._held_too_long(req)):
+                # max_num_seqs, or fewer under the step budget (which holds a request back MAX_HOLD_S at most)
                 refund = self._preempt_for(req, out)
                 if refund is None:
                     break
@@ -585,6 +616,7 @@ class Scheduler:
                 continue
             self.waiting.pop()
             self._num_waiting_tokens -= req.num_prompt_tokens
+            self._queued_at.pop(req.request_id, None)
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             if req.num_cached_tokens < 0:
@@ -940,6 +972,7 @@ class Scheduler:
             self.structured_output.free(req.request_id)
         self.requests.pop(req.request_id, None)
         self._seq_of.pop(req.request_id, None)
+        self._queued_at.pop(req.request_id, None)
         self._finished_req_ids.add(req.request_id)
 
     def _make_output(self, req: Request, tokens: list[int], lps: list | None = None) -> EngineCoreOutput:

@@ -125,6 +125,10 @@ class EngineCore:
         self._last_step_time = 0.0
         self._last_schedule_time = 0.0
         self.step_time_model = StepTimeModel()
+        # the scheduler's step-latency budget (--target-step-latency-ms) reads the model every step; not under
+        # --slo, whose admission sizes the batch against the SLO's own TPOT and predicts the token-budget schedule
+        if not getattr(config.scheduler, "slo", None):
+            self.scheduler.step_timing = self.step_time_model.snapshot
         # (decode requests, prefill tokens, start, end) of the last step, timed when the next one starts
         # (decoding requests, prefill tokens, start, end, prefill context) of the last step
         self._last_step: tuple[int, int, float, float, int] | None = None
