@@ -86,21 +86,25 @@ def schedule_cell(num_prompts: int, input_len: int, output_len: int, concurrency
 
 
 def step_bound(arch, rates: Rates, ql: list[int], ctx: list[int], rows: int, dtype_bytes: int,
-               head_bytes: float | None) -> float:
-    """Seconds: ``max(bytes / bandwidth, linear FLOPs / int8 rate + attention FLOPs / float rate)``."""
-    parts = step_cost_parts(arch, dtype_bytes, ql, ctx, sample_rows=rows, int4_linear=True, head_bytes=head_bytes)
+               head_bytes: float | None, kv_bytes: float | None = None) -> float:
+    """Seconds: ``max(bytes / bandwidth, linear FLOPs / int8 rate + attention FLOPs / float rate)``;
+    ``kv_bytes``: bytes per KV cache element (None: ``dtype_bytes``)."""
+    parts = step_cost_parts(arch, dtype_bytes, ql, ctx, sample_rows=rows, int4_linear=True, head_bytes=head_bytes,
+                            kv_bytes=kv_bytes)
     nbytes = sum(b for b, _ in parts.values())
     return max(nbytes / (rates.bandwidth_gbs * 1e9),
                parts["linear"][1] / (rates.int8_gflops * 1e9) + parts["attention"][1] / (rates.float_gflops * 1e9))
 
 
 def cell_bound(arch, rates: Rates, num_prompts: int, input_len: int, output_len: int, concurrency: int,
-               budget: int, dtype_bytes: int = 4, head_bytes: float | None = _HEAD_BYTES["Q8_0"]) -> dict:
-    """The cell's wall bound (s), output tok/s bound, and its prefill-carrying / decode-only split (s)."""
+               budget: int, dtype_bytes: int = 4, head_bytes: float | None = _HEAD_BYTES["Q8_0"],
+               kv_bytes: float | None = None) -> dict:
+    """The cell's wall bound (s), output tok/s bound, and its prefill-carrying / decode-only split (s);
+    ``kv_bytes``: bytes per KV cache element (None: ``dtype_bytes``)."""
     steps = schedule_cell(num_prompts, input_len, output_len, concurrency, budget)
     mixed = decode = 0.0
     for ql, ctx, rows in steps:
-        t = step_bound(arch, rates, ql, ctx, rows, dtype_bytes, head_bytes)
+        t = step_bound(arch, rates, ql, ctx, rows, dtype_bytes, head_bytes, kv_bytes)
         if any(q > 1 for q in ql):
             mixed += t
         else:
@@ -135,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.int8_gflops:
         roofs["given int8 rate"] = Rates(rates.bandwidth_gbs, args.int8_gflops, rates.float_gflops)
     dtype_bytes = 4 if rl.get("dtype", "float32") == "float32" else 2
+    # the KV cache the roofline run's engine read (a float32 model's default cache on the CPU low-bit path is
+    # bfloat16); runs before 2026-12-03 08:10 UTC did not record it: the model's dtype, as they assumed
+    kv_bytes = rl.get("kv_elem_bytes", dtype_bytes)
 
     cells = [("random", args.concurrency, args.num_prompts, args.input_len, args.output_len, {})]
     if args.compare:
@@ -149,11 +156,12 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"machine (roofline run {rl.get('time_utc', '?')}): read {rates.bandwidth_gbs:.1f} GB/s, "
           f"float {rates.float_gflops:.0f} GFLOP/s, int8 {rates.int8_gflops:.0f} GFLOP/s; "
-          f"budget {args.max_num_batched_tokens} tokens/step")
+          f"budget {args.max_num_batched_tokens} tokens/step; KV {kv_bytes} bytes per element")
     out = []
     for wl, conc, n, ilen, olen, measured in cells:
         for roof, r in roofs.items():
-            b = cell_bound(arch, r, n, ilen, olen, conc, max(args.max_num_batched_tokens, conc), dtype_bytes)
+            b = cell_bound(arch, r, n, ilen, olen, conc, max(args.max_num_batched_tokens, conc), dtype_bytes,
+                           kv_bytes=kv_bytes)
             line = (f"{wl} c={conc} ({n} x {ilen}->{olen}), {roof} {r.int8_gflops:.0f}: {b['steps']} steps, "
                     f"wall bound {b['wall_s']:.2f} s (prefill-carrying {b['mixed_s']:.2f}, decode {b['decode_s']:.2f})"
                     f", {b['output_tok_s']:.1f} tok/s")

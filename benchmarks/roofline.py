@@ -143,7 +143,8 @@ def measure_gemm(dtype: torch.dtype, n: int = 2048, reps: int = 5, engine: str =
 
 # --------------------------------------------------------------------------- model cost
 def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
-                    int4_linear: bool = False, head_bytes: float | None = None) -> dict[str, tuple[float, float]]:
+                    int4_linear: bool = False, head_bytes: float | None = None,
+                    kv_bytes: float | None = None) -> dict[str, tuple[float, float]]:
     """``{"linear": (bytes, flops), "attention": (bytes, flops)}`` of one step.
 
     ``linear`` is every GEMM with a weight (q/k/v/o, gate/up/down and the LM
@@ -161,13 +162,15 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
             runner's small-step int4 path does; the LM head keeps ``dtype_bytes``.
         head_bytes: bytes per LM-head (embedding) weight when it reads low-bit codes (Q8_0: 1.0625);
             None: ``dtype_bytes``.
+        kv_bytes: bytes per K/V cache element (a float32 model's default cache on the CPU low-bit path is
+            bfloat16: 2; int8/fp8: 1); None: ``dtype_bytes``.
     """
     h, i, L = arch.hidden_size, arch.intermediate_size, arch.num_hidden_layers
     nh, kvh, d, v = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim, arch.vocab_size
     linear = L * (h * (nh + 2 * kvh) * d + nh * d * h + 3 * h * i)       # weights in GEMMs, per layer sum
     emb = v * h
     tokens = sum(query_lens)
-    kv_tok = 2 * L * kvh * d * dtype_bytes
+    kv_tok = 2 * L * kvh * d * (dtype_bytes if kv_bytes is None else kv_bytes)
     weight_bytes = (linear * (0.625 if int4_linear else dtype_bytes)
                     + emb * (dtype_bytes if head_bytes is None else head_bytes)
                     + (0 if arch.tie_word_embeddings else emb * dtype_bytes))
@@ -179,9 +182,11 @@ def step_cost_parts(arch, dtype_bytes: int, query_lens: list[int], contexts: lis
 
 
 def step_cost(arch, dtype_bytes: int, query_lens: list[int], contexts: list[int], sample_rows: int,
-              int4_linear: bool = False, head_bytes: float | None = None) -> tuple[float, float]:
+              int4_linear: bool = False, head_bytes: float | None = None,
+              kv_bytes: float | None = None) -> tuple[float, float]:
     """``(bytes, flops)`` of one step: the sum of :func:`step_cost_parts`."""
-    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows, int4_linear, head_bytes).values()
+    parts = step_cost_parts(arch, dtype_bytes, query_lens, contexts, sample_rows, int4_linear, head_bytes,
+                            kv_bytes).values()
     return sum(b for b, _ in parts), sum(f for _, f in parts)
 
 
@@ -486,16 +491,19 @@ def main() -> None:
           + (f"; block linears read int4 codes ({'at every step size' if runner.batch_invariant else f'in steps of <= {runner.lowbit_max_tokens} tokens'};"
              f" the bound uses their bytes)" if runner.lowbit_max_tokens else ""))
     arch, eb = runner.arch, torch.empty((), dtype=dt).element_size()
+    kvb = torch.empty((), dtype=runner.kv_cache_dtype).element_size()     # the cache the steps read
     if runner.num_kv_blocks < need_blocks:
         raise SystemExit(f"the engine's default pool has {runner.num_kv_blocks} blocks, the steps need {need_blocks}: "
                          f"--block-layout contiguous sizes the pool to the steps")
     order = None if args.block_layout == "contiguous" else \
         torch.randperm(runner.num_kv_blocks, generator=torch.Generator().manual_seed(0)).tolist()
-    print(f"block layout {args.block_layout}: pool of {runner.num_kv_blocks} blocks")
+    print(f"block layout {args.block_layout}: pool of {runner.num_kv_blocks} blocks; KV cache {runner.kv_cache_dtype} "
+          f"({kvb} bytes per element, the bounds use it)")
     fill_kv_pool(runner)
 
     report: dict = {"block_layout": args.block_layout, "pool_blocks": runner.num_kv_blocks, "steps": {},
-                    "breakdown": {}}
+                    "breakdown": {}, "kv_cache_dtype": str(runner.kv_cache_dtype).replace("torch.", ""),
+                    "kv_elem_bytes": kvb}
     cases = [(f"decode B={b} ctx={args.context}", [1] * b, [args.context] * b) for b in batches]
     cases.append((f"prefill {args.prefill}", [args.prefill], [0]))
     steps = [synthetic_step(runner, ql, ctx, order=order) for _, ql, ctx in cases]
@@ -527,7 +535,7 @@ def main() -> None:
           + (f"{'compiled':>10}{'ratio':>9}" if compiled else ""))
     for k, (name, ql, ctx) in enumerate(cases):
         low, hb, path = weights_read(runner, sum(ql))
-        parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
+        parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb, kv_bytes=kvb)
         nbytes, flops = sum(b for b, _ in parts.values()), sum(f for _, f in parts.values())
         t_mem, t_cmp = nbytes / (bw * 1e9), flops / (gemm * 1e9)
         bound = max(t_mem, t_cmp)
@@ -558,7 +566,7 @@ def main() -> None:
             br = step_breakdown(runner, steps[k], args.reps)
             report["breakdown"][name] = dict(br)
             low, hb, path = weights_read(runner, sum(ql))
-            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb)
+            parts = step_cost_parts(arch, eb, ql, ctx, sample_rows=len(ql), int4_linear=low, head_bytes=hb, kv_bytes=kvb)
             # linears on the integer path: their FLOPs at the int8 rate (the roof of that arithmetic), else the
             # dtype's GEMM rate; attention at the dtype's rate
             lin_rate = rates["int8"] if path == "i8" and rates["int8"] > 0 else gemm

@@ -43,3 +43,23 @@ def test_cell_bound_scales_with_the_rates():
     assert slow["mixed_s"] + slow["decode_s"] == pytest.approx(slow["wall_s"])
     with pytest.raises(ValueError):
         cr.schedule_cell(4, 16, 4, 8, 4)
+
+
+def test_kv_bytes_follow_the_cache_not_the_model_dtype():
+    """A float32 model's default cache on the CPU low-bit path is bfloat16: the bounds must charge 2 bytes per
+    K/V element, not the model's 4 (the bound was half as strict on the attention's reads before)."""
+    from tokenmill.model.checkpoint import load_arch_config
+    from tokenmill.model.default_model import default_model_path
+
+    rl = load_benchmark("roofline")
+    arch = load_arch_config(default_model_path())
+    ql, ctx = [1] * 64, [256] * 64
+    f32 = rl.step_cost_parts(arch, 4, ql, ctx, sample_rows=64, int4_linear=True)
+    bf16 = rl.step_cost_parts(arch, 4, ql, ctx, sample_rows=64, int4_linear=True, kv_bytes=2)
+    kv_tok = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+    assert f32["attention"][0] == 2 * bf16["attention"][0] == 4 * kv_tok * (64 * 257 + 64)
+    assert f32["linear"] == bf16["linear"] and f32["attention"][1] == bf16["attention"][1]
+    # B=1 is bandwidth-bound: the smaller cache lowers the cell's bound time
+    rates = cr.Rates(20.0, 300.0, 150.0)
+    assert cr.cell_bound(arch, rates, 2, 256, 16, 1, 2048, kv_bytes=2)["wall_s"] < \
+        cr.cell_bound(arch, rates, 2, 256, 16, 1, 2048)["wall_s"]
