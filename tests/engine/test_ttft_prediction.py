@@ -39,27 +39,19 @@ def _timing_summary(t) -> str:
     return f"prefill {tp * 1e3:.3f} ms/token, decode [{pts}], {t.num_steps_observed} steps" if tp else f"decode [{pts}]"
 
 
-def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
-    from tokenmill import LLM
-
-    # the default (batch-invariant) paths; the step-latency budget off, as under --slo (whose predictor this is)
-    llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, target_step_latency_ms=0)
-    core = llm.engine_core
-    rng = random.Random(0)
+def _steady_run(core, seed: int):
+    """One steady Poisson run on a warmed core: (pairs of (predicted, measured) TTFT in s, solo s, arrivals,
+    step-time model summary before the run)."""
+    rng = random.Random(seed)
     lens = [rng.choice([24, 48, 96, 200, 400]) for _ in range(40)]
     n = len(lens)
 
     def prompt(k: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(k)]
 
-    # Warm-up (kernels built, step-time model taught), then one request alone, timed.
-    for k in range(6):
-        core.add_request(EngineCoreRequest(f"w{k}", prompt(lens[k]), SamplingParams(max_tokens=8, ignore_eos=True)))
-    while core.has_unfinished_requests():
-        core.step()
-    assert core.get_stats().step_timing.ready
+    # one request alone, timed
     t = time.perf_counter()
-    core.add_request(EngineCoreRequest("solo", prompt(150), SamplingParams(max_tokens=8, ignore_eos=True)))
+    core.add_request(EngineCoreRequest(f"solo{seed}", prompt(150), SamplingParams(max_tokens=8, ignore_eos=True)))
     while core.has_unfinished_requests():
         core.step()
     solo = time.perf_counter() - t
@@ -76,7 +68,7 @@ def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
     while i < n or core.has_unfinished_requests():
         now = time.perf_counter()
         while i < n and now >= due:
-            rid = f"r{i}"
+            rid = f"s{seed}r{i}"
             st = core.get_stats()
             p = predict(st.queue, st.step_timing, lens[i], 0, "fcfs")
             if p is not None:
@@ -92,28 +84,53 @@ def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
         for out in core.step():
             if out.new_token_ids and out.req_id not in measured:
                 measured[out.req_id] = time.perf_counter() - arrivals[out.req_id]
-    pairs = [(predicted[r], measured[r]) for r in (f"r{k}" for k in range(WARMUP, n)) if r in predicted]
+    pairs = [(predicted[r], measured[r]) for r in (f"s{seed}r{k}" for k in range(WARMUP, n)) if r in predicted]
     assert len(pairs) >= n - WARMUP - 2, f"{len(predicted)} predictions, {len(measured)} measured"
+    return pairs, solo, n, timing_before
+
+
+def _judged(pairs, scale: float) -> tuple[list[float], float, float, float, bool]:
+    """(errors, median |error|, relative bias, its standard error, within the bounds), predictions x scale."""
     med_ttft = statistics.median(m for _, m in pairs)
     mean_ttft = statistics.mean(m for _, m in pairs)
+    e = [scale * p - m for p, m in pairs]
+    mab = statistics.median(abs(x) for x in e)
+    b, s = statistics.mean(e) / mean_ttft, statistics.stdev(e) / math.sqrt(len(e)) / mean_ttft
+    return e, mab, b, s, mab <= max(0.35 * med_ttft, 0.040) and abs(b) <= 0.30 + 3 * s
 
-    def judged(scale: float) -> tuple[list[float], float, float, float, bool]:
-        """(errors, median |error|, relative bias, its standard error, within the bounds), predictions × scale."""
-        e = [scale * p - m for p, m in pairs]
-        mab = statistics.median(abs(x) for x in e)
-        b, s = statistics.mean(e) / mean_ttft, statistics.stdev(e) / math.sqrt(len(e)) / mean_ttft
-        return e, mab, b, s, mab <= max(0.35 * med_ttft, 0.040) and abs(b) <= 0.30 + 3 * s
 
-    errs, med_abs, bias, se, _ = judged(1.0)
-    report = (f"median TTFT {med_ttft * 1e3:.0f} ms, median |error| {med_abs * 1e3:.0f} ms "
-              f"({med_abs / med_ttft:.0%}), bias {bias:+.0%} (standard error {se:.0%}), p90 |error| "
-              f"{sorted(abs(e) for e in errs)[int(0.9 * len(errs))] * 1e3:.0f} ms; solo {solo * 1e3:.0f} ms, "
-              f"{n} arrivals; step-time model before the run: {timing_before}, after: "
-              f"{_timing_summary(core.get_stats().step_timing)}")
-    print(report)
+def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
+    from tokenmill import LLM
+
+    # the default (batch-invariant) paths; the step-latency budget off, as under --slo (whose predictor this is)
+    llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, target_step_latency_ms=0)
+    core = llm.engine_core
+    rng = random.Random(0)
+    # Warm-up (kernels built, step-time model taught).
+    for k in range(6):
+        ids = [rng.randrange(100, 40000) for _ in range(rng.choice([24, 48, 96, 200, 400]))]
+        core.add_request(EngineCoreRequest(f"w{k}", ids, SamplingParams(max_tokens=8, ignore_eos=True)))
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.get_stats().step_timing.ready
+    # The bias allowance grows with the run's noise (3 standard errors): a run must still reject a predictor
+    # off by 2x either way, or it was too noisy to judge the model. Such a run (a machine whose speed drifted
+    # mid-run: seen on a shared VM) is measured once more with the next seed; the second is judged whatever it
+    # shows. The bounds themselves are never widened.
+    for attempt in range(2):
+        pairs, solo, n, timing_before = _steady_run(core, attempt)
+        med_ttft = statistics.median(m for _, m in pairs)
+        errs, med_abs, bias, se, _ = _judged(pairs, 1.0)
+        report = (f"median TTFT {med_ttft * 1e3:.0f} ms, median |error| {med_abs * 1e3:.0f} ms "
+                  f"({med_abs / med_ttft:.0%}), bias {bias:+.0%} (standard error {se:.0%}), p90 |error| "
+                  f"{sorted(abs(e) for e in errs)[int(0.9 * len(errs))] * 1e3:.0f} ms; solo {solo * 1e3:.0f} ms, "
+                  f"{n} arrivals; step-time model before the run: {timing_before}, after: "
+                  f"{_timing_summary(core.get_stats().step_timing)}")
+        print(f"run {attempt}: {report}")
+        if not any(_judged(pairs, scale)[4] for scale in (2.0, 0.5)):
+            break
     assert med_abs <= max(0.35 * med_ttft, 0.040), report
     assert abs(bias) <= 0.30 + 3 * se, report
-    # The bias allowance grows with the run's noise (3 standard errors): on a contended run it must still
-    # reject a predictor off by 2x either way, or the run was too noisy to judge the model.
     for scale in (2.0, 0.5):
-        assert not judged(scale)[4], f"the bounds would pass every prediction x{scale} too: too noisy to judge; {report}"
+        assert not _judged(pairs, scale)[4], \
+            f"the bounds would pass every prediction x{scale} too: too noisy to judge (two runs); {report}"
