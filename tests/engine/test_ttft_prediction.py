@@ -106,9 +106,10 @@ def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
     llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, target_step_latency_ms=0)
     core = llm.engine_core
     rng = random.Random(0)
+    lens = [rng.choice([24, 48, 96, 200, 400]) for _ in range(6)]
     # Warm-up (kernels built, step-time model taught).
     for k in range(6):
-        ids = [rng.randrange(100, 40000) for _ in range(rng.choice([24, 48, 96, 200, 400]))]
+        ids = [rng.randrange(100, 40000) for _ in range(lens[k])]
         core.add_request(EngineCoreRequest(f"w{k}", ids, SamplingParams(max_tokens=8, ignore_eos=True)))
     while core.has_unfinished_requests():
         core.step()
