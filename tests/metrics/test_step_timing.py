@@ -159,9 +159,35 @@ def test_a_stale_slow_bucket_does_not_hold_up_the_fresher_bigger_batch():
         m.observe(16, 0, 0.250)
     pts = dict(m.snapshot().decode_points)
     assert pts[16.0] == pytest.approx(0.250) and pts[8.0] == pytest.approx(0.250)
-    m.observe(8, 0, 0.400)            # now batch 8 is the fresher: the curve stays monotone by lifting 16
+    # now batch 8 is the fresher (twice: a bucket's first samples count by their lower median): the curve
+    # stays monotone by lifting 16
+    m.observe(8, 0, 0.400)
+    m.observe(8, 0, 0.400)
     pts = dict(m.snapshot().decode_points)
     assert pts[16.0] >= pts[8.0] > 0.250
+
+
+def test_a_stalled_first_step_of_the_smallest_bucket_does_not_become_its_time():
+    # batch 1 is the first decode bucket: nothing smaller caps its first sample. A full test-suite run's
+    # first decode step took 375 ms against ~13 ms alone; held as the bucket's value it lifted every bigger
+    # bucket and drove the prefill rate split off mixed steps down 9x. The bucket starts from the lower
+    # median of its first samples instead.
+    m = StepTimeModel()
+    for _ in range(2):                          # warm-up steps, ignored
+        m.observe(1, 0, 1.0)
+    m.observe(1, 0, 0.375)
+    assert m.snapshot().decode_step_time(1) == pytest.approx(0.375)   # one sample: nothing else to go on
+    m.observe(1, 0, 0.013)
+    m.observe(1, 0, 0.014)
+    assert m.snapshot().decode_step_time(1) == pytest.approx(0.014)
+    # then mixed steps teach the prefill rate net of the right decode part (~1 ms per prompt token)
+    for _ in range(10):
+        m.observe(1, 200, 0.013 + 200 * 0.001)
+    assert m.snapshot().prefill_seconds_per_token == pytest.approx(0.001, rel=0.1)
+    # a genuinely slower machine is still followed once the bootstrap is over
+    for _ in range(60):
+        m.observe(1, 0, 0.030)
+    assert m.snapshot().decode_step_time(1) == pytest.approx(0.030, rel=0.05)
 
 
 def test_a_stalled_first_step_of_a_new_batch_size_is_capped():
