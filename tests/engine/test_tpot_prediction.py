@@ -61,6 +61,10 @@ def test_predicted_tpot_tracks_measured_tpot_on_a_full_batch():
     # the step-latency budget off, as under --slo (whose predictor this is): the token-budget schedule
     llm = LLM(max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=512, target_step_latency_ms=0)
     core = llm.engine_core
+    # as the server's start-up does (engine.step_profile): the background weight packing must not share the
+    # two cores with the steps that teach the step-time model
+    from tokenmill.model.layers.linear import wait_for_packing
+    assert wait_for_packing(getattr(core.executor, "runner", core.executor).model, timeout=120.0)
     rng = random.Random(1)
     lens = [rng.choice([24, 32, 48, 64, 200, 300]) for _ in range(200)]
 

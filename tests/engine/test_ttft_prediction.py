@@ -105,6 +105,10 @@ def test_predicted_ttft_tracks_measured_ttft_on_a_steady_workload():
     # the default (batch-invariant) paths; the step-latency budget off, as under --slo (whose predictor this is)
     llm = LLM(max_num_seqs=32, max_num_batched_tokens=512, target_step_latency_ms=0)
     core = llm.engine_core
+    # as the server's start-up does (engine.step_profile): the background weight packing must not share the
+    # two cores with the steps that teach the step-time model
+    from tokenmill.model.layers.linear import wait_for_packing
+    assert wait_for_packing(getattr(core.executor, "runner", core.executor).model, timeout=120.0)
     rng = random.Random(0)
     lens = [rng.choice([24, 48, 96, 200, 400]) for _ in range(6)]
     # Warm-up (kernels built, step-time model taught).
