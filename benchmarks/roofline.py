@@ -58,15 +58,22 @@ import torch
 
 # --------------------------------------------------------------------------- machine
 def measure_bandwidth(gib: float = 1.0, reps: int = 5) -> float:
-    """Read bandwidth in GB/s (1e9 bytes/s): best of ``reps`` sums over a ``gib`` GiB float32 tensor."""
-    x = torch.ones(int(gib * 2**30) // 4, dtype=torch.float32)
-    x.sum()
+    """Read bandwidth in GB/s (1e9 bytes/s): best of ``reps`` sums over a ``gib`` GiB float32 tensor, on ordinary
+    pages and, where the engine uses them (:mod:`tokenmill.model.huge_pages`), on transparent huge pages; the
+    higher of the two (the stricter bound: huge pages read 10-18% faster on the AVX2 EPYC, 2026-12-03)."""
+    from tokenmill.model import huge_pages
+    n = int(gib * 2**30) // 4
     best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
+    for make in (torch.ones, lambda n: huge_pages.huge_page_tensor((n,), torch.float32).fill_(1.0)) \
+            if huge_pages.enabled() else (torch.ones,):
+        x = make(n)
         x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best / 1e9
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            x.sum()
+            best = min(best, time.perf_counter() - t0)
+        del x
+    return n * 4 / best / 1e9
 
 
 def _gemm_fn(dtype: torch.dtype, n: int, engine: str = "torch"):

