@@ -217,8 +217,8 @@ _DECLARED = [
            "tier loads; shorter runs are recomputed (unset: 1, loading won at every length measured on CPUs; "
            "measure yours with benchmarks/kv_offload.py --crossover).",
            _positive_int_or_unset("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS"), _STORE),
-    EnvVar("TOKENMILL_HUGE_PAGES", "bool", True, "0: ordinary pages for the CPU KV pool and the cached weights "
-           "(default: ask for transparent huge pages, madvise; see tokenmill/model/huge_pages.py).",
+    EnvVar("TOKENMILL_HUGE_PAGES", "bool", True, "0: ordinary pages for the CPU KV pool (default: ask for "
+           "transparent huge pages, madvise; see tokenmill/model/huge_pages.py).",
            _on_unless_zero, _STORE),
     EnvVar("TOKENMILL_KV_CACHE_ZERO", "bool", False, "1: zero the KV pool at allocation (default: uninitialised "
            "pages, touched on first write).", _off_unless_one, _STORE),

@@ -1,4 +1,4 @@
-"""Huge-page backing of the CPU KV pool and the cached weights: the same values as ordinary pages, 2 MiB-aligned
+"""Huge-page backing of the CPU KV pool: the same values as ordinary pages, 2 MiB-aligned
 data, alive as long as a view, and off with TOKENMILL_HUGE_PAGES=0."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import mmap
 import pytest
 import torch
 
-from tokenmill.model import huge_pages, weight_cache
+from tokenmill.model import huge_pages
 from tokenmill.model.kv_cache import KVCacheLayout, allocate_kv_caches
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="this Python's mmap has no MADV_HUGEPAGE "
@@ -67,22 +67,3 @@ def test_kv_pool_on_huge_pages_by_default_and_ordinary_pages_when_off(monkeypatc
     assert not huge_pages.enabled("cpu")
     off = allocate_kv_caches(_layout(), torch.device("cpu"), zero=True)
     assert [c.shape for c in off] == [c.shape for c in on] and all(bool((c == 0).all()) for c in off)
-
-
-def test_weight_cache_load_gives_the_same_tensors_on_huge_pages(tmp_path, monkeypatch):
-    model = torch.nn.Linear(300, 200)
-    with torch.no_grad():
-        model.weight.copy_(torch.randn(200, 300))
-    path = str(tmp_path / "w.tmw")
-    weight_cache.save(path, "k", model, None)
-    monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "0")
-    mapped = weight_cache.load(path, "k")
-    monkeypatch.setenv("TOKENMILL_HUGE_PAGES", "1")
-    huge = weight_cache.load(path, "k")
-    assert sorted(mapped.params) == sorted(huge.params) == ["bias", "weight"]
-    for name, t in mapped.params.items():
-        assert torch.equal(t, huge.params[name]) and torch.equal(t, getattr(model, name).detach())
-    start = min(t.data_ptr() for t in huge.params.values())
-    assert start % huge_pages.HUGE_PAGE_BYTES == 0
-    huge.params["weight"].add_(1)                          # private memory: the file is not written
-    assert torch.equal(weight_cache.load(path, "k").params["weight"], model.weight.detach())

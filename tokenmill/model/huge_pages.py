@@ -1,15 +1,16 @@
-"""CPU memory on transparent huge pages (2 MiB) for the two big read streams of a step: weights and the KV pool.
+"""CPU memory on transparent huge pages (2 MiB), for the KV pool.
 
-Decode on a CPU reads every weight once per step and, per request, its KV blocks, scattered over the pool. On
-4 KiB pages that is a TLB miss and a page walk every 4 KiB, and the hardware prefetchers stop at every page edge.
-On a 2 MiB page one TLB entry covers 512 times as much. Linux grants huge pages to an anonymous mapping on first
+Decode reads, per request, its KV blocks, scattered over the pool (16-token blocks: 6 KiB per layer for SmolLM2's
+3 x 64 bfloat16 K). On 4 KiB pages that is a TLB miss and a page walk every block or two, and the hardware
+prefetchers stop at every page edge; on a 2 MiB page one TLB entry covers ~340 such blocks. Linux grants huge pages to an anonymous mapping on first
 touch when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise`` (the usual default) and
 the mapping is advised ``MADV_HUGEPAGE``; elsewhere the advice is ignored and the memory is ordinary pages
 (untouched pages cost nothing, and read as zeros, as with ``torch.empty``).
 
-Measured (AVX2 EPYC, 2 cores, 2026-12-03; docs/benchmarks/2026-12-03-huge-pages-avx2.md): sequential read
-bandwidth 23-24 -> 27 GB/s; decode attention B=64 over a scattered bfloat16 pool 1.12-1.20x; the whole decode
-step B=64 1.03-1.04x. ``TOKENMILL_HUGE_PAGES=0`` turns it off.
+Measured (AVX2 EPYC, 2 cores, 2026-12-03; ``benchmarks/huge_pages_ab.py``, docs/benchmarks/2026-12-03-huge-pages-
+avx2.md): decode attention B=64 over a scattered bfloat16 pool 1.05-1.13x, the whole decode step B=64 1.02-1.05x;
+sequential reads 1.05-1.13x. The weights (read once per step, in order) were tried on huge pages too: B=1 decode
+0.92-1.06x, no gain, so they stay file-mapped. ``TOKENMILL_HUGE_PAGES=0`` turns it off.
 """
 
 from __future__ import annotations

@@ -49,7 +49,6 @@ from torch import nn
 
 from tokenmill import envs
 import tokenmill
-from tokenmill.model import huge_pages
 from tokenmill.quantization.lowbit import LowBitWeight
 
 logger = logging.getLogger(__name__)
@@ -226,10 +225,6 @@ def _orphaned(file: str) -> bool:
 def load(file: str, key: str) -> CachedWeights:
     """Map ``file`` and return its tensors (views of the private copy-on-write mapping).
 
-    On CPU with huge pages on (:mod:`tokenmill.model.huge_pages`, the default), the tensor data is read into an
-    anonymous mapping on transparent huge pages instead (one sequential read; the weights are all read by every
-    step anyway): a file mapping's page-cache pages are 4 KiB, and a step streams every weight through them.
-
     Raises:
         FileNotFoundError: no entry.
         CorruptCacheError: the entry is unusable (wrong magic, header, version, key or length).
@@ -253,20 +248,7 @@ def load(file: str, key: str) -> CachedWeights:
         start = -(-(len(MAGIC) + 8 + hlen) // _ALIGN) * _ALIGN
         if size != start + int(header["data_bytes"]):
             raise CorruptCacheError(f"file is {size} bytes, expected {start + int(header['data_bytes'])}")
-        if huge_pages.enabled():    # read into anonymous huge pages (see load's docstring)
-            data_bytes = int(header["data_bytes"])
-            mm, start_mem = huge_pages.huge_page_buffer(data_bytes)
-            f.seek(start)
-            view, got = memoryview(mm)[start_mem:start_mem + data_bytes], 0
-            while got < data_bytes:
-                n = f.readinto(view[got:])
-                if not n:
-                    raise CorruptCacheError(f"file ended after {got} of {data_bytes} data bytes")
-                got += n
-            view.release()
-            start = start_mem
-        else:
-            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     out: dict[str, torch.Tensor] = {}
     try:
         for name, dtype, shape, off, nbytes in header["tensors"]:
