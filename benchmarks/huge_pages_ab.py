@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
+from tokenmill import envs  # noqa: E402
 from tokenmill.model import huge_pages  # noqa: E402
 
 
@@ -111,7 +112,7 @@ def steps(batch: int, context: int, rounds: int) -> dict:
     from tokenmill.model.runner import ModelRunner
     runners = {}
     for name, flag in (("plain", "0"), ("huge", "1")):
-        os.environ["TOKENMILL_HUGE_PAGES"] = flag
+        envs.set("TOKENMILL_HUGE_PAGES", flag)
         cfg = EngineConfig.from_kwargs(model=None, dtype="float32", max_model_len=1024, enforce_eager=True,
                                        max_num_seqs=batch, enable_prefix_caching=False)
         r = ModelRunner.from_config(cfg)
@@ -120,7 +121,7 @@ def steps(batch: int, context: int, rounds: int) -> dict:
         order = torch.randperm(r.num_kv_blocks, generator=torch.Generator().manual_seed(0)).tolist()
         runners[name] = (r, {f"B={batch}": (rl.synthetic_step(r, [1] * batch, [context] * batch, order=order), 3),
                              "B=1": (rl.synthetic_step(r, [1], [context], order=order), 10)})
-    os.environ.pop("TOKENMILL_HUGE_PAGES", None)
+    envs.unset("TOKENMILL_HUGE_PAGES")
     ts = {(n, k): [] for n in runners for k in runners["plain"][1]}
     for _ in range(rounds):
         for n, (r, cases) in runners.items():
