@@ -1,16 +1,18 @@
 """CPU memory on transparent huge pages (2 MiB), for the KV pool.
 
-Decode reads, per request, its KV blocks, scattered over the pool (16-token blocks: 6 KiB per layer for SmolLM2's
-3 x 64 bfloat16 K). On 4 KiB pages that is a TLB miss and a page walk every block or two, and the hardware
-prefetchers stop at every page edge; on a 2 MiB page one TLB entry covers ~340 such blocks. Linux grants huge pages to an anonymous mapping on first
-touch when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise`` (the usual default) and
-the mapping is advised ``MADV_HUGEPAGE``; elsewhere the advice is ignored and the memory is ordinary pages
-(untouched pages cost nothing, and read as zeros, as with ``torch.empty``).
+Decode reads, per request, its KV blocks, scattered over the pool (16-token blocks: 6 KiB per layer for SmolLM2's 3
+x 64 bfloat16 K). On 4 KiB pages that is a TLB miss and a page walk every block or two, and the hardware prefetchers
+stop at every page edge; on a 2 MiB page one TLB entry covers ~340 such blocks. Linux grants huge pages to an
+anonymous mapping on first touch when ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``always`` or ``madvise``
+(the usual default) and the mapping is advised ``MADV_HUGEPAGE``; elsewhere the advice is ignored and the memory is
+ordinary pages (untouched pages cost nothing, and read as zeros, as with ``torch.empty``).
 
-Measured (AVX2 EPYC, 2 cores, 2026-12-03; ``benchmarks/huge_pages_ab.py``, docs/benchmarks/2026-12-03-huge-pages-
-avx2.md): decode attention B=64 over a scattered bfloat16 pool 1.05-1.13x, the whole decode step B=64 1.02-1.05x;
-sequential reads 1.05-1.13x. The weights (read once per step, in order) were tried on huge pages too: B=1 decode
-0.92-1.06x, no gain, so they stay file-mapped. ``TOKENMILL_HUGE_PAGES=0`` turns it off.
+Measured (AVX2 EPYC, 2 cores, 2026-12-03; ``benchmarks/huge_pages_ab.py``,
+docs/benchmarks/2026-12-03-huge-pages-avx2.md; both arms alternating in one process): decode attention B=64 over the default-sized scattered bfloat16 pool
+1.05-1.16x, the whole decode step B=64 1.03-1.07x, B=1 0.95-1.05x (neutral); sequential reads up to 1.13x. Measured
+on the AVX2 kind only; the mechanism (TLB reach, page-bounded prefetchers) is not ISA-specific. The weights (read
+once per step, in order) were tried on huge pages too: B=1 decode 0.92-1.06x, no gain, so they stay file-mapped.
+``TOKENMILL_HUGE_PAGES=0`` turns it off.
 """
 
 from __future__ import annotations
