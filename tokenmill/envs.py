@@ -220,6 +220,9 @@ _DECLARED = [
     EnvVar("TOKENMILL_HUGE_PAGES", "bool", True, "0: ordinary pages for the CPU KV pool (default: ask for "
            "transparent huge pages, madvise; see tokenmill/model/huge_pages.py).",
            _on_unless_zero, _STORE),
+    EnvVar("TOKENMILL_KV_BLOCK_RUNS", "bool", True, "0: strict LRU block allocation (default: a request's next "
+           "KV block is the one after its last when that one is free and old, so block tables hold runs; see "
+           "tokenmill/core/block_pool.py).", _on_unless_zero, _STORE),
     EnvVar("TOKENMILL_KV_CACHE_ZERO", "bool", False, "1: zero the KV pool at allocation (default: uninitialised "
            "pages, touched on first write).", _off_unless_one, _STORE),
     # --- server and debugging ---

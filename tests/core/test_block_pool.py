@@ -55,11 +55,15 @@ def test_failed_allocation_pops_nothing():
 
 
 def test_freed_blocks_go_to_tail_in_given_order():
-    pool = BlockPool(6)
+    pool = BlockPool(6, contiguous=False)
     a = pool.get_new_blocks(3)
     pool.free_blocks(reversed(a))
     assert ids(pool.free_queue) == [3, 4, 5, 2, 1, 0]
     assert ids(pool.get_new_blocks(4)) == [3, 4, 5, 2]
+    # Block runs: the head (3) rewinds to the start of the free uncached run below it (0), then goes up.
+    pool = BlockPool(6)
+    pool.free_blocks(reversed(pool.get_new_blocks(3)))
+    assert ids(pool.get_new_blocks(4)) == [0, 1, 2, 3]
 
 
 def test_ref_counts_and_double_free():
@@ -75,8 +79,9 @@ def test_ref_counts_and_double_free():
         pool.free_blocks([blk])
 
 
-def test_lazy_eviction_keeps_hash_until_reuse():
-    pool = BlockPool(3)
+@pytest.mark.parametrize("contiguous, first_two", [(False, [2, 1]), (True, [1, 2])])
+def test_lazy_eviction_keeps_hash_until_reuse(contiguous, first_two):
+    pool = BlockPool(3, contiguous=contiguous)
     blocks = pool.get_new_blocks(3)
     h = b"h" * 32
     assert pool.cache_block(blocks[0], h)
@@ -84,7 +89,8 @@ def test_lazy_eviction_keeps_hash_until_reuse():
     # Free but still cached.
     assert blocks[0].ref_cnt == 0 and blocks[0].block_hash == h
     assert pool.get_cached_block(h) is blocks[0]
-    assert ids(pool.get_new_blocks(2)) == [2, 1]
+    # Block runs rewind from the head (2) to 1, not to 0: a cached block freed last is young.
+    assert ids(pool.get_new_blocks(2)) == first_two
     assert pool.get_cached_block(h) is blocks[0]
     # Popping block 0 for reuse evicts its hash.
     assert ids(pool.get_new_blocks(1)) == [0]
@@ -128,6 +134,38 @@ def test_reset_prefix_cache_drops_hashes():
     assert a.block_hash is None and b.block_hash is None
     assert pool.get_cached_block(b"a" * 32) is None
     assert b.ref_cnt == 1  # still allocated
+
+
+def test_block_runs_take_the_next_block_when_free_and_old():
+    pool = BlockPool(8)
+    a = pool.get_new_blocks(2)                          # [0, 1] from the head
+    b = pool.get_new_blocks(1)                          # [2]
+    pool.free_blocks([b[0]])                            # queue 3..7, 2
+    assert ids(pool.get_new_blocks(2, after=a[1])) == [2, 3]   # uncached block 2 continues a's run, then 3
+    pool.free_blocks(pool.get_new_blocks(1, after=pool.blocks[7]))  # no block after the last: the head (4)
+    # Cached blocks: taken only from the older half of the free queue's age span (the pool's old_fraction).
+    pool = BlockPool(8)
+    blocks = pool.get_new_blocks(8)
+    for blk in blocks:
+        pool.cache_block(blk, bytes([blk.block_id]))
+    pool.free_blocks([blocks[i] for i in (5, 1, 2, 3, 6, 7)])  # free order = age: 5 oldest, 7 youngest
+    old = pool.old_fraction
+    assert old == 0.5
+    assert pool.free_queue.is_old(blocks[5], old) and pool.free_queue.is_old(blocks[2], old)
+    assert not pool.free_queue.is_old(blocks[3], old) and not pool.free_queue.is_old(blocks[7], old)
+    assert pool.free_queue.is_old(blocks[7], 1.0) and not pool.free_queue.is_old(blocks[2], 0.0)
+    assert ids(pool.get_new_blocks(1, after=blocks[0])) == [1]     # old: taken, its hash evicted
+    assert blocks[1].block_hash is None
+    assert ids(pool.get_new_blocks(1, after=blocks[4])) == [5]     # oldest
+    # The span is the queue's now (2 3 6 7): block 7 is young, so the head (2) instead.
+    assert not pool.free_queue.is_old(blocks[7], old)
+    taken = pool.get_new_blocks(1, after=blocks[6])
+    assert ids(taken) == [2] and blocks[7].block_hash == bytes([7])
+    # Off: strict LRU whatever ``after`` is.
+    pool = BlockPool(4, contiguous=False)
+    first = pool.get_new_blocks(1)
+    pool.free_blocks(first)                             # queue 1 2 3 0
+    assert ids(pool.get_new_blocks(2, after=pool.blocks[0])) == [1, 2]
 
 
 def test_invalid_pool_size():

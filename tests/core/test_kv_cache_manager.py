@@ -90,7 +90,7 @@ def test_salt_and_different_prefix_miss():
 
 
 def test_free_in_reverse_order_and_lazy_eviction():
-    m = KVCacheManager(12, BS)
+    m = KVCacheManager(12, BS, contiguous=False)      # strict LRU: block runs would take block 2 for c below
     a = make_req("a", list(range(10)))
     b = make_req("b", list(range(10)))
     run_prefill(m, a)
@@ -111,6 +111,29 @@ def test_free_in_reverse_order_and_lazy_eviction():
     assert ids(m.block_pool.free_queue) == [5, 6, 7, 8, 9, 10, 11, 2, 3]
 
 
+def test_block_runs_continue_after_a_prefix_hit_and_keep_young_cached_blocks():
+    m = KVCacheManager(12, BS)
+    a = make_req("a", list(range(10)))
+    run_prefill(m, a)                                  # blocks [0, 1, 2]; 0 and 1 cached
+    m.free(a)                                          # queue ... 2, 1, 0
+    c = make_req("c", list(range(10)))
+    hit, num_hit, new = run_prefill(m, c)
+    assert ids(hit) == [0, 1] and ids(new) == [2]      # block 2 is uncached: the run goes on
+    assert m.get_block_ids("c") == [0, 1, 2]
+    # A request whose next block is cached and young (freed last) starts elsewhere: the young block keeps its hash.
+    m2 = KVCacheManager(6, BS)
+    x, y = make_req("x", list(range(8))), make_req("y", [7] * 4)
+    run_prefill(m2, x)                                 # [0, 1], both cached
+    run_prefill(m2, y)                                 # [2]
+    m2.free(x)                                         # queue 3 4 5 1 0: block 0 and 1 are the youngest
+    z = make_req("z", [9] * 4)
+    run_prefill(m2, z)                                 # [3] (head)
+    m2.free(y)                                         # queue 4 5 1 0 2
+    w = make_req("w", [8] * 8)
+    assert ids(run_prefill(m2, w)[2]) == [4, 5]
+    assert m2.block_pool.blocks[0].block_hash is not None and m2.block_pool.blocks[1].block_hash is not None
+
+
 def test_tail_blocks_evicted_first():
     m = KVCacheManager(4, BS)
     a = make_req("a", list(range(13)))  # 3 full cached blocks + 1 partial
@@ -118,7 +141,7 @@ def test_tail_blocks_evicted_first():
     m.free(a)  # queue: 3, 2, 1, 0
     assert ids(m.block_pool.free_queue) == [3, 2, 1, 0]
     x = make_req("x", [50] * 5)
-    assert ids(m.allocate_slots(x, 5)) == [3, 2]  # evicts a's tail block 2
+    assert sorted(ids(m.allocate_slots(x, 5))) == [2, 3]  # evicts a's tail block 2 (LRU: [3, 2]; runs: [2, 3])
     assert m.block_pool.blocks[2].block_hash is None
     hit, n = m.get_computed_blocks(make_req("b", list(range(13))))
     assert ids(hit) == [0, 1] and n == 8

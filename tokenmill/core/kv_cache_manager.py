@@ -9,6 +9,7 @@ tokens are registered in the prefix cache so later requests can share them.
 
 from __future__ import annotations
 
+from tokenmill import envs
 from tokenmill.core.block_pool import BlockPool, KVCacheBlock
 from tokenmill.core.prefix_cache import PrefixCacheStats, update_block_hashes
 from tokenmill.core.request import Request
@@ -28,17 +29,21 @@ class KVCacheManager:
         enable_prefix_caching: look up and register block hashes; when False
             :meth:`get_computed_blocks` always misses, nothing is hashed or
             cached and the stats stay 0.
+        contiguous: block runs in the pool (:class:`BlockPool`); None: ``TOKENMILL_KV_BLOCK_RUNS`` (default on).
 
     Raises:
         ValueError: ``num_blocks <= 0`` or ``block_size <= 0``.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 contiguous: bool | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if contiguous is None:
+            contiguous = envs.TOKENMILL_KV_BLOCK_RUNS
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching, contiguous=contiguous)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.req_to_block_ids: dict[str, list[int]] = {}
         # Leading blocks of each request already registered in the prefix cache.
@@ -248,7 +253,7 @@ class KVCacheManager:
             ids.extend(b.block_id for b in new_computed_blocks)
             # Hit blocks are already registered.
             self.num_cached_blocks[rid] = len(blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_needed)
+        new_blocks = self.block_pool.get_new_blocks(num_needed, after=blocks[-1] if blocks else None)
         blocks.extend(new_blocks)
         ids.extend(b.block_id for b in new_blocks)
 
