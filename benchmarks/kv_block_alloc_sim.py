@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import os
 import random
 import sys
@@ -259,24 +260,32 @@ def main() -> None:
     ap.add_argument("--time-steps", action="store_true",
                     help="also time B=64 decode steps of the packaged model over the lru and runs tables")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--json", default="", help="also write every figure (and every timing sample) here")
     args = ap.parse_args()
     pr = tuple(int(x) for x in args.prompt.split(","))
     out = tuple(int(x) for x in args.output.split(","))
     last = {}
+    result: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "args": vars(args), "policies": {}}
     for pol in POLICIES:
         st: dict = {}
         samples = simulate(pol, args.num_blocks, args.concurrency, steps=args.steps, seed=args.seed, prompt=pr,
                            output=out, prefixes=args.prefixes, prefix_len=args.prefix_len, zipf=args.zipf, stats=st)
         a = adjacency(samples)
         last[pol] = samples[-1]
+        result["policies"][pol] = a | st
         hits = f"  prefix hits {st['hits'] / max(1, st['queries']):.2%} of prompt tokens" if st else ""
         print(f"{pol:<8} adjacent +1 {a['+1']:.1%}  -1 {a['-1']:.1%}  other {a['other']:.1%}  "
               f"mean run {a['mean_run_blocks']:.2f} blocks{hits}", flush=True)
     if args.time:
-        _print_times("attention", time_attention(last, args.num_blocks, args.rounds))
+        result["attention_s"] = time_attention(last, args.num_blocks, args.rounds)
+        _print_times("attention", result["attention_s"])
     if args.time_steps:
-        _print_times("decode step B=64", time_steps(("lru", "runs"), args.rounds, args.seed, pr, out, args.prefixes,
-                                                    args.prefix_len, args.zipf))
+        result["decode_step_b64_s"] = time_steps(("lru", "runs"), args.rounds, args.seed, pr, out, args.prefixes,
+                                                 args.prefix_len, args.zipf)
+        _print_times("decode step B=64", result["decode_step_b64_s"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

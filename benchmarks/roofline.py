@@ -24,13 +24,16 @@
 3. Times :meth:`tokenmill.model.runner.ModelRunner.execute_model` on a
    synthetic :class:`SchedulerOutput` at the same sizes (greedy sampling
    included) and prints ``actual / bound``; for the prefill also the reached
-   share of the measured GEMM rate. ``--block-layout scattered`` (the
-   default) gives the requests a seeded random sample of an engine-sized
-   pool (``--kv-cache-memory``'s default, 1 GiB), as a long-running server's
-   block tables are once finished requests have returned their blocks to the
-   free queue in arbitrary order; ``contiguous`` hands out blocks in id order,
-   each request's in one run (a fresh pool). On the AVX2 EPYC scattered
-   blocks made decode B=64 attention 1.4x slower than contiguous ones
+   share of the measured GEMM rate. ``--block-layout engine`` (the default)
+   gives the requests the block tables of a long-running server under the
+   engine's allocator (``TOKENMILL_KV_BLOCK_RUNS``), simulated on the real
+   ``KVCacheManager`` over an engine-sized pool (``--kv-cache-memory``'s
+   default, 1 GiB) by ``benchmarks/kv_block_alloc_sim.py`` (c=64, 200-312
+   prompt and 128-256 output tokens); ``scattered`` a seeded random sample
+   of that pool (what strict LRU popping leaves: 98-99% of neighbouring
+   entries not adjacent); ``contiguous`` blocks in id order, each request's
+   in one run (a fresh pool). On the AVX2 EPYC scattered blocks made decode
+   B=64 attention 1.4x slower than contiguous ones
    (docs/benchmarks/2026-12-03-kv-block-layout-avx2.md).
 4. With ``--breakdown``, times the parts of each step (weight GEMMs with
    the LM head, attention, element-wise kernels, embedding, sampling, input
@@ -50,7 +53,9 @@ The model defaults to the packaged SmolLM2-135M GGUF (``--model`` for another).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -243,6 +248,32 @@ def synthetic_step(runner, query_lens: list[int], contexts: list[int], first_blo
     if nxt > runner.num_kv_blocks:
         raise ValueError(f"step needs {nxt} blocks, pool has {runner.num_kv_blocks}")
     return SchedulerOutput(scheduled=reqs, total_num_scheduled_tokens=sum(query_lens))
+
+
+def block_order(layout: str, num_blocks: int, block_size: int = 16) -> list[int] | None:
+    """The pool's block ids in the order :func:`synthetic_step` hands them out, for a ``--block-layout``.
+
+    ``contiguous``: None (ascending ids); ``scattered``: a seeded random permutation; ``engine``: the running
+    requests' block tables at the end of :func:`kv_block_alloc_sim.simulate` under the engine's allocator
+    (``runs`` or ``lru`` as ``TOKENMILL_KV_BLOCK_RUNS`` says), concatenated, then the rest of the pool in a
+    seeded random order (the step's requests take consecutive slices, so the runs are kept).
+    """
+    if layout == "contiguous":
+        return None
+    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    if layout == "scattered":
+        return perm
+    if layout != "engine":
+        raise ValueError(f"unknown block layout {layout!r}")
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import kv_block_alloc_sim as sim
+    from tokenmill import envs
+    tables = sim.simulate("runs" if envs.TOKENMILL_KV_BLOCK_RUNS else "lru", num_blocks, 64, block_size)[-1]
+    head = [b for t in tables for b in t]
+    taken = set(head)
+    return head + [b for b in perm if b not in taken]
 
 
 def fill_kv_pool(runner, seed: int = 0) -> None:
@@ -443,9 +474,10 @@ def main() -> None:
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the parts of each eager step (weight GEMMs, attention, sampling, rest) "
                          "against each part's own bound")
-    ap.add_argument("--block-layout", default="scattered", choices=["scattered", "contiguous"],
-                    help="the synthetic steps' block tables: a seeded random sample of an engine-sized pool (what a "
-                         "long-running server's look like) or each request's blocks in one run (a fresh pool)")
+    ap.add_argument("--block-layout", default="engine", choices=["engine", "scattered", "contiguous"],
+                    help="the synthetic steps' block tables: a simulated long-running server's under the engine's "
+                         "allocator (default), a seeded random sample of an engine-sized pool (strict LRU's), or "
+                         "each request's blocks in one run (a fresh pool)")
     ap.add_argument("--json", default="", help="also write the measurements (rates, bounds, steps, breakdown) here")
     ap.add_argument("--no-batch-invariant", dest="batch_invariant", action="store_false",
                     help="the per-step-size kernels (default: the batch-invariant mode, as the engine's default)")
@@ -504,8 +536,7 @@ def main() -> None:
     if runner.num_kv_blocks < need_blocks:
         raise SystemExit(f"the engine's default pool has {runner.num_kv_blocks} blocks, the steps need {need_blocks}: "
                          f"--block-layout contiguous sizes the pool to the steps")
-    order = None if args.block_layout == "contiguous" else \
-        torch.randperm(runner.num_kv_blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    order = block_order(args.block_layout, runner.num_kv_blocks, runner.block_size)
     print(f"block layout {args.block_layout}: pool of {runner.num_kv_blocks} blocks; KV cache {runner.kv_cache_dtype} "
           f"({kvb} bytes per element, the bounds use it)")
     fill_kv_pool(runner)
