@@ -565,23 +565,33 @@ def run_cell(samples: list, cfg: Any, concurrency: int, tokenizer: Any, slo: dic
     return asyncio.run(run_benchmark(samples, cfg, load, tokenizer))
 
 
+#: Prompt tokens of the two long warm-up requests (``warm_up``).
+WARMUP_LONG = 768
+
+
 def warm_up(engine: str, server: Server, model: str, wl: Workload, tokenizer: Any,
             args: argparse.Namespace) -> float:
-    """A few short requests to the workload's endpoint (first-request set-up: CB cache, compilation); returns s.
+    """A few requests to the workload's endpoint (first-request set-up: CB cache, compilation); returns s.
 
     Random prompts (seed 123) for every workload: none shares a prefix with a cell's prompts (MT-bench
-    warm-up prompts drawn from MT-bench were served from the prefix cache in the cell after).
+    warm-up prompts drawn from MT-bench were served from the prefix cache in the cell after). First
+    ``min(4, max concurrency)`` of ``--input-len`` tokens at once, then two long ones at once (``WARMUP_LONG``
+    tokens, or what one llama-server slot holds): llama-server served the first step holding more than
+    ~512 prompt tokens about 2.6 s late (the goodput searches' first probe failed on it, seed 0, 2026-12-03),
+    so every engine now meets that size in the warm-up instead of in a measured cell.
     """
     from tokenmill.bench.datasets import build_dataset
 
     t0 = time.perf_counter()
-    n = min(4, max(args.concurrency))
-    samples = build_dataset("random", tokenizer, n, input_len=args.input_len, output_len=8, seed=123)
     cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
-    res = run_cell(samples, cfg, n, tokenizer, {})
-    if res.metrics.failed:
-        errs = sorted({r.error for r in res.records if not r.success})[:3]
-        raise RuntimeError(f"{engine}: warm-up on {wl.name} failed: {errs}")
+    n = min(4, max(args.concurrency))
+    long_len = min(WARMUP_LONG, args.llama_ctx_per_slot - 16)
+    for k, input_len, seed in ((n, args.input_len, 123), (2, long_len, 124)):
+        samples = build_dataset("random", tokenizer, k, input_len=input_len, output_len=8, seed=seed)
+        res = run_cell(samples, cfg, k, tokenizer, {})
+        if res.metrics.failed:
+            errs = sorted({r.error for r in res.records if not r.success})[:3]
+            raise RuntimeError(f"{engine}: warm-up on {wl.name} failed: {errs}")
     return time.perf_counter() - t0
 
 

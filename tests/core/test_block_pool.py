@@ -171,3 +171,5 @@ def test_block_runs_take_the_next_block_when_free_and_old():
 def test_invalid_pool_size():
     with pytest.raises(ValueError):
         BlockPool(0)
+    with pytest.raises(ValueError, match="old_fraction"):
+        BlockPool(4, old_fraction=1.5)

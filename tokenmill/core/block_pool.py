@@ -20,16 +20,21 @@ Prefix caching follows vLLM v1's design (``vllm/v1/core/block_pool.py``):
 * a prefix-cache hit on a free block removes it from the middle of the queue
   in O(1) (doubly linked list).
 
-Block runs (``contiguous=True``, the default): a request's next block is the
-one after its last block when that block is free and old, so block tables hold
-runs of consecutive ids and decode attention reads longer stretches of the KV
-pool in address order (hardware prefetchers stop at page and stream ends; with
-LRU popping alone 98-99% of a served request's neighbouring blocks are not
-adjacent). "Old": uncached, or freed in the older half of the free queue's age
-span, so a block that LRU would keep for the longest is never taken early and
-prefix-cache eviction stays within half a queue of LRU order. Measured in
-``benchmarks/kv_block_alloc_sim.py`` (adjacency, attention time) and
-``benchmarks/kv_block_runs_ab.py`` (engine steps, prefix-cache hit rate).
+Block runs (``contiguous=True``, the default; ``TOKENMILL_KV_BLOCK_RUNS``):
+a request's next block is the one after its last block when that block is
+free and old; otherwise the free queue's head, rewound to the lowest id of
+the free old blocks just below it (a finished request's blocks joined the
+queue in reverse). Block tables then hold ascending runs of consecutive ids
+and decode attention reads longer stretches of the KV pool in address order
+(hardware prefetchers stop at stream and page ends). "Old": uncached, or
+freed in the oldest ``old_fraction`` (half) of the free queue's age span,
+tracked by a counter stamped on each block as it is freed: a cached block
+LRU would keep longest is never taken early. With strict LRU popping 97-99%
+of a long-running server's neighbouring table entries are not adjacent; with
+runs 62-76% are (mean run 2.5-3.7 blocks against 1.0-1.6), the prefix-cache
+hit rate stays within about a point of LRU's, and decode attention at B=64
+ran 1.12-1.16x faster on the AVX2 EPYC (``benchmarks/kv_block_alloc_sim.py``,
+docs/benchmarks/2026-12-03-kv-block-runs-avx2.md).
 """
 
 from __future__ import annotations
@@ -170,11 +175,15 @@ class BlockPool:
     Args:
         num_blocks: pool size in blocks (> 0); ids ``0 .. num_blocks - 1``.
         enable_caching: keep a ``hash -> block`` index for prefix caching.
-        contiguous: block runs (see the module docstring): :meth:`get_new_blocks` given ``after`` takes the
-            block after it when that one is free and old; False: strict LRU popping.
+        contiguous: block runs (see the module docstring and :meth:`get_new_blocks`); False: strict LRU
+            popping (vLLM's order).
+        old_fraction: the age guard of block runs, in [0, 1]: a free cached block may be taken out of LRU
+            order only when freed in this oldest fraction of the free queue's age span (0.5 kept the
+            prefix-cache hit rate within about a point of LRU's in ``benchmarks/kv_block_alloc_sim.py``;
+            0.25 within noise but with half the adjacency gain; 1.0 lost up to 4 points).
 
     Raises:
-        ValueError: ``num_blocks <= 0``.
+        ValueError: ``num_blocks <= 0`` or ``old_fraction`` outside [0, 1].
     """
 
     _MAX_REWIND = 32          # blocks a fallback looks below the queue's head for the start of a free run
@@ -220,10 +229,12 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int, after: KVCacheBlock | None = None) -> list[KVCacheBlock]:
         """Take ``num_blocks`` free blocks, ``ref_cnt = 1``, in block-table order.
 
-        Each block is the one after the previous block (``after`` for the first: the request's last block,
-        or None) when ``contiguous`` is on and that block is free and old (uncached, or in the older half of
-        the free queue's age span); otherwise the free queue's head (least recently freed). A taken block
-        that still carries a hash is evicted from the prefix cache here (lazy eviction).
+        With ``contiguous`` off, the free queue's head each time (least recently freed). With it on, each
+        block is the one after the previous block (``after`` for the first: the request's last block, or
+        None) when that block is free and old (uncached, or in the oldest ``old_fraction`` of the free
+        queue's age span); otherwise the queue's head, rewound to the start of the free old run below it
+        (:meth:`_run_start`). A taken block that still carries a hash is evicted from the prefix cache here
+        (lazy eviction).
 
         Raises:
             ValueError: fewer than ``num_blocks`` free blocks (nothing taken).
@@ -256,7 +267,7 @@ class BlockPool:
             if i < 0:
                 break
             prev = self.blocks[i]
-            if prev.ref_cnt != 0 or (prev.block_hash is not None and not self.free_queue.is_old(prev, self.old_fraction)):
+            if prev.ref_cnt != 0 or not self._old(prev):
                 break
             block = prev
         return block
@@ -267,11 +278,13 @@ class BlockPool:
         if i >= self.num_blocks:
             return None
         nxt = self.blocks[i]
-        if nxt.ref_cnt != 0:
-            return None
-        if nxt.block_hash is not None and not self.free_queue.is_old(nxt, self.old_fraction):
+        if nxt.ref_cnt != 0 or not self._old(nxt):
             return None
         return nxt
+
+    def _old(self, block: KVCacheBlock) -> bool:
+        """A free block that may be taken out of LRU order: uncached, or freed in the oldest ``old_fraction``."""
+        return block.block_hash is None or self.free_queue.is_old(block, self.old_fraction)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add one reference to each block (prefix-cache hit); a free block leaves the queue."""
