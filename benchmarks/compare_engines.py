@@ -3,7 +3,7 @@
 For each engine and workload, one after another (never two servers at once),
 the script starts the engine's OpenAI-compatible server as a subprocess on a
 free 127.0.0.1 port, waits for ``/health``, warms it up with a few short
-requests, and runs ``tokenmill bench serve`` (its Python API: same load
+requests and two long ones at once (:func:`warm_up`), and runs ``tokenmill bench serve`` (its Python API: same load
 generator, same definitions as ``vllm bench serve``) at every max
 concurrency; then it stops the server (a fresh server per workload, so no
 cache or first-request configuration carries over).
@@ -597,7 +597,7 @@ def warm_up(engine: str, server: Server, model: str, wl: Workload, tokenizer: An
 
 def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokenizer: Any,
                    slo: dict[str, float], args: argparse.Namespace,
-                   raw_dir: Path | None = None) -> dict[str, Any]:
+                   raw_dir: Path | None = None, fresh: Any = None) -> dict[str, Any]:
     """DistServe goodput of one engine on ``wl``: ``search_goodput`` over Poisson-arrival probes.
 
     Each probe at ``rate`` req/s sends ``n = max(--goodput-min-prompts, rate × --goodput-probe-s)``
@@ -608,6 +608,12 @@ def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokeni
     Each probe's per-request results (TTFT, TPOT, ITLs, lengths, which SLO each request missed) go to
     ``raw/ENGINE-goodput-seedS-rateR.json`` when ``raw_dir`` is given.
 
+    ``fresh`` (a callable returning a new endpoint config): called before every probe but the first, so
+    each probe meets a freshly started and warmed server. Probes draw from the same prompt list, so on one
+    server every probe after the first found its prompts in the engines' prefix caches (tokenmill's pool,
+    llama-server's slots) and only the first ran cold: llama-server's first probe failed on two prompts
+    arriving together (2.5-2.6 s TTFT, 2026-12-03) that the next probes served from its cache in 0.1 s.
+
     Returns:
         ``goodput_req_s`` (req/s), ``lowest_failing_rate`` (req/s or None),
         the search's ``note``, the target and SLO (ms), and the ``curve`` (one
@@ -616,7 +622,13 @@ def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokeni
     from tokenmill.bench.goodput_search import probe_from_metrics, search_goodput
     from tokenmill.bench.loadgen import LoadConfig, run_benchmark
 
+    probes_run = 0
+
     def probe(rate: float):
+        nonlocal cfg, probes_run
+        if fresh is not None and probes_run:
+            cfg = fresh()
+        probes_run += 1
         n = max(args.goodput_min_prompts, math.ceil(rate * args.goodput_probe_s))
         seed = args.goodput_seed
         load = LoadConfig(request_rate=rate, burstiness=1.0, seed=seed, num_warmups=0, disable_tqdm=True,
@@ -825,6 +837,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-seed", type=int, default=0,
                    help="Seed of the goodput probes' Poisson arrivals and of their prompt sample (default 0, "
                         "the sample every earlier search used). Tune on some seeds, report held-out ones.")
+    p.add_argument("--goodput-same-server", action="store_true",
+                   help="Run every probe of a goodput search on one server (before 2026-12-03: later probes then "
+                        "found the earlier probes' prompts in the prefix caches). Default: a fresh, warmed server "
+                        "per probe, as each cell gets.")
     p.add_argument("--goodput-max-probes", type=int, default=8, help="Probes per engine at most (default 8).")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds to wait for /health.")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
@@ -982,6 +998,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for conc, search in runs:
                 server = make_server(engine, args, gguf, hf_dir, max_conc, out_dir / "logs",
                                      f"{wname}-{'goodput' if search else f'c{conc}'}")
+                live = [server]            # the running server (a goodput search starts one per probe)
                 info: dict[str, Any] = {"command": server.cmd, "concurrency": conc, "goodput_search": search}
                 infos.append(info)
                 print(f"\n=== {engine} / {wname} / {'goodput search' if search else f'c={conc}'}: starting "
@@ -996,8 +1013,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"model id {model!r}", flush=True)
                     cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
                     if search:
+                        def fresh(engine=engine, wl=wl, wname=wname, model=model, live=live) -> Any:
+                            live[0].stop()
+                            nxt = make_server(engine, args, gguf, hf_dir, max_conc, out_dir / "logs",
+                                              f"{wname}-goodput-{len(info.setdefault('restarts_s', [])) + 2}")
+                            live[0] = nxt
+                            info["restarts_s"].append(nxt.start(args.startup_timeout))
+                            warm_up(engine, nxt, model, wl, tokenizer, args)
+                            return endpoint_for(engine, wl, nxt.base_url, model, args.request_timeout)
+
                         searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args,
-                                                          raw_dir=out_dir / "raw")
+                                                          raw_dir=out_dir / "raw",
+                                                          fresh=None if args.goodput_same_server else fresh)
                         save(build_report(cells, meta), out_dir)
                         continue
                     n = args.num_prompts or default_num_prompts(conc, args.min_prompts, args.prompts_per_slot)
@@ -1024,9 +1051,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     save(build_report(cells, meta), out_dir)
                 except Exception as exc:  # noqa: BLE001 - record the failure, go on with the next run
                     info["error"] = f"{type(exc).__name__}: {exc}"
-                    print(f"    {engine} / {wname} FAILED: {info['error']}\n{server.log_tail(1500)}", flush=True)
+                    print(f"    {engine} / {wname} FAILED: {info['error']}\n{live[0].log_tail(1500)}", flush=True)
                 finally:
-                    server.stop()
+                    live[0].stop()
         run_info["load_average_after"] = load_average()
     meta["load_average_end"] = load_average()
     doc = build_report(cells, meta)

@@ -214,10 +214,22 @@ def test_goodput_search_against_fake_server(tmp_path):
 
         # SLO limits far above the fake service (TTFT 50 ms, ITL 10 ms): a starved test process (TPOT > 100 ms
         # at load 20) must not fail a test of the search logic
+        # A fresh server for every probe but the first (the default in main): the second probe goes to it.
+        srv2 = FakeOpenAIServer(FakeServerConfig(ttft_s=0.05, itl_s=0.01))
+        restarts = []
+
+        def fresh():
+            restarts.append(1)
+            srv2.start()
+            return ce.endpoint_for("tokenmill", wl, srv2.base_url, "fake", 30.0)
+
         doc = ce.goodput_search("tokenmill", cfg, wl, samples_for, tok, {"ttft": 5000.0, "tpot": 1000.0}, args,
-                                raw_dir=tmp_path)
+                                raw_dir=tmp_path, fresh=fresh)
+        first_peak = srv.peak_in_flight
     finally:
         srv.stop()
+        srv2.stop()
+    assert restarts == [1] and first_peak > 0 and srv2.peak_in_flight > 0
     assert [p["request_rate"] for p in doc["curve"]] == [8.0, 16.0]
     assert all(p["passed"] and p["slo_attainment"] == 1.0 and p["completed"] >= 6 for p in doc["curve"])
     assert doc["goodput_req_s"] == 16.0 and doc["lowest_failing_rate"] is None
@@ -226,6 +238,7 @@ def test_goodput_search_against_fake_server(tmp_path):
     assert raw["goodput_seed"] == 7 and raw["request_rate"] == 16.0
     assert len(raw["ttfts"]) == len(raw["tpots"]) == raw["num_prompts"] >= 6
     assert ce.parse_args([]).goodput_seed == 0     # the default: the sample and arrivals of earlier searches
+    assert not ce.parse_args([]).goodput_same_server and ce.parse_args(["--goodput-same-server"]).goodput_same_server
 
 
 def test_quick_mode_defaults_and_isa_engines():
