@@ -17,6 +17,12 @@ each with the same workload and seed:
 It assumes attainment falls as the rate rises; measurement noise near the
 threshold can make single probes disagree, so the answer is the highest rate
 *observed* to pass below the lowest rate observed to fail.
+
+The probes send the same seeded prompts, so on one server every probe after
+the first finds them in the server's prefix cache (and llama-server's slot
+cache) and only the first runs cold. ``benchmarks/compare_engines.py`` starts
+a fresh server for every probe; ``tokenmill bench goodput`` against a running
+server cannot, and its later probes measure a warmer cache.
 """
 
 from __future__ import annotations

@@ -148,9 +148,7 @@ class FreeBlockQueue:
         Raises:
             IndexError: the queue is empty.
         """
-        first = self._head.next_free
-        if first is self._tail or first is None:
-            raise IndexError("pop from an empty free block queue")
+        first = self.first()
         self.remove(first)
         return first
 
