@@ -608,11 +608,14 @@ def goodput_search(engine: str, cfg: Any, wl: Workload, samples_for: Any, tokeni
     Each probe's per-request results (TTFT, TPOT, ITLs, lengths, which SLO each request missed) go to
     ``raw/ENGINE-goodput-seedS-rateR.json`` when ``raw_dir`` is given.
 
-    ``fresh`` (a callable returning a new endpoint config): called before every probe but the first, so
-    each probe meets a freshly started and warmed server. Probes draw from the same prompt list, so on one
-    server every probe after the first found its prompts in the engines' prefix caches (tokenmill's pool,
-    llama-server's slots) and only the first ran cold: llama-server's first probe failed on two prompts
-    arriving together (2.5-2.6 s TTFT, 2026-12-03) that the next probes served from its cache in 0.1 s.
+    ``fresh`` (a callable returning a new endpoint config; ``--goodput-fresh-server``): called before every
+    probe but the first, so each probe meets a freshly started and warmed server. Probes draw from the same
+    prompt list, so on one server (the default) every probe after the first finds its prompts in the
+    engines' prefix caches (tokenmill's pool, llama-server's slots) and only the first runs cold:
+    llama-server's first probe on seed 0 failed on two prompts arriving together (2.3-2.7 s TTFT cold,
+    0.1 s from its cache; 2026-12-03). With a fresh server per probe it failed on them at every rate
+    (0.35, 0.175, 0.087 req/s): 16-request probes are too small for one cold pair. Neither is a steady
+    state; docs/benchmarks/2026-12-03-kv-block-runs-avx2.md section 3.
 
     Returns:
         ``goodput_req_s`` (req/s), ``lowest_failing_rate`` (req/s or None),
@@ -837,10 +840,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--goodput-seed", type=int, default=0,
                    help="Seed of the goodput probes' Poisson arrivals and of their prompt sample (default 0, "
                         "the sample every earlier search used). Tune on some seeds, report held-out ones.")
-    p.add_argument("--goodput-same-server", action="store_true",
-                   help="Run every probe of a goodput search on one server (before 2026-12-03: later probes then "
-                        "found the earlier probes' prompts in the prefix caches). Default: a fresh, warmed server "
-                        "per probe, as each cell gets.")
+    p.add_argument("--goodput-fresh-server", action="store_true",
+                   help="Start a fresh, warmed server for every probe of a goodput search, so every probe runs "
+                        "cold (default: one server per search; its probes after the first find the earlier probes' "
+                        "prompts in the prefix caches, and only the first runs cold).")
     p.add_argument("--goodput-max-probes", type=int, default=8, help="Probes per engine at most (default 8).")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="Seconds to wait for /health.")
     p.add_argument("--request-timeout", type=float, default=1800.0, help="Per-request limit, s.")
@@ -1024,7 +1027,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                         searches[engine] = goodput_search(engine, cfg, wl, samples_for, tokenizer, slo, args,
                                                           raw_dir=out_dir / "raw",
-                                                          fresh=None if args.goodput_same_server else fresh)
+                                                          fresh=fresh if args.goodput_fresh_server else None)
                         save(build_report(cells, meta), out_dir)
                         continue
                     n = args.num_prompts or default_num_prompts(conc, args.min_prompts, args.prompts_per_slot)

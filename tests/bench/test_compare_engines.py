@@ -214,7 +214,7 @@ def test_goodput_search_against_fake_server(tmp_path):
 
         # SLO limits far above the fake service (TTFT 50 ms, ITL 10 ms): a starved test process (TPOT > 100 ms
         # at load 20) must not fail a test of the search logic
-        # A fresh server for every probe but the first (the default in main): the second probe goes to it.
+        # A fresh server for every probe but the first (--goodput-fresh-server): the second probe goes to it.
         srv2 = FakeOpenAIServer(FakeServerConfig(ttft_s=0.05, itl_s=0.01))
         restarts = []
 
@@ -238,7 +238,7 @@ def test_goodput_search_against_fake_server(tmp_path):
     assert raw["goodput_seed"] == 7 and raw["request_rate"] == 16.0
     assert len(raw["ttfts"]) == len(raw["tpots"]) == raw["num_prompts"] >= 6
     assert ce.parse_args([]).goodput_seed == 0     # the default: the sample and arrivals of earlier searches
-    assert not ce.parse_args([]).goodput_same_server and ce.parse_args(["--goodput-same-server"]).goodput_same_server
+    assert not ce.parse_args([]).goodput_fresh_server and ce.parse_args(["--goodput-fresh-server"]).goodput_fresh_server
 
 
 def test_quick_mode_defaults_and_isa_engines():

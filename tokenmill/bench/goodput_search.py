@@ -20,9 +20,10 @@ threshold can make single probes disagree, so the answer is the highest rate
 
 The probes send the same seeded prompts, so on one server every probe after
 the first finds them in the server's prefix cache (and llama-server's slot
-cache) and only the first runs cold. ``benchmarks/compare_engines.py`` starts
-a fresh server for every probe; ``tokenmill bench goodput`` against a running
-server cannot, and its later probes measure a warmer cache.
+cache) and only the first runs cold (``benchmarks/compare_engines.py
+--goodput-fresh-server`` restarts the server per probe instead; with the
+16-request probes of ``--quick`` one cold pair of long prompts then decided
+every probe).
 """
 
 from __future__ import annotations
