@@ -1016,12 +1016,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                           f"model id {model!r}", flush=True)
                     cfg = endpoint_for(engine, wl, server.base_url, model, args.request_timeout)
                     if search:
-                        def fresh(engine=engine, wl=wl, wname=wname, model=model, live=live) -> Any:
+                        restarts: list[float] = info.setdefault("restarts_s", [])
+
+                        def fresh() -> Any:     # called within this iteration only (goodput_search below)
                             live[0].stop()
                             nxt = make_server(engine, args, gguf, hf_dir, max_conc, out_dir / "logs",
-                                              f"{wname}-goodput-{len(info.setdefault('restarts_s', [])) + 2}")
+                                              f"{wname}-goodput-{len(restarts) + 2}")
                             live[0] = nxt
-                            info["restarts_s"].append(nxt.start(args.startup_timeout))
+                            restarts.append(nxt.start(args.startup_timeout))
                             warm_up(engine, nxt, model, wl, tokenizer, args)
                             return endpoint_for(engine, wl, nxt.base_url, model, args.request_timeout)
 

@@ -33,7 +33,7 @@ LRU would keep longest is never taken early. With strict LRU popping 97-99%
 of a long-running server's neighbouring table entries are not adjacent; with
 runs 62-76% are (mean run 2.5-3.7 blocks against 1.0-1.6), the prefix-cache
 hit rate stays within about a point of LRU's, and decode attention at B=64
-ran 1.12-1.16x faster on the AVX2 EPYC (``benchmarks/kv_block_alloc_sim.py``,
+ran 1.12-1.17x faster on the AVX2 EPYC (``benchmarks/kv_block_alloc_sim.py``,
 docs/benchmarks/2026-12-03-kv-block-runs-avx2.md).
 """
 
