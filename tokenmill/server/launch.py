@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -24,6 +25,31 @@ if TYPE_CHECKING:
     from tokenmill.server.serving import ServerState
 
 logger = logging.getLogger("tokenmill.server")
+
+BIND_FAILED_EXIT_CODE = 3   # uvicorn's own start-up failure status, which this check replaces
+
+
+def bind_listen_socket(host: str, port: int) -> socket.socket:
+    """Bind the HTTP listening socket (TCP, ``SO_REUSEADDR``; IPv6 when ``host`` contains ``:``), before
+    anything slow happens, as vLLM's ``create_server_socket`` does: a port in use fails the start at once
+    instead of after the model has loaded. uvicorn then serves on this socket (``Server.run(sockets=...)``).
+
+    Args:
+        host: address to bind (``0.0.0.0``, ``127.0.0.1``, ``::``, a host name).
+        port: TCP port; 0 lets the kernel choose (read it back with ``getsockname()``).
+
+    Raises:
+        OSError: the address cannot be bound (in use, not local, no permission).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def served_model_name(config: EngineConfig, path: str) -> str:
@@ -92,7 +118,8 @@ def run_server(config: EngineConfig) -> int:
 
     Returns:
         0 after a normal shutdown; :data:`ENGINE_DEAD_EXIT_CODE` when the
-        engine core died (see :func:`serve`).
+        engine core died (see :func:`serve`); :data:`BIND_FAILED_EXIT_CODE` when
+        ``--host``/``--port`` cannot be bound (checked first, before the core starts).
 
     Raises:
         RuntimeError: the engine core failed to start (message from the core).
@@ -104,7 +131,16 @@ def run_server(config: EngineConfig) -> int:
 
     maybe_start_tracemalloc()   # TOKENMILL_TRACEMALLOC=1: soak diagnostics
     bound_gemm_shape_caches()   # before any engine core or worker is spawned: they inherit it
-    model_path = resolve_model_path(config)
+    try:
+        sock = bind_listen_socket(config.server.host, config.server.port)
+    except OSError as e:
+        logger.error("cannot listen on %s:%d: %s", config.server.host, config.server.port, e.strerror or e)
+        return BIND_FAILED_EXIT_CODE
+    try:
+        model_path = resolve_model_path(config)
+    except BaseException:
+        sock.close()
+        raise
     tok_path = config.model.tokenizer or model_path
     from tokenmill.engine.dp_engine import make_async_engine
 
@@ -129,11 +165,13 @@ def run_server(config: EngineConfig) -> int:
         engine.wait_ready()
     except BaseException:
         engine.shutdown()
+        sock.close()
         raise
-    return serve(config, engine, tokenizer, model_path)
+    return serve(config, engine, tokenizer, model_path, sock=sock)
 
 
-def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) -> int:
+def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str,
+          sock: socket.socket | None = None) -> int:
     """Serve HTTP for a started engine until SIGINT/SIGTERM or the engine core's death.
 
     When the core process dies, in-flight requests fail with 503 at once (a
@@ -142,11 +180,15 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) ->
     down and this returns :data:`ENGINE_DEAD_EXIT_CODE`, so that
     ``tokenmill serve`` exits non-zero and a supervisor restarts it.
 
+    ``sock`` is the listening socket :func:`bind_listen_socket` bound (closed here on return); without
+    it one is bound here.
+
     Returns:
         0 after a signal, :data:`ENGINE_DEAD_EXIT_CODE` after the core died.
 
     Raises:
-        RuntimeError: the HTTP server could not start (e.g. port in use).
+        OSError: no ``sock`` and ``--host``/``--port`` cannot be bound (the engine is shut down first).
+        RuntimeError: the HTTP server could not start.
     """
     import asyncio
 
@@ -156,6 +198,12 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) ->
     from tokenmill.server.app import build_app
 
     maybe_start_tracemalloc()
+    if sock is None:
+        try:
+            sock = bind_listen_socket(config.server.host, config.server.port)
+        except OSError:
+            engine.shutdown()
+            raise
 
     state = create_server_state(config, engine, tokenizer, model_path)
     app = build_app(state)
@@ -172,17 +220,18 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str) ->
 
     engine.add_dead_callback(on_dead)
     logger.info("serving %s on http://%s:%d (max_model_len %d)", state.model_name, config.server.host,
-                config.server.port, state.max_model_len)
+                sock.getsockname()[1], state.max_model_len)
     # uvicorn re-raises the signal it captured once its own shutdown is done, with the handler that was
     # there before it: SIGINT's raises KeyboardInterrupt, SIGTERM's default would kill this process
     # (exit 143) before the engine core is stopped below. Ours raises too, so both end here with exit 0.
     previous_sigterm = _raise_on_sigterm()
     try:
-        server.run()
+        server.run(sockets=[sock])
     except (KeyboardInterrupt, _Terminated):
         pass
     finally:
         engine.shutdown()
+        sock.close()
         if previous_sigterm is not None:
             signal.signal(signal.SIGTERM, previous_sigterm)
     if not server.started:
