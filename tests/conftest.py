@@ -1,4 +1,4 @@
-"""Suite-wide setup: under ``pytest -n N`` (pytest-xdist, ``scripts/test``'s parallel phase) each worker process is
+"""Suite-wide setup: under ``pytest -n N`` (pytest-xdist, how ``scripts/test`` runs the suite) each worker process is
 pinned to its own CPU, so it and every process it starts (servers, engine cores, TP workers: they size their thread
 pools from their affinity mask, ``tokenmill.model.process_tuning.configure_threads``) run one thread per CPU instead
 of two workers' thread pools spinning against each other on the same cores."""
