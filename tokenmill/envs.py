@@ -80,6 +80,18 @@ def _non_negative_int(name: str) -> Callable[[str], int]:
     return parse
 
 
+def _positive_int(name: str) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {raw.strip()!r}")
+        return value
+    return parse
+
+
 def _positive_int_or_unset(name: str) -> Callable[[str], int | None]:
     def parse(raw: str) -> int | None:
         raw = raw.strip()
@@ -213,6 +225,10 @@ _DECLARED = [
            parse_unset=True),
     EnvVar("TOKENMILL_WEIGHT_CACHE", "bool", True, "0: no processed-weight cache (same as --no-weight-cache).",
            _on_unless_zero, _STORE),
+    EnvVar("TOKENMILL_WEIGHT_CACHE_ENTRIES", "int > 0", 3, "Processed-weight cache entries kept per checkpoint "
+           "(one per recipe: dtype, low-bit codes, weight-changing kernel switches), the most recently used; "
+           "each is about the model's size in its dtype (1: only the latest recipe).",
+           _positive_int("TOKENMILL_WEIGHT_CACHE_ENTRIES"), _STORE),
     EnvVar("TOKENMILL_KV_OFFLOAD_MIN_LOAD_BLOCKS", "int > 0", None, "Shortest run of blocks the KV offloading "
            "tier loads; shorter runs are recomputed (unset: 1, loading won at every length measured on CPUs; "
            "measure yours with benchmarks/kv_offload.py --crossover).",

@@ -116,17 +116,48 @@ def _key_of(path: str) -> str:
         return json.loads(f.read(n))["key"]
 
 
-def test_key_follows_the_file_and_recipe_and_old_entries_go(cache_dir, gguf_path):
+def test_key_follows_the_file_and_recipe_and_stale_entries_go(cache_dir, gguf_path):
     load_model(gguf_path, dtype="float32", with_tokenizer=False)
     first = _entries(cache_dir)
-    load_model(gguf_path, dtype="bfloat16", with_tokenizer=False)   # another recipe: another entry
-    assert len(_entries(cache_dir)) == 1 and _entries(cache_dir) != first   # the checkpoint's old entry is gone
+    load_model(gguf_path, dtype="bfloat16", with_tokenizer=False)   # another recipe: another entry, both kept
+    assert len(_entries(cache_dir)) == 2 and set(first) < set(_entries(cache_dir))
     recipe = {"kind": "gguf", "dtype": "torch.bfloat16", "device": "cpu", "lowbit": False, "redundant_experts": 0}
     entries = lambda: [os.path.join(cache_dir, e) for e in _entries(cache_dir)]  # noqa: E731
     assert weight_cache.cache_key("gguf", gguf_path, recipe, CpuKernelSwitches.from_env().weight_key())[0] in entries()
     st = os.stat(gguf_path)
     os.utime(gguf_path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))      # the file changed: a new key
     assert weight_cache.cache_key("gguf", gguf_path, recipe, CpuKernelSwitches.from_env().weight_key())[0] not in entries()
+    load_model(gguf_path, dtype="float32", with_tokenizer=False)   # its write removes both stale entries
+    assert len(_entries(cache_dir)) == 1 and not set(first) & set(_entries(cache_dir))
+
+
+def test_recipes_of_one_checkpoint_are_kept_up_to_the_limit_least_recently_used_first(cache_dir, gguf_path,
+                                                                                       monkeypatch, caplog):
+    """Recipes used in turn (the test suite's float32 and bfloat16 starts) each keep their entry; beyond
+    ``TOKENMILL_WEIGHT_CACHE_ENTRIES`` per checkpoint the least recently used (a hit counts as a use) goes."""
+    monkeypatch.setenv("TOKENMILL_WEIGHT_CACHE_ENTRIES", "2")
+    recipes = [dict(dtype="float32"), dict(dtype="bfloat16"), dict(dtype="float32", lowbit=True)]
+
+    def hit(**kw) -> bool:
+        with caplog.at_level(logging.INFO, logger="tokenmill.model.loader"):
+            caplog.clear()
+            load_model(gguf_path, with_tokenizer=False, **kw)
+            return any("mapped from the processed-weight cache" in r.getMessage() for r in caplog.records)
+
+    assert not hit(**recipes[0]) and not hit(**recipes[1])
+    assert len(_entries(cache_dir)) == 2
+    assert hit(**recipes[0]) and hit(**recipes[1])                 # both hit: no rebuild when alternating
+    assert hit(**recipes[0])                                       # ... and this hit makes bfloat16 the LRU one
+    bf16 = weight_cache.cache_key("gguf", gguf_path, {"kind": "gguf", "dtype": "torch.bfloat16", "device": "cpu",
+                                                      "lowbit": False, "redundant_experts": 0},
+                                  CpuKernelSwitches.from_env().weight_key())[0]
+    assert os.path.basename(bf16) in _entries(cache_dir)
+    assert not hit(**recipes[2])                                   # a third recipe: the LRU entry goes
+    assert len(_entries(cache_dir)) == 2 and os.path.basename(bf16) not in _entries(cache_dir)
+    assert hit(**recipes[0]) and hit(**recipes[2])
+    monkeypatch.setenv("TOKENMILL_WEIGHT_CACHE_ENTRIES", "1")
+    assert not hit(**recipes[1])
+    assert _entries(cache_dir) == [os.path.basename(bf16)]         # 1: only the latest recipe
 
 
 def test_entries_of_deleted_checkpoints_are_pruned_on_the_next_write(cache_dir, gguf_path, tmp_path):

@@ -14,9 +14,15 @@ Location: ``$TOKENMILL_CACHE_DIR/weights`` or ``~/.cache/tokenmill/weights``. On
 and recipe, named ``<checkpoint hash>-<key hash>.tmw``; the key covers the checkpoint files' identity
 (absolute path, size, mtime in ns), the recipe (dtype, device, low-bit codes on/off, kernel ISA variant,
 the config's kernel switches that change the weights) and the versions of tokenmill, torch and this format.
-A new entry for a checkpoint removes that checkpoint's older entries, and every entry whose checkpoint
-files are gone (a deleted or moved model, a test's temporary checkpoint): without that rule the folder
-only grew (6.3 GB of orphans after a few weeks of test runs on one machine).
+A new entry for a checkpoint removes that checkpoint's *stale* entries (written for other checkpoint file
+identities or other tokenmill/torch/format versions: no start can hit them again), keeps its entries for
+other recipes of the same files and versions (another dtype, low-bit on/off, other weight-changing kernel
+switches) up to ``TOKENMILL_WEIGHT_CACHE_ENTRIES`` per checkpoint, the most recently used first (a hit
+refreshes the entry's mtime), and removes every entry whose checkpoint files are gone (a deleted or moved
+model, a test's temporary checkpoint): without those rules the folder only grew (6.3 GB of orphans after a
+few weeks of test runs on one machine). Keeping one entry per checkpoint (until 2026-12-03) made two
+recipes used in turn rebuild each other: the test suite rebuilt the default model's entry 17 times in a
+run, 94 CPU-s (AVX2 EPYC).
 
 File layout (little-endian)::
 
@@ -188,18 +194,46 @@ def save(file: str, key: str, model: nn.Module, lowbit: dict[str, Any] | None) -
         raise
     prefix = os.path.basename(file).split("-")[0] + "-"
     now = time.time()
+    mine = json.loads(key)
+    siblings: list[tuple[float, str]] = []    # this checkpoint's entries for other recipes: (last use, path)
     for other in os.listdir(folder):
         full = os.path.join(folder, other)
         try:
             if other.startswith(prefix) and other.endswith(".tmw") and other != os.path.basename(file):
-                os.unlink(full)           # an older entry of this checkpoint
+                theirs = _read_key(full)
+                if theirs is not None and all(theirs.get(k) == mine.get(k) for k in ("files", "versions")):
+                    siblings.append((os.stat(full).st_mtime, full))   # another recipe of the same files
+                else:
+                    os.unlink(full)       # stale: other checkpoint files or versions, or unreadable
             elif other.startswith(".tmp-") and now - os.stat(full).st_mtime > _STALE_TMP_S:
                 os.unlink(full)           # left by a writer that was killed
             elif other.endswith(".tmw") and other != os.path.basename(file) and _orphaned(full):
                 os.unlink(full)           # its checkpoint files no longer exist
         except OSError:
             pass
+    for _, full in sorted(siblings, reverse=True)[max(envs.TOKENMILL_WEIGHT_CACHE_ENTRIES - 1, 0):]:
+        try:
+            os.unlink(full)               # beyond the per-checkpoint limit: the least recently used go
+        except OSError:
+            pass
     return start + offset
+
+
+def _read_key(file: str) -> dict[str, Any] | None:
+    """The key (decoded) in the header of the cache entry ``file``; None for an unreadable or foreign file.
+    Reads the header only."""
+    try:
+        with open(file, "rb") as f:
+            head = f.read(len(MAGIC) + 8)
+            if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
+                return None
+            (hlen,) = struct.unpack("<Q", head[len(MAGIC):])
+            if hlen > 1 << 26:
+                return None
+            key = json.loads(json.loads(f.read(hlen))["key"])
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return key if isinstance(key, dict) else None
 
 
 def _orphaned(file: str) -> bool:
@@ -207,17 +241,10 @@ def _orphaned(file: str) -> bool:
 
     An unreadable or foreign file is not called orphaned (left alone).
     """
+    key = _read_key(file)
     try:
-        with open(file, "rb") as f:
-            head = f.read(len(MAGIC) + 8)
-            if len(head) < len(MAGIC) + 8 or head[:len(MAGIC)] != MAGIC:
-                return False
-            (hlen,) = struct.unpack("<Q", head[len(MAGIC):])
-            if hlen > 1 << 26:
-                return False
-            key = json.loads(json.loads(f.read(hlen))["key"])
-        files = [entry[0] for entry in key["files"]]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
+        files = [entry[0] for entry in key["files"]] if key is not None else []
+    except (KeyError, TypeError, IndexError):
         return False
     return bool(files) and not any(os.path.exists(p) for p in files)
 
@@ -249,6 +276,10 @@ def load(file: str, key: str) -> CachedWeights:
         if size != start + int(header["data_bytes"]):
             raise CorruptCacheError(f"file is {size} bytes, expected {start + int(header['data_bytes'])}")
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        os.utime(file)          # last use: the per-checkpoint limit keeps the most recently used recipes
+    except OSError:
+        pass                    # a read-only cache still serves
     out: dict[str, torch.Tensor] = {}
     try:
         for name, dtype, shape, off, nbytes in header["tensors"]:
