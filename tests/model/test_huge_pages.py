@@ -3,6 +3,7 @@ data, alive as long as a view, and off with TOKENMILL_HUGE_PAGES=0."""
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import mmap
 
@@ -59,8 +60,17 @@ def test_the_kernel_grants_huge_pages_on_first_touch():
     granted = _anon_huge_kib_of(t.data_ptr())
     # a fragmented host may grant fewer than all 8: at least one (an ordinary-page mapping shows 0)
     assert granted >= 2048, f"AnonHugePages of the mapping: {granted} KiB"
-    plain = torch.ones(16 << 20, dtype=torch.uint8)                # torch's own allocation: no advice
-    assert _anon_huge_kib_of(plain.data_ptr()) == 0 or _thp_mode() == "always"
+    # a mapping of the same size without the advice gets none under "madvise". Not torch.ones(): the allocator
+    # may place it in memory an earlier test of this process advised (glibc's heap after its mmap threshold grew),
+    # which failed this check once under pytest-xdist (24 MiB of huge pages around a plain tensor).
+    plain = mmap.mmap(-1, 16 << 20)
+    plain.write(b"\1" * (16 << 20))
+    first = ctypes.c_char.from_buffer(plain)
+    try:
+        assert _anon_huge_kib_of(ctypes.addressof(first)) == 0 or _thp_mode() == "always"
+    finally:
+        del first                                                  # the buffer export, before the mapping closes
+        plain.close()
 
 
 def _layout() -> KVCacheLayout:
