@@ -103,11 +103,12 @@ def run_ours(lm, prompts, paged_runner):
 def test_greedy_tokens_and_logits_match_transformers(ours, hf_model, prompt_ids, paged_runner):
     results = run_ours(ours, prompt_ids, paged_runner)
     for ids, res in zip(prompt_ids, results):
-        with torch.no_grad():
-            want_logits = hf_model(torch.tensor([ids])).logits[0, -1].float()
+        with torch.no_grad():   # the first step's raw logits come from the same prefill as the tokens
             gen = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        want = gen[0, len(ids):].tolist()
+                                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    output_logits=True, return_dict_in_generate=True)
+        want_logits = gen.logits[0][0].float()
+        want = gen.sequences[0, len(ids):].tolist()
         got = res["out"][:len(want)]  # transformers stops at EOS; we always run NEW_TOKENS steps
         assert got == want, f"prompt of {len(ids)} tokens: {got} != {want}"
         diff = (res["first_logits"] - want_logits).abs().max().item()
