@@ -48,3 +48,28 @@ def test_port_in_use_fails_before_the_model_is_looked_at(busy_port, tmp_path, mo
     assert r.returncode == BIND_FAILED_EXIT_CODE, out
     assert f"cannot listen on 127.0.0.1:{busy_port}" in out and "in use" in out, out
     assert "no-such-model" not in out and "engine core" not in out, out
+
+
+def test_a_failing_app_state_stops_the_engine_and_frees_the_port(monkeypatch):
+    """What ``create_server_state`` raises (a LoRA module or chat template that cannot be loaded) reaches the
+    caller after the engine core was stopped and the listening socket closed, not at process exit."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.server import launch
+
+    class Engine:
+        stopped = 0
+
+        def shutdown(self):
+            Engine.stopped += 1
+
+    def broken(*args, **kwargs):
+        raise ValueError("cannot load the chat template")
+
+    monkeypatch.setattr(launch, "create_server_state", broken)
+    sock = bind_listen_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    with pytest.raises(ValueError, match="chat template"):
+        launch.serve(EngineConfig.from_kwargs(), Engine(), None, "model", sock=sock)
+    assert Engine.stopped == 1 and sock.fileno() == -1
+    again = bind_listen_socket("127.0.0.1", port)           # the port is free again
+    again.close()

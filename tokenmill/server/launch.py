@@ -189,6 +189,8 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str,
     Raises:
         OSError: no ``sock`` and ``--host``/``--port`` cannot be bound (the engine is shut down first).
         RuntimeError: the HTTP server could not start.
+        Whatever building the app's state raises (a LoRA module or chat template that cannot be loaded):
+            the engine is shut down and ``sock`` closed first.
     """
     import asyncio
 
@@ -205,11 +207,16 @@ def serve(config: EngineConfig, engine: Any, tokenizer: Any, model_path: str,
             engine.shutdown()
             raise
 
-    state = create_server_state(config, engine, tokenizer, model_path)
-    app = build_app(state)
-    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
-                               access_log=False, timeout_graceful_shutdown=5, lifespan="on")
-    server = _make_server(uv_config, engine)
+    try:    # e.g. a LoRA module or chat template that cannot be loaded: stop the core and free the port first
+        state = create_server_state(config, engine, tokenizer, model_path)
+        app = build_app(state)
+        uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level="info",
+                                   access_log=False, timeout_graceful_shutdown=5, lifespan="on")
+        server = _make_server(uv_config, engine)
+    except BaseException:
+        engine.shutdown()
+        sock.close()
+        raise
     died: list[str] = []
 
     def on_dead(reason: str) -> None:
