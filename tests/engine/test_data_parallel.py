@@ -50,6 +50,9 @@ async def test_two_cores_balance_pin_and_label_metrics():
         assert info.num_kv_blocks == 128 and info.max_model_len == 256
         for i, e in enumerate(engine.engines):
             assert psutil.Process(e.info.pid).cpu_affinity() == cpu_shares(cpus, 2)[i]
+            if os.path.exists(f"/proc/{e.info.pid}/comm"):       # Linux: the core names itself (top, pgrep)
+                with open(f"/proc/{e.info.pid}/comm") as f:
+                    assert f.read().strip() == f"tokenmill-dp{i}"
         await engine.start_background()
         # four concurrent long requests: 4 x waiting + running sends them two and two
         outs = await asyncio.gather(*(_run(engine, f"r{i}", 12) for i in range(4)))

@@ -47,6 +47,9 @@ def test_killed_core_turns_health_503_fails_requests_and_exits_nonzero():
         for t in threads:
             t.start()
         _wait_running(url, 2)     # both in the core (400 tokens at 50 ms per step take 20 s)
+        if os.path.exists(f"/proc/{core_pid(sp)}/comm"):   # Linux: the core is named for top / pgrep / killall
+            with open(f"/proc/{core_pid(sp)}/comm") as f:
+                assert f.read().strip() == "tokenmill-core"
         os.kill(core_pid(sp), signal.SIGKILL)
         t_kill = time.monotonic()
         while True:

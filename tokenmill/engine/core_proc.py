@@ -94,6 +94,19 @@ def _handle_request_message(core: EngineCore, out_sock: Any, msg: Any) -> None:
         logger.error("unexpected message %r", type(msg).__name__)
 
 
+def set_process_name(name: str) -> None:
+    """Name this process ``name`` for the kernel (Linux ``/proc/self/comm``, at most 15 bytes): what ``top``,
+    ``ps -e``, ``pgrep NAME`` and ``killall`` show and match. The engine core is started by ``spawn``, so its
+    command line is ``python -c "from multiprocessing.spawn import ..."`` and names no tokenmill; vLLM sets
+    ``VLLM::EngineCore`` with the setproctitle package, which also rewrites the command line; the kernel name
+    needs no dependency. Best effort: nothing happens where ``/proc`` cannot be written."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
 def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int,
                     executor_factory: Callable[[Any], Any] | None = None,
                     log_level: int = logging.INFO, data_parallel_rank: int | None = None,
@@ -125,6 +138,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     1 after an exception (reported on the output socket first).
     """
     tag = "core" if data_parallel_rank is None else f"core{data_parallel_rank}"
+    set_process_name("tokenmill-core" if data_parallel_rank is None else f"tokenmill-dp{data_parallel_rank}")
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{tag}] %(name)s: %(message)s")
     if cpu_affinity:
         try:
