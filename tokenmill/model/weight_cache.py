@@ -137,8 +137,10 @@ class CachedWeights:
 def save(file: str, key: str, model: nn.Module, lowbit: dict[str, Any] | None) -> int:
     """Write ``model``'s parameters and the low-bit weights to ``file`` atomically; returns bytes written.
 
-    Removes older entries of the same checkpoint (same file-name prefix). Errors are the caller's to
-    log (the cache is optional).
+    Then prunes the folder (see the module docstring): this checkpoint's stale entries (other file
+    identities or versions), its other recipes beyond ``TOKENMILL_WEIGHT_CACHE_ENTRIES`` (least recently
+    used first), orphans and abandoned temporary files. Errors are the caller's to log (the cache is
+    optional).
 
     Raises:
         OSError: the directory or file cannot be written.
