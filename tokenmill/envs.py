@@ -93,17 +93,10 @@ def _positive_int(name: str) -> Callable[[str], int]:
 
 
 def _positive_int_or_unset(name: str) -> Callable[[str], int | None]:
+    positive = _positive_int(name)
+
     def parse(raw: str) -> int | None:
-        raw = raw.strip()
-        if not raw:
-            return None
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {raw!r}")
-        return value
+        return positive(raw) if raw.strip() else None
     return parse
 
 
